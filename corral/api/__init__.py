@@ -1,0 +1,1 @@
+"""The ways in: the OpenAI-compatible server, the Python helper and the CLI."""

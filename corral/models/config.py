@@ -1,0 +1,119 @@
+"""ModelConfig: the shape of a Llama-family model, read from GGUF metadata or an HF ``config.json``."""
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from corral.errors import ModelNotFoundError
+from corral.models.files import ModelFiles, resolve_model
+from corral.models.gguf_file import gguf_metadata
+
+SUPPORTED_ARCHITECTURES = ("llama", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and constants of a decoder-only Llama-family transformer."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None = None
+    rope_scaling: dict | None = field(default=None, compare=False, hash=False)
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelNotFoundError(f"{self.num_heads} query heads do not divide into {self.num_kv_heads} KV heads")
+        if not self.eos_token_ids:
+            raise ModelNotFoundError("the model declares no end-of-sequence token")
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The seed's KV bill: 2 (K and V) × layers × KV heads × head dim × bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _from_gguf(path: str) -> ModelConfig:
+    meta = gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelNotFoundError(f"{path}: architecture {arch!r} is not supported (Llama family only)")
+    num_heads = meta["llama.attention.head_count"]
+    hidden = meta["llama.embedding_length"]
+    tokens = meta["tokenizer.ggml.tokens"]
+    head_dim = meta.get("llama.rope.dimension_count", hidden // num_heads)
+    reader_names = _gguf_tensor_names(path)
+    scaling = None
+    if "llama.rope.scaling.type" in meta:
+        scaling = {"type": meta["llama.rope.scaling.type"], "factor": meta.get("llama.rope.scaling.factor", 1.0)}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        num_layers=meta["llama.block_count"],
+        hidden_size=hidden,
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_heads=num_heads,
+        num_kv_heads=meta.get("llama.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        vocab_size=meta.get("llama.vocab_size", len(tokens)),
+        max_position=meta.get("llama.context_length", 2048),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in reader_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_scaling=scaling,
+    )
+
+
+def _gguf_tensor_names(path: str) -> frozenset[str]:
+    from corral.models.gguf_file import open_gguf
+
+    return frozenset(t.name for t in open_gguf(path).tensors)
+
+
+def _from_hf(folder: str) -> ModelConfig:
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelNotFoundError(f"{folder}: architecture {arch!r} is not supported (Llama family only)")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    num_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        vocab_size=cfg["vocab_size"],
+        max_position=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=cfg.get("pad_token_id"),
+        rope_scaling=cfg.get("rope_scaling"),
+        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+    )
+
+
+def load_model_config(model: ModelFiles | str | None = None) -> ModelConfig:
+    files = model if isinstance(model, ModelFiles) else resolve_model(model)
+    return _from_gguf(files.path) if files.kind == "gguf" else _from_hf(files.path)
