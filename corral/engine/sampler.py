@@ -1,0 +1,214 @@
+"""Sampler: from a batch of next-token logits to one token per row, under each row's SamplingParams.
+
+The order, after vLLM's, is fixed and every step is a row-wise function of that row alone:
+
+1. raw logprobs: ``log_softmax`` of the model's logits (what ``logprobs`` and ``top_logprobs`` report);
+2. the grammar's bitmask (rows in ``masked_rows``, or every row when it is None), and ``min_tokens``, which
+   masks EOS and ``stop_token_ids`` while the output is shorter, unless the grammar allows nothing else;
+3. ``logit_bias``: ``l[t] += bias[t]``;
+4. penalties: repetition HF-style over prompt and output (``l / p`` if ``l > 0`` else ``l * p``), then
+   frequency and presence OpenAI-style over the output (``l -= count * f + (count > 0) * pr``);
+5. temperature: ``l / T``; T = 0 is greedy (argmax of step 4, no filter, no draw);
+6. ``min_p`` (keep ``p >= min_p * max p``), ``top_k`` (keep the k largest), ``top_p`` (keep the smallest
+   prefix of the sorted distribution whose mass reaches ``top_p``), each on what the previous one kept;
+   tokens tied with the last kept one are kept too;
+7. sample: inverse CDF over ``softmax(l)`` with one uniform per row. A masked token has probability exactly 0
+   and can never be drawn. A row with a ``generator`` draws its uniform from it alone, so a seeded row gives
+   the same tokens in any batch.
+
+Columns of ``logits`` past ``vocab_size`` (a padded lm_head) are never sampled. The caller's logits are not
+modified. Left out: beam search and best-of-n, which are strategies built on top of this (see beam_search.py).
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from corral.engine.sampling_params import SamplingParams
+from corral.kernels.bitmask import apply_token_bitmask_
+
+
+class SamplingRow(NamedTuple):
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, the params.logprobs most likely; None if no row asks
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-row generator for a seeded request (None when unseeded: the row uses torch's global RNG)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Stateless apart from its vocabulary facts. ``vocab_size``: the tokenizer's size when the logits are
+    padded wider (None: every column is a token). ``eos_token_ids``: what ``min_tokens`` holds back."""
+
+    def __init__(self, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None,
+                 masked_rows: torch.Tensor | None = None) -> SampleResult:
+        """Sample one token per row of ``logits`` ``[len(rows), width]``. ``bitmask``: int32
+        ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        vocab_size = self.vocab_size or logits.shape[1]
+        assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
+        if not rows:
+            return SampleResult([], [], None)
+        raw = logits[:, :vocab_size]
+        log_normalizer = torch.logsumexp(raw.float(), dim=-1)
+        top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
+
+        work = raw.to(torch.float32, copy=True)
+        if bitmask is not None:
+            apply_token_bitmask_(work, bitmask, masked_rows, vocab_size=vocab_size)
+        self._hold_back_stops(work, rows)
+        self._apply_bias_and_penalties(work, rows)
+        token_ids = self._choose(work, rows)
+
+        chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        assert bool(torch.isfinite(work.gather(1, chosen[:, None])).all()), \
+            "a row had no allowed token: a guide in the error state must finish before sampling"
+        chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
+        logprobs = (chosen_raw - log_normalizer).tolist()
+        return SampleResult(token_ids, logprobs, top_logprobs)
+
+    def _top_logprobs(self, raw: torch.Tensor, log_normalizer: torch.Tensor,
+                      rows: Sequence[SamplingRow]) -> list[list[tuple[int, float]]] | None:
+        k_max = max((row.params.logprobs or 0) for row in rows)
+        if k_max == 0:
+            return None
+        values, ids = torch.topk(raw.float(), min(k_max, raw.shape[1]), dim=-1)
+        values = (values - log_normalizer[:, None]).tolist()
+        ids = ids.tolist()
+        return [list(zip(ids[i], values[i]))[: row.params.logprobs or 0] for i, row in enumerate(rows)]
+
+    def _hold_back_stops(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) >= row.params.min_tokens:
+                continue
+            stop_ids = [t for t in {*self.eos_token_ids, *row.params.stop_token_ids} if t < work.shape[1]]
+            if not stop_ids:
+                continue
+            stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=work.device)
+            num_allowed = int(torch.isfinite(work[i]).sum())
+            num_allowed_stops = int(torch.isfinite(work[i, stop_ids]).sum())
+            # subtle: a grammar that allows only EOS here outranks min_tokens; masking it would leave nothing.
+            if num_allowed > num_allowed_stops:
+                work[i, stop_ids] = float("-inf")
+
+    def _apply_bias_and_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        vocab_size = work.shape[1]
+        for i, row in enumerate(rows):
+            params = row.params
+            if params.logit_bias:
+                # The API checks ids against the vocabulary; here an id past it simply has no column.
+                pairs = [(t, b) for t, b in params.logit_bias if t < vocab_size]
+                if pairs:
+                    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=work.device)
+                    work[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], device=work.device))
+            if params.has_penalties:
+                self._apply_penalties(work[i], row)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+        params, vocab_size, device = row.params, logits.shape[0], logits.device
+        if params.repetition_penalty != 1:
+            seen = torch.tensor([*row.prompt_token_ids, *row.output_token_ids], dtype=torch.long, device=device)
+            seen = torch.unique(seen[seen < vocab_size])
+            values = logits[seen]
+            p = params.repetition_penalty
+            logits[seen] = torch.where(values > 0, values / p, values * p)
+        if (params.frequency_penalty or params.presence_penalty) and len(row.output_token_ids):
+            output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
+            ids, counts = torch.unique(output[output < vocab_size], return_counts=True)
+            logits[ids] -= counts.float() * params.frequency_penalty + params.presence_penalty
+
+    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        token_ids = torch.argmax(work, dim=-1)  # right for greedy rows; random rows are overwritten below
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, dtype=torch.long, device=work.device)
+            params = [rows[i].params for i in random_rows]
+            temperature = torch.tensor([p.temperature for p in params], device=work.device)
+            tempered = work.index_select(0, index) / temperature[:, None]
+            _filter_(tempered, params)
+            uniforms = _uniforms([rows[i].generator for i in random_rows], work.device)
+            token_ids[index] = _draw(torch.softmax(tempered, dim=-1), uniforms)
+        return token_ids.tolist()
+
+
+def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64, device=device)
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[j] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
+    return uniforms
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, one token per row: the first token whose cumulative mass exceeds ``u * total``.
+
+    That token has a strictly larger cumulative mass than its predecessor, so its probability is > 0: a masked
+    token (probability exactly 0) is never drawn. The sum runs in float64 so that 150k tiny probabilities do
+    not drift the tail of the distribution.
+    """
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    total = cdf[:, -1:]
+    # subtle: u * total can round up to total itself, which no token exceeds; step one ulp below it.
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _filter_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """min_p, then top_k, then top_p, in place on tempered logits (rows match ``params``)."""
+    device, neg_inf = logits.device, float("-inf")
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p), which needs no softmax.
+        threshold = logits.max(dim=-1).values + torch.log(min_p)  # log(0) = -inf keeps every token
+        logits.masked_fill_(logits < threshold[:, None], neg_inf)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    if bool((top_k > 0).any()):
+        k = top_k.clamp(max=logits.shape[1])
+        largest = torch.topk(logits, int(k.max()), dim=-1).values
+        kth = largest.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], neg_inf)
+        logits.masked_fill_(logits < kth, neg_inf)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_p < 1).any()):
+        probs = torch.softmax(logits, dim=-1)
+        smallest_kept = _top_p_smallest_kept(probs, top_p)
+        logits.masked_fill_(probs < smallest_kept, neg_inf)
+
+
+def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]``: the probability of the last token top_p keeps (0 for rows with top_p = 1).
+
+    A full sort of 49k-150k columns costs far more than the rest of the sampler, and the nucleus is usually a
+    few dozen tokens, so this looks at the largest k only, growing k until those k hold ``top_p`` of the mass.
+    """
+    k = min(64, probs.shape[1])
+    while True:
+        largest = torch.topk(probs, k, dim=-1).values
+        cumulative = torch.cumsum(largest, dim=-1)
+        if k == probs.shape[1] or bool((cumulative[:, -1] >= top_p).all()):
+            break
+        k = min(4 * k, probs.shape[1])
+    # Keep a token while the mass before it is < top_p: the first token always stays.
+    keep = ((cumulative - largest) < top_p[:, None]) & (largest > 0)
+    smallest = largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+    return smallest.masked_fill((top_p >= 1)[:, None], 0.0)

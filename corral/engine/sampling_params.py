@@ -1,0 +1,124 @@
+"""SamplingParams: the per-request decoding knobs, frozen and checked on construction.
+
+Ranges follow the OpenAI API where it defines one (penalties in [-2, 2], logit bias in [-100, 100], at most 20
+top logprobs) and vLLM elsewhere. A bad value raises :class:`InvalidRequestError` naming the parameter, so the
+API answers 400 with ``param`` set. Left out: ``best_of`` and beam search, which are strategies over the engine
+(``corral.engine.best_of_n``, ``corral.engine.beam_search``) rather than per-token knobs.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from corral.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def make_logit_bias(bias: Mapping[int | str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The hashable form of an OpenAI ``logit_bias`` dict (keys may be token-id strings), sorted by token id."""
+    if not bias:
+        return ()
+    try:
+        return tuple(sorted((int(token_id), float(value)) for token_id, value in bias.items()))
+    except (TypeError, ValueError) as err:
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers: {err}", param="logit_bias") from err
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token of one request.
+
+    ``temperature`` 0 means greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 turn those filters off.
+    ``logprobs``: None returns none; 0 the chosen token's logprob; k also the k most likely tokens. Logprobs are
+    those of the model's raw distribution, before any mask, bias, penalty or temperature.
+    ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many output tokens (unless the
+    grammar allows nothing else). ``seed`` makes the request's draws independent of the rest of the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Normalise containers to tuples so the params stay hashable; values are never derived or rewritten.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", make_logit_bias(self.logit_bias))
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+                 f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+                 f"min_p must be in [0, 1], got {self.min_p!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 f"stop must be non-empty strings, got {self.stop!r}")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        self._validate_bias_and_penalties()
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    def _validate_bias_and_penalties(self) -> None:
+        for item in self.logit_bias:
+            ok = (isinstance(item, tuple) and len(item) == 2 and _is_int(item[0]) and item[0] >= 0
+                  and _is_number(item[1]) and abs(item[1]) <= MAX_LOGIT_BIAS)
+            _require(ok, "logit_bias", f"logit_bias entries must be (token id >= 0, value in "
+                                       f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]), got {item!r}")
+        token_ids = [token_id for token_id, _ in self.logit_bias]
+        _require(len(set(token_ids)) == len(token_ids), "logit_bias", "logit_bias names a token id twice")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
