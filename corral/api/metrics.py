@@ -1,0 +1,151 @@
+"""Prometheus metrics under vLLM's names, so that dashboards and alerts written for vLLM work unchanged.
+
+Exposed (label ``model_name``): ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
+``vllm:e2e_request_latency_seconds`` (histograms, vLLM's buckets), ``vllm:num_requests_running`` /
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (gauges, 1 = full), ``vllm:prefix_cache_queries`` /
+``vllm:prefix_cache_hits`` (counters, in tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` and
+``vllm:request_success`` by ``finished_reason`` (counters). Corral's own: ``corral:grammar_compile_seconds``.
+
+The text format is written here (it is a dozen lines) rather than pulling in ``prometheus_client``. Times are
+taken when the engine thread hands an output over, so they include scheduling but not the network.
+"""
+
+import threading
+from bisect import bisect_left
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * (len(buckets) + 1), 0.0, 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, running = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            running += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {running}')
+        return out + [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {self.count}"]
+
+
+class _Timing:
+    __slots__ = ("arrival", "last", "num_tokens")
+
+    def __init__(self, arrival: float):
+        self.arrival, self.last, self.num_tokens = arrival, None, 0
+
+
+class ServerMetrics:
+    """Collects from the engine thread (``on_output``, ``on_stats``) and the event loop; renders on demand."""
+
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.ttft, self.itl = Histogram(_TTFT_BUCKETS), Histogram(_ITL_BUCKETS)
+        self.e2e, self.compile = Histogram(_E2E_BUCKETS), Histogram(_COMPILE_BUCKETS)
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.stats = None
+        self._timings: dict[str, _Timing] = {}
+        self._lock = threading.Lock()
+
+    def on_arrival(self, request_id: str, now: float) -> None:
+        with self._lock:
+            self._timings[request_id] = _Timing(now)
+
+    def on_compile(self, seconds: float) -> None:
+        with self._lock:
+            self.compile.observe(seconds)
+
+    def on_output(self, output, now: float) -> None:
+        with self._lock:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                return
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            new = num_tokens - timing.num_tokens
+            if new > 0 and timing.last is None:
+                self.ttft.observe(now - timing.arrival)
+                self.prompt_tokens += len(output.prompt_token_ids)
+            elif new > 0:
+                self.itl.observe((now - timing.last) / new, new)
+            if new > 0:
+                timing.last, timing.num_tokens = now, num_tokens
+                self.generation_tokens += new
+            if output.finished:
+                del self._timings[output.request_id]
+                self.e2e.observe(now - timing.arrival)
+                for c in output.outputs:
+                    reason = c.finish_reason or "abort"
+                    self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def on_abandoned(self, request_id: str) -> None:
+        """The client left; an aborted request may never produce a final output."""
+        with self._lock:
+            if self._timings.pop(request_id, None) is not None:
+                self.finished["abort"] = self.finished.get("abort", 0) + 1
+
+    def on_stats(self, stats) -> None:
+        self.stats = stats
+
+    def render(self) -> str:
+        with self._lock:
+            return "\n".join(self._lines()) + "\n"
+
+    def _lines(self) -> list[str]:
+        lab, out = self.labels, []
+
+        def metric(name: str, kind: str, help_text: str, rows: list[str]) -> None:
+            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *rows])
+
+        running, waiting, usage, queries, hits = stats_numbers(self.stats)
+        metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [f"{{{lab}}} {waiting}"])
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage; 1 means full.", [f"{{{lab}}} {usage}"])
+        metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+               [f"_total{{{lab}}} {queries}"])
+        metric("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
+               [f"_total{{{lab}}} {hits}"])
+        metric("vllm:prompt_tokens", "counter", "Prefilled prompt tokens.", [f"_total{{{lab}}} {self.prompt_tokens}"])
+        metric("vllm:generation_tokens", "counter", "Generated tokens.",
+               [f"_total{{{lab}}} {self.generation_tokens}"])
+        metric("vllm:request_success", "counter", "Finished requests by finish reason.",
+               [f'_total{{{lab},finished_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())])
+        for name, hist, text in (("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
+                                 ("vllm:inter_token_latency_seconds", self.itl, "Time between output tokens."),
+                                 ("vllm:e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+                                 ("corral:grammar_compile_seconds", self.compile, "Grammar compilation time, "
+                                                                                  "cache hits included.")):
+            metric(name, "histogram", text, hist.lines(name, lab))
+        return _prefix_names(out)
+
+
+def _prefix_names(lines: list[str]) -> list[str]:
+    """Rows written as suffixes (``{...} v`` or ``_total{...} v``) get the name of the metric above them."""
+    out, name = [], ""
+    for line in lines:
+        if line.startswith("# TYPE "):
+            name = line.split()[2]
+        out.append(name + line if line.startswith(("_", "{")) else line)
+    return out
+
+
+def stats_numbers(stats) -> tuple[int, int, float, int, int]:
+    """(running, waiting, KV usage in [0, 1], prefix-cache queries, prefix-cache hits) from ``EngineStats``."""
+    if stats is None:
+        return 0, 0, 0.0, 0, 0
+    used = getattr(stats, "num_kv_blocks_used", 0)
+    total = getattr(stats, "num_kv_blocks_total", 0) or 1
+    return (getattr(stats, "num_running", 0), getattr(stats, "num_waiting", 0), used / total,
+            getattr(stats, "prefix_cache_queries", 0), getattr(stats, "prefix_cache_hits", 0))

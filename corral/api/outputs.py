@@ -1,0 +1,93 @@
+"""Engine outputs → wire pieces shared by both endpoints: logprobs, usage, finish reasons, choice selection.
+
+Choice selection is where Best-of-N and self-consistency live: both draw ``width`` candidates in one engine
+request (the children share the prompt's KV blocks), then keep the ``n`` with the highest cumulative logprob, or
+the one answer most candidates agree on. JSON answers are compared by value, so ``{"a":1,"b":2}`` and
+``{"b":2,"a":1}`` are one vote.
+"""
+
+import json
+from collections import Counter
+from typing import NamedTuple
+
+from corral.schemas.chat import ChoiceLogprobs, TokenLogprob, TopLogprob
+from corral.schemas.common import PromptTokensDetails, Usage
+from corral.schemas.completions import CompletionLogprobs
+from corral.schemas.prepare import Strategy
+
+
+class TokenLogprobRow(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def logprob_rows(output) -> list[TokenLogprobRow]:
+    """One row per generated token from ``CompletionOutput.logprobs``: entries are a float (the chosen token's
+    logprob), a ``(logprob, [(token_id, logprob), ...])`` pair, or a vLLM-style ``{token_id: logprob}`` dict."""
+    rows = []
+    for token_id, entry in zip(output.token_ids, output.logprobs or ()):
+        if isinstance(entry, dict):
+            values = {int(k): float(getattr(v, "logprob", v)) for k, v in entry.items()}
+            top = sorted(((k, v) for k, v in values.items()), key=lambda kv: -kv[1])
+            rows.append(TokenLogprobRow(token_id, values.get(token_id, float("nan")), top))
+        elif isinstance(entry, (tuple, list)):
+            rows.append(TokenLogprobRow(token_id, float(entry[0]), [(int(i), float(v)) for i, v in entry[1] or ()]))
+        else:
+            rows.append(TokenLogprobRow(token_id, float(entry), []))
+    return rows
+
+
+def _piece(vocab, token_id: int) -> tuple[str, list[int]]:
+    raw = vocab.token_bytes[token_id] if token_id < vocab.size else b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(vocab, rows: list[TokenLogprobRow], num_top: int) -> ChoiceLogprobs:
+    content = []
+    for row in rows:
+        text, raw = _piece(vocab, row.token_id)
+        top = [TopLogprob(token=_piece(vocab, i)[0], logprob=lp, bytes=_piece(vocab, i)[1])
+               for i, lp in row.top[:num_top]]
+        content.append(TokenLogprob(token=text, logprob=row.logprob, bytes=raw, top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(vocab, rows: list[TokenLogprobRow], num_top: int, offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs(top_logprobs=[] if num_top else None)
+    for row in rows:
+        text = _piece(vocab, row.token_id)[0]
+        out.tokens.append(text)
+        out.token_logprobs.append(row.logprob)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if num_top:
+            out.top_logprobs.append({_piece(vocab, i)[0]: lp for i, lp in row.top[:num_top]})
+    return out
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def _answer_key(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except (json.JSONDecodeError, ValueError):
+        return text.strip()
+
+
+def select_choices(strategy: Strategy, outputs: list, n: int) -> list:
+    """The outputs to return, in order. ``sample`` returns all; see the module docstring for the rest."""
+    outputs = sorted(outputs, key=lambda o: o.index)
+    if strategy.kind == "best_of":
+        return sorted(outputs, key=lambda o: -o.cumulative_logprob)[:n]
+    if strategy.kind == "self_consistency":
+        complete = [o for o in outputs if o.finish_reason == "stop"] or outputs
+        votes = Counter(_answer_key(o.text) for o in complete)
+        best = max(votes.values())
+        winners = [o for o in complete if votes[_answer_key(o.text)] == best]
+        return [max(winners, key=lambda o: o.cumulative_logprob)]
+    return outputs

@@ -1,0 +1,76 @@
+"""``/v1/completions``: the legacy text endpoint. A batch of prompts runs as that many engine requests at once;
+prompt ``p`` gets choices ``p * n .. p * n + n - 1``."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+
+from corral.api.context import ServingContext
+from corral.api.outputs import completion_logprobs, logprob_rows, select_choices, usage
+from corral.errors import CorralError, InvalidRequestError
+from corral.schemas.completions import Completion, CompletionChoice, CompletionRequest
+from corral.schemas.prepare import prepare_completion
+
+
+async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
+    ctx.check_model(req.model)
+    batch = prepare_completion(req, ctx.tokenizer, max_model_len=ctx.config.max_model_len,
+                               default_max_tokens=ctx.config.default_max_tokens)
+    if req.stream:
+        if len(batch) != 1:
+            raise InvalidRequestError("streaming takes one prompt", param="prompt")
+        request_id, outputs = await ctx.start("cmpl", batch[0])
+        return _stream(ctx, req, request_id, batch[0], outputs)
+    ctx.engine.check_admission(len(batch))
+    runs = await asyncio.gather(*(ctx.collect(raw, "cmpl", prepared) for prepared in batch))
+    choices, num_prompt, num_generated, num_cached = [], 0, 0, 0
+    for p, (prepared, (request_id, latest, last)) in enumerate(zip(batch, runs)):
+        prefix = ctx.tokenizer.decode(prepared.prompt_token_ids) if req.echo else ""
+        for i, out in enumerate(select_choices(prepared.strategy, list(latest.values()), req.n)):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(ctx.vocabulary, logprob_rows(out), req.logprobs, len(prefix))
+            choices.append(CompletionChoice(index=p * req.n + i, text=prefix + out.text,
+                                            finish_reason=out.finish_reason, logprobs=logprobs))
+        num_prompt += len(prepared.prompt_token_ids)
+        num_generated += sum(len(o.token_ids) for o in latest.values())
+        num_cached += last.num_cached_tokens
+    return Completion(id=runs[0][0], model=req.model, choices=choices,
+                      usage=usage(num_prompt, num_generated, num_cached))
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, prepared,
+                  outputs: AsyncIterator) -> AsyncIterator[str]:
+    def chunk(choices, usage_=None) -> str:
+        body = Completion(id=request_id, model=req.model, choices=choices, usage=usage_)
+        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+    sent_chars, sent_tokens, done = [0] * req.n, [0] * req.n, [False] * req.n
+    num_cached = 0
+    if req.echo:
+        prompt_text = ctx.tokenizer.decode(prepared.prompt_token_ids)
+        for index in range(req.n):
+            yield chunk([CompletionChoice(index=index, text=prompt_text, finish_reason=None)])
+    try:
+        async for output in outputs:
+            num_cached = output.num_cached_tokens
+            for out in output.outputs:
+                if done[out.index]:
+                    continue
+                text = out.text[sent_chars[out.index]:]
+                rows = logprob_rows(out)[sent_tokens[out.index]:]
+                sent_chars[out.index], sent_tokens[out.index] = len(out.text), len(out.token_ids)
+                done[out.index] = out.finish_reason is not None
+                logprobs = (completion_logprobs(ctx.vocabulary, rows, req.logprobs, 0)
+                            if req.logprobs is not None else None)
+                if text or done[out.index]:
+                    yield chunk([CompletionChoice(index=out.index, text=text, finish_reason=out.finish_reason,
+                                                  logprobs=logprobs)])
+    except CorralError as err:
+        error = {"message": str(err), "type": getattr(err, "error_type", "server_error"), "param": None, "code": None}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield chunk([], usage(len(prepared.prompt_token_ids), sum(sent_tokens), num_cached))
+    yield "data: [DONE]\n\n"

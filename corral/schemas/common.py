@@ -1,0 +1,116 @@
+"""Wire pieces shared by both endpoints: errors, usage, stream options, constraints, sampling knobs.
+
+Every request model forbids unknown fields. That is deliberate: a misspelt constraint key (``guided_jsn``,
+``structured_outputs.regx``) must be a 400, never a silently unconstrained answer. The sampling knobs are written
+once here and mixed into both request models; their mapping to ``SamplingParams`` is ``corral.schemas.sampling``.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    """A response model; responses may grow fields, clients ignore what they do not know."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorInfo(Open):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Open):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(Open):
+    cached_tokens: int = 0
+
+
+class Usage(Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaSpec(Strict):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(Strict):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs`` body extension. Exactly one of the constraint fields may be set."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class SamplingFields(Strict):
+    """OpenAI's sampling parameters plus vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+    ``best_of``, ``use_beam_search``) and Corral's ``self_consistency`` (majority vote over that many samples)."""
+
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM names).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    self_consistency: int | None = Field(default=None, ge=1, le=128)
+    # Constraint extensions: ``structured_outputs`` or vLLM's older top-level ``guided_*`` names.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None

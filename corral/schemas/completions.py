@@ -1,0 +1,63 @@
+"""Wire models of ``/v1/completions`` (the legacy text endpoint) and ``/v1/models``.
+
+``prompt`` is a string, a list of token ids, or a batch of either; each prompt gets ``n`` choices, numbered
+``prompt_index * n + i`` as OpenAI does. What it leaves out: ``suffix`` (no fill-in-the-middle) is refused.
+"""
+
+import time
+from typing import Literal
+
+from pydantic import Field
+
+from corral.schemas.common import Open, ResponseFormat, SamplingFields, Usage
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: Prompt
+    response_format: ResponseFormat | None = None
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+
+
+class CompletionLogprobs(Open):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int] = []
+
+
+class CompletionChoice(Open):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Open):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Open):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "corral"
+    max_model_len: int | None = None
+
+
+class ModelList(Open):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(Open):
+    status: Literal["ok"] = "ok"

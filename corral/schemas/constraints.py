@@ -1,0 +1,104 @@
+"""From a request body to its one constraint: ``response_format``, ``structured_outputs`` or ``guided_*``.
+
+The rule that matters: a request names at most one constraint, and everything it names is understood. Two at
+once (``response_format`` plus ``guided_regex``, or ``structured_outputs`` with both ``regex`` and ``choice``) is
+an :class:`InvalidRequestError`; unknown keys never reach here (the wire models forbid them). Nothing in this
+module can turn a constrained request into an unconstrained one.
+"""
+
+import json
+from typing import Any
+
+from corral.errors import InvalidGrammarError, InvalidRequestError, InvalidSchemaError
+from corral.grammar.constraint import Constraint
+from corral.schemas.common import SamplingFields
+
+
+def _json_value(value: Any, param: str) -> dict | bool:
+    if isinstance(value, str):  # vLLM accepts the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidSchemaError(f"'{param}' is not valid JSON: {e.msg} at offset {e.pos}") from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidSchemaError(f"'{param}' must be a JSON Schema (an object or a boolean)")
+    return value
+
+
+def _named_constraints(req: SamplingFields) -> list[tuple[str, str, Any]]:
+    """Every constraint the request names, as (param, kind, value)."""
+    found: list[tuple[str, str, Any]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", "json_object", None))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format of type 'json_schema' needs 'json_schema.schema'",
+                                      param="response_format.json_schema.schema")
+        found.append(("response_format", "json_schema", fmt.json_schema.schema_))
+    so = req.structured_outputs
+    if so is not None:
+        for key, kind in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+            if getattr(so, key) is not None:
+                found.append((f"structured_outputs.{key.rstrip('_')}", kind, getattr(so, key)))
+        if so.json_object:
+            found.append(("structured_outputs.json_object", "json_object", None))
+    for key, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, key) is not None:
+            found.append((key, kind, getattr(req, key)))
+    return found
+
+
+def _whitespace(req: SamplingFields) -> str:
+    so = req.structured_outputs
+    return "flexible" if so is not None and not so.disable_any_whitespace else "compact"
+
+
+def request_constraint(req: SamplingFields) -> Constraint | None:
+    """The request's one constraint in canonical form, or None when it names none.
+
+    Raises :class:`InvalidRequestError` for two constraints at once and for options Corral cannot honour,
+    and :class:`InvalidSchemaError` / :class:`InvalidGrammarError` for a constraint value of the wrong shape.
+    """
+    if req.guided_whitespace_pattern is not None:
+        raise InvalidRequestError("'guided_whitespace_pattern' is not supported; use "
+                                  "structured_outputs.disable_any_whitespace", param="guided_whitespace_pattern")
+    found = _named_constraints(req)
+    if len(found) > 1:
+        names = " and ".join(f"'{param}'" for param, _, _ in found)
+        raise InvalidRequestError(f"a request takes one constraint, this one names {len(found)}: {names}",
+                                  param=found[1][0])
+    if not found:
+        return None
+    param, kind, value = found[0]
+    if kind == "json_schema":
+        value = _json_value(value, param)
+    elif kind == "choice":
+        if not value:
+            raise InvalidGrammarError(f"'{param}' must list at least one choice")
+        value = sorted(set(value))  # canonical: the language does not depend on order or repeats
+    elif kind in ("regex", "grammar") and not value:
+        raise InvalidGrammarError(f"'{param}' is empty")
+    return Constraint(kind, value, whitespace=_whitespace(req))
+
+
+def constraint_node(constraint: Constraint):
+    """The regex AST of a constraint, for combining it with tool calls. Lark grammars are not regular in
+    general, so they cannot be combined this way."""
+    from corral.grammar.json_schema import schema_to_node
+    from corral.grammar.regex_ast import alt, literal
+    from corral.grammar.regex_parser import parse_regex
+
+    if constraint.kind == "json_schema":
+        return schema_to_node(constraint.value, whitespace=constraint.whitespace,
+                              max_whitespace=constraint.max_whitespace)
+    if constraint.kind == "json_object":
+        return schema_to_node({"type": "object"}, whitespace=constraint.whitespace,
+                              max_whitespace=constraint.max_whitespace)
+    if constraint.kind == "regex":
+        return parse_regex(constraint.value)
+    if constraint.kind == "choice":
+        return alt(*(literal(choice) for choice in constraint.value))
+    raise InvalidRequestError("a Lark grammar cannot be combined with tools; use tool_choice 'none' or drop the "
+                              "grammar", param="tool_choice")
