@@ -47,7 +47,7 @@ class PreparedRequest:
 
 def strategy_of(req: SamplingFields) -> Strategy:
     modes = [name for name, on in (("use_beam_search", req.use_beam_search),
-                                   ("best_of", req.best_of is not None and req.best_of != req.n),
+                                   ("best_of", not req.use_beam_search and req.best_of not in (None, req.n)),
                                    ("self_consistency", req.self_consistency is not None)) if on]
     if len(modes) > 1:
         raise InvalidRequestError(f"'{modes[0]}' and '{modes[1]}' cannot be combined", param=modes[1])
