@@ -1,0 +1,137 @@
+"""GrammarCompiler: constraint → CompiledGrammar, under a time and state budget, behind an LRU bounded in bytes.
+
+The cache key is (``constraint.cache_key()``, vocabulary hash); a repeat compile is a dictionary lookup. What each
+constraint kind compiles to:
+
+- ``json_schema``: :func:`corral.grammar.json_schema.schema_to_node` with the constraint's whitespace options;
+- ``json_object``: any JSON object, containers nested at most :data:`JSON_OBJECT_MAX_DEPTH` deep (a regular
+  language cannot nest without bound; see ``json_value.py``);
+- ``regex``: a Python ``re`` pattern with ``fullmatch`` semantics;
+- ``choice``: exactly one of the listed strings;
+- ``grammar`` (Lark): through ``corral.grammar.lark_regular`` when it is present, else refused.
+"""
+
+import threading
+from collections import OrderedDict
+
+from corral.errors import InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
+from corral.fsm.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
+from corral.fsm.byte_dfa import build_dfa
+from corral.fsm.fsm_guide import FSMGuide
+from corral.fsm.json_value import json_value_node
+from corral.fsm.token_index import TokenIndex
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+from corral.grammar.regex_ast import Alt, Node, literal
+from corral.grammar.regex_parser import parse_regex
+
+JSON_OBJECT_MAX_DEPTH = 4  # 7.7k DFA states, about 0.3 s to compile once per vocabulary (then cached)
+
+
+class CompiledGrammar:
+    """An immutable (in meaning) compiled constraint, shared by all its guides. Masks fill in lazily."""
+
+    def __init__(self, index: TokenIndex, warnings: tuple[str, ...] = ()):
+        self.index = index
+        self.warnings = warnings
+
+    @property
+    def num_states(self) -> int:
+        return self.index.num_states
+
+    def nbytes(self) -> int:
+        return self.index.nbytes()
+
+    def new_guide(self) -> FSMGuide:
+        return FSMGuide(self.index)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one vocabulary. Thread-safe; compilation itself runs outside the lock."""
+
+    def __init__(self, vocab: Vocabulary, *, cache_bytes: int = 256 << 20, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+                 max_states: int = DEFAULT_MAX_STATES):
+        assert cache_bytes >= 0 and time_budget_s > 0 and max_states > 0
+        self.vocab, self.cache_bytes = vocab, cache_bytes
+        self.time_budget_s, self.max_states = time_budget_s, max_states
+        self._cache: OrderedDict[object, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_hits = self.num_misses = 0
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of ``constraint`` (cached). Raises a ``UserInputError`` subclass on bad input."""
+        key = ("constraint", constraint.cache_key(), self.vocab.hash)
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached
+        warnings: list[str] = []
+        node = self._to_node(constraint, warnings)
+        return self._store(key, self._build(node, constraint.kind, tuple(warnings)))
+
+    def compile_node(self, node: Node) -> CompiledGrammar:
+        """The compiled grammar of a regex AST (cached by the node)."""
+        key = ("node", node, self.vocab.hash)
+        cached = self._lookup(key)
+        return cached if cached is not None else self._store(key, self._build(node, "node", ()))
+
+    def cache_nbytes(self) -> int:
+        with self._lock:
+            return sum(grammar.nbytes() for grammar in self._cache.values())
+
+    def _lookup(self, key) -> CompiledGrammar | None:
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                self.num_hits += 1
+            else:
+                self.num_misses += 1
+            return grammar
+
+    def _store(self, key, grammar: CompiledGrammar) -> CompiledGrammar:
+        with self._lock:
+            self._cache[key] = grammar
+            self._cache.move_to_end(key)
+            # Masks fill in after compilation, so the byte count is re-read at each store (subtle: an entry
+            # can grow while cached; the bound is enforced at the next store).
+            total = sum(g.nbytes() for g in self._cache.values())
+            while total > self.cache_bytes and len(self._cache) > 1:
+                _, evicted = self._cache.popitem(last=False)
+                total -= evicted.nbytes()
+        return grammar
+
+    def _build(self, node: Node, kind: str, warnings: tuple[str, ...]) -> CompiledGrammar:
+        dfa = build_dfa(node, Budget(self.time_budget_s, self.max_states))
+        if dfa.is_empty:
+            if kind == "json_schema":
+                raise InvalidSchemaError("the schema admits no JSON value (its constraints contradict each other)")
+            raise InvalidGrammarError(f"the {kind} constraint matches no string")
+        return CompiledGrammar(TokenIndex(dfa, self.vocab), warnings)
+
+    def _to_node(self, constraint: Constraint, warnings: list[str]) -> Node:
+        kind, value = constraint.kind, constraint.value
+        if kind == "json_schema":
+            from corral.grammar.json_schema import schema_to_node
+
+            return schema_to_node(value, whitespace=constraint.whitespace, max_whitespace=constraint.max_whitespace,
+                                  lenient=constraint.lenient, warnings=warnings)
+        if kind == "json_object":
+            return json_value_node(JSON_OBJECT_MAX_DEPTH, constraint.whitespace, constraint.max_whitespace,
+                                   object_only=True)
+        if kind == "regex":
+            return parse_regex(value, flavor="python")
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+                raise InvalidGrammarError("a choice constraint needs a non-empty list of strings")
+            return Alt(tuple(literal(v) for v in dict.fromkeys(value)))
+        if kind == "grammar":
+            return _lark_to_node(value)
+        raise InvalidGrammarError(f"unknown constraint kind {kind!r}")
+
+
+def _lark_to_node(text) -> Node:
+    try:
+        from corral.grammar import lark_regular
+    except ImportError:
+        raise UnsupportedSchemaError("Lark grammars are not supported yet", keyword="grammar") from None
+    return lark_regular.lark_to_node(text)

@@ -1,0 +1,77 @@
+"""FSMGuide: the per-sequence cursor over a :class:`TokenIndex` — a list of states, cheap to copy and roll back."""
+
+import numpy as np
+
+from corral.fsm.byte_dfa import DEAD
+from corral.fsm.guide import Guide
+from corral.fsm.token_index import TokenIndex
+
+ENDED = -2  # after EOS: only EOS may follow
+_MAX_FORCED_BYTES = 4096
+
+
+class FSMGuide(Guide):
+    """State history ``[start, after token 1, ...]``; ``DEAD`` marks the error state, ``ENDED`` an EOS."""
+
+    __slots__ = ("index", "states")
+
+    def __init__(self, index: TokenIndex, states: list[int] | None = None):
+        self.index = index
+        self.states = states if states is not None else [0]
+
+    @property
+    def state(self) -> int:
+        return self.states[-1]
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        state = self.state
+        if state == DEAD:
+            row[:] = 0
+        elif state == ENDED:
+            row[:] = self.index.tables.eos_words
+        else:
+            row[:] = self.index.mask(state)
+
+    def advance(self, token_id: int) -> bool:
+        state = self.state
+        if state == DEAD:
+            self.states.append(DEAD)  # every advance is one history entry, so rollback(n) counts alike
+            return False
+        if token_id in self.index.vocab.eos_token_ids and self.is_accepting():
+            self.states.append(ENDED)
+            return True
+        next_state = DEAD if state == ENDED else self.index.next_state(state, token_id)
+        self.states.append(next_state)
+        return next_state != DEAD
+
+    def is_accepting(self) -> bool:
+        state = self.state
+        return state == ENDED or (state >= 0 and bool(self.index.accepting[state]))
+
+    def is_finished(self) -> bool:
+        state = self.state
+        if state in (DEAD, ENDED):
+            return True
+        return bool(self.index.accepting[state]) and not (self.index.trans[state] >= 0).any()
+
+    def is_error(self) -> bool:
+        return self.state == DEAD
+
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens < len(self.states), (num_tokens, len(self.states))
+        if num_tokens:
+            del self.states[-num_tokens:]
+
+    def copy(self) -> "FSMGuide":
+        return FSMGuide(self.index, list(self.states))
+
+    def forced_bytes(self) -> bytes:
+        """Follow the states with exactly one live byte that are not accepting (an accepting state may stop)."""
+        state, out, trans = self.state, bytearray(), self.index.trans
+        while state >= 0 and not self.index.accepting[state] and len(out) < _MAX_FORCED_BYTES:
+            live = np.flatnonzero(trans[state] >= 0)
+            if len(live) != 1:
+                break
+            out.append(int(live[0]))
+            state = int(trans[state, live[0]])
+        return bytes(out)

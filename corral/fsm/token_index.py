@@ -1,0 +1,178 @@
+"""TokenIndex: a byte DFA lifted to tokens. Per state, the bitmask of tokens whose bytes keep the DFA alive.
+
+A token is allowed in state ``s`` exactly when walking its bytes from ``s`` never hits a dead move; because the
+DFA is trimmed, the state it ends in can still reach acceptance. EOS is allowed exactly in accepting states;
+special tokens never. Masks are computed lazily, once per state, and cached in the (shared, immutable in
+meaning) index, so the decoding hot path is a row copy.
+
+How a mask is computed (all vectorised over the vocabulary, see :class:`VocabTables`):
+
+- candidates: tokens whose first byte is live in ``s`` (slices of the vocabulary sorted by first byte, when few
+  first bytes are live; otherwise the whole vocabulary);
+- level-by-level walk: at byte position ``k`` every still-live token takes one DFA step at once; tokens that end
+  are recorded, dead ones are dropped (compaction), so the work shrinks with every level;
+- self-loop shortcut: tokens whose bytes all lie in ``s``'s self-loop byte set stay in ``s`` (string bodies,
+  digit runs). Those sets recur across schemas, so the split of the vocabulary by such a set is cached per
+  vocabulary and only the tokens outside it are walked.
+"""
+
+import threading
+
+import numpy as np
+
+from corral.fsm.byte_dfa import DEAD, ByteDFA
+from corral.fsm.vocabulary import Vocabulary
+
+# Below this many live first bytes, candidates are gathered by first-byte slices instead of taking them all.
+_FEW_FIRST_BYTES = 48
+# A state whose self-loop covers at least this many bytes uses the self-loop shortcut.
+_LOOP_SHORTCUT_MIN_BYTES = 24
+
+
+class VocabTables:
+    """Per-vocabulary arrays shared by every grammar compiled for it (built once, about 0.1 s for 49k tokens)."""
+
+    def __init__(self, vocab: Vocabulary):
+        self.vocab = vocab
+        self.num_words = (vocab.size + 31) // 32
+        excluded = np.zeros(vocab.size, dtype=bool)
+        excluded[list(vocab.special_ids | set(vocab.eos_token_ids))] = True
+        excluded |= vocab.lengths == 0
+        ids = np.flatnonzero(~excluded)
+        matrix = vocab.byte_matrix
+        first = matrix[ids, 0]
+        order = np.argsort(first, kind="stable")
+        self.ids_by_first_byte = ids[order]
+        self.first_byte_starts = np.searchsorted(first[order], np.arange(257))
+        self.grammar_ids = ids
+        self.columns = [np.ascontiguousarray(matrix[:, k]).astype(np.intp) for k in range(matrix.shape[1])]
+        self.lengths = vocab.lengths
+        self.eos_words = self.words_of(np.asarray(vocab.eos_token_ids, dtype=np.int64))
+        self._byte_sets: np.ndarray | None = None
+        self._loop_splits: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def words_of(self, token_ids: np.ndarray) -> np.ndarray:
+        """The int32 bitmask row with exactly ``token_ids`` set."""
+        bits = np.zeros(self.num_words * 32, dtype=bool)
+        bits[token_ids] = True
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    def candidates(self, live_first_bytes: np.ndarray) -> np.ndarray:
+        if len(live_first_bytes) >= _FEW_FIRST_BYTES:
+            return self.grammar_ids
+        starts = self.first_byte_starts
+        return np.concatenate([self.ids_by_first_byte[starts[b]:starts[b + 1]] for b in live_first_bytes]
+                              or [np.zeros(0, dtype=np.int64)])
+
+    def loop_split(self, loop_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For a byte set: (bitmask words of the tokens made only of those bytes, ids of all other tokens)."""
+        key = np.packbits(loop_bytes).tobytes()
+        split = self._loop_splits.get(key)
+        if split is None:
+            with self._lock:
+                if self._byte_sets is None:
+                    self._byte_sets = self._token_byte_sets()
+            outside_bits = ~np.packbits(loop_bytes, bitorder="little").view(np.uint64)
+            is_inside = ~((self._byte_sets & outside_bits) != 0).any(axis=1)
+            split = (self.words_of(self.grammar_ids[is_inside]), self.grammar_ids[~is_inside])
+            self._loop_splits[key] = split
+        return split
+
+    def _token_byte_sets(self) -> np.ndarray:
+        """uint64 [len(grammar_ids), 4]: the 256-bit set of bytes each grammar token contains."""
+        bits = np.zeros((len(self.grammar_ids), 256), dtype=bool)
+        lengths = self.lengths[self.grammar_ids]
+        for k, column in enumerate(self.columns):
+            rows = np.flatnonzero(lengths > k)
+            bits[rows, column[self.grammar_ids[rows]]] = True
+        return np.packbits(bits, axis=1, bitorder="little").view(np.uint64)
+
+
+_TABLES: dict[str, VocabTables] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def vocab_tables(vocab: Vocabulary) -> VocabTables:
+    """The shared tables of ``vocab`` (cached by vocabulary hash)."""
+    with _TABLES_LOCK:
+        tables = _TABLES.get(vocab.hash)
+        if tables is None:
+            tables = _TABLES[vocab.hash] = VocabTables(vocab)
+        return tables
+
+
+class TokenIndex:
+    """State × token → state over a trimmed :class:`ByteDFA`, with lazily computed, cached per-state masks."""
+
+    def __init__(self, dfa: ByteDFA, vocab: Vocabulary):
+        assert not dfa.is_empty, "an empty language has no token index"
+        self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
+        self.trans = dfa.trans
+        self.accepting = dfa.accepting
+        self._masks: list[np.ndarray | None] = [None] * dfa.num_states
+        self._eos_ids = frozenset(vocab.eos_token_ids)
+        self._token_bytes = vocab.token_bytes
+        self._special_ids = vocab.special_ids
+
+    @property
+    def num_states(self) -> int:
+        return self.dfa.num_states
+
+    @property
+    def num_masks_computed(self) -> int:
+        return sum(mask is not None for mask in self._masks)
+
+    def nbytes(self) -> int:
+        """Memory held now: the transition table plus the masks computed so far."""
+        return self.trans.nbytes + self.num_masks_computed * self.tables.num_words * 4
+
+    def mask(self, state: int) -> np.ndarray:
+        """int32 bitmask words of the tokens allowed in ``state`` (shared: never write into it)."""
+        mask = self._masks[state]
+        if mask is None:
+            mask = self._masks[state] = self._compute_mask(state)
+        return mask
+
+    def next_state(self, state: int, token_id: int) -> int:
+        """The state after ``token_id`` (EOS and special tokens are not walked here), or ``DEAD``."""
+        if token_id in self._special_ids or token_id in self._eos_ids:
+            return DEAD
+        trans = self.trans
+        for byte in self._token_bytes[token_id]:
+            state = trans[state, byte]
+            if state < 0:
+                return DEAD
+        return int(state)
+
+    def _compute_mask(self, state: int) -> np.ndarray:
+        tables, row = self.tables, self.trans[state]
+        loop = row == state
+        if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
+            inside_words, outside_ids = tables.loop_split(loop)
+            words = inside_words | tables.words_of(self._walk(state, outside_ids))
+        else:
+            words = tables.words_of(self._walk(state, tables.candidates(np.flatnonzero(row >= 0))))
+        if self.accepting[state]:
+            words = words | tables.eos_words
+        # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that
+        # lacks the bytes a state needs can leave a state with no token, which the guide reports as an error.
+        words.setflags(write=False)
+        return words
+
+    def _walk(self, state: int, token_ids: np.ndarray) -> np.ndarray:
+        """The subset of ``token_ids`` whose bytes, walked from ``state``, never hit a dead move."""
+        trans, lengths, columns = self.trans, self.tables.lengths, self.tables.columns
+        live_ids = token_ids
+        states = np.full(len(live_ids), state, dtype=np.int32)
+        allowed = []
+        for depth, column in enumerate(columns):
+            states = trans[states, column[live_ids]]
+            alive = states != DEAD
+            live_ids, states = live_ids[alive], states[alive]
+            ended = lengths[live_ids] == depth + 1
+            allowed.append(live_ids[ended])
+            live_ids, states = live_ids[~ended], states[~ended]
+            if not len(live_ids):
+                break
+        return np.concatenate(allowed) if allowed else live_ids

@@ -1,0 +1,154 @@
+"""Token masks and guides on toy vocabularies: exact transitions, and agreement with ``re`` token by token."""
+
+import re
+
+import numpy as np
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+from corral.grammar.regex_parser import parse_regex
+
+# ids:       0     1     2      3      4     5     6      7       8        9 (EOS)  10 (special)
+TOKENS = [b"a", b"b", b"ab", b"ba", b"c", b"aa", b"abc", b"\"", b"\xc3", b"<eos>", b"<ctl>"]
+EOS, SPECIAL = 9, 10
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(Vocabulary.from_token_bytes(TOKENS, special_ids=[SPECIAL], eos_token_ids=[EOS]))
+
+
+def allowed_ids(guide) -> list[int]:
+    row = np.zeros(1, dtype=np.int32)
+    guide.fill_mask(row)
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return [int(i) for i in np.flatnonzero(bits[:len(TOKENS)])]
+
+
+def test_exact_masks_and_transitions_for_a_small_regex(compiler):
+    guide = compiler.compile(Constraint("regex", "ab*c?")).new_guide()
+    assert allowed_ids(guide) == [0, 2, 6]  # a, ab, abc
+    assert guide.advance(2) and allowed_ids(guide) == [1, 4, EOS]  # after "ab": b, c, EOS
+    assert guide.advance(4) and allowed_ids(guide) == [EOS]
+    assert guide.is_accepting() and guide.is_finished()
+    assert guide.advance(EOS) and guide.is_finished() and allowed_ids(guide) == [EOS]
+
+
+def test_invalid_token_enters_error_state_and_rollback_recovers(compiler):
+    guide = compiler.compile(Constraint("regex", "a+")).new_guide()
+    assert guide.advance(0)
+    assert not guide.advance(1)
+    assert guide.is_error() and guide.is_finished() and allowed_ids(guide) == []
+    assert not guide.advance(0)  # stays in error
+    guide.rollback(1)
+    assert guide.is_error()
+    guide.rollback(1)
+    assert not guide.is_error() and allowed_ids(guide) == [0, 5, EOS]
+
+
+def test_eos_only_in_accepting_states_and_special_never(compiler):
+    guide = compiler.compile(Constraint("regex", "(a|<ctl>)b")).new_guide()
+    assert allowed_ids(guide) == [0, 2]
+    assert not guide.copy().advance(EOS)
+    assert not guide.copy().advance(SPECIAL)
+
+
+def test_copy_is_independent(compiler):
+    guide = compiler.compile(Constraint("regex", "ab|ba")).new_guide()
+    other = guide.copy()
+    assert guide.advance(2)
+    assert allowed_ids(other) == [0, 1, 2, 3]
+    assert other.advance(3) and other.is_accepting()
+
+
+def test_forced_bytes_follow_the_deterministic_span(compiler):
+    guide = compiler.compile(Constraint("regex", 'abc(a|b)"')).new_guide()
+    assert guide.forced_bytes() == b"abc"
+    assert guide.advance(6) and guide.forced_bytes() == b""
+    assert guide.advance(1) and guide.forced_bytes() == b'"'
+
+
+def test_a_token_may_end_inside_a_utf8_character(compiler):
+    guide = compiler.compile(Constraint("regex", "é")).new_guide()
+    assert allowed_ids(guide) == [8]  # b"\xc3", the first byte of é; its second byte has no token here
+    assert guide.advance(8) and not guide.is_accepting()
+
+
+def test_choice_and_cache_hit(compiler):
+    constraint = Constraint("choice", ["ab", "c"])
+    grammar = compiler.compile(constraint)
+    assert compiler.compile(Constraint("choice", ["ab", "c"])) is grammar
+    assert allowed_ids(grammar.new_guide()) == [0, 2, 4]
+
+
+# ---- agreement with re, token by token -----------------------------------------------------------------------
+
+ALPHABET_TOKENS = [b"a", b"b", b"c", b"-", b"ab", b"ba", b"bc", b"a-", b"--", b"abc", b"cc", b"\xc3\xa9", b"\xc3",
+                   b"\xa9", b"<eos>"]
+ALPHABET_EOS = len(ALPHABET_TOKENS) - 1
+ATOMS = ["a", "b", "c", "-", "[ab]", "[^a]", ".", "é", "(ab|c)", "[a-c]"]
+
+
+@pytest.fixture(scope="module")
+def alphabet_compiler():
+    return GrammarCompiler(Vocabulary.from_token_bytes(ALPHABET_TOKENS, eos_token_ids=[ALPHABET_EOS]))
+
+
+def _regexes():
+    piece = st.builds(lambda a, q: a + q, st.sampled_from(ATOMS), st.sampled_from(["", "*", "+", "?", "{1,2}"]))
+    seq = st.lists(piece, min_size=1, max_size=4).map("".join)
+    return st.lists(seq, min_size=1, max_size=2).map("|".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_regexes(), st.lists(st.sampled_from(range(ALPHABET_EOS)), max_size=6))
+def test_token_walk_agrees_with_re_fullmatch(alphabet_compiler, pattern, token_ids):
+    """A token is allowed exactly when the bytes so far plus the token can still be completed to a full match
+    (``regex``'s partial matching is the prefix oracle), and EOS exactly when ``re.fullmatch`` accepts."""
+    guide = alphabet_compiler.compile_node(parse_regex(pattern)).new_guide()
+    text = b""
+    for token_id in token_ids:
+        row = np.zeros(1, dtype=np.int32)
+        guide.fill_mask(row)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        assert bool(bits[ALPHABET_EOS]) == _fullmatch(pattern, text), (pattern, text)
+        for candidate in range(ALPHABET_EOS):
+            assert bool(bits[candidate]) == _viable(pattern, text + ALPHABET_TOKENS[candidate]), (pattern, text)
+        if not guide.advance(token_id):
+            assert not bits[token_id] and guide.is_error()
+            return
+        text += ALPHABET_TOKENS[token_id]
+    assert guide.is_accepting() == _fullmatch(pattern, text)
+
+
+def _fullmatch(pattern: str, data: bytes) -> bool:
+    try:
+        return re.fullmatch(pattern, data.decode("utf-8")) is not None
+    except UnicodeDecodeError:
+        return False
+
+
+def _viable(pattern: str, data: bytes) -> bool:
+    """Some string starting with ``data`` fullmatches ``pattern``."""
+    try:
+        return regex.fullmatch(pattern, data.decode("utf-8"), partial=True) is not None
+    except UnicodeDecodeError:
+        pass
+    if data.endswith(b"\xc3"):  # an incomplete two-byte character: try every character it can start
+        head = data[:-1].decode("utf-8", errors="strict") if _decodes(data[:-1]) else None
+        return head is not None and any(regex.fullmatch(pattern, head + chr(cp), partial=True) is not None
+                                        for cp in range(0xC0, 0x100))
+    return False
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
