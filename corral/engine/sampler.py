@@ -71,12 +71,7 @@ class Sampler:
         raw = logits[:, :vocab_size]
         log_normalizer = torch.logsumexp(raw.float(), dim=-1)
         top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
-
-        work = raw.to(torch.float32, copy=True)
-        if bitmask is not None:
-            apply_token_bitmask_(work, bitmask, masked_rows, vocab_size=vocab_size)
-        self._hold_back_stops(work, rows)
-        self._apply_bias_and_penalties(work, rows)
+        work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)
 
         chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
@@ -85,6 +80,18 @@ class Sampler:
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
         return SampleResult(token_ids, logprobs, top_logprobs)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None,
+                masked_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Steps 2-4: a float32 copy of ``logits[:, :vocab_size]`` with the bitmask, ``min_tokens``,
+        ``logit_bias`` and penalties applied. Greedy decoding takes its argmax; beam search its log_softmax."""
+        vocab_size = self.vocab_size or logits.shape[1]
+        work = logits[:, :vocab_size].to(torch.float32, copy=True)
+        if bitmask is not None:
+            apply_token_bitmask_(work, bitmask, masked_rows)
+        self._hold_back_stops(work, rows)
+        self._apply_bias_and_penalties(work, rows)
+        return work
 
     def _top_logprobs(self, raw: torch.Tensor, log_normalizer: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> list[list[tuple[int, float]]] | None:
@@ -135,7 +142,8 @@ class Sampler:
         if (params.frequency_penalty or params.presence_penalty) and len(row.output_token_ids):
             output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
             ids, counts = torch.unique(output[output < vocab_size], return_counts=True)
-            logits[ids] -= counts.float() * params.frequency_penalty + params.presence_penalty
+            logits[ids] -= counts.float() * params.frequency_penalty
+            logits[ids] -= params.presence_penalty
 
     def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         token_ids = torch.argmax(work, dim=-1)  # right for greedy rows; random rows are overwritten below
@@ -171,7 +179,8 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     # subtle: u * total can round up to total itself, which no token exceeds; step one ulp below it.
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Only a row with no allowed token (all NaN) runs off the end; the caller's invariant check names it.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _filter_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -188,15 +197,17 @@ def _filter_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         largest = torch.topk(logits, int(k.max()), dim=-1).values
         kth = largest.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], neg_inf)
         logits.masked_fill_(logits < kth, neg_inf)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_p < 1).any()):
-        probs = torch.softmax(logits, dim=-1)
-        smallest_kept = _top_p_smallest_kept(probs, top_p)
-        logits.masked_fill_(probs < smallest_kept, neg_inf)
+    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1]
+    if nucleus_rows:
+        index = torch.tensor(nucleus_rows, dtype=torch.long, device=device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], device=device)
+        subset = logits.index_select(0, index)
+        probs = torch.softmax(subset, dim=-1)
+        logits.index_copy_(0, index, subset.masked_fill_(probs < _top_p_smallest_kept(probs, top_p), neg_inf))
 
 
 def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``[rows, 1]``: the probability of the last token top_p keeps (0 for rows with top_p = 1).
+    """``[rows, 1]``: the probability of the last token top_p (< 1) keeps.
 
     A full sort of 49k-150k columns costs far more than the rest of the sampler, and the nucleus is usually a
     few dozen tokens, so this looks at the largest k only, growing k until those k hold ``top_p`` of the mass.
@@ -210,5 +221,4 @@ def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
         k = min(4 * k, probs.shape[1])
     # Keep a token while the mass before it is < top_p: the first token always stays.
     keep = ((cumulative - largest) < top_p[:, None]) & (largest > 0)
-    smallest = largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
-    return smallest.masked_fill((top_p >= 1)[:, None], 0.0)
+    return largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values

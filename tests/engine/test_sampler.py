@@ -1,0 +1,201 @@
+"""Sampler: each filter samples the distribution it defines (chi-square against a numpy oracle, fixed seeds),
+bias and penalties match their formulas exactly, masked tokens are never drawn, seeds are batch-independent."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from corral.engine.sampler import Sampler, SamplingRow, make_generator
+from corral.engine.sampling_params import SamplingParams
+
+LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5], dtype=np.float64)
+NUM_DRAWS = 20_000
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def oracle(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution the documented order defines, written from the definitions, not from the sampler."""
+    p = softmax(logits / params.temperature)
+    if params.min_p:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+    if params.top_k:
+        p = np.where(p >= np.sort(p)[::-1][params.top_k - 1], p, 0.0)
+    p = p / p.sum()
+    if params.top_p < 1:
+        order = np.argsort(-p)
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[mass_before < params.top_p]] = True
+        p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def draw_counts(params: SamplingParams, seed: int) -> np.ndarray:
+    torch.manual_seed(seed)
+    logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(NUM_DRAWS, 1)
+    rows = [SamplingRow(params, (), (), None)] * NUM_DRAWS
+    token_ids = Sampler()(logits, rows).token_ids
+    return np.bincount(token_ids, minlength=len(LOGITS))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=2.0),
+    SamplingParams(top_k=3),
+    SamplingParams(top_p=0.6),
+    SamplingParams(min_p=0.2),
+    SamplingParams(temperature=0.7, min_p=0.05, top_k=6, top_p=0.9),
+], ids=["t1", "t0.5", "t2", "top_k3", "top_p0.6", "min_p0.2", "all"])
+def test_draws_follow_the_defined_distribution(params):
+    counts = draw_counts(params, seed=hash(params) % 2**31)
+    expected = oracle(LOGITS, params)
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew outside the support: {counts}"
+    assert chisquare(counts[support], NUM_DRAWS * expected[support]).pvalue > 1e-3
+    if params != SamplingParams():
+        # Power: the same draws must reject the untouched softmax, or this test could not tell them apart.
+        plain = softmax(LOGITS)
+        assert chisquare(counts, NUM_DRAWS * plain).pvalue < 1e-6
+
+
+def test_bias_and_penalties_match_their_formulas_exactly():
+    logits = np.array([1.0, -2.0, 0.5, 3.0, -0.25, 0.0, 2.0, -1.0], dtype=np.float32)
+    params = SamplingParams(logit_bias={0: 1.5, 7: -100, 4: 0.75}, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.25)
+    prompt, output = (1, 3), (3, 5, 3, 6)
+    got = Sampler().process(torch.tensor(logits)[None], [SamplingRow(params, prompt, output, None)])
+
+    expected = logits.copy()
+    for token_id, bias in params.logit_bias:
+        expected[token_id] += np.float32(bias)
+    for token_id in {*prompt, *output}:  # HF: divide positive logits, multiply negative ones, once per token
+        expected[token_id] = expected[token_id] / np.float32(1.3) if expected[token_id] > 0 else (
+            expected[token_id] * np.float32(1.3))
+    for token_id in set(output):  # OpenAI: mu - c * alpha_frequency - [c > 0] * alpha_presence
+        expected[token_id] -= np.float32(output.count(token_id)) * np.float32(0.4)
+        expected[token_id] -= np.float32(0.25)
+    np.testing.assert_array_equal(got[0].numpy(), expected)
+    assert not np.array_equal(expected, logits)
+
+
+def test_bias_never_unmasks_and_penalties_skip_masked_tokens():
+    logits = torch.zeros(1, 40)
+    bitmask = torch.tensor([[0b1010]], dtype=torch.int32).expand(1, 2).contiguous()
+    bitmask[0, 1] = 0
+    params = SamplingParams(logit_bias={0: 100, 1: 5}, repetition_penalty=2.0, frequency_penalty=1)
+    got = Sampler().process(logits, [SamplingRow(params, (0, 1), (0, 3), None)], bitmask)
+    assert torch.nonzero(torch.isfinite(got[0])).flatten().tolist() == [1, 3]
+    assert got[0, 1].item() == 5.0 / 2.0 and got[0, 3].item() == -1.0
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_unless_the_grammar_allows_nothing_else():
+    sampler = Sampler(eos_token_ids=(0,))
+    params = SamplingParams(min_tokens=3, stop_token_ids=(2,))
+    logits = torch.zeros(1, 8)
+    short = sampler.process(logits, [SamplingRow(params, (5,), (4, 4), None)])
+    assert torch.isinf(short[0]).nonzero().flatten().tolist() == [0, 2]
+    assert torch.isfinite(sampler.process(logits, [SamplingRow(params, (5,), (4, 4, 4), None)])).all()
+    only_eos = torch.tensor([[0b1]], dtype=torch.int32)
+    forced = sampler.process(logits, [SamplingRow(params, (5,), (), None)], only_eos)
+    assert torch.isfinite(forced[0]).nonzero().flatten().tolist() == [0]
+
+
+def test_greedy_takes_the_processed_argmax_and_reports_raw_logprobs():
+    raw = torch.tensor([[0.0, 5.0, 4.0, 3.0, -1.0, 2.0, 1.0, 0.5]])
+    bitmask = torch.tensor([[0b11101100]], dtype=torch.int32)  # token 1, the raw argmax, is masked
+    params = SamplingParams(temperature=0, logprobs=3, logit_bias={5: 1.5})
+    result = Sampler()(raw, [SamplingRow(params, (), (), None)], bitmask)
+    raw_logprobs = torch.log_softmax(raw[0], dim=0)
+    assert result.token_ids == [2]
+    assert result.logprobs[0] == pytest.approx(raw_logprobs[2].item(), abs=1e-6)
+    assert [t for t, _ in result.top_logprobs[0]] == [1, 2, 3]
+    assert [v for _, v in result.top_logprobs[0]] == pytest.approx(raw_logprobs[[1, 2, 3]].tolist(), abs=1e-6)
+    result = Sampler()(raw, [SamplingRow(SamplingParams(temperature=0, logit_bias={5: 2.5}), (), (), None)],
+                       bitmask)
+    assert result.token_ids == [5] and result.top_logprobs is None
+
+
+def test_padded_columns_are_never_sampled():
+    logits = torch.zeros(400, 16)
+    logits[:, 10:] = 100.0
+    rows = [SamplingRow(SamplingParams(temperature=t), (), (), None) for t in (0, 1.0, 5.0, 50.0)] * 100
+    token_ids = Sampler(vocab_size=10)(logits, rows).token_ids
+    assert max(token_ids) < 10
+
+
+def pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [rows, vocab] -> int32 [rows, ceil(vocab / 32)] in the Vocabulary bitmask layout."""
+    padded = np.zeros((allowed.shape[0], -(-allowed.shape[1] // 32) * 32), dtype=bool)
+    padded[:, : allowed.shape[1]] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view("<i4").astype(np.int32)
+
+
+def test_ten_thousand_constrained_draws_never_hit_a_masked_token():
+    vocab_size, width, batch = 2001, 2048, 500
+    generator = torch.Generator().manual_seed(0)
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.5), SamplingParams(top_p=0.95),
+             SamplingParams(top_k=100, temperature=3.0), SamplingParams(min_p=1e-4, temperature=10.0)]
+    torch.manual_seed(1)
+    num_draws = 0
+    for call in range(20):
+        allowed = torch.rand(batch, vocab_size, generator=generator) < 0.02
+        allowed[:, call] = True  # never an empty row
+        # Adversarial logits: every masked token is far more likely than every allowed one.
+        logits = torch.where(allowed, -20.0, 20.0) + torch.randn(batch, vocab_size, generator=generator)
+        logits = torch.cat([logits, torch.full((batch, width - vocab_size), 50.0)], dim=1)
+        bitmask = torch.from_numpy(pack(allowed.numpy()))
+        rows = [SamplingRow(kinds[i % len(kinds)], (), (), make_generator(i) if i % 3 else None)
+                for i in range(batch)]
+        token_ids = torch.tensor(Sampler(vocab_size=vocab_size)(logits, rows, bitmask).token_ids)
+        assert allowed[torch.arange(batch), token_ids].all()
+        num_draws += batch
+    assert num_draws == 10_000
+
+
+def test_masked_rows_limits_the_mask_to_those_rows():
+    logits = torch.zeros(3, 64)
+    logits[:, 7] = 50.0
+    bitmask = torch.tensor([[1 << 3, 0]] * 3, dtype=torch.int32)
+    rows = [SamplingRow(SamplingParams(temperature=0), (), (), None)] * 3
+    assert Sampler()(logits, rows, bitmask, torch.tensor([0, 2])).token_ids == [3, 7, 3]
+
+
+def run_steps(sampler, logits_by_step, rows_of_step, position):
+    """Decode ``len(logits_by_step)`` steps, feeding each row's tokens back (penalties see them)."""
+    outputs = [[] for _ in rows_of_step]
+    for logits in logits_by_step:
+        rows = [SamplingRow(params, (1, 2), tuple(out), gen) for (params, gen), out in zip(rows_of_step, outputs)]
+        for out, token_id in zip(outputs, sampler(logits[: len(rows)], rows).token_ids):
+            out.append(token_id)
+    return outputs[position]
+
+
+def test_same_seed_same_tokens_alone_and_in_a_mixed_batch():
+    sampler, steps = Sampler(), 25
+    generator = torch.Generator().manual_seed(3)
+    base = [torch.randn(6, 1000, generator=generator) for _ in range(steps)]
+    seeded = SamplingParams(seed=42, temperature=1.3, top_p=0.9, frequency_penalty=0.5)
+
+    alone = run_steps(sampler, [b[:1] for b in base], [(seeded, make_generator(42))], 0)
+    # The same logits row sits at position 3 of a batch of greedy, unseeded and other-seeded rows.
+    mixed_logits = [torch.cat([b[1:4], b[:1], b[4:]]) for b in base]
+    others = [(SamplingParams(temperature=0), None), (SamplingParams(top_k=5), None),
+              (SamplingParams(seed=7, min_p=0.1), make_generator(7)), (SamplingParams(temperature=2.0), None),
+              (SamplingParams(seed=42, temperature=0.5), make_generator(42))]
+    torch.manual_seed(99)
+    mixed = run_steps(sampler, mixed_logits, others[:3] + [(seeded, make_generator(42))] + others[3:], 3)
+    assert alone == mixed
+    other_seed = run_steps(sampler, [b[:1] for b in base], [(seeded, make_generator(43))], 0)
+    assert other_seed != alone
+
+
+def test_a_row_with_no_allowed_token_is_an_invariant_failure():
+    rows = [SamplingRow(SamplingParams(), (), (), None)]
+    with pytest.raises(AssertionError, match="no allowed token"):
+        Sampler()(torch.zeros(1, 32), rows, torch.zeros(1, 1, dtype=torch.int32))
