@@ -32,7 +32,7 @@ class EngineDeadError(CorralError):
 @dataclass(frozen=True)
 class AsyncEngineConfig:
     max_in_flight: int = 320  # running plus waiting requests; one more is a 429 (default: 64 + 256)
-    compile_workers: int = 1  # compilation threads; the compiler's cache is shared between them
+    compile_workers: int = 2  # compilation threads; GrammarCompiler is thread-safe and shares its cache
 
     def __post_init__(self):
         assert self.max_in_flight >= 1 and self.compile_workers >= 1

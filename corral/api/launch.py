@@ -26,15 +26,14 @@ def build_engine(engine_config=None):
 
 
 def build_compiler(engine, options: ServeOptions = ServeOptions()):
-    from corral.fsm import GrammarCompiler
+    from corral.fsm.compiler import GrammarCompiler
 
     return GrammarCompiler(engine.vocabulary, cache_bytes=options.compile_cache_bytes,
                            time_budget_s=options.compile_time_budget_s)
 
 
 def engine_max_model_len(engine) -> int:
-    configured = getattr(getattr(engine, "config", None), "max_model_len", None)
-    return configured or engine.model_config.max_position
+    return getattr(engine, "max_model_len", None) or engine.model_config.max_position
 
 
 def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),

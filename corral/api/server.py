@@ -100,6 +100,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_body(status, str(err), getattr(err, "error_type", "server_error"), getattr(err, "param", None),
                           getattr(err, "code", None))
 
+    @app.exception_handler(Exception)
+    async def on_bug(_, err: Exception):  # an internal error still answers in OpenAI's shape
+        return error_body(500, f"internal error: {type(err).__name__}", "server_error")
+
     @app.exception_handler(ClientGoneError)
     async def on_gone(_, err):
         return PlainTextResponse("", status_code=499)
