@@ -1,0 +1,75 @@
+"""JSON arrays and objects as regex ASTs, from the nodes of their parts.
+
+Whitespace ``ws`` (EMPTY in the compact policy) stands before each member and before the closing bracket, so an
+empty container is ``{ws}`` and every run between two tokens is one ``ws``: ``{ws m ws , ws m ws}``.
+
+Objects list their declared properties in schema order, each optional one may be left out, and the count of
+present members is tracked only when ``minProperties``/``maxProperties`` ask for it. Extra members (keys not
+declared, allowed by ``additionalProperties``/``patternProperties``) come after the declared ones.
+"""
+
+from functools import cache
+
+from corral.grammar.node_builder import NodeBuilder
+from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
+
+COMMA, COLON = CharSet.chars(","), CharSet.chars(":")
+
+
+def member_node(b: NodeBuilder, ws: Node, key: Node, value: Node) -> Node:
+    return b.concat(key, ws, COLON, ws, value)
+
+
+def _run(b: NodeBuilder, ws: Node, item: Node, first: bool, low: int, high: int | None) -> Node:
+    """``low..high`` comma-separated items, each preceded by ``ws`` (and a comma unless it opens the list)."""
+    if high is not None and high < low:
+        return NOTHING
+    sep = b.concat(ws, COMMA, ws)
+    if not first:
+        return b.repeat(b.concat(sep, item), low, high)
+    if high == 0:
+        return EMPTY
+    tail = b.repeat(b.concat(sep, item), max(low - 1, 0), None if high is None else high - 1)
+    nonempty = b.concat(ws, item, tail)
+    return nonempty if low > 0 else b.alt([EMPTY, nonempty])
+
+
+def array_node(b: NodeBuilder, ws: Node, prefix: list[Node], rest: Node, min_items: int,
+               max_items: int | None) -> Node:
+    """``[...]`` whose item ``i`` matches ``prefix[i]`` and later items match ``rest`` (NOTHING: none)."""
+    sep = b.concat(ws, COMMA, ws)
+
+    def from_position(i: int) -> Node:
+        if i == len(prefix):
+            count_low = max(min_items - i, 0)
+            count_high = None if max_items is None else max_items - i
+            return _run(b, ws, rest, i == 0, count_low, count_high)
+        if max_items is not None and i >= max_items:
+            return EMPTY
+        here = b.concat(ws if i == 0 else sep, prefix[i], from_position(i + 1))
+        return here if i < min_items else b.alt([EMPTY, here])
+
+    return b.concat(CharSet.chars("["), from_position(0), ws, CharSet.chars("]"))
+
+
+def object_node(b: NodeBuilder, ws: Node, members: list[tuple[Node, bool]], extra: Node | None,
+                min_properties: int, max_properties: int | None) -> Node:
+    """``{...}`` with the declared ``members`` (node, required) in order, then extra members matching ``extra``."""
+    sep = b.concat(ws, COMMA, ws)
+    cap = max_properties + 1 if max_properties is not None else min_properties  # counts past cap are alike
+
+    @cache
+    def rest(i: int, first: bool, count: int) -> Node:
+        if max_properties is not None and count > max_properties:
+            return NOTHING
+        if i == len(members):
+            low = max(min_properties - count, 0)
+            high = None if max_properties is None else max_properties - count
+            if extra is None:
+                return EMPTY if low == 0 else NOTHING
+            return _run(b, ws, extra, first, low, high)
+        node, required = members[i]
+        present = b.concat(ws if first else sep, node, rest(i + 1, False, min(count + 1, cap)))
+        return present if required else b.alt([present, rest(i + 1, first, count)])
+
+    return b.concat(CharSet.chars("{"), rest(0, True, 0), ws, CharSet.chars("}"))

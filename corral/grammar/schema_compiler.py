@@ -1,0 +1,201 @@
+"""SchemaCompiler: walks one JSON Schema document and builds its regex AST (see ``json_schema`` for the policy).
+
+The walk: a schema becomes a list of *atoms* (itself, its ``allOf`` members and ``$ref`` targets, recursively),
+the atoms merge into one ``MergedSchema``, an ``anyOf``/``oneOf`` group expands into one alternative per branch
+(each merged with the rest), and what is left dispatches on type to the builders in ``schema_values``.
+``$ref`` expansions are counted along the current path; past ``MAX_REF_DEPTH`` a branch matches nothing.
+"""
+
+import jsonschema
+
+from corral.errors import InvalidSchemaError, UnsupportedSchemaError
+from corral.grammar.node_builder import NodeBuilder
+from corral.grammar.regex_ast import NOTHING, Node
+from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
+from corral.grammar.schema_merge import Atom, MergedSchema, Source, merge_atoms, schema_for_name
+from corral.grammar.schema_refs import RefResolver
+from corral.grammar.schema_values import ValueBuilders
+
+MAX_REF_DEPTH = 3
+
+
+class SchemaCompiler(ValueBuilders):
+    def __init__(self, root, builder: NodeBuilder, ws: Node, *, lenient: bool, warnings: list[str]):
+        super().__init__(builder, ws)
+        self.root, self.lenient, self.warnings = root, lenient, warnings
+        self.refs = RefResolver(root)
+        self.active: dict[str, int] = {}  # $ref target -> expansions on the current path
+        self.checked: set[int] = set()
+        self.memo: dict[tuple, Node] = {}
+        self.contradictions: list[str] = []
+        self._validator = None
+
+    # ---- errors ------------------------------------------------------------------------------------------------
+    def unsupported(self, message: str, keyword: str, pointer: str) -> None:
+        """Refuse, or in lenient mode record a warning and let the caller ignore the keyword."""
+        if not self.lenient:
+            raise UnsupportedSchemaError(message, keyword=keyword, pointer=pointer)
+        self.warnings.append(f"{message} (keyword '{keyword}' at '{pointer}'): ignored")
+
+    def contradiction(self, message: str, pointer: str) -> Node:
+        self.contradictions.append(f"{message} at '{pointer}'")
+        return NOTHING
+
+    def contradiction_hint(self) -> str:
+        return f": {self.contradictions[0]}" if self.contradictions else ""
+
+    def check(self, schema: dict, pointer: str) -> None:
+        if id(schema) in self.checked:
+            return
+        self.checked.add(id(schema))
+        check_keywords(schema, pointer)
+        for keyword in schema:
+            if keyword in UNSUPPORTED and not (keyword in ("then", "else") and "if" not in schema) \
+                    and not (keyword in ("minContains", "maxContains") and "contains" not in schema) \
+                    and not (keyword == "if" and "then" not in schema and "else" not in schema):
+                self.unsupported(f"'{keyword}' is not supported", keyword, pointer)
+
+    # ---- atoms -------------------------------------------------------------------------------------------------
+    def atoms(self, schema, pointer: str, refs: list[str], chain: tuple[str, ...] = ()) -> list[Atom] | None:
+        """The atoms whose conjunction is ``schema`` (None: the schema ``false``); ``$ref`` targets go to refs."""
+        if schema is True:
+            return []
+        if schema is False:
+            return None
+        self.check(schema, pointer)
+        out: list[Atom] = [(schema, pointer, frozenset())]
+        if "$ref" in schema:
+            target, target_pointer = self.refs.resolve(schema["$ref"], pointer)
+            if target_pointer in chain:
+                raise InvalidSchemaError("$ref cycle that no value can end", keyword="$ref", pointer=pointer)
+            refs.append(target_pointer)
+            inner = self.atoms(target, target_pointer, refs, chain + (target_pointer,))
+            if inner is None:
+                return None
+            out += inner
+        for i, member in enumerate(schema.get("allOf", ())):
+            inner = self.atoms(member, f"{pointer}/allOf/{i}", refs, chain)
+            if inner is None:
+                return None
+            out += inner
+        return out
+
+    def node(self, schema, pointer: str) -> Node:
+        return self.node_of([(schema, pointer)])
+
+    def node_of(self, sources: list[Source]) -> Node:
+        """The AST of the conjunction of ``sources`` (an empty list is the schema ``true``)."""
+        atoms, refs = [], []
+        for schema, pointer in sources:
+            inner = self.atoms(schema, pointer, refs)
+            if inner is None:
+                return NOTHING
+            atoms += inner
+        return self.build(atoms, refs)
+
+    def merged_of(self, sources: list[Source]) -> MergedSchema | None:
+        atoms = []
+        for schema, pointer in sources:
+            inner = self.atoms(schema, pointer, [])
+            if inner is None:
+                return None
+            atoms += inner
+        return merge_atoms(atoms)
+
+    def build(self, atoms: list[Atom], refs: list[str]) -> Node:
+        if any(self.active.get(ref, 0) >= MAX_REF_DEPTH for ref in refs):
+            return NOTHING  # recursion cut: this branch nests too deep
+        key = (tuple((id(s), skip) for s, _, skip in atoms), tuple(sorted(self.active.items())))
+        if key in self.memo:
+            return self.memo[key]
+        for ref in refs:
+            self.active[ref] = self.active.get(ref, 0) + 1
+        try:
+            node = self.build_merged(atoms)
+        finally:
+            for ref in refs:
+                self.active[ref] -= 1
+        self.memo[key] = node
+        return node
+
+    def build_merged(self, atoms: list[Atom]) -> Node:
+        if not atoms:
+            return self.any_value()
+        merged = merge_atoms(atoms)
+        if merged.choices:
+            return self.build_choice(atoms, merged)
+        pointer = atoms[0][1]
+        if merged.is_unsatisfiable:
+            return self.contradiction("the 'type' keywords have no type in common", pointer)
+        if merged.enum is not None:
+            return self.enum_node(merged, atoms, pointer)
+        types = [t for t in TYPES if merged.types is None or t in merged.types]
+        if "number" in types:
+            types.remove("integer")  # number's grammar already holds every integer
+        return self.b.alt([self.type_node(t, merged, pointer) for t in types])
+
+    def build_choice(self, atoms: list[Atom], merged: MergedSchema) -> Node:
+        kind, branches, owner = merged.choices[0]
+        schema, pointer, skip = atoms[owner]
+        base = atoms[:owner] + [(schema, pointer, skip | {kind})] + atoms[owner + 1:]
+        alternatives = []
+        for branch, branch_pointer in branches:
+            refs: list[str] = []
+            inner = self.atoms(branch, branch_pointer, refs)
+            if inner is not None:
+                alternatives.append((base + inner, refs))
+        if kind == "oneOf":
+            self.check_disjoint([merge_atoms(a) for a, _ in alternatives], pointer)
+        return self.b.alt([self.build(a, refs) for a, refs in alternatives])
+
+    # ---- oneOf -------------------------------------------------------------------------------------------------
+    def check_disjoint(self, branches: list[MergedSchema], pointer: str) -> None:
+        for i in range(len(branches)):
+            for j in range(i + 1, len(branches)):
+                if not self.disjoint(branches[i], branches[j], 2):
+                    self.unsupported(f"oneOf branches {i} and {j} may both match one value; Corral compiles oneOf "
+                                     f"only when its branches are provably disjoint (different types, enum/const "
+                                     f"values, or a required property that tells them apart)", "oneOf", pointer)
+                    return
+
+    def disjoint(self, a: MergedSchema | None, b: MergedSchema | None, depth: int) -> bool:
+        """True only when no value can satisfy both ``a`` and ``b`` (None is the schema ``false``)."""
+        if a is None or b is None or a.is_unsatisfiable or b.is_unsatisfiable:
+            return True
+        common = set(a.types or TYPES) & set(b.types or TYPES)
+        if not common:
+            return True
+        if a.enum is not None and b.enum is not None:
+            keys = {jsonschema_key(v) for v in a.enum}
+            if not any(jsonschema_key(v) in keys for v in b.enum):
+                return True
+        if common != {"object"} or depth == 0:
+            return False
+        return self._objects_disjoint(a, b, depth) or self._objects_disjoint(b, a, depth)
+
+    def _objects_disjoint(self, a: MergedSchema, b: MergedSchema, depth: int) -> bool:
+        for name in a.required:
+            if name in b.required:
+                if self.disjoint(self.merged_of(a.properties.get(name) or schema_for_name(a, name)),
+                                 self.merged_of(b.properties.get(name) or schema_for_name(b, name)), depth - 1):
+                    return True
+            elif name not in b.properties and False in [s for s, _ in schema_for_name(b, name)]:
+                return True  # b forbids the property a requires
+        return False
+
+    # ---- reference validation (enum members, property names) ---------------------------------------------------
+    def validates(self, value, atoms: list[Atom]) -> bool:
+        if self._validator is None:
+            cls = jsonschema.validators.validator_for(self.root if isinstance(self.root, dict) else {},
+                                                      default=jsonschema.Draft202012Validator)
+            self._validator = cls(self.root, format_checker=cls.FORMAT_CHECKER)
+        try:
+            return all(self._validator.evolve(schema={k: v for k, v in s.items() if k not in skip}).is_valid(value)
+                       for s, _, skip in atoms)
+        except Exception:  # noqa: BLE001 - a validator failure must only ever drop a candidate (narrower)
+            return False
+
+
+def jsonschema_key(value) -> str:
+    import json
+    return json.dumps(value, sort_keys=True)

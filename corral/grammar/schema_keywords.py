@@ -1,0 +1,84 @@
+"""Which JSON Schema keywords Corral implements, ignores or refuses, and the type check of each keyword's value.
+
+Drafts 4, 6, 7, 2019-09 and 2020-12 are read together: a keyword means what its draft says, and where drafts
+disagree the form tells them apart (draft 4's boolean ``exclusiveMinimum`` against later drafts' number, an
+``items`` array against ``prefixItems``). Keywords that are not JSON Schema vocabulary at all (``x-*``,
+``readonly``, typos) are ignored, as every validator ignores them.
+"""
+
+from corral.errors import InvalidSchemaError
+
+ANNOTATIONS = frozenset({
+    "title", "description", "examples", "example", "default", "$comment", "$schema", "$id", "id", "deprecated",
+    "readOnly", "writeOnly", "$anchor", "$vocabulary", "contentMediaType", "contentEncoding", "contentSchema",
+    "definitions", "$defs",
+})
+
+IMPLEMENTED = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems",
+    "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref",
+})
+
+# Keywords that change the language and that Corral does not compile: refused, never silently dropped.
+UNSUPPORTED = frozenset({
+    "not", "if", "then", "else", "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
+    "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
+    "$recursiveAnchor", "$dynamicAnchor",
+})
+
+TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
+_SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SINGLE_SCHEMAS = ("additionalProperties", "propertyNames", "additionalItems")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_NUMBERS = ("minimum", "maximum")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_schema(value) -> bool:
+    return isinstance(value, (dict, bool))
+
+
+def check_keywords(schema: dict, pointer: str) -> None:
+    """Raise :class:`InvalidSchemaError` naming the first implemented keyword whose value has the wrong type."""
+    def bad(keyword: str, expected: str):
+        return InvalidSchemaError(f"'{keyword}' must be {expected}", keyword=keyword, pointer=pointer)
+
+    for keyword, value in schema.items():
+        if keyword == "type":
+            names = value if isinstance(value, list) else [value]
+            if not names or any(name not in TYPES for name in names):
+                raise bad(keyword, f"one of {', '.join(TYPES)} or a non-empty list of them")
+        elif keyword in _SCHEMA_MAPS:
+            if not isinstance(value, dict) or not all(_is_schema(v) for v in value.values()):
+                raise bad(keyword, "an object whose values are schemas")
+        elif keyword in _SCHEMA_LISTS:
+            if not isinstance(value, list) or not value or not all(_is_schema(v) for v in value):
+                raise bad(keyword, "a non-empty array of schemas")
+        elif keyword in _SINGLE_SCHEMAS and not _is_schema(value):
+            raise bad(keyword, "a schema (an object or a boolean)")
+        elif keyword == "items" and not (_is_schema(value) or isinstance(value, list)
+                                         and all(_is_schema(v) for v in value)):
+            raise bad(keyword, "a schema or an array of schemas")
+        elif keyword in _COUNTS and not (_is_number(value) and value >= 0 and float(value).is_integer()):
+            raise bad(keyword, "a non-negative integer")
+        elif keyword in _NUMBERS and not _is_number(value):
+            raise bad(keyword, "a number")
+        elif keyword in ("exclusiveMinimum", "exclusiveMaximum") and not (_is_number(value)
+                                                                          or isinstance(value, bool)):
+            raise bad(keyword, "a number (or, in draft 4, a boolean)")
+        elif keyword == "multipleOf" and not (_is_number(value) and value > 0):
+            raise bad(keyword, "a number greater than 0")
+        elif keyword == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise bad(keyword, "an array of strings")
+        elif keyword == "enum" and not isinstance(value, list):
+            raise bad(keyword, "an array")
+        elif keyword in ("pattern", "format", "$ref") and not isinstance(value, str):
+            raise bad(keyword, "a string")
+        elif keyword == "uniqueItems" and not isinstance(value, bool):
+            raise bad(keyword, "a boolean")

@@ -1,0 +1,192 @@
+"""MergedSchema: the conjunction of several schema objects (``allOf``, ``$ref`` with siblings), as one view.
+
+A schema object is split into *atoms*: the object itself plus, recursively, every ``allOf`` member and ``$ref``
+target. :func:`merge_atoms` folds the atoms' keywords into one :class:`MergedSchema` whose fields say exactly what
+the conjunction allows: types intersect, bounds tighten, ``required`` unions, and sub-schemas (property values,
+items) become lists of sources that are compiled together later, so nothing is lost by merging.
+
+Object keywords merge exactly across atoms: a property named by one atom but not another is also subject to the
+other's ``patternProperties``/``additionalProperties``. One conservative step: a ``patternProperties`` entry of
+one atom also takes the other atom's ``additionalProperties`` (a key matching the pattern might fall under it);
+that can only narrow the language. ``anyOf``/``oneOf`` groups are kept as choices, expanded by the compiler.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from corral.grammar.regex_ast import to_python_regex
+from corral.grammar.regex_parser import parse_regex
+from corral.grammar.schema_refs import escape_pointer_token
+
+Source = tuple[object, str]  # (schema, JSON pointer)
+Atom = tuple[dict, str, frozenset]  # (schema object, pointer, keywords already expanded elsewhere)
+Bound = tuple[Fraction, bool]  # (value, strict)
+
+
+@dataclass
+class MergedSchema:
+    is_unsatisfiable: bool = False
+    types: set[str] | None = None
+    enum: list | None = None
+    low: Bound | None = None
+    high: Bound | None = None
+    multiple_of: list[tuple[float, str]] = field(default_factory=list)
+    min_length: int = 0
+    max_length: int | None = None
+    patterns: list[tuple[str, str]] = field(default_factory=list)
+    formats: list[tuple[str, str]] = field(default_factory=list)
+    prefix_items: list[list[Source]] = field(default_factory=list)
+    rest_items: list[Source] = field(default_factory=list)
+    min_items: int = 0
+    max_items: int | None = None
+    unique_items: str | None = None  # pointer of a uniqueItems: true
+    properties: dict[str, list[Source]] = field(default_factory=dict)
+    pattern_properties: dict[str, list[Source]] = field(default_factory=dict)
+    additional_properties: list[Source] = field(default_factory=list)
+    property_names: list[Source] = field(default_factory=list)
+    required: list[str] = field(default_factory=list)
+    min_properties: int = 0
+    max_properties: int | None = None
+    choices: list[tuple[str, list[Source], int]] = field(default_factory=list)  # (anyOf|oneOf, branches, atom)
+
+
+def _json_key(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _tighter(a: Bound | None, b: Bound | None, lower: bool) -> Bound | None:
+    if a is None or b is None:
+        return a or b
+    if a[0] != b[0]:
+        return max(a, b) if lower else min(a, b)
+    return (a[0], a[1] or b[1])
+
+
+def _bounds(schema: dict, side: str) -> Bound | None:
+    plain, exclusive = ("minimum", "exclusiveMinimum") if side == "low" else ("maximum", "exclusiveMaximum")
+    out = None
+    if plain in schema:
+        out = (Fraction(schema[plain]), schema.get(exclusive) is True)  # draft 4's boolean form
+    value = schema.get(exclusive)
+    if not isinstance(value, bool) and value is not None:
+        out = _tighter(out, (Fraction(value), True), side == "low")
+    return out
+
+
+def matches_pattern(pattern: str, name: str) -> bool:
+    return _compiled(pattern).fullmatch(name) is not None
+
+
+_PATTERN_CACHE: dict[str, re.Pattern] = {}
+
+
+def _compiled(pattern: str) -> re.Pattern:
+    if pattern not in _PATTERN_CACHE:
+        _PATTERN_CACHE[pattern] = re.compile(to_python_regex(parse_regex(pattern, flavor="ecma", search=True)))
+    return _PATTERN_CACHE[pattern]
+
+
+def schema_for_name(merged: MergedSchema, name: str) -> list[Source]:
+    """What the merged object keywords demand of a property ``name`` that ``properties`` does not list."""
+    by_pattern = [s for p, sources in merged.pattern_properties.items() if matches_pattern(p, name) for s in sources]
+    return by_pattern if any(matches_pattern(p, name) for p in merged.pattern_properties) \
+        else list(merged.additional_properties)
+
+
+def _merge_types(merged: MergedSchema, value) -> None:
+    names = set(value if isinstance(value, list) else [value])
+    if "number" in names:
+        names.add("integer")
+    if merged.types is None:
+        merged.types = names
+    else:
+        merged.types &= names
+
+
+def _merge_objects(merged: MergedSchema, schema: dict, pointer: str) -> None:
+    props = {k: [(v, f"{pointer}/properties/{escape_pointer_token(k)}")] for k, v in schema.get("properties", {}).items()}
+    patterns = {k: [(v, f"{pointer}/patternProperties/{escape_pointer_token(k)}")] for k, v in schema.get("patternProperties", {}).items()}
+    additional = [(schema["additionalProperties"], f"{pointer}/additionalProperties")] \
+        if "additionalProperties" in schema else []
+    own = MergedSchema(properties=props, pattern_properties=patterns, additional_properties=additional)
+    for name in list(merged.properties):
+        merged.properties[name] += props.get(name) or schema_for_name(own, name)
+    for name, sources in props.items():
+        if name not in merged.properties:
+            merged.properties[name] = schema_for_name(merged, name) + sources
+    for pattern, sources in patterns.items():
+        merged.pattern_properties.setdefault(pattern, list(merged.additional_properties)).extend(sources)
+    for pattern in merged.pattern_properties:
+        if pattern not in patterns:
+            merged.pattern_properties[pattern] += additional
+    merged.additional_properties += additional
+
+
+def _merge_arrays(merged: MergedSchema, schema: dict, pointer: str) -> None:
+    items = schema.get("items")
+    if isinstance(items, list):
+        prefix = [[(s, f"{pointer}/items/{i}")] for i, s in enumerate(items)]
+        rest = [(schema["additionalItems"], f"{pointer}/additionalItems")] if "additionalItems" in schema else []
+    else:
+        prefix = [[(s, f"{pointer}/prefixItems/{i}")] for i, s in enumerate(schema.get("prefixItems", []))]
+        rest = [(items, f"{pointer}/items")] if items is not None else []
+    if not prefix and not rest:
+        return
+    width = max(len(prefix), len(merged.prefix_items))
+    merged.prefix_items = [(merged.prefix_items[i] if i < len(merged.prefix_items) else list(merged.rest_items))
+                           + (prefix[i] if i < len(prefix) else rest) for i in range(width)]
+    merged.rest_items += rest
+
+
+def merge_atoms(atoms: list[Atom]) -> MergedSchema:
+    merged = MergedSchema()
+    for index, (schema, pointer, skip) in enumerate(atoms):
+        get = lambda k: None if k in skip else schema.get(k)  # noqa: E731
+        if get("type") is not None:
+            _merge_types(merged, schema["type"])
+        for values in ([schema["const"]] if "const" in schema else None, get("enum")):
+            if values is not None and merged.enum is None:
+                merged.enum = values
+            elif values is not None:
+                keys = {_json_key(v) for v in values}
+                merged.enum = [v for v in merged.enum if _json_key(v) in keys]
+        merged.low = _tighter(merged.low, _bounds(schema, "low"), True)
+        merged.high = _tighter(merged.high, _bounds(schema, "high"), False)
+        if get("multipleOf") is not None:
+            merged.multiple_of.append((schema["multipleOf"], pointer))
+        merged.min_length = max(merged.min_length, int(schema.get("minLength", 0)))
+        merged.min_items = max(merged.min_items, int(schema.get("minItems", 0)))
+        merged.min_properties = max(merged.min_properties, int(schema.get("minProperties", 0)))
+        for key, attr in (("maxLength", "max_length"), ("maxItems", "max_items"), ("maxProperties", "max_properties")):
+            if key in schema:
+                current = getattr(merged, attr)
+                setattr(merged, attr, int(schema[key]) if current is None else min(current, int(schema[key])))
+        if get("pattern") is not None:
+            merged.patterns.append((schema["pattern"], pointer))
+        if get("format") is not None:
+            merged.formats.append((schema["format"], pointer))
+        if schema.get("uniqueItems") is True:
+            merged.unique_items = pointer
+        if "propertyNames" in schema:
+            merged.property_names.append((schema["propertyNames"], f"{pointer}/propertyNames"))
+        merged.required += [name for name in schema.get("required", []) if name not in merged.required]
+        _merge_objects(merged, schema, pointer)
+        _merge_arrays(merged, schema, pointer)
+        for kind in ("anyOf", "oneOf"):
+            if get(kind) is not None:
+                branches = [(s, f"{pointer}/{kind}/{i}") for i, s in enumerate(schema[kind])]
+                merged.choices.append((kind, branches, index))
+    if merged.types is not None and not merged.types:
+        merged.is_unsatisfiable = True
+    return merged
+
+
+def integral_multiple(values: list[tuple[float, str]]) -> int | None:
+    """The least common multiple of integral ``multipleOf`` values, or None when one is fractional."""
+    if not all(float(v).is_integer() for v, _ in values):
+        return None
+    return math.lcm(*(int(v) for v, _ in values))
+

@@ -1,0 +1,271 @@
+"""ValueBuilders: the type-by-type builders of ``SchemaCompiler`` (null, boolean, numbers, strings, arrays,
+objects, ``enum`` literals and the "any JSON value" of the schema ``true``).
+
+"Any value" is a context-free language (containers nest without bound); it is unrolled ``ANY_VALUE_DEPTH``
+containers deep, which is where a ``{}`` property value or an undeclared member's value can nest.
+"""
+
+import json
+import math
+import re
+
+from corral.errors import GrammarTooComplexError, InvalidRegexError, InvalidSchemaError, UnsupportedRegexError
+from corral.grammar.json_containers import array_node, member_node, object_node
+from corral.grammar.json_formats import format_node
+from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
+                                         number_range)
+from corral.grammar.json_strings import ANY_CHAR, length_node, loose_string_node, string_literal, string_node
+from corral.grammar.node_builder import NodeBuilder
+from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
+from corral.grammar.regex_parser import parse_regex
+from corral.grammar.schema_merge import MergedSchema, integral_multiple, schema_for_name
+
+ANY_VALUE_DEPTH = 3
+MAX_ENUMERATED_MULTIPLES = 256
+MAX_MULTIPLE_SUFFIXES = 1024
+
+
+class ValueBuilders:
+    def __init__(self, builder: NodeBuilder, ws: Node):
+        self.b, self.ws = builder, ws
+        self._any: dict[int, Node] = {}
+
+    # ---- literals ----------------------------------------------------------------------------------------------
+    def any_value(self, depth: int = ANY_VALUE_DEPTH) -> Node:
+        if depth not in self._any:
+            b = self.b
+            options = [b.literal("null"), b.literal("true"), b.literal("false"), number_node(b),
+                       self.any_string()]
+            if depth > 0:
+                inner = self.any_value(depth - 1)
+                options.append(array_node(b, self.ws, [], inner, 0, None))
+                options.append(object_node(b, self.ws, [], member_node(b, self.ws, self.any_string(), inner), 0,
+                                           None))
+            self._any[depth] = b.alt(options)
+        return self._any[depth]
+
+    def any_string(self) -> Node:
+        if "string" not in self._any:
+            self._any["string"] = loose_string_node(self.b, None)
+        return self._any["string"]
+
+    def value_literal(self, value) -> Node:
+        """The JSON text of one value (``enum``/``const``), with the whitespace policy between its tokens."""
+        b, ws = self.b, self.ws
+        if isinstance(value, str):
+            return string_literal(b, value)
+        if isinstance(value, list):
+            return array_node(b, ws, [self.value_literal(v) for v in value], NOTHING, len(value), len(value))
+        if isinstance(value, dict):
+            members = [(member_node(b, ws, string_literal(b, k), self.value_literal(v)), True)
+                       for k, v in value.items()]
+            return object_node(b, ws, members, None, 0, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            return NOTHING
+        return b.literal(json.dumps(value))
+
+    def enum_node(self, merged: MergedSchema, atoms, pointer: str) -> Node:
+        """The ``enum``/``const`` members that also satisfy every other keyword (checked by ``jsonschema``, plus
+        the formats it does not check)."""
+        if 2 * len(merged.enum) > self.b.max_nodes or sum(len(json.dumps(v)) for v in merged.enum) > self.b.max_nodes:  # refuse before validating them
+            raise GrammarTooComplexError(f"the enum would need more than {self.b.max_nodes} automaton nodes")
+        formats = [format_node(f) for f, _ in merged.formats if format_node(f) is not None]
+        kept = [v for v in merged.enum if self.validates(v, atoms)
+                and not (isinstance(v, str) and any(not _fullmatch(f, v) for f in formats))]
+        if not kept:
+            return self.contradiction("no 'enum'/'const' value satisfies the other keywords", pointer)
+        return self.b.alt([self.value_literal(v) for v in kept])
+
+    def type_node(self, name: str, merged: MergedSchema, pointer: str) -> Node:
+        if name == "null":
+            return self.b.literal("null")
+        if name == "boolean":
+            return self.b.alt([self.b.literal("true"), self.b.literal("false")])
+        if name in ("integer", "number"):
+            return self.number_node(merged, name == "integer", pointer)
+        if name == "string":
+            return self.string_node(merged, pointer)
+        if name == "array":
+            return self.array_node(merged, pointer)
+        return self.object_node(merged, pointer)
+
+    # ---- numbers -----------------------------------------------------------------------------------------------
+    def number_node(self, merged: MergedSchema, integer_only: bool, pointer: str) -> Node:
+        b, low, high = self.b, merged.low, merged.high
+        factor = integral_multiple(merged.multiple_of) if merged.multiple_of else None
+        if merged.multiple_of and factor is None:
+            self.unsupported("a fractional 'multipleOf' is not supported", "multipleOf", merged.multiple_of[0][1])
+        if integer_only or factor is not None:  # an integral multipleOf admits only integral values
+            lo, hi = integer_bounds(*(low or (None, False)), *(high or (None, False)))
+            if lo is not None and hi is not None and lo > hi:
+                return self.contradiction("the bounds leave no integer", pointer)
+            if factor is not None and factor > 1:
+                return self.multiples(factor, lo, hi, merged.multiple_of[0][1])
+            return integer_range(b, lo, hi)
+        if low is None and high is None:
+            return number_node(b)
+        try:
+            return number_range(b, *(low or (None, False)), *(high or (None, False)))
+        except OverflowError:
+            self.unsupported("a numeric bound beyond the float range is not supported", "minimum", pointer)
+            return number_node(b)
+
+    def multiples(self, factor: int, lo: int | None, hi: int | None, pointer: str) -> Node:
+        b = self.b
+        if lo is not None and hi is not None and hi // factor - -(-lo // factor) < MAX_ENUMERATED_MULTIPLES:
+            first = -(-lo // factor)
+            return b.alt([b.literal(str(k * factor)) for k in range(first, hi // factor + 1)])
+        rest, twos, fives = factor, 0, 0
+        while rest % 2 == 0:
+            rest, twos = rest // 2, twos + 1
+        while rest % 5 == 0:
+            rest, fives = rest // 5, fives + 1
+        width = max(twos, fives)
+        if rest != 1 or 10 ** width // factor > MAX_MULTIPLE_SUFFIXES:
+            self.unsupported(f"'multipleOf: {factor}' without tight bounds is not supported (only factors "
+                             f"2^a*5^b, or ranges of at most {MAX_ENUMERATED_MULTIPLES} multiples)",
+                             "multipleOf", pointer)
+            return integer_range(b, lo, hi)
+        # n is a multiple of 2^a*5^b exactly when its last max(a, b) digits are.
+        short = [str(k * factor) for k in range(10 ** width // factor)]
+        suffixes = b.alt([b.literal(s.zfill(width)) for s in short])
+        longer = b.concat(NONZERO_DIGIT, b.repeat(DIGIT, 0, None), suffixes)
+        natural = b.alt([*(b.literal(s) for s in short), longer])
+        positive = b.alt([*(b.literal(s) for s in short if s != "0"), longer])
+        signed = b.alt([natural, b.concat(CharSet.chars("-"), positive)])
+        return signed if lo is None and hi is None else b.intersect(integer_range(b, lo, hi), signed)
+
+    # ---- strings -----------------------------------------------------------------------------------------------
+    def decoded_string(self, merged: MergedSchema, pointer: str) -> Node:
+        """The decoded-string language of the string keywords (length, patterns, formats)."""
+        b, parts = self.b, []
+        if merged.max_length is not None and merged.max_length < merged.min_length:
+            return self.contradiction("minLength exceeds maxLength", pointer)
+        if merged.min_length or merged.max_length is not None:
+            parts.append(length_node(b, merged.min_length, merged.max_length))
+        for pattern, where in merged.patterns:
+            node = self.pattern(pattern, where)
+            if node is not None:
+                parts.append(node)
+        for name, where in merged.formats:
+            node = format_node(name)
+            if node is None:
+                self.warnings.append(f"format {name!r} at '{where}' is not checked (an annotation)")
+            else:
+                parts.append(node)
+        return b.intersect(*parts) if parts else b.repeat(ANY_CHAR, 0, None)
+
+    def pattern(self, pattern: str, pointer: str) -> Node | None:
+        try:
+            return parse_regex(pattern, flavor="ecma", search=True)
+        except UnsupportedRegexError as error:
+            self.unsupported(f"pattern: {error}", "pattern", pointer)
+        except InvalidRegexError as error:
+            raise InvalidSchemaError(f"pattern: {error}", keyword="pattern", pointer=pointer) from None
+        return None
+
+    def string_node(self, merged: MergedSchema, pointer: str) -> Node:
+        if not merged.patterns and not merged.formats and merged.min_length == 0:
+            return loose_string_node(self.b, merged.max_length)
+        return string_node(self.b, self.decoded_string(merged, pointer))
+
+    # ---- containers --------------------------------------------------------------------------------------------
+    def array_node(self, merged: MergedSchema, pointer: str) -> Node:
+        low, high = merged.min_items, merged.max_items
+        if high is not None and high < low:
+            return self.contradiction("minItems exceeds maxItems", pointer)
+        prefix = merged.prefix_items[:high] if high is not None else merged.prefix_items
+        needs_rest = high is None or high > len(prefix)
+        rest = self.node_of(merged.rest_items) if needs_rest else NOTHING
+        effective_high = len(prefix) if rest == NOTHING and (high is None or high > len(prefix)) else high
+        if merged.unique_items is not None and (effective_high is None or effective_high > 1):
+            self.unsupported("'uniqueItems: true' is not supported unless at most one item is allowed",
+                             "uniqueItems", merged.unique_items)
+        return array_node(self.b, self.ws, [self.node_of(s) for s in prefix], rest, low, high)
+
+    def object_node(self, merged: MergedSchema, pointer: str) -> Node:
+        b, ws = self.b, self.ws
+        if merged.max_properties is not None and merged.max_properties < merged.min_properties:
+            return self.contradiction("minProperties exceeds maxProperties", pointer)
+        declared = list(merged.properties) + [n for n in merged.required if n not in merged.properties]
+        members = []
+        for name in declared:
+            allowed = not merged.property_names or self.name_allowed(name, merged.property_names)
+            value = self.node_of(merged.properties.get(name) or schema_for_name(merged, name)) if allowed \
+                else NOTHING
+            required = name in merged.required
+            if value == NOTHING:
+                if required:
+                    return self.contradiction(f"required property {name!r} can have no value", pointer)
+                continue
+            members.append((member_node(b, ws, string_literal(b, name), value), required))
+        return object_node(b, ws, members, self.extra_member(merged, declared), merged.min_properties,
+                           merged.max_properties)
+
+    def extra_member(self, merged: MergedSchema, declared: list[str]) -> Node | None:
+        """An undeclared member, or None when none is allowed (see the policy in ``json_schema``)."""
+        b = self.b
+        if merged.pattern_properties:
+            keys = b.alt([self.pattern(p, sources[-1][1]) or NOTHING
+                          for p, sources in merged.pattern_properties.items()])
+            value_sources = [s for sources in merged.pattern_properties.values() for s in sources]
+        else:
+            if any(s is False for s, _ in merged.additional_properties):
+                return None
+            keys, value_sources = b.repeat(ANY_CHAR, 0, None), merged.additional_properties
+        key_parts = [keys] if merged.pattern_properties else []  # any key at all needs no intersection
+        if declared:
+            key_parts.append(self.names_except(declared))
+        if merged.property_names:
+            key_parts.append(self.property_name_language(merged.property_names))
+        value = self.node_of(value_sources)
+        key = b.intersect(*key_parts) if key_parts else keys
+        if value == NOTHING or key == NOTHING:
+            return None
+        return member_node(b, self.ws, string_node(b, key), value)
+
+    def names_except(self, names: list[str]) -> Node:
+        """Decoded strings other than ``names``: a trie with an escape hatch at every node."""
+        trie: dict = {}
+        for name in names:
+            node = trie
+            for char in name:
+                node = node.setdefault(char, {})
+            node[None] = {}
+        return self._not_in_trie(trie)
+
+    def _not_in_trie(self, trie: dict) -> Node:
+        b = self.b
+        children = [c for c in trie if c is not None]
+        options = [] if None in trie else [EMPTY]
+        options += [b.concat(CharSet.chars(c), self._not_in_trie(trie[c])) for c in children]
+        others = CharSet.chars("".join(children)).negate()
+        others = others.negate().union(ANY_CHAR.negate()).negate()  # minus surrogates
+        options.append(b.concat(others, b.repeat(ANY_CHAR, 0, None)))
+        return b.alt(options)
+
+    def property_name_language(self, sources) -> Node:
+        merged = self.merged_of(sources)
+        if merged is None:
+            return NOTHING
+        if merged.choices:
+            self.unsupported("'propertyNames' with anyOf/oneOf is not supported", "propertyNames", sources[0][1])
+            return self.b.repeat(ANY_CHAR, 0, None)
+        if merged.types is not None and "string" not in merged.types:
+            return NOTHING
+        if merged.enum is not None:
+            return self.b.alt([self.b.literal(v) for v in merged.enum if isinstance(v, str)])
+        return self.decoded_string(merged, sources[0][1])
+
+    def name_allowed(self, name: str, sources) -> bool:
+        atoms = []
+        for schema, pointer in sources:
+            inner = self.atoms(schema, pointer, [])
+            if inner is None:
+                return False
+            atoms += inner
+        return self.validates(name, atoms)
+
+
+def _fullmatch(node: Node, text: str) -> bool:
+    return re.fullmatch(to_python_regex(node), text) is not None

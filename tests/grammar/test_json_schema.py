@@ -1,0 +1,304 @@
+"""JSON Schema → AST, keyword by keyword: exact acceptance of hand-picked instances, agreement with ``jsonschema``
+on every instance the AST accepts, and every refusal pinned to its message."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnsupportedSchemaError
+from corral.grammar.json_schema import schema_to_node
+from corral.grammar.regex_ast import Intersect, to_python_regex
+from corral.grammar.regex_match import fullmatch
+
+
+def _contains_intersect(node) -> bool:
+    if isinstance(node, Intersect):
+        return True
+    children = getattr(node, "parts", None) or getattr(node, "options", None) or ()
+    inner = getattr(node, "node", None)
+    return any(_contains_intersect(c) for c in (*children, *([inner] if inner is not None else [])))
+
+
+_PRINTED: dict[int, tuple] = {}  # id -> (node kept alive, compiled pattern or None)
+
+
+def accepts(node, text: str) -> bool:
+    """Both oracles agree: Python's ``re`` on the printed AST and the reference matcher. ``re`` only sees ASTs that
+    print (no ``Intersect``) to under 20k characters: it needs about a minute to compile an 850k-character one."""
+    verdict = fullmatch(node, text)
+    if id(node) not in _PRINTED:
+        printed = None if _contains_intersect(node) else to_python_regex(node)
+        _PRINTED[id(node)] = (node, re.compile(printed) if printed and len(printed) < 20_000 else None)
+    pattern = _PRINTED[id(node)][1]
+    if pattern is not None:
+        assert bool(pattern.fullmatch(text)) == verdict, text
+    return verdict
+
+
+def check(schema, good=(), bad=(), texts_good=(), texts_bad=(), whitespace="compact"):
+    node = schema_to_node(schema, whitespace=whitespace)
+    separators = (",", ":") if whitespace == "compact" else (", ", ": ")
+    for value in good:
+        assert jsonschema.validate(value, schema) is None
+        assert accepts(node, json.dumps(value, separators=separators)), value
+    for value in bad:
+        assert not accepts(node, json.dumps(value, separators=separators)), value
+    for text in texts_good:
+        assert jsonschema.validate(json.loads(text), schema) is None
+        assert accepts(node, text), text
+    for text in texts_bad:
+        assert not accepts(node, text), text
+
+
+# ---- scalars -------------------------------------------------------------------------------------------------
+
+def test_type_and_type_lists():
+    check({"type": "null"}, good=[None], bad=[0, False, ""])
+    check({"type": "boolean"}, good=[True, False], bad=[None, 1])
+    check({"type": ["string", "null"]}, good=["a", None], bad=[1, [], {}])
+
+
+def test_integer_bounds_are_exact():
+    schema = {"type": "integer", "minimum": -3, "exclusiveMaximum": 120}
+    check(schema, good=list(range(-3, 120)), bad=[-4, 120, 1000, -30, 1.5], texts_bad=["01", "-0", "1.0", "1e2"])
+    check({"type": "integer", "minimum": 0.5, "maximum": 2.5}, good=[1, 2], bad=[0, 3])
+    check({"type": "integer", "exclusiveMinimum": True, "minimum": 5, "$schema":
+           "http://json-schema.org/draft-04/schema#"}, good=[6, 60], bad=[5, 4, -6])
+
+
+def test_number_bounds_are_exact_without_exponents():
+    schema = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
+    check(schema, good=[0, 0.5, 0.999, 0.0], bad=[1, 1.0, -0.1, 1.5, 10], texts_good=["0.25", "0"],
+          texts_bad=["-0", "1.00", "5e-1"])
+    check({"type": "number", "minimum": -90.5, "maximum": 90.5}, good=[-90.5, 90.5, 0, 45.25],
+          bad=[-90.51, 90.500001, 100])
+    check({"type": "number", "exclusiveMinimum": 0.1}, good=[0.11, 1, 1000.5], bad=[0.1, 0.09, -1],
+          texts_bad=["0.10000000000000000555"])
+
+
+def test_unbounded_number_grammar():
+    check({"type": "number"}, good=[0, -1.5, 1e-05, 1e16, 12345678901234567890],
+          texts_good=["-0", "1E+2", "0.0"], texts_bad=["01", "1.", ".5", "+1", "1e", "NaN"])
+
+
+def test_multiple_of():
+    check({"type": "integer", "multipleOf": 5}, good=[0, 5, -5, 1235, 100], bad=[1, 6, -7, 1234])
+    check({"type": "integer", "multipleOf": 4}, good=[0, 4, 8, 100, 1024, -12], bad=[2, 6, 102, -2])
+    check({"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 30}, good=[0, 7, 14, 21, 28],
+          bad=[1, 35, -7])
+    check({"type": "integer", "multipleOf": 10, "minimum": 15, "maximum": 1000}, good=[20, 1000, 500],
+          bad=[10, 1010, 25])
+
+
+def test_strings_count_decoded_characters():
+    schema = {"type": "string", "minLength": 2, "maxLength": 3}
+    check(schema, good=["ab", "abc", "é\n", "\U0001F600x", '"\\'], bad=["a", "abcd", ""])
+    check(schema, texts_good=['"\\u00e9\\u00E9"', '"\\ud83d\\ude00a"', '"\\/\\t"', '"é\\n"'],
+          texts_bad=['"\\u00e9"', '"\\ud83d"', '"a\\x"', '"a\nb"', '"\\ud83d\\ude00"'])
+
+
+def test_pattern_is_a_search_over_the_decoded_value():
+    check({"type": "string", "pattern": "^[a-c]+$"}, good=["abc", "a"], bad=["abd", ""],
+          texts_good=['"\\u0061b"'], texts_bad=['"a\\n"'])
+    check({"type": "string", "pattern": "x\\d"}, good=["x1", "aax9bb"], bad=["x", "xa1"])
+    check({"type": "string", "pattern": "^a", "maxLength": 3}, good=["a", "abc"], bad=["abcd", "ba"])
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("date", ["2024-02-29", "2000-02-29", "1999-12-31"], ["2023-02-29", "1900-02-29", "2021-04-31", "2021-1-01"]),
+    ("date-time", ["2021-01-01T10:00:00Z", "2021-06-30t23:59:59.5+05:30"], ["2021-01-01 10:00:00Z",
+                                                                           "2021-01-01T24:00:00Z"]),
+    ("time", ["10:00:00Z", "23:59:59.123-01:00"], ["10:00:00", "10:60:00Z"]),
+    ("duration", ["P1Y2M", "PT5M", "P3W", "P1DT2H"], ["PT", "P", "P1H", "1Y"]),
+    ("email", ["a.b@c.com", "x+y@host"], ["a@", "@b.com", "a b@c.com"]),
+    ("hostname", ["example.com", "a-b.c"], ["-a.com", "a..b", "a_b.com"]),
+    ("ipv4", ["1.2.3.4", "255.255.255.255"], ["256.1.1.1", "01.2.3.4", "1.2.3"]),
+    ("ipv6", ["::1", "1:2:3:4:5:6:7::", "::ffff:1.2.3.4", "fe80::1"], ["1::2::3", "fe80::1%eth0", ":::"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+    ("uri", ["http://example.com/a?b#c", "mailto:a@b.c", "http://[::1]:80/"], ["a b", "//x", "/relative"]),
+    ("uri-reference", ["http://x.org", "/relative/path?q", "#frag", ""], ["a b", "%zz"]),
+])
+def test_formats(name, good, bad):
+    node = schema_to_node({"type": "string", "format": name})
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for text in good:
+        assert accepts(node, json.dumps(text)), text
+        assert checker.conforms(text, name), text  # formats jsonschema does not check conform trivially
+    for text in bad:
+        assert not accepts(node, json.dumps(text)), text
+
+
+def test_unknown_formats_are_annotations_with_a_warning():
+    warnings = []
+    node = schema_to_node({"type": "string", "format": "topic"}, warnings=warnings)
+    assert accepts(node, '"anything"')
+    assert warnings == ["format 'topic' at '#' is not checked (an annotation)"]
+
+
+def test_enum_and_const():
+    check({"enum": ["a", 1, None, [1, 2], {"k": "é"}]}, good=["a", 1, None, [1, 2], {"k": "é"}],
+          bad=["b", 2, [2, 1], {"k": "e"}])
+    check({"type": "string", "enum": ["a", 1, "bb"], "maxLength": 1}, good=["a"], bad=[1, "bb"])
+    check({"const": "x\"y"}, good=['x"y'], bad=["xy"])
+    check({"enum": [{"a": 1, "b": [True]}]}, good=[{"a": 1, "b": [True]}], whitespace="flexible")
+
+
+# ---- objects and arrays ----------------------------------------------------------------------------------------
+
+def test_properties_in_schema_order_optional_ones_omissible():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["b"], "additionalProperties": False}
+    check(schema, good=[{"b": "x"}, {"a": 1, "b": "x"}], bad=[{"a": 1}, {}, {"a": 1, "b": "x", "c": 1},
+                                                              {"a": "1", "b": "x"}],
+          texts_bad=['{"b":"x","a":1}', '{"a":1,"b":"x",}', '{,"b":"x"}'])
+
+
+def test_additional_properties_default_allows_undeclared_members_after_declared_ones():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    check(schema, good=[{}, {"a": 1}, {"a": 1, "z": [1, {"k": None}]}, {"z": "s"}],
+          bad=[{"a": "x"}, {"z": 1, "a": "x"}], texts_bad=['{"a":1,"a":"x"}'])
+    check({"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+          good=[{"a": "s", "b": 1}], bad=[{"a": "s", "b": "s"}])
+
+
+def test_pattern_properties_and_property_names():
+    check({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": False},
+          good=[{}, {"x-a": 1, "x-b": 2}], bad=[{"y": 1}, {"x-a": "s"}])
+    check({"type": "object", "propertyNames": {"maxLength": 2}}, good=[{"ab": 1}], bad=[{"abc": 1}])
+
+
+def test_min_and_max_properties():
+    schema = {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "minProperties": 1,
+              "maxProperties": 2, "additionalProperties": False}
+    check(schema, good=[{"a": 1}, {"b": 1, "c": 2}], bad=[{}, {"a": 1, "b": 2, "c": 3}])
+
+
+def test_arrays_items_prefix_items_and_counts():
+    check({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+          good=[[1], [1, 2, 3]], bad=[[], [1, 2, 3, 4], ["a"]])
+    check({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+          good=[[], ["a"], ["a", 1]], bad=[[1], ["a", 1, 2]])
+    check({"type": "array", "items": [{"type": "string"}], "additionalItems": {"type": "integer"},
+           "$schema": "http://json-schema.org/draft-07/schema#"}, good=[["a", 1, 2]], bad=[["a", "b"]])
+    check({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1},
+          good=[[], [1]], bad=[[1, 1]])
+
+
+def test_flexible_whitespace_accepts_json_dumps_separators_and_bounded_runs():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
+    check(schema, good=[{"a": [1, 2]}, {"a": []}, {}], whitespace="flexible",
+          texts_good=['{"a":[1,2]}', '{ "a" :\n[ 1 ,2 ] }', '{    }'],
+          texts_bad=[' {"a":[1]}', '{"a":[1]} ', '{     "a":[1]}', '{\f"a":[1]}'])
+    node = schema_to_node(schema, whitespace="flexible", max_whitespace=1)
+    assert accepts(node, '{ "a": [1, 2]}') and not accepts(node, '{  "a": [1]}')
+
+
+# ---- composition and references ------------------------------------------------------------------------------
+
+def test_all_of_merges_exactly():
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                         "additionalProperties": False},
+                        {"properties": {"a": {"minimum": 3}, "b": {}}}]}
+    check(schema, good=[{"a": 3}], bad=[{"a": 2}, {"a": 3, "b": 1}, {}])
+    check({"allOf": [{"type": ["integer", "string"]}, {"type": ["number"]}, {"maximum": 5}]},
+          good=[5, -1], bad=["a", 6, 1.5])
+
+
+def test_any_of_and_disjoint_one_of():
+    check({"anyOf": [{"type": "integer", "maximum": 0}, {"type": "integer", "minimum": 10}]},
+          good=[-3, 0, 10], bad=[5])
+    check({"oneOf": [{"type": "string"}, {"type": "integer"}]}, good=["s", 1], bad=[None])
+    tagged = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+                         "required": ["kind"]},
+                        {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}]}
+    check(tagged, good=[{"kind": "a", "x": 1}, {"kind": "b"}], bad=[{"kind": "c"}, {"kind": "a", "x": "s"}])
+
+
+def test_refs_local_and_recursive_unrolled():
+    schema = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                                 "additionalProperties": False}},
+              "$ref": "#/$defs/node"}
+    check(schema, good=[{}, {"next": {}}, {"next": {"next": {}}}], bad=[{"next": 1}])
+    assert not accepts(schema_to_node(schema), '{"next":{"next":{"next":{"next":{}}}}}')  # past the depth
+    check({"definitions": {"a~b/c": {"type": "integer"}}, "items": {"$ref": "#/definitions/a~0b~1c"},
+           "type": "array"}, good=[[1]], bad=[["x"]])
+    check({"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://x.org/root.json", "definitions": {"s": {"$id": "#str", "type": "string"}},
+           "properties": {"p": {"$ref": "#str"}}, "type": "object"}, good=[{"p": "x"}], bad=[{"p": 1}])
+
+
+def test_boolean_schemas_and_empty_schema():
+    check(True, good=[1, "x", [1, [2, [3]]], {"a": {"b": None}}, None])
+    check({"type": "object", "properties": {"a": False}}, good=[{}], bad=[{"a": 1}])
+
+
+# ---- refusals and errors -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schema, message", [
+    ({"not": {"type": "string"}}, r"'not' is not supported \(keyword 'not' at '#'\)"),
+    ({"properties": {"a": {"if": {}, "then": {}}}}, r"'if' is not supported \(keyword 'if' at '#/properties/a'\)"),
+    ({"contains": {}}, r"'contains' is not supported \(keyword 'contains' at '#'\)"),
+    ({"dependencies": {"a": ["b"]}}, r"'dependencies' is not supported"),
+    ({"dependentRequired": {"a": ["b"]}}, r"'dependentRequired' is not supported"),
+    ({"unevaluatedProperties": False}, r"'unevaluatedProperties' is not supported"),
+    ({"type": "array", "uniqueItems": True}, r"'uniqueItems: true' is not supported unless at most one item"),
+    ({"type": "number", "multipleOf": 0.01}, r"a fractional 'multipleOf' is not supported"),
+    ({"type": "integer", "multipleOf": 7}, r"'multipleOf: 7' without tight bounds is not supported"),
+    ({"oneOf": [{"type": "integer"}, {"minimum": 3}]}, r"oneOf branches 0 and 1 may both match one value"),
+    ({"type": "string", "pattern": "a(?=b)"}, r"pattern: lookahead is not supported.*keyword 'pattern' at '#'"),
+    ({"$ref": "http://example.com/s.json"}, r"points outside this schema document"),
+])
+def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, message):
+    with pytest.raises(UnsupportedSchemaError, match=message):
+        schema_to_node(schema)
+
+
+def test_lenient_ignores_unsupported_keywords_and_reports_them():
+    warnings = []
+    node = schema_to_node({"type": "integer", "not": {"const": 3}}, lenient=True, warnings=warnings)
+    assert accepts(node, "3")
+    assert warnings == ["'not' is not supported (keyword 'not' at '#'): ignored"]
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "strin"}, r"'type' must be one of null, boolean.*keyword 'type' at '#'"),
+    ({"properties": {"a": {"minLength": -1}}}, r"'minLength' must be a non-negative integer.*'#/properties/a'"),
+    ({"required": "a"}, r"'required' must be an array of strings"),
+    ({"anyOf": []}, r"'anyOf' must be a non-empty array of schemas"),
+    ({"$ref": "#/definitions/missing"}, r"points to nothing \(dangling reference\)"),
+    ({"$ref": "#nowhere"}, r"names no anchor"),
+    ({"definitions": {"a": {"$ref": "#/definitions/a"}}, "$ref": "#/definitions/a"}, r"\$ref cycle"),
+    ({"type": "string", "pattern": "a("}, r"pattern: .*keyword 'pattern' at '#'"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, r"accepts no value at all.*bounds leave no integer"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, r"accepts no value at all.*no type in common"),
+    ({"enum": [1, 2], "type": "string"}, r"no 'enum'/'const' value satisfies"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False},
+     r"required property 'a' can have no value"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, r"minLength exceeds maxLength"),
+    ({"minimum": float("nan")}, r"the schema is not JSON"),
+    ({"const": {1, 2}}, r"the schema is not JSON"),
+    ("string", r"a schema must be a JSON object or a boolean"),
+])
+def test_malformed_schemas_raise_invalid_schema_error(schema, message):
+    with pytest.raises(InvalidSchemaError, match=message):
+        schema_to_node(schema)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("schema", [
+    {"enum": list(range(200_000))},
+    {"type": "string", "maxLength": 10_000_000},
+    {"type": "array", "minItems": 5_000_000},
+    {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 100} for i in range(300)}},
+    {"$defs": {"b": {"anyOf": [{"$ref": "#/$defs/c"}, {"type": "array", "items": {"$ref": "#/$defs/c"}}]},
+               "c": {"anyOf": [{"$ref": "#/$defs/d"}, {"type": "array", "items": {"$ref": "#/$defs/d"}}]},
+               "d": {"anyOf": [{"$ref": "#/$defs/e"}, {"type": "array", "items": {"$ref": "#/$defs/e"}}]},
+               "e": {"anyOf": [{"$ref": "#/$defs/f"}, {"type": "array", "items": {"$ref": "#/$defs/f"}}]},
+               "f": {"anyOf": [{"$ref": "#/$defs/g"}, {"type": "array", "items": {"$ref": "#/$defs/g"}}]},
+               "g": {"oneOf": [{"type": "string", "maxLength": 400}, {"type": "integer"}]}},
+     "$ref": "#/$defs/b"},
+])
+def test_gigantic_schemas_fail_fast_with_a_typed_error(schema):
+    with pytest.raises(GrammarTooComplexError, match=r"more than \d+ automaton nodes"):
+        schema_to_node(schema)
