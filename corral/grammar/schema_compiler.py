@@ -12,7 +12,8 @@ from corral.errors import InvalidSchemaError, UnsupportedSchemaError
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import NOTHING, Node
 from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
-from corral.grammar.schema_merge import Atom, MergedSchema, Source, merge_atoms, schema_for_name
+from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, schema_for_name
+from corral.grammar.schema_not import negate
 from corral.grammar.schema_refs import RefResolver
 from corral.grammar.schema_values import ValueBuilders
 
@@ -29,6 +30,7 @@ class SchemaCompiler(ValueBuilders):
         self.memo: dict[tuple, Node] = {}
         self.contradictions: list[str] = []
         self._validator = None
+        self._generated: list = []  # schemas made here (negations): kept alive, their ids key the memo
 
     # ---- errors ------------------------------------------------------------------------------------------------
     def unsupported(self, message: str, keyword: str, pointer: str) -> None:
@@ -122,6 +124,8 @@ class SchemaCompiler(ValueBuilders):
         if not atoms:
             return self.any_value()
         merged = merge_atoms(atoms)
+        if merged.negations:
+            return self.build_negation(atoms, merged)
         if merged.choices:
             return self.build_choice(atoms, merged)
         pointer = atoms[0][1]
@@ -148,6 +152,26 @@ class SchemaCompiler(ValueBuilders):
             self.check_disjoint([merge_atoms(a) for a, _ in alternatives], pointer)
         return self.b.alt([self.build(a, refs) for a, refs in alternatives])
 
+    def build_negation(self, atoms: list[Atom], merged: MergedSchema) -> Node:
+        negated, pointer, owner = merged.negations[0]
+        schema, owner_pointer, skip = atoms[owner]
+        base = atoms[:owner] + [(schema, owner_pointer, skip | {"not"})] + atoms[owner + 1:]
+        try:
+            options = negate(negated, pointer, self.refs.resolve)
+        except UnsupportedSchemaError as error:
+            if not self.lenient:
+                raise
+            self.warnings.append(f"{error}: ignored")
+            return self.build(base, [])
+        self._generated.append(options)
+        alternatives = []
+        for option in options:
+            refs: list[str] = []
+            inner = self.atoms(option, pointer, refs)
+            if inner is not None:
+                alternatives.append(self.build(base + inner, refs))
+        return self.b.alt(alternatives)
+
     # ---- oneOf -------------------------------------------------------------------------------------------------
     def check_disjoint(self, branches: list[MergedSchema], pointer: str) -> None:
         for i in range(len(branches)):
@@ -166,8 +190,8 @@ class SchemaCompiler(ValueBuilders):
         if not common:
             return True
         if a.enum is not None and b.enum is not None:
-            keys = {jsonschema_key(v) for v in a.enum}
-            if not any(jsonschema_key(v) in keys for v in b.enum):
+            keys = {json_key(v) for v in a.enum}
+            if not any(json_key(v) in keys for v in b.enum):
                 return True
         if common != {"object"} or depth == 0:
             return False
@@ -195,7 +219,3 @@ class SchemaCompiler(ValueBuilders):
         except Exception:  # noqa: BLE001 - a validator failure must only ever drop a candidate (narrower)
             return False
 
-
-def jsonschema_key(value) -> str:
-    import json
-    return json.dumps(value, sort_keys=True)

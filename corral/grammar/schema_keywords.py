@@ -18,12 +18,12 @@ IMPLEMENTED = frozenset({
     "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
     "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems",
     "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "not",
 })
 
 # Keywords that change the language and that Corral does not compile: refused, never silently dropped.
 UNSUPPORTED = frozenset({
-    "not", "if", "then", "else", "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
+    "if", "then", "else", "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
     "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
     "$recursiveAnchor", "$dynamicAnchor",
 })
@@ -31,7 +31,7 @@ UNSUPPORTED = frozenset({
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SINGLE_SCHEMAS = ("additionalProperties", "propertyNames", "additionalItems")
+_SINGLE_SCHEMAS = ("not", "additionalProperties", "propertyNames", "additionalItems")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _NUMBERS = ("minimum", "maximum")
 

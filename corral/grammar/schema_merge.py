@@ -19,6 +19,7 @@ from fractions import Fraction
 
 from corral.grammar.regex_ast import to_python_regex
 from corral.grammar.regex_parser import parse_regex
+from corral.grammar.schema_not import EXCLUDE
 from corral.grammar.schema_refs import escape_pointer_token
 
 Source = tuple[object, str]  # (schema, JSON pointer)
@@ -51,10 +52,23 @@ class MergedSchema:
     min_properties: int = 0
     max_properties: int | None = None
     choices: list[tuple[str, list[Source], int]] = field(default_factory=list)  # (anyOf|oneOf, branches, atom)
+    negations: list[tuple[object, str, int]] = field(default_factory=list)  # (schema under 'not', pointer, atom)
+    excluded: list = field(default_factory=list)  # values the instance must not equal (negated enum/const)
 
 
-def _json_key(value) -> str:
-    return json.dumps(value, sort_keys=True)
+def json_key(value) -> str:
+    """Equal keys exactly for values that JSON Schema calls equal (``1 == 1.0``, but ``true != 1``)."""
+    return json.dumps(_integral(value), sort_keys=True)
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
 
 
 def _tighter(a: Bound | None, b: Bound | None, lower: bool) -> Bound | None:
@@ -151,8 +165,8 @@ def merge_atoms(atoms: list[Atom]) -> MergedSchema:
             if values is not None and merged.enum is None:
                 merged.enum = values
             elif values is not None:
-                keys = {_json_key(v) for v in values}
-                merged.enum = [v for v in merged.enum if _json_key(v) in keys]
+                keys = {json_key(v) for v in values}
+                merged.enum = [v for v in merged.enum if json_key(v) in keys]
         merged.low = _tighter(merged.low, _bounds(schema, "low"), True)
         merged.high = _tighter(merged.high, _bounds(schema, "high"), False)
         if get("multipleOf") is not None:
@@ -175,6 +189,9 @@ def merge_atoms(atoms: list[Atom]) -> MergedSchema:
         merged.required += [name for name in schema.get("required", []) if name not in merged.required]
         _merge_objects(merged, schema, pointer)
         _merge_arrays(merged, schema, pointer)
+        if get("not") is not None:
+            merged.negations.append((schema["not"], f"{pointer}/not", index))
+        merged.excluded += schema.get(EXCLUDE, [])
         for kind in ("anyOf", "oneOf"):
             if get(kind) is not None:
                 branches = [(s, f"{pointer}/{kind}/{i}") for i, s in enumerate(schema[kind])]

@@ -18,7 +18,7 @@ from corral.grammar.json_strings import ANY_CHAR, length_node, loose_string_node
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
-from corral.grammar.schema_merge import MergedSchema, integral_multiple, schema_for_name
+from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, schema_for_name
 
 ANY_VALUE_DEPTH = 3
 MAX_ENUMERATED_MULTIPLES = 256
@@ -70,21 +70,29 @@ class ValueBuilders:
         if 2 * len(merged.enum) > self.b.max_nodes or sum(len(json.dumps(v)) for v in merged.enum) > self.b.max_nodes:  # refuse before validating them
             raise GrammarTooComplexError(f"the enum would need more than {self.b.max_nodes} automaton nodes")
         formats = [format_node(f) for f, _ in merged.formats if format_node(f) is not None]
-        kept = [v for v in merged.enum if self.validates(v, atoms)
+        excluded = {json_key(v) for v in merged.excluded}
+        kept = [v for v in merged.enum if json_key(v) not in excluded and self.validates(v, atoms)
                 and not (isinstance(v, str) and any(not _fullmatch(f, v) for f in formats))]
         if not kept:
             return self.contradiction("no 'enum'/'const' value satisfies the other keywords", pointer)
         return self.b.alt([self.value_literal(v) for v in kept])
 
     def type_node(self, name: str, merged: MergedSchema, pointer: str) -> Node:
-        if name == "null":
-            return self.b.literal("null")
-        if name == "boolean":
-            return self.b.alt([self.b.literal("true"), self.b.literal("false")])
+        excluded = {json_key(v) for v in merged.excluded}
+        if name in ("null", "boolean"):
+            return self.b.alt([self.b.literal(v) for v in ("null", "true", "false")
+                               if v not in excluded and (v == "null") == (name == "null")])
         if name in ("integer", "number"):
-            return self.number_node(merged, name == "integer", pointer)
+            node = self.number_node(merged, name == "integer", pointer)
+            numbers = [json_key(v) for v in merged.excluded if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if numbers and name == "number":
+                self.unsupported("'not' over a number 'enum'/'const' is not supported for type number", "not",
+                                 pointer)
+            return self.b.intersect(node, self.names_except(numbers)) if numbers and name == "integer" else node
         if name == "string":
             return self.string_node(merged, pointer)
+        if any(isinstance(v, list if name == "array" else dict) for v in merged.excluded):
+            self.unsupported(f"'not' over an {name} 'enum'/'const' is not supported", "not", pointer)
         if name == "array":
             return self.array_node(merged, pointer)
         return self.object_node(merged, pointer)
@@ -165,6 +173,10 @@ class ValueBuilders:
         return None
 
     def string_node(self, merged: MergedSchema, pointer: str) -> Node:
+        strings = [v for v in merged.excluded if isinstance(v, str)]
+        if strings:
+            return string_node(self.b, self.b.intersect(self.decoded_string(merged, pointer),
+                                                        self.names_except(strings)))
         if not merged.patterns and not merged.formats and merged.min_length == 0:
             return loose_string_node(self.b, merged.max_length)
         return string_node(self.b, self.decoded_string(merged, pointer))

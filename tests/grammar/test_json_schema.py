@@ -228,6 +228,21 @@ def test_refs_local_and_recursive_unrolled():
            "properties": {"p": {"$ref": "#str"}}, "type": "object"}, good=[{"p": "x"}], bad=[{"p": 1}])
 
 
+def test_not_is_pushed_down_to_positive_schemas():
+    check({"not": {"type": ["string", "object"]}}, good=[1, None, [1], True, 2.5], bad=["s", {}])
+    check({"type": "integer", "not": {"enum": [1, 2.0]}}, good=[0, 3, 12, -1], bad=[1, 2])
+    check({"type": "string", "not": {"const": "a"}}, good=["b", "", "ab"], bad=["a"], texts_bad=['"\\u0061"'])
+    check({"type": "object", "not": {"required": ["a", "b"]}}, good=[{}, {"a": 1}, {"b": 1, "c": 2}],
+          bad=[{"a": 1, "b": 2}])
+    check({"not": {"minimum": 3}}, good=[2, 2.999, -5], bad=[3, 3.5, "x", None])
+    check({"not": {"anyOf": [{"type": "string"}, {"type": "null"}]}}, good=[1, True], bad=["s", None])
+    check({"not": {"not": {"type": "integer"}}}, good=[1, -4], bad=["x", 1.5])
+    check({"type": "object", "properties": {"k": {"type": "integer"}},
+           "not": {"properties": {"k": {"maximum": 5}}}}, good=[{"k": 6}], bad=[{}, {"k": 5}, {"k": "x"}])
+    check({"$schema": "http://json-schema.org/draft-04/schema#",
+           "not": {"type": "integer", "exclusiveMinimum": True, "minimum": 5}}, good=[5, 4, "x"], bad=[6, 100])
+
+
 def test_boolean_schemas_and_empty_schema():
     check(True, good=[1, "x", [1, [2, [3]]], {"a": {"b": None}}, None])
     check({"type": "object", "properties": {"a": False}}, good=[{}], bad=[{"a": 1}])
@@ -236,7 +251,8 @@ def test_boolean_schemas_and_empty_schema():
 # ---- refusals and errors -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("schema, message", [
-    ({"not": {"type": "string"}}, r"'not' is not supported \(keyword 'not' at '#'\)"),
+    ({"not": {"type": "string", "pattern": "a"}}, r"'not' over 'pattern' is not supported \(keyword 'not' at '#/not'\)"),
+    ({"not": {"oneOf": [{}]}}, r"'not' over 'oneOf' is not supported"),
     ({"properties": {"a": {"if": {}, "then": {}}}}, r"'if' is not supported \(keyword 'if' at '#/properties/a'\)"),
     ({"contains": {}}, r"'contains' is not supported \(keyword 'contains' at '#'\)"),
     ({"dependencies": {"a": ["b"]}}, r"'dependencies' is not supported"),
@@ -256,9 +272,11 @@ def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, messa
 
 def test_lenient_ignores_unsupported_keywords_and_reports_them():
     warnings = []
-    node = schema_to_node({"type": "integer", "not": {"const": 3}}, lenient=True, warnings=warnings)
+    node = schema_to_node({"type": "integer", "not": {"multipleOf": 3}, "contains": {}}, lenient=True,
+                          warnings=warnings)
     assert accepts(node, "3")
-    assert warnings == ["'not' is not supported (keyword 'not' at '#'): ignored"]
+    assert warnings == ["'contains' is not supported (keyword 'contains' at '#'): ignored",
+                        "'not' over 'multipleOf' is not supported (keyword 'not' at '#/not'): ignored"]
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -277,6 +295,8 @@ def test_lenient_ignores_unsupported_keywords_and_reports_them():
      r"required property 'a' can have no value"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, r"minLength exceeds maxLength"),
     ({"minimum": float("nan")}, r"the schema is not JSON"),
+    ({"not": {}}, r"accepts no value at all"),
+    ({"not": {"anyOf": [{"type": "string"}, {"maxLength": 2}]}}, r"accepts no value at all"),
     ({"const": {1, 2}}, r"the schema is not JSON"),
     ("string", r"a schema must be a JSON object or a boolean"),
 ])
