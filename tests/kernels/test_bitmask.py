@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from corral.kernels.bitmask import (apply_token_bitmask_, apply_token_bitmask_torch_, apply_token_bitmask_triton_,
-                                    unpack_bitmask)
+from corral.kernels.bitmask import (apply_token_bitmask_, apply_token_bitmask_cpu_, apply_token_bitmask_torch_,
+                                    apply_token_bitmask_triton_, unpack_bitmask)
 
 # (tokenizer vocabulary, logits width): SmolLM2, an odd size, Llama 3, Qwen2 (151,665 tokens, lm_head of 151,936)
 VOCABS = [(49152, 49152), (49153, 49153), (128256, 128256), (151665, 151936)]
@@ -28,11 +28,18 @@ def reference(logits: np.ndarray, bitmask: np.ndarray, indices, vocab_size: int)
     return out
 
 
-def make_case(num_rows: int, width: int, vocab_size: int, dtype: torch.dtype, seed: int):
+def make_case(num_rows: int, width: int, vocab_size: int, dtype: torch.dtype, seed: int, density="random"):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_rows, width, generator=generator).to(dtype)
     num_words = (vocab_size + 31) // 32
     bitmask = torch.randint(-2**31, 2**31 - 1, (num_rows, num_words), dtype=torch.int32, generator=generator)
+    # The CPU path treats open, closed and mixed words differently: cover masks dominated by each.
+    if density == "mostly_allowed":
+        bitmask[torch.rand(num_rows, num_words, generator=generator) > 0.05] = -1
+        return logits, bitmask
+    if density == "mostly_masked":
+        bitmask[torch.rand(num_rows, num_words, generator=generator) > 0.3] = 0
+        return logits, bitmask
     # Rows of every density: all allowed, none allowed, and sparse (a grammar usually allows few tokens).
     if num_rows > 1:
         bitmask[1] = -1
@@ -48,14 +55,15 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("vocab_size,width", VOCABS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_rows,indices", [(1, None), (7, None), (64, None), (64, [63, 0, 17, 5])])
-def test_twin_matches_reference(vocab_size, width, dtype, num_rows, indices):
-    logits, bitmask = make_case(num_rows, width, vocab_size, dtype, seed=vocab_size + num_rows)
-    expected = reference(as_numpy(logits), bitmask.numpy(), indices, vocab_size)
-    index_tensor = None if indices is None else torch.tensor(indices)
-    apply_token_bitmask_torch_(logits, bitmask, index_tensor, vocab_size=vocab_size)
-    np.testing.assert_array_equal(as_numpy(logits), expected)
+@pytest.mark.parametrize("density", ["random", "mostly_allowed", "mostly_masked"])
+@pytest.mark.parametrize("kernel", [apply_token_bitmask_torch_, apply_token_bitmask_cpu_], ids=["twin", "cpu"])
+def test_cpu_kernels_match_reference(vocab_size, width, density, kernel):
+    for dtype, num_rows, indices in [(torch.float32, 1, None), (torch.bfloat16, 33, None),
+                                     (torch.float16, 64, [63, 0, 17, 5]), (torch.float32, 64, [2])]:
+        logits, bitmask = make_case(num_rows, width, vocab_size, dtype, seed=vocab_size + num_rows, density=density)
+        expected = reference(as_numpy(logits), bitmask.numpy(), indices, vocab_size)
+        kernel(logits, bitmask, None if indices is None else torch.tensor(indices), vocab_size=vocab_size)
+        np.testing.assert_array_equal(as_numpy(logits), expected, err_msg=f"{dtype} {num_rows} {indices}")
 
 
 # One row per vocabulary size, rotating dtype, batch size and indices; batch 64 appears with and without indices.
@@ -82,7 +90,7 @@ def test_triton_matches_twin(vocab_size, width, dtype, num_rows, indices):
     assert not torch.equal(twin, make_case(num_rows, width, vocab_size, dtype, seed=7 * vocab_size + num_rows)[0])
 
 
-@pytest.mark.parametrize("kernel", [apply_token_bitmask_torch_, apply_token_bitmask_triton_])
+@pytest.mark.parametrize("kernel", [apply_token_bitmask_torch_, apply_token_bitmask_cpu_, apply_token_bitmask_triton_])
 def test_columns_past_the_bitmask_are_masked_without_vocab_size(kernel):
     # 40 tokens in 2 words, a 70-wide lm_head: columns 64..69 have no bit at all and must be masked.
     logits = torch.zeros(2, 70)
