@@ -16,16 +16,16 @@ from collections import OrderedDict
 
 from corral.errors import InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
 from corral.fsm.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
-from corral.fsm.byte_dfa import build_dfa
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
+from corral.fsm.lazy_dfa import LazyDFA
 from corral.fsm.token_index import TokenIndex
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
 from corral.grammar.regex_ast import Alt, Node, literal
 from corral.grammar.regex_parser import parse_regex
 
-JSON_OBJECT_MAX_DEPTH = 4  # 7.7k DFA states, about 0.3 s to compile once per vocabulary (then cached)
+JSON_OBJECT_MAX_DEPTH = 6  # the DFA is determinized lazily, so depth costs NFA size only
 
 
 class CompiledGrammar:
@@ -101,7 +101,7 @@ class GrammarCompiler:
         return grammar
 
     def _build(self, node: Node, kind: str, warnings: tuple[str, ...]) -> CompiledGrammar:
-        dfa = build_dfa(node, Budget(self.time_budget_s, self.max_states))
+        dfa = LazyDFA(node, Budget(self.time_budget_s, self.max_states))
         if dfa.is_empty:
             if kind == "json_schema":
                 raise InvalidSchemaError("the schema admits no JSON value (its constraints contradict each other)")

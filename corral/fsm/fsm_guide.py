@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from corral.fsm.byte_dfa import DEAD
+from corral.fsm.lazy_dfa import DEAD
 from corral.fsm.guide import Guide
 from corral.fsm.token_index import TokenIndex
 
@@ -46,13 +46,13 @@ class FSMGuide(Guide):
 
     def is_accepting(self) -> bool:
         state = self.state
-        return state == ENDED or (state >= 0 and bool(self.index.accepting[state]))
+        return state == ENDED or (state >= 0 and self.index.is_accepting(state))
 
     def is_finished(self) -> bool:
         state = self.state
         if state in (DEAD, ENDED):
             return True
-        return bool(self.index.accepting[state]) and not (self.index.trans[state] >= 0).any()
+        return self.index.is_accepting(state) and not (self.index.row(state) >= 0).any()
 
     def is_error(self) -> bool:
         return self.state == DEAD
@@ -67,11 +67,12 @@ class FSMGuide(Guide):
 
     def forced_bytes(self) -> bytes:
         """Follow the states with exactly one live byte that are not accepting (an accepting state may stop)."""
-        state, out, trans = self.state, bytearray(), self.index.trans
-        while state >= 0 and not self.index.accepting[state] and len(out) < _MAX_FORCED_BYTES:
-            live = np.flatnonzero(trans[state] >= 0)
+        state, out = self.state, bytearray()
+        while state >= 0 and not self.index.is_accepting(state) and len(out) < _MAX_FORCED_BYTES:
+            row = self.index.row(state)
+            live = np.flatnonzero(row >= 0)
             if len(live) != 1:
                 break
             out.append(int(live[0]))
-            state = int(trans[state, live[0]])
+            state = int(row[live[0]])
         return bytes(out)

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from corral.fsm.byte_dfa import DEAD, ByteDFA
+from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.vocabulary import Vocabulary
 
 # Below this many live first bytes, candidates are gathered by first-byte slices instead of taking them all.
@@ -103,33 +103,35 @@ def vocab_tables(vocab: Vocabulary) -> VocabTables:
 
 
 class TokenIndex:
-    """State × token → state over a trimmed :class:`ByteDFA`, with lazily computed, cached per-state masks."""
+    """State × token → state over a :class:`LazyDFA`, with lazily computed, cached per-state masks."""
 
-    def __init__(self, dfa: ByteDFA, vocab: Vocabulary):
+    def __init__(self, dfa: LazyDFA, vocab: Vocabulary):
         assert not dfa.is_empty, "an empty language has no token index"
         self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
-        self.trans = dfa.trans
-        self.accepting = dfa.accepting
-        self._masks: list[np.ndarray | None] = [None] * dfa.num_states
+        self._masks: dict[int, np.ndarray] = {}
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
 
     @property
     def num_states(self) -> int:
+        """States determinized so far (the automaton grows as it is explored)."""
         return self.dfa.num_states
 
-    @property
-    def num_masks_computed(self) -> int:
-        return sum(mask is not None for mask in self._masks)
-
     def nbytes(self) -> int:
-        """Memory held now: the transition table plus the masks computed so far."""
-        return self.trans.nbytes + self.num_masks_computed * self.tables.num_words * 4
+        """Memory held now: the transition rows plus the masks computed so far."""
+        return self.dfa.trans.nbytes + len(self._masks) * self.tables.num_words * 4
+
+    def is_accepting(self, state: int) -> bool:
+        return bool(self.dfa.accepting[state])
+
+    def row(self, state: int) -> np.ndarray:
+        """The 256 next states of ``state`` (``DEAD`` where a byte is not allowed)."""
+        return self.dfa.row(state)
 
     def mask(self, state: int) -> np.ndarray:
         """int32 bitmask words of the tokens allowed in ``state`` (shared: never write into it)."""
-        mask = self._masks[state]
+        mask = self._masks.get(state)
         if mask is None:
             mask = self._masks[state] = self._compute_mask(state)
         return mask
@@ -138,22 +140,22 @@ class TokenIndex:
         """The state after ``token_id`` (EOS and special tokens are not walked here), or ``DEAD``."""
         if token_id in self._special_ids or token_id in self._eos_ids:
             return DEAD
-        trans = self.trans
+        step = self.dfa.step
         for byte in self._token_bytes[token_id]:
-            state = trans[state, byte]
+            state = step(state, byte)
             if state < 0:
                 return DEAD
-        return int(state)
+        return state
 
     def _compute_mask(self, state: int) -> np.ndarray:
-        tables, row = self.tables, self.trans[state]
+        tables, row = self.tables, self.dfa.row(state)
         loop = row == state
         if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
             inside_words, outside_ids = tables.loop_split(loop)
             words = inside_words | tables.words_of(self._walk(state, outside_ids))
         else:
             words = tables.words_of(self._walk(state, tables.candidates(np.flatnonzero(row >= 0))))
-        if self.accepting[state]:
+        if self.dfa.accepting[state]:
             words = words | tables.eos_words
         # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that
         # lacks the bytes a state needs can leave a state with no token, which the guide reports as an error.
@@ -162,12 +164,12 @@ class TokenIndex:
 
     def _walk(self, state: int, token_ids: np.ndarray) -> np.ndarray:
         """The subset of ``token_ids`` whose bytes, walked from ``state``, never hit a dead move."""
-        trans, lengths, columns = self.trans, self.tables.lengths, self.tables.columns
+        lengths, columns, ensure = self.tables.lengths, self.tables.columns, self.dfa.ensure
         live_ids = token_ids
         states = np.full(len(live_ids), state, dtype=np.int32)
         allowed = []
         for depth, column in enumerate(columns):
-            states = trans[states, column[live_ids]]
+            states = ensure(states)[states, column[live_ids]]
             alive = states != DEAD
             live_ids, states = live_ids[alive], states[alive]
             ended = lengths[live_ids] == depth + 1

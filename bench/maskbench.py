@@ -1,0 +1,330 @@
+"""MaskBench: JSON Schema mask engines side by side, on the same schemas and the same vocabulary, in one run.
+
+Protocol (JSONSchemaBench's MaskBench): each test instance is serialized with ``json.dumps`` (separators ", " and
+": ") and tokenized with the model's tokenizer; before each token the engine computes the mask, the token must be
+in it, then it is committed; at the end EOS must be allowed. A schema passes when it compiles, every valid
+instance is accepted to the end and every invalid one is rejected. TTFM is compile plus the first mask; TBM is
+every later mask. Each engine runs in its own worker process, one schema at a time, under a wall-clock
+``--timeout`` per schema (a hung or crashed worker is replaced and the schema counted as a timeout/crash).
+
+Engines: corral, and when installed xgrammar, llguidance, outlines (outlines-core), each configured as MaskBench
+configures it: flexible whitespace (xgrammar ``any_whitespace``, llguidance ``whitespace_flexible``, Corral
+``whitespace="flexible"``), otherwise defaults; outlines-core uses its default whitespace pattern.
+
+    python bench/maskbench.py --limit 500 --engines corral,xgrammar,llguidance --out maskbench.json
+"""
+
+import argparse
+import gzip
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                            "maskbench-dev.jsonl.gz")
+ALL_ENGINES = ("corral", "xgrammar", "llguidance", "outlines")
+
+
+# ---- engines: compile(schema) -> template; start(template) -> matcher; fill/consume/is_accepting -----------
+
+class CorralEngine:
+    def __init__(self, tokenizer, vocab, timeout_s):
+        from corral.fsm.compiler import GrammarCompiler
+
+        self.compiler = GrammarCompiler(vocab, time_budget_s=min(10.0, timeout_s), cache_bytes=64 << 20)
+
+    def compile(self, schema):
+        from corral.grammar.constraint import Constraint
+
+        return self.compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+
+    def cache_hit_s(self, schema) -> float:
+        from corral.grammar.constraint import Constraint
+
+        start = time.perf_counter()
+        self.compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+        return time.perf_counter() - start
+
+    def start(self, grammar):
+        return grammar.new_guide()
+
+    def fill(self, guide, row):
+        guide.fill_mask(row)
+
+    def consume(self, guide, token_id):
+        return guide.advance(token_id)
+
+
+class XGrammarEngine:
+    def __init__(self, tokenizer, vocab, timeout_s):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo(list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.size,
+                                 stop_token_ids=list(vocab.eos_token_ids))
+        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, schema):
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=True)
+
+    def start(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matcher, row):
+        matcher.fill_next_token_bitmask(row.reshape(1, -1))
+
+    def consume(self, matcher, token_id):
+        return matcher.accept_token(token_id)
+
+
+class LLGuidanceEngine:
+    def __init__(self, tokenizer, vocab, timeout_s):
+        import llguidance
+        import llguidance.numpy
+
+        self.llg = llguidance
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab.size,
+                                                eos_token=vocab.eos_token_ids[0])
+
+    def compile(self, schema):
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": True})
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def start(self, template):
+        return template.deep_copy()
+
+    def fill(self, matcher, row):
+        self.llg.numpy.fill_next_token_bitmask(matcher, row.reshape(1, -1), 0)
+
+    def consume(self, matcher, token_id):
+        return matcher.consume_token(token_id)
+
+
+class OutlinesEngine:
+    def __init__(self, tokenizer, vocab, timeout_s):
+        import outlines_core
+
+        by_bytes: dict[bytes, list[int]] = {}
+        for token_id, data in enumerate(vocab.token_bytes):
+            if data and token_id not in vocab.eos_token_ids and token_id not in vocab.special_ids:
+                by_bytes.setdefault(data, []).append(token_id)
+        self.oc = outlines_core
+        self.vocab = outlines_core.Vocabulary(vocab.eos_token_ids[0], by_bytes)
+
+    def compile(self, schema):
+        from outlines_core.json_schema import build_regex_from_schema
+
+        return self.oc.Index(build_regex_from_schema(json.dumps(schema)), self.vocab)
+
+    def start(self, index):
+        return self.oc.Guide(index)
+
+    def fill(self, guide, row):
+        guide.write_mask_into(row.ctypes.data, row.size, 4)
+
+    def consume(self, guide, token_id):
+        try:
+            guide.advance(token_id)
+            return True
+        except ValueError:
+            return False
+
+
+ENGINES = {"corral": CorralEngine, "xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine,
+           "outlines": OutlinesEngine}
+
+
+# ---- one schema under the protocol ----------------------------------------------------------------------------
+
+def _bit(row: np.ndarray, token_id: int) -> bool:
+    return bool((int(row[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+def run_schema(engine, entry, encoded_tests, eos_id: int, num_words: int) -> dict:
+    start = time.perf_counter()
+    try:
+        template = engine.compile(entry["schema"])
+    except Exception as error:  # every engine's own error types: counted, not fatal
+        return {"id": entry["id"], "status": "compile_error", "error": f"{type(error).__name__}: {error}"[:300]}
+    compile_s = time.perf_counter() - start
+    row = np.zeros(num_words, dtype=np.int32)
+    ttfm, tbm, accept_failures, reject_failures = None, [], 0, 0
+    for valid, token_ids in encoded_tests:
+        matcher = engine.start(template)
+        accepted = True
+        for position in range(len(token_ids) + 1):
+            tick = time.perf_counter()
+            engine.fill(matcher, row)
+            elapsed = time.perf_counter() - tick
+            if ttfm is None:
+                ttfm = compile_s + elapsed
+            else:
+                tbm.append(elapsed)
+            token_id = token_ids[position] if position < len(token_ids) else eos_id
+            if not _bit(row, token_id):
+                accepted = False
+                break
+            if position < len(token_ids) and not engine.consume(matcher, token_id):
+                accepted = False
+                break
+        accept_failures += valid and not accepted
+        reject_failures += (not valid) and accepted
+    result = {"id": entry["id"], "status": "passed" if accept_failures + reject_failures == 0 else "failed",
+              "ttfm_s": ttfm if ttfm is not None else compile_s, "tbm_s": tbm,
+              "should_accept_failures": accept_failures, "should_reject_failures": reject_failures}
+    if hasattr(engine, "cache_hit_s"):
+        result["cache_hit_s"] = engine.cache_hit_s(entry["schema"])
+    return result
+
+
+def _worker(name, args, entries, connection):
+    tokenizer, vocab = load_vocabulary(args.vocab)
+    engine = ENGINES[name](tokenizer, vocab, args.timeout)
+    num_words = (vocab.size + 31) // 32
+    connection.send("ready")
+    while True:
+        index = connection.recv()
+        if index is None:
+            return
+        entry = entries[index]
+        encoded = [(test["valid"], tokenizer.encode(json.dumps(test["data"]))) for test in entry["tests"]]
+        connection.send(run_schema(engine, entry, encoded, vocab.eos_token_ids[0], num_words))
+
+
+def run_engine(name, args, entries) -> list[dict]:
+    """All schemas through one engine in a watched worker process (restarted after a timeout or crash)."""
+    context = mp.get_context("fork")
+    results, worker, parent = [], None, None
+    for index, entry in enumerate(entries):
+        if worker is None:
+            parent, child = context.Pipe()
+            worker = context.Process(target=_worker, args=(name, args, entries, child), daemon=True)
+            worker.start()
+            if not parent.poll(300) or parent.recv() != "ready":
+                raise RuntimeError(f"{name}: worker failed to start")
+        parent.send(index)
+        if parent.poll(args.timeout):
+            try:
+                results.append(parent.recv())
+                continue
+            except EOFError:
+                status = "crash"
+        else:
+            status = "timeout" if worker.is_alive() else "crash"
+        worker.kill()
+        worker.join()
+        worker = None
+        results.append({"id": entry["id"], "status": status})
+    if worker is not None:
+        parent.send(None)
+        worker.join(10)
+    return results
+
+
+# ---- data, vocabulary, summary -------------------------------------------------------------------------------
+
+def load_vocabulary(which: str):
+    from corral.fsm.vocabulary import Vocabulary
+    from corral.models import load_tokenizer
+
+    if which != "smollm2":
+        raise SystemExit(f"--vocab {which}: only the default model's vocabulary (smollm2) is wired up")
+    tokenizer = load_tokenizer()
+    return tokenizer, Vocabulary.from_tokenizer(tokenizer)
+
+
+def load_entries(path: str, split: str | None, limit: int | None) -> list[dict]:
+    entries = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            entry = json.loads(line)
+            if split is None or entry["split"] == split or entry["split"].startswith(split):
+                entries.append(entry)
+    return entries[:limit] if limit else entries
+
+
+def summarize(results: list[dict]) -> dict:
+    ttfm = np.array([r["ttfm_s"] for r in results if "ttfm_s" in r]) * 1e3
+    tbm = np.array([t for r in results for t in r.get("tbm_s", ())]) * 1e6
+    hits = np.array([r["cache_hit_s"] for r in results if "cache_hit_s" in r]) * 1e3
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
+    count = lambda status: sum(r["status"] == status for r in results)  # noqa: E731
+    return {
+        "schemas": len(results), "passed": count("passed"), "compile_errors": count("compile_error"),
+        "should_accept_failures": sum(r.get("should_accept_failures", 0) > 0 for r in results),
+        "should_reject_failures": sum(r.get("should_reject_failures", 0) > 0 for r in results),
+        "crashes_timeouts": count("crash") + count("timeout"),
+        "tbm_us": {"p50": pct(tbm, 50), "p90": pct(tbm, 90), "p99": pct(tbm, 99), "max": pct(tbm, 100),
+                   "count": int(len(tbm))},
+        "ttfm_ms": {"p50": pct(ttfm, 50), "p90": pct(ttfm, 90), "p99": pct(ttfm, 99)},
+        **({"cache_hit_ms": {"p50": pct(hits, 50), "max": pct(hits, 100)}} if len(hits) else {}),
+    }
+
+
+def print_table(summaries: dict[str, dict]) -> None:
+    print("| engine | passed | compile errors | should accept, didn't | should reject, didn't | crash/timeout "
+          "| TBM p50 / p90 / p99 / max (µs) | TTFM p50 / p90 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, s in summaries.items():
+        tbm, ttfm = s["tbm_us"], s["ttfm_ms"]
+        print(f"| {name} | {s['passed']}/{s['schemas']} | {s['compile_errors']} | {s['should_accept_failures']} "
+              f"| {s['should_reject_failures']} | {s['crashes_timeouts']} "
+              f"| {tbm['p50']:.1f} / {tbm['p90']:.1f} / {tbm['p99']:.1f} / {tbm['max']:.0f} "
+              f"| {ttfm['p50']:.2f} / {ttfm['p90']:.2f} / {ttfm['p99']:.2f} |")
+    if "corral" in summaries and "cache_hit_ms" in summaries["corral"]:
+        hit = summaries["corral"]["cache_hit_ms"]
+        print(f"\ncorral cache hit: p50 {hit['p50'] * 1e3:.1f} µs, max {hit['max'] * 1e3:.1f} µs")
+    ours = summaries.get("corral")
+    for name, s in summaries.items():
+        if ours is None or name == "corral":
+            continue
+        ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+        print(f"corral/{name}: passed {ours['passed']} vs {s['passed']}; "
+              f"TBM p50 {ratio(ours['tbm_us']['p50'], s['tbm_us']['p50']):.2f}x, "
+              f"p99 {ratio(ours['tbm_us']['p99'], s['tbm_us']['p99']):.2f}x; "
+              f"TTFM p50 {ratio(ours['ttfm_ms']['p50'], s['ttfm_ms']['p50']):.2f}x, "
+              f"p99 {ratio(ours['ttfm_ms']['p99'], s['ttfm_ms']['p99']):.2f}x")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="a .jsonl.gz of schemas and tests")
+    parser.add_argument("--limit", type=int, default=None, help="first N schemas (after --split)")
+    parser.add_argument("--split", default=None, help="only schemas whose split starts with this")
+    parser.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma-separated; missing peers skip")
+    parser.add_argument("--timeout", type=float, default=30.0, help="wall seconds per schema and engine")
+    parser.add_argument("--vocab", default="smollm2", help="vocabulary (smollm2)")
+    parser.add_argument("--out", default="maskbench-results.json", help="JSON result file")
+    args = parser.parse_args(argv)
+    entries = load_entries(args.data, args.split, args.limit)
+    summaries, details = {}, {}
+    for name in args.engines.split(","):
+        module = {"corral": "corral", "outlines": "outlines_core"}.get(name, name)
+        try:
+            __import__(module)
+        except ImportError:
+            print(f"{name}: not installed, skipped", file=sys.stderr)
+            continue
+        start = time.perf_counter()
+        details[name] = run_engine(name, args, entries)
+        summaries[name] = summarize(details[name])
+        print(f"{name}: {len(entries)} schemas in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print_table(summaries)
+    failures = {name: [r["id"] for r in results if r["status"] != "passed"] for name, results in details.items()}
+    with open(args.out, "w") as f:
+        json.dump({"data": args.data, "limit": args.limit, "split": args.split, "vocab": args.vocab,
+                   "summaries": summaries, "not_passed": failures,
+                   "errors": {n: [r for r in rs if r["status"] == "compile_error"] for n, rs in details.items()}},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Byte-level regex terms and their Brzozowski derivatives: the states of Corral's lazy DFA.
+
+A regex AST over code points is turned into interned byte-level terms (UTF-8 sequences of byte sets, with
+shared tails), and a DFA state *is* a term: the language of what may still follow. The derivative by a byte is
+the next state. Terms are normalized as they are built (∅ absorbs, ε vanishes, concatenation is right-nested,
+alternation is flattened, deduplicated, sorted and its byte sets merged), which is what keeps the number of
+distinct derivatives finite (Brzozowski). Why derivatives rather than Thompson + subset construction: counted
+repeats (``maxLength: 5000``) and recurring pieces (any-value, string bodies) cost nothing until explored, and
+``Intersect`` is just the intersection of the parts' derivatives.
+
+Left out: complement. Emptiness is syntactic (a normalized term other than ∅ is non-empty) except under
+``Intersect``, where it is decided by exploring the product's derivatives, under a step limit.
+"""
+
+from corral.fsm.budget import Budget
+from corral.fsm.utf8 import utf8_sequences
+from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
+
+EMPTYSET, EPSILON = 0, 1
+_BYTES, _CAT, _ALT, _REP, _AND, _CONST = range(6)
+ALL_BYTES = (1 << 256) - 1
+_LIVENESS_STEP_LIMIT = 20000
+
+
+class TermTable:
+    """Interned terms: ``kind[t]``, ``args[t]``, ``nullable[t]``; derivatives and first-byte sets memoized."""
+
+    def __init__(self, budget: Budget | None = None):
+        self.budget = budget or Budget()
+        self.kind, self.args = [_CONST, _CONST], [None, None]
+        self.nullable, self.has_and = [False, True], [False, False]
+        self._ids: dict[tuple, int] = {}
+        self._derivatives: dict[tuple[int, int], int] = {}
+        self._firsts: dict[int, frozenset[int]] = {}
+        self._from_nodes: dict[int, tuple[Node, int]] = {}
+        self._charsets: dict[CharSet, int] = {}
+        self._live: dict[int, bool] = {}
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def _intern(self, key: tuple, kind: int, args, nullable: bool, has_and: bool) -> int:
+        term = self._ids.get(key)
+        if term is None:
+            term = self._ids[key] = len(self.kind)
+            self.kind.append(kind)
+            self.args.append(args)
+            self.nullable.append(nullable)
+            self.has_and.append(has_and)
+            if term % 4096 == 0:
+                self.budget.check_time()
+        return term
+
+    # ---- constructors (normalizing) ------------------------------------------------------------------------
+    def byte_set(self, mask: int) -> int:
+        return EMPTYSET if mask == 0 else self._intern((_BYTES, mask), _BYTES, mask, False, False)
+
+    def cat(self, head: int, tail: int) -> int:
+        if head == EMPTYSET or tail == EMPTYSET:
+            return EMPTYSET
+        if head == EPSILON:
+            return tail
+        if tail == EPSILON:
+            return head
+        if self.kind[head] == _CAT:  # keep concatenation right-nested: (a b) c = a (b c)
+            first, rest = self.args[head]
+            return self.cat(first, self.cat(rest, tail))
+        return self._intern((_CAT, head, tail), _CAT, (head, tail), self.nullable[head] and self.nullable[tail],
+                            self.has_and[head] or self.has_and[tail])
+
+    def alt(self, terms) -> int:
+        members, mask = set(), 0
+        for term in terms:
+            for member in (self.args[term] if self.kind[term] == _ALT else (term,)):
+                if self.kind[member] == _BYTES:
+                    mask |= self.args[member]
+                elif member != EMPTYSET:
+                    members.add(member)
+        if mask:
+            members.add(self.byte_set(mask))
+        if not members:
+            return EMPTYSET
+        if len(members) == 1:
+            return members.pop()
+        ordered = tuple(sorted(members))
+        return self._intern((_ALT, ordered), _ALT, ordered, any(self.nullable[m] for m in ordered),
+                            any(self.has_and[m] for m in ordered))
+
+    def repeat(self, term: int, low: int, high: int | None) -> int:
+        if high == 0 or term == EPSILON:
+            return EPSILON
+        if term == EMPTYSET:
+            return EPSILON if low == 0 else EMPTYSET
+        if self.nullable[term]:
+            low = 0  # empty iterations add nothing
+        if (low, high) == (1, 1):
+            return term
+        return self._intern((_REP, term, low, high), _REP, (term, low, high), low == 0, self.has_and[term])
+
+    def intersect(self, terms) -> int:
+        members = set()
+        for term in terms:
+            if term == EMPTYSET:
+                return EMPTYSET
+            members.update(self.args[term] if self.kind[term] == _AND else (term,))
+        if len(members) == 1:
+            return members.pop()
+        ordered = tuple(sorted(members))
+        return self._intern((_AND, ordered), _AND, ordered, all(self.nullable[m] for m in ordered), True)
+
+    # ---- from the code-point AST ---------------------------------------------------------------------------
+    def from_node(self, node: Node) -> int:
+        """The term of ``node``. Schema ASTs share node objects, so the memo is by identity."""
+        known = self._from_nodes.get(id(node))
+        if known is not None:
+            return known[1]
+        if isinstance(node, CharSet):
+            term = self._from_charset(node)
+        elif isinstance(node, Concat):
+            term = EPSILON
+            for part in reversed(node.parts):
+                term = self.cat(self.from_node(part), term)
+        elif isinstance(node, Alt):
+            term = self.alt([self.from_node(option) for option in node.options])
+        elif isinstance(node, Repeat):
+            term = self.repeat(self.from_node(node.node), node.min, node.max)
+        elif isinstance(node, Intersect):
+            term = self.intersect([self.from_node(part) for part in node.parts])
+        else:
+            raise TypeError(f"not a regex node: {node!r}")
+        self._from_nodes[id(node)] = (node, term)
+        return term
+
+    def _from_charset(self, chars: CharSet) -> int:
+        term = self._charsets.get(chars)
+        if term is None:
+            tails: dict[tuple, int] = {}  # sequences that end alike share their tail terms
+
+            def sequence_term(seq) -> int:
+                if seq not in tails:
+                    (lo, hi), rest = seq[0], seq[1:]
+                    head = self.byte_set(((1 << (hi + 1)) - 1) ^ ((1 << lo) - 1))
+                    tails[seq] = self.cat(head, sequence_term(rest) if rest else EPSILON)
+                return tails[seq]
+
+            term = self.alt([sequence_term(seq) for lo, hi in chars.ranges for seq in utf8_sequences(lo, hi)])
+            self._charsets[chars] = term
+        return term
+
+    # ---- derivatives -----------------------------------------------------------------------------------------
+    def derivative(self, term: int, byte: int) -> int:
+        key = (term, byte)
+        known = self._derivatives.get(key)
+        if known is not None:
+            return known
+        kind, args = self.kind[term], self.args[term]
+        if kind == _BYTES:
+            result = EPSILON if (args >> byte) & 1 else EMPTYSET
+        elif kind == _CAT:
+            # walk the right-nested chain: d(a b) = d(a) b | (a nullable) d(b), iteratively
+            options, current = [], term
+            while self.kind[current] == _CAT:
+                head, tail = self.args[current]
+                options.append(self.cat(self.derivative(head, byte), tail))
+                if not self.nullable[head]:
+                    break
+                current = tail
+            else:
+                options.append(self.derivative(current, byte))
+            result = self.alt(options)
+        elif kind == _ALT:
+            result = self.alt([self.derivative(member, byte) for member in args])
+        elif kind == _REP:
+            inner, low, high = args
+            rest = self.repeat(inner, max(low - 1, 0), None if high is None else high - 1)
+            result = self.cat(self.derivative(inner, byte), rest)
+        elif kind == _AND:
+            result = self.intersect([self.derivative(member, byte) for member in args])
+        else:
+            result = EMPTYSET
+        self._derivatives[key] = result
+        return result
+
+    def first_bytes(self, term: int) -> frozenset[int]:
+        """Byte-set masks that can start a string of ``term``; bytes outside them all lead to ∅."""
+        known = self._firsts.get(term)
+        if known is not None:
+            return known
+        kind, args = self.kind[term], self.args[term]
+        if kind == _BYTES:
+            result = frozenset((args,))
+        elif kind == _CAT:
+            masks, current = set(), term
+            while self.kind[current] == _CAT:
+                head, tail = self.args[current]
+                masks |= self.first_bytes(head)
+                if not self.nullable[head]:
+                    break
+                current = tail
+            else:
+                masks |= self.first_bytes(current)
+            result = frozenset(masks)
+        elif kind in (_ALT, _AND):
+            result = frozenset().union(*(self.first_bytes(member) for member in args))
+        elif kind == _REP:
+            result = self.first_bytes(args[0])
+        else:
+            result = frozenset()
+        self._firsts[term] = result
+        return result
+
+    def byte_classes(self, term: int) -> list[int]:
+        """A partition (as 256-bit masks) of the bytes that can start ``term``: one derivative per class."""
+        classes = []
+        for mask in self.first_bytes(term):
+            remaining, refined = mask, []
+            for cls in classes:
+                inside, outside = cls & mask, cls & ~mask
+                refined += [c for c in (inside, outside) if c]
+                remaining &= ~cls
+            classes = refined + ([remaining] if remaining else [])
+        return classes
+
+    def is_live(self, term: int) -> bool:
+        """The language of ``term`` is not empty (syntactic, except under intersections: explored, bounded)."""
+        if term == EMPTYSET:
+            return False
+        if not self.has_and[term]:
+            return True
+        known = self._live.get(term)
+        if known is None:
+            known = self._live[term] = self._explore_for_acceptance(term)
+        return known
+
+    def _explore_for_acceptance(self, term: int) -> bool:
+        seen, frontier = {term}, [term]
+        while frontier and len(seen) < _LIVENESS_STEP_LIMIT:
+            current = frontier.pop()
+            if self.nullable[current] or self._live.get(current):
+                return True
+            for cls in self.byte_classes(current):
+                following = self.derivative(current, (cls & -cls).bit_length() - 1)
+                if following != EMPTYSET and following not in seen:
+                    seen.add(following)
+                    frontier.append(following)
+        # subtle: past the step limit the term is assumed live; a wrong guess can only leave a state without
+        # tokens later (reported as a guide error), never allow a string outside the language.
+        return bool(frontier)

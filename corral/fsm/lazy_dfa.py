@@ -1,0 +1,101 @@
+"""LazyDFA: the byte DFA of a regex AST, built on demand — a state's row is made the first time it is needed.
+
+States are derivative terms (``derivatives.py``): the start state is the whole language, and the row of a state
+holds, per byte, the state of its derivative. Schemas whose full DFA runs to tens of thousands of states
+(any-value unrolled, long counted repeats) only visit a few hundred of them while a document is generated, so
+compiling costs the AST-to-term conversion plus the start state. Dead states never get an id: a derivative whose
+language is empty is ``DEAD``, so every state that exists can still reach acceptance (masks are never empty).
+
+Rows are built under a lock; ``trans`` may be reallocated as it grows, so read it after :meth:`ensure`.
+"""
+
+import threading
+
+import numpy as np
+
+from corral.fsm.budget import Budget
+from corral.fsm.derivatives import TermTable
+from corral.grammar.regex_ast import Node
+
+DEAD = -1
+_UNBUILT = -3
+
+
+def _bytes_of(mask: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(np.frombuffer(mask.to_bytes(32, "little"), dtype=np.uint8),
+                                        bitorder="little"))
+
+
+class LazyDFA:
+    """State 0 is the start. ``trans`` int32 [capacity, 256]; ``accepting`` bool; rows filled by :meth:`ensure`."""
+
+    def __init__(self, node: Node, budget: Budget):
+        self.terms = TermTable(budget)
+        root = self.terms.from_node(node)
+        budget.check_time()
+        self._state_ids: dict[int, int] = {}
+        self._state_terms: list[int] = []
+        self.trans = np.full((16, 256), _UNBUILT, dtype=np.int32)
+        self.accepting = np.zeros(16, dtype=bool)
+        self.built = np.zeros(16, dtype=bool)
+        self._lock = threading.RLock()
+        self.is_empty = not self.terms.is_live(root)
+        if not self.is_empty:
+            self._state_of(root)
+            self._build_row(0)
+
+    @property
+    def num_states(self) -> int:
+        return len(self._state_terms)
+
+    def ensure(self, states: np.ndarray) -> np.ndarray:
+        """Build the rows of ``states`` (an int array of live states); returns the current ``trans``."""
+        missing = states[~self.built[states]]
+        if len(missing):
+            with self._lock:
+                for state in np.unique(missing):
+                    if not self.built[state]:
+                        self._build_row(int(state))
+        return self.trans
+
+    def row(self, state: int) -> np.ndarray:
+        if not self.built[state]:
+            self.ensure(np.asarray([state], dtype=np.int32))
+        return self.trans[state]
+
+    def step(self, state: int, byte: int) -> int:
+        if not self.built[state]:
+            self.row(state)
+        return int(self.trans[state, byte])
+
+    def _state_of(self, term: int) -> int:
+        state = self._state_ids.get(term)
+        if state is None:
+            if not self.terms.is_live(term):
+                return DEAD
+            state = self._state_ids[term] = len(self._state_terms)
+            self._state_terms.append(term)
+            self._grow(state + 1)
+            self.accepting[state] = self.terms.nullable[term]
+        return state
+
+    def _grow(self, size: int) -> None:
+        capacity = len(self.built)
+        if size <= capacity:
+            return
+        capacity = max(size, 2 * capacity)
+        trans = np.full((capacity, 256), _UNBUILT, dtype=np.int32)
+        trans[:len(self.trans)] = self.trans
+        self.trans = trans
+        self.accepting = np.concatenate([self.accepting, np.zeros(capacity - len(self.accepting), dtype=bool)])
+        self.built = np.concatenate([self.built, np.zeros(capacity - len(self.built), dtype=bool)])
+
+    def _build_row(self, state: int) -> None:
+        terms, term = self.terms, self._state_terms[state]
+        row = np.full(256, DEAD, dtype=np.int32)
+        for cls in terms.byte_classes(term):
+            following = self._state_of(terms.derivative(term, (cls & -cls).bit_length() - 1))
+            if following != DEAD:
+                row[_bytes_of(cls)] = following
+        self.trans[state] = row  # after _state_of: it may have reallocated trans
+        self.built[state] = True
