@@ -1,0 +1,112 @@
+"""ModelRunner: owns the model and the paged KV pool; turns a ScheduledBatch into one forward pass and the
+logits of the sequences that sample this step.
+
+The flat batch puts single-token sequences (decodes, and one-token prefill tails) first, so attention can run
+them as one batched call; see :mod:`corral.engine.attention`. A sequence samples when this step computes its
+last uncomputed token; a chunk in the middle of a long prompt produces no logits.
+"""
+
+import logging
+
+import torch
+
+from corral.engine.attention import AttentionMetadata, PrefillSpan
+from corral.engine.config import EngineConfig
+from corral.engine.model import LlamaModel
+from corral.engine.scheduler import ScheduledBatch
+from corral.engine.sequence import Sequence
+from corral.engine.weights import load_weights
+from corral.models import ModelConfig, ModelFiles
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles):
+        self.config, self.model_config = config, model_config
+        dtype = config.torch_dtype
+        self.model = LlamaModel(model_config, load_weights(files, model_config, dtype), dtype)
+        self.block_size = config.block_size
+        bytes_per_token = model_config.kv_bytes_per_token(dtype.itemsize)
+        self.num_blocks = config.num_kv_blocks or max(
+            1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // (bytes_per_token * config.block_size))
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(model_config.num_layers)]
+        self._log_kv_bill(bytes_per_token)
+
+    def _log_kv_bill(self, bytes_per_token: int) -> None:
+        cfg, num_tokens = self.model_config, self.num_blocks * self.block_size
+        context = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
+        log.info("KV cache: 2 x %d layers x %d KV heads x %d head dim x %d B = %d B per token; %d blocks of %d "
+                 "tokens = %d tokens (%.1f MiB); %d sequences of %d tokens fit", cfg.num_layers, cfg.num_kv_heads,
+                 cfg.head_dim, self.config.torch_dtype.itemsize, bytes_per_token, self.num_blocks, self.block_size,
+                 num_tokens, num_tokens * bytes_per_token / 2**20, num_tokens // context, context)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks, every layer, K and V."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one forward pass; return the sequences that sample and their float32 logits, row for row."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)  # stable
+        seqs = [batch.seqs[i] for i in order]
+        counts = [batch.num_new_tokens[i] for i in order]
+        input_ids, positions, meta = self.prepare(seqs, counts)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        rows, sampling = [], []
+        end = 0
+        for seq, count in zip(seqs, counts):
+            end += count
+            if seq.num_computed_tokens + count == len(seq):
+                rows.append(end - 1)
+                sampling.append(seq)
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
+        return sampling, logits
+
+    def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids, positions and attention metadata for ``seqs`` advancing by ``counts`` tokens."""
+        size = self.block_size
+        input_ids, positions, slots, prefills = [], [], [], []
+        num_decodes = 0
+        for seq, count in zip(seqs, counts):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
+            if count == 1:
+                num_decodes += 1
+            else:
+                context = None if start == 0 else self._slots(table, start + count)
+                prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context))
+        decode_slots, decode_mask = self._decode_slots(seqs[:num_decodes])
+        meta = AttentionMetadata(torch.tensor(slots), num_decodes, decode_slots, decode_mask, tuple(prefills))
+        return torch.tensor(input_ids), torch.tensor(positions), meta
+
+    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(table[: -(-num_tokens // self.block_size)])
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
+
+    def _decode_slots(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] slots of every key each decode sees (padded with slot 0) and the [B, 1, 1, L] mask of real ones."""
+        if not seqs:
+            return torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+        width = -(-int(context_lens.max()) // self.block_size)
+        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table[:width])] = torch.tensor(seq.block_table[:width])
+        slots = (tables[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
+        mask = torch.arange(slots.shape[1])[None, :] < context_lens[:, None]
+        return slots, mask[:, None, None, :]

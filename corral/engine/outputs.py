@@ -1,0 +1,50 @@
+"""What the engine hands back: per-sequence completions, per-request outputs, and engine statistics."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list | None = None  # per token: (logprob, top list or None)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_kv_blocks_cached_free: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+    num_tokens_computed: int  # every token the model ran: prefill chunks, recomputes and decodes

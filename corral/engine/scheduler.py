@@ -1,0 +1,112 @@
+"""Scheduler: each step, decide how many tokens every sequence advances, under a token budget and a cap on
+running sequences.
+
+Order of a step (vLLM V1's policy, in one pass):
+
+1. running sequences that decode (one uncomputed token) first, then running sequences still in a chunked
+   prefill, oldest first; each takes ``min(uncomputed, budget left)`` tokens;
+2. when the pool cannot hold a running sequence's new tokens, the *newest* running sequence is preempted by
+   recompute: its blocks are freed, it goes back to the front of the queue and later recomputes prompt plus
+   output (the prefix cache often makes that cheap). A sequence may preempt itself;
+3. then waiting sequences, first come first served, each starting from its prefix-cache hit, while the budget,
+   the sequence cap and the pool allow. None is admitted in a step that preempted.
+
+What this leaves out: priorities, and swapping KV to host memory (recompute is what a small model wants).
+"""
+
+from collections import deque
+from typing import NamedTuple
+
+from corral.engine.block_manager import BlockManager
+from corral.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledBatch(NamedTuple):
+    seqs: list[Sequence]  # decodes first, then prefill chunks
+    num_new_tokens: list[int]  # per sequence, how many tokens it advances this step
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        planned: dict[int, tuple[Sequence, int]] = {}  # seq_id → (seq, tokens), insertion order = batch order
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1):  # stable: decodes first
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append(seq, num_new)
+                planned[seq.seq_id] = (seq, num_new)
+                budget -= num_new
+        if not preempted:
+            budget = self._admit(planned, budget)
+        seqs = [seq for seq, _ in planned.values()]
+        return ScheduledBatch(seqs, [n for _, n in planned.values()], preempted)
+
+    def _admit(self, planned: dict, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:
+                break
+            hits = bm.find_cached_prefix(seq)
+            num_new = min(len(seq) - len(hits) * bm.block_size, budget)
+            if not bm.can_allocate(seq, len(hits) * bm.block_size + num_new, hits):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, len(hits) * bm.block_size + num_new, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            planned[seq.seq_id] = (seq, num_new)
+            budget -= num_new
+        return budget
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first, to recompute everything it has so far."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire ``seq`` (finished or aborted), running or waiting, and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,82 @@
+"""Sequence: one stream of tokens the engine advances, with what the scheduler and block manager track about it.
+
+A request with ``n > 1`` owns ``n`` sequences; they share the prompt's KV blocks. ``num_computed_tokens`` is
+how many of ``token_ids`` have K/V in the cache; the scheduler advances it by any k (a prefill chunk, one
+decode token, a prefix-cache hit), so prefill and decode are the same operation.
+"""
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from corral.engine.detokenizer import IncrementalDetokenizer
+    from corral.engine.sampling_params import SamplingParams
+    from corral.fsm.guide import Guide
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Mutable per-sequence state. ``block_table`` is owned by the BlockManager; the rest by the scheduler."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams", *, index: int = 0,
+                 guide: "Guide | None" = None, cache_salt: str | None = None, generator: "torch.Generator | None" = None,
+                 detokenizer: "IncrementalDetokenizer | None" = None, arrival_time: float = 0.0):
+        self.seq_id = next(_ids)
+        self.request_id, self.index = request_id, index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params, self.guide, self.cache_salt, self.generator = params, guide, cache_salt, generator
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the first allocation
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of this sequence's full blocks, in order
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.arrival_time, self.first_token_time, self.finished_time = arrival_time, None, None
+        self.num_preemptions = 0
+        self.num_forks_pending = 0  # n > 1: siblings forked from this one once its prompt is computed
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, tokens={len(self)}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

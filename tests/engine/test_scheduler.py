@@ -1,0 +1,99 @@
+"""Scheduler with fake sequences: exact per-step tables of (request, tokens advanced), blocks and preemptions."""
+
+from corral.engine.block_manager import BlockManager
+from corral.engine.sampling_params import SamplingParams
+from corral.engine.scheduler import Scheduler
+from corral.engine.sequence import Sequence, SequenceStatus
+
+PARAMS = SamplingParams(max_tokens=8)
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=8, prefix=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, prefix), max_num_seqs, budget)
+
+
+def add(sched: Scheduler, name: str, num_tokens: int, first_token: int = 0) -> Sequence:
+    seq = Sequence(name, list(range(first_token, first_token + num_tokens)), PARAMS)
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler) -> list[tuple[str, int]]:
+    """One schedule plus what the engine does after the forward: commit the K/V, sample where the prompt is done."""
+    batch = sched.schedule()
+    for seq, count in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += count
+        sched.block_manager.cache_full_blocks(seq)
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(1000 + len(seq))
+    return [(seq.request_id, count) for seq, count in zip(batch.seqs, batch.num_new_tokens)]
+
+
+def test_chunked_prefill_under_the_token_budget_then_decodes():
+    sched = make(budget=8)
+    a, b = add(sched, "a", 10), add(sched, "b", 6, first_token=50)
+    assert step(sched) == [("a", 8)]  # a's first chunk uses the whole budget; b waits
+    assert a.block_table == [0, 1] and b.status is SequenceStatus.WAITING
+    assert step(sched) == [("a", 2), ("b", 6)]  # a finishes its prompt, b is admitted with what is left
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
+    assert step(sched) == [("a", 1), ("b", 1)]
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 2
+
+
+def test_decodes_come_before_prefill_chunks():
+    sched = make(budget=6, max_num_seqs=2)
+    a = add(sched, "a", 3)
+    assert step(sched) == [("a", 3)]
+    b = add(sched, "b", 20, first_token=100)
+    assert step(sched) == [("a", 1), ("b", 5)]
+    assert step(sched) == [("a", 1), ("b", 5)]
+    assert b.num_computed_tokens == 10 and a.num_computed_tokens == 5
+
+
+def test_max_num_seqs_caps_admission():
+    sched = make(max_num_seqs=2, budget=16)
+    for name in "abc":
+        add(sched, name, 2, first_token=ord(name) * 10)
+    assert step(sched) == [("a", 2), ("b", 2)]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+
+
+def test_preemption_by_recompute_takes_the_newest_and_frees_its_blocks():
+    sched = make(num_blocks=4, block_size=4, budget=16)
+    a, b = add(sched, "a", 7), add(sched, "b", 7, first_token=50)
+    assert step(sched) == [("a", 7), ("b", 7)]  # 2 blocks each: the pool is full
+    assert step(sched) == [("a", 1), ("b", 1)]  # token 8 of each fits its second block
+    # a's 9th token needs a third block: b (newest) is preempted, its blocks go back, it waits first in line
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a"] and batch.preempted == [b]
+    assert b.block_table == [] and b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert a.block_table == [0, 1, 3] and sched.num_preemptions == 1  # b's tail block is reused first
+    assert sched.block_manager.num_used_blocks == 3
+
+
+def test_a_sequence_alone_may_preempt_itself():
+    sched = make(num_blocks=2, block_size=4, budget=16)
+    a = add(sched, "a", 8)
+    assert step(sched) == [("a", 8)]
+    batch = sched.schedule()  # its 9th token needs a third block that does not exist
+    assert batch.seqs == [] and batch.preempted == [a] and sched.block_manager.num_used_blocks == 0
+
+
+def test_a_prefix_hit_starts_the_prefill_after_the_cached_blocks():
+    sched = make(num_blocks=16, block_size=4, budget=32)
+    a = add(sched, "a", 10)
+    assert step(sched) == [("a", 10)]
+    b = Sequence("b", list(range(9)) + [77], PARAMS)  # shares a's first two full blocks
+    sched.add(b)
+    assert step(sched) == [("a", 1), ("b", 2)]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+
+
+def test_finish_frees_everything_at_once():
+    sched = make()
+    a, b = add(sched, "a", 5), add(sched, "b", 30, first_token=100)
+    step(sched)
+    sched.finish(a)
+    sched.finish(b)  # b is mid-prefill or waiting; either way nothing remains
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished()
+    assert a.status is SequenceStatus.FINISHED and b.status is SequenceStatus.FINISHED
