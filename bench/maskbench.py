@@ -15,6 +15,7 @@ configures it: flexible whitespace (xgrammar ``any_whitespace``, llguidance ``wh
 """
 
 import argparse
+import gc
 import gzip
 import json
 import multiprocessing as mp
@@ -37,7 +38,10 @@ class CorralEngine:
     def __init__(self, tokenizer, vocab, timeout_s):
         from corral.fsm.compiler import GrammarCompiler
 
+        from corral.fsm.token_index import vocab_tables
+
         self.compiler = GrammarCompiler(vocab, time_budget_s=min(10.0, timeout_s), cache_bytes=64 << 20)
+        vocab_tables(vocab).trie  # per-vocabulary tables, built once per process like the peers' tokenizer info
 
     def compile(self, schema):
         from corral.grammar.constraint import Constraint
@@ -189,6 +193,10 @@ def _worker(name, args, entries, connection):
     tokenizer, vocab = load_vocabulary(args.vocab)
     engine = ENGINES[name](tokenizer, vocab, args.timeout)
     num_words = (vocab.size + 31) // 32
+    # The tokenizer and vocabulary leave millions of long-lived objects; without this, full garbage collections
+    # (10-20 ms each) land inside timed masks of whichever engine allocates Python objects.
+    gc.collect()
+    gc.freeze()
     connection.send("ready")
     while True:
         index = connection.recv()

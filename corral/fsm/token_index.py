@@ -7,13 +7,11 @@ meaning) index, so the decoding hot path is a row copy.
 
 How a mask is computed (all vectorised over the vocabulary, see :class:`VocabTables`):
 
-- candidates: tokens whose first byte is live in ``s`` (slices of the vocabulary sorted by first byte, when few
-  first bytes are live; otherwise the whole vocabulary);
-- level-by-level walk: at byte position ``k`` every still-live token takes one DFA step at once; tokens that end
-  are recorded, dead ones are dropped (compaction), so the work shrinks with every level;
+- trie walk (``token_trie.py``): tokens sharing a prefix take each DFA step once, level by level, and a branch
+  is dropped at its first dead byte, so structural states cost a handful of trie nodes;
 - self-loop shortcut: tokens whose bytes all lie in ``s``'s self-loop byte set stay in ``s`` (string bodies,
   digit runs). Those sets recur across schemas, so the split of the vocabulary by such a set is cached per
-  vocabulary and only the tokens outside it are walked.
+  vocabulary, and only the tokens outside it are walked, token by token with compaction of the live ones.
 """
 
 import threading
@@ -21,10 +19,9 @@ import threading
 import numpy as np
 
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
+from corral.fsm.token_trie import TokenTrie
 from corral.fsm.vocabulary import Vocabulary
 
-# Below this many live first bytes, candidates are gathered by first-byte slices instead of taking them all.
-_FEW_FIRST_BYTES = 48
 # A state whose self-loop covers at least this many bytes uses the self-loop shortcut.
 _LOOP_SHORTCUT_MIN_BYTES = 24
 
@@ -40,15 +37,12 @@ class VocabTables:
         excluded |= vocab.lengths == 0
         ids = np.flatnonzero(~excluded)
         matrix = vocab.byte_matrix
-        first = matrix[ids, 0]
-        order = np.argsort(first, kind="stable")
-        self.ids_by_first_byte = ids[order]
-        self.first_byte_starts = np.searchsorted(first[order], np.arange(257))
         self.grammar_ids = ids
         self.columns = [np.ascontiguousarray(matrix[:, k]).astype(np.intp) for k in range(matrix.shape[1])]
         self.lengths = vocab.lengths
         self.eos_words = self.words_of(np.asarray(vocab.eos_token_ids, dtype=np.int64))
         self._byte_sets: np.ndarray | None = None
+        self._trie: TokenTrie | None = None
         self._loop_splits: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
@@ -58,12 +52,13 @@ class VocabTables:
         bits[token_ids] = True
         return np.packbits(bits, bitorder="little").view(np.int32)
 
-    def candidates(self, live_first_bytes: np.ndarray) -> np.ndarray:
-        if len(live_first_bytes) >= _FEW_FIRST_BYTES:
-            return self.grammar_ids
-        starts = self.first_byte_starts
-        return np.concatenate([self.ids_by_first_byte[starts[b]:starts[b + 1]] for b in live_first_bytes]
-                              or [np.zeros(0, dtype=np.int64)])
+    @property
+    def trie(self) -> TokenTrie:
+        if self._trie is None:
+            with self._lock:
+                if self._trie is None:
+                    self._trie = TokenTrie(self.vocab.token_bytes, self.grammar_ids)
+        return self._trie
 
     def loop_split(self, loop_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For a byte set: (bitmask words of the tokens made only of those bytes, ids of all other tokens)."""
@@ -154,7 +149,7 @@ class TokenIndex:
             inside_words, outside_ids = tables.loop_split(loop)
             words = inside_words | tables.words_of(self._walk(state, outside_ids))
         else:
-            words = tables.words_of(self._walk(state, tables.candidates(np.flatnonzero(row >= 0))))
+            words = tables.words_of(tables.trie.walk(state, self.dfa.ensure))
         if self.dfa.accepting[state]:
             words = words | tables.eos_words
         # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that

@@ -1,0 +1,116 @@
+"""The lazy derivative DFA against ``re``: byte-level acceptance equals ``re.fullmatch`` on the decoded text."""
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.errors import GrammarTooComplexError
+from corral.fsm.budget import Budget
+from corral.fsm.lazy_dfa import DEAD, LazyDFA
+from corral.fsm.utf8 import utf8_sequences
+from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Intersect, Repeat, literal
+from corral.grammar.regex_parser import parse_regex
+
+
+def accepts(dfa: LazyDFA, data: bytes) -> bool:
+    state = 0
+    for byte in data:
+        state = dfa.step(state, byte)
+        if state == DEAD:
+            return False
+    return bool(dfa.accepting[state])
+
+
+def fullmatch(pattern: str, data: bytes) -> bool:
+    try:
+        return re.fullmatch(pattern, data.decode("utf-8")) is not None
+    except UnicodeDecodeError:
+        return False
+
+
+ATOMS = ["a", "b", "[ab]", "[^a]", ".", "é", "😀", "[a-é]", "\\d", "(ab|ba)"]
+TEXT_PIECES = ["a", "b", "é", "😀", "1", "\n", "\xff", "ab"]
+
+
+def _regexes():
+    piece = st.builds(lambda a, q: a + q, st.sampled_from(ATOMS),
+                      st.sampled_from(["", "*", "+", "?", "{2}", "{0,3}", "{2,}"]))
+    seq = st.lists(piece, min_size=1, max_size=4).map("".join)
+    return st.lists(seq, min_size=1, max_size=3).map("|".join)
+
+
+def _texts():
+    chars = st.lists(st.sampled_from(TEXT_PIECES), max_size=6).map("".join).map(lambda t: t.encode("utf-8"))
+    cut = st.integers(min_value=0, max_value=3)  # also strings cut inside a UTF-8 character
+    return st.builds(lambda data, n: data[:len(data) - n] if n < len(data) else data, chars, cut)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_regexes(), st.lists(_texts(), min_size=1, max_size=8))
+def test_acceptance_agrees_with_re_fullmatch(pattern, texts):
+    dfa = LazyDFA(parse_regex(pattern), Budget())
+    for data in texts:
+        assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_regexes(), _regexes(), st.lists(_texts(), min_size=1, max_size=8))
+def test_intersection_is_the_product(left, right, texts):
+    dfa_node = Intersect((parse_regex(left), parse_regex(right)))
+    if LazyDFA(dfa_node, Budget()).is_empty:
+        return
+    dfa = LazyDFA(dfa_node, Budget())
+    for data in texts:
+        assert accepts(dfa, data) == (fullmatch(left, data) and fullmatch(right, data)), (left, right, data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_regexes(), st.lists(_texts(), min_size=1, max_size=6))
+def test_every_built_state_can_still_accept(pattern, texts):
+    """Trimming: walking any accepted prefix never lands in a state from which acceptance is unreachable."""
+    dfa = LazyDFA(parse_regex(pattern), Budget())
+    for data in texts:
+        state = 0
+        for byte in data:
+            state = dfa.step(state, byte)
+            if state == DEAD:
+                break
+            assert dfa.terms.is_live(dfa._state_terms[state])
+            assert (dfa.row(state) >= 0).any() or dfa.accepting[state]
+
+
+def test_empty_intersection_is_detected():
+    digits, letters = parse_regex("[0-9]+"), parse_regex("[a-z]+")
+    assert LazyDFA(Intersect((digits, letters)), Budget()).is_empty
+    assert not LazyDFA(Intersect((parse_regex("[a-z0-9]+"), parse_regex(".{2}"))), Budget()).is_empty
+
+
+def test_huge_counted_repeat_is_lazy():
+    """maxLength-style counts are not unrolled: compiling costs nothing, and the count is exact."""
+    huge = LazyDFA(Repeat(CharSet.of((0, MAX_CODE_POINT)), 0, 100_000), Budget(time_s=1.0))
+    assert huge.num_states < 12  # the start state and its successors (one per UTF-8 lead-byte class)
+    dfa = LazyDFA(Repeat(CharSet.of((0, MAX_CODE_POINT)), 0, 300), Budget())
+    assert accepts(dfa, "é".encode() * 300) and not accepts(dfa, "é".encode() * 301)
+
+
+def test_surrogates_are_never_encoded():
+    dfa = LazyDFA(CharSet.of((0xD000, 0xE000)), Budget())
+    assert accepts(dfa, "\ud7ff".encode("utf-8")) and accepts(dfa, "\ue000".encode("utf-8"))
+    assert not accepts(dfa, "\ud800".encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 0x7F), (0x80, 0x7FF), (0x7F0, 0x1000), (0xFFF0, 0x10010), (0, MAX_CODE_POINT)])
+def test_utf8_sequences_cover_exactly_the_range(lo, hi):
+    sequences = list(utf8_sequences(lo, hi))
+    for cp in sorted({lo, hi, (lo + hi) // 2, max(lo - 1, 0), min(hi + 1, MAX_CODE_POINT), 0xD800, 0xDFFF}):
+        data = chr(cp).encode("utf-8", "surrogatepass")
+        covered = any(len(s) == len(data) and all(a <= b <= c for (a, c), b in zip(s, data)) for s in sequences)
+        assert covered == (lo <= cp <= hi and not 0xD800 <= cp <= 0xDFFF), hex(cp)
+
+
+def test_time_budget_raises_instead_of_hanging():
+    many_words = Alt(tuple(literal(f"word{i}") for i in range(20000)))
+    with pytest.raises(GrammarTooComplexError, match="time budget of 0.001 s"):
+        LazyDFA(many_words, Budget(time_s=0.001))
