@@ -10,8 +10,6 @@ missing or wrong API key, 404 for an unknown model, 413 for a body over the limi
 503 when the engine loop has died.
 """
 
-import json
-
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -21,12 +19,12 @@ from corral.api.context import ClientGoneError, ServingContext
 from corral.api.serving_chat import chat_completion
 from corral.api.serving_completions import completion
 from corral.errors import CorralError
-from corral.schemas.chat import ChatCompletion, ChatCompletionRequest
+from corral.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from corral.schemas.common import ErrorResponse
 from corral.schemas.completions import Completion, CompletionRequest, Health, ModelCard, ModelList
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
-_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+_STREAM_MODELS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": Completion}
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None,
@@ -123,11 +121,12 @@ def build_app(ctx: ServingContext) -> FastAPI:
     _install_error_handlers(app)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion,
-              responses={**_ERRORS, 200: {"content": _STREAM}})
+              responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return _respond(await chat_completion(ctx, req, raw))
 
-    @app.post("/v1/completions", response_model=Completion, responses={**_ERRORS, 200: {"content": _STREAM}})
+    @app.post("/v1/completions", response_model=Completion,
+              responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
     async def completions(req: CompletionRequest, raw: Request):
         return _respond(await completion(ctx, req, raw))
 
@@ -144,9 +143,27 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def metrics():
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    app.openapi = lambda: _openapi_with_stream_events(app)
     app.add_middleware(GuardMiddleware, api_keys=ctx.config.api_keys, max_body_bytes=ctx.config.max_body_bytes)
     return app
 
 
-def openapi_json(app: FastAPI) -> str:
-    return json.dumps(app.openapi(), indent=1)
+def _openapi_with_stream_events(app: FastAPI) -> dict:
+    """FastAPI's document, plus the schema of each streamed SSE event: a chunk, an error body, or ``[DONE]``."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _STREAM_MODELS.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            components.update(body.pop("$defs", {}))
+            components[f"{model.__name__}Event"] = body
+            payload = {"anyOf": [{"$ref": f"#/components/schemas/{model.__name__}Event"},
+                                 {"$ref": "#/components/schemas/ErrorResponse"}]}
+            # One SSE event: its data is JSON text (a chunk or an error body) or the final ``[DONE]``.
+            events = {"type": "object", "required": ["data"], "properties": {
+                "event": {"const": "message"},
+                "data": {"type": "string", "anyOf": [{"const": "[DONE]"}, {
+                    "contentMediaType": "application/json", "contentSchema": payload}]}}}
+            schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": events}
+        app.openapi_schema = schema
+    return app.openapi_schema
