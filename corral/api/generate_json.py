@@ -29,9 +29,34 @@ class ParsedCall(NamedTuple):
     arguments: dict
 
 
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+
+
+def _closed(schema):
+    """A pydantic schema with its objects closed (``additionalProperties: false``) where it says nothing, as
+    OpenAI's client does for ``parse``: the model's fields are what is wanted, not whatever else would validate."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_of(schema_or_model) -> tuple[dict | bool, type | None]:
     if isinstance(schema_or_model, type) and hasattr(schema_or_model, "model_json_schema"):
-        return schema_or_model.model_json_schema(), schema_or_model
+        return _closed(schema_or_model.model_json_schema()), schema_or_model
     return schema_or_model, None
 
 
@@ -52,11 +77,11 @@ def _embedded_engine(model: str | None):
         return _embedded[model]
 
 
-def _run_embedded(body: dict, model: str | None) -> dict:
+def _run_embedded(body: dict, model: str | None, engine) -> dict:
     from corral.schemas.chat import ChatCompletionRequest
     from corral.schemas.prepare import prepare_chat
 
-    engine, compiler, max_model_len, lock = _embedded_engine(model)
+    engine, compiler, max_model_len, lock = _embedded_engine(model) if engine is None else _wrapped(engine)
     req = ChatCompletionRequest(model="embedded", **body)
     prepared = prepare_chat(req, engine.tokenizer, max_model_len=max_model_len)
     guide = None
@@ -68,6 +93,15 @@ def _run_embedded(body: dict, model: str | None) -> dict:
         result = engine.generate([prepared.prompt_token_ids], prepared.params, guides=[guide])[0]
     out = min(result.outputs, key=lambda o: o.index)
     return {"text": out.text, "finish_reason": out.finish_reason, "tool_mode": prepared.tool_mode}
+
+
+def _wrapped(engine):
+    with _embedded_lock:
+        if id(engine) not in _embedded:
+            from corral.api.launch import build_compiler, engine_max_model_len
+
+            _embedded[id(engine)] = (engine, build_compiler(engine), engine_max_model_len(engine), threading.Lock())
+        return _embedded[id(engine)]
 
 
 def _run_remote(body: dict, base_url: str, api_key: str | None, model: str | None, timeout: float) -> dict:
@@ -95,12 +129,12 @@ def _remote_error(response: httpx.Response) -> CorralError:
     return error(f"server answered {response.status_code}: {message}")
 
 
-def _chat(body: dict, base_url, api_key, model, timeout) -> tuple[str | None, list[ParsedCall], str]:
+def _chat(body: dict, base_url, api_key, model, timeout, engine) -> tuple[str | None, list[ParsedCall], str]:
     """(content, tool calls, finish_reason) of one chat completion, embedded or remote."""
     from corral.schemas.tools import split_tool_calls
 
     if base_url is None:
-        run = _run_embedded(body, model)
+        run = _run_embedded(body, model, engine)
         content, calls = (split_tool_calls(run["text"]) if run["tool_mode"] != "none" else (run["text"], []))
         parsed = [ParsedCall(name, json.loads(args)) for name, args in calls]
         reason = "tool_calls" if parsed and run["finish_reason"] == "stop" else run["finish_reason"]
@@ -114,17 +148,18 @@ def _chat(body: dict, base_url, api_key, model, timeout) -> tuple[str | None, li
 
 def generate_json(schema_or_model, prompt: str | list[dict], *, base_url: str | None = None,
                   api_key: str | None = None, model: str | None = None, system: str | None = None,
-                  timeout: float = 600.0, **sampling) -> Any:
+                  timeout: float = 600.0, engine=None, **sampling) -> Any:
     """Generate one JSON value that matches ``schema_or_model`` (a JSON Schema dict, or a pydantic model class).
 
     Returns the parsed value (a dict for object schemas), or an instance of the pydantic model. ``sampling``
     takes the chat-completions parameters (``max_tokens``, ``temperature``, ``seed``, ``top_p``, ...).
+    ``engine``: an ``LLMEngine`` to run on in-process instead of the lazily created default one.
     Raises ``UserInputError`` subclasses for a bad schema, :class:`IncompleteOutputError` when the output was cut.
     """
     schema, model_cls = _schema_of(schema_or_model)
     body = {"messages": _messages(prompt, system), "temperature": 0.0, "max_tokens": 1024, **sampling,
             "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
-    content, _, reason = _chat(body, base_url, api_key, model, timeout)
+    content, _, reason = _chat(body, base_url, api_key, model, timeout, engine)
     if reason != "stop":
         raise IncompleteOutputError(f"the output ended with finish_reason={reason!r} before the JSON value was "
                                     f"complete; raise max_tokens. Partial output: {content!r:.200}")
@@ -137,13 +172,13 @@ def generate_json(schema_or_model, prompt: str | list[dict], *, base_url: str | 
 
 def call_tools(tools: list[dict], prompt: str | list[dict], *, tool_choice: str | dict = "required",
                parallel: bool = False, base_url: str | None = None, api_key: str | None = None,
-               model: str | None = None, system: str | None = None, timeout: float = 600.0,
+               model: str | None = None, system: str | None = None, timeout: float = 600.0, engine=None,
                **sampling) -> tuple[str | None, list[ParsedCall]]:
     """Tools in (OpenAI ``tools`` entries), parsed calls out: ``(text, [ParsedCall(name, arguments), ...])``.
     With ``tool_choice='auto'`` the model may answer in text instead; the text is then returned, with no calls."""
     body = {"messages": _messages(prompt, system), "temperature": 0.0, "max_tokens": 1024, **sampling,
             "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel}
-    content, calls, reason = _chat(body, base_url, api_key, model, timeout)
+    content, calls, reason = _chat(body, base_url, api_key, model, timeout, engine)
     if reason not in ("stop", "tool_calls"):
         raise IncompleteOutputError(f"the output ended with finish_reason={reason!r}; raise max_tokens")
     return content, calls
