@@ -22,7 +22,7 @@ from corral.fsm.lazy_dfa import LazyDFA
 from corral.fsm.token_index import TokenIndex
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
-from corral.grammar.regex_ast import Alt, Node, literal
+from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node
 from corral.grammar.regex_parser import parse_regex
 
 JSON_OBJECT_MAX_DEPTH = 6  # the DFA is determinized lazily, so depth costs NFA size only
@@ -65,14 +65,17 @@ class GrammarCompiler:
         if cached is not None:
             return cached
         warnings: list[str] = []
-        node = self._to_node(constraint, warnings)
-        return self._store(key, self._build(node, constraint.kind, tuple(warnings)))
+        budget = Budget(self.time_budget_s, self.max_states)
+        node = self._to_node(constraint, warnings, budget)
+        return self._store(key, self._build(node, constraint.kind, tuple(warnings), budget))
 
     def compile_node(self, node: Node) -> CompiledGrammar:
         """The compiled grammar of a regex AST (cached by the node)."""
         key = ("node", node, self.vocab.hash)
         cached = self._lookup(key)
-        return cached if cached is not None else self._store(key, self._build(node, "node", ()))
+        if cached is not None:
+            return cached
+        return self._store(key, self._build(node, "node", (), Budget(self.time_budget_s, self.max_states)))
 
     def cache_nbytes(self) -> int:
         with self._lock:
@@ -100,15 +103,15 @@ class GrammarCompiler:
                 total -= evicted.nbytes()
         return grammar
 
-    def _build(self, node: Node, kind: str, warnings: tuple[str, ...]) -> CompiledGrammar:
-        dfa = LazyDFA(node, Budget(self.time_budget_s, self.max_states))
+    def _build(self, node: Node, kind: str, warnings: tuple[str, ...], budget: Budget) -> CompiledGrammar:
+        dfa = LazyDFA(node, budget)
         if dfa.is_empty:
             if kind == "json_schema":
                 raise InvalidSchemaError("the schema admits no JSON value (its constraints contradict each other)")
             raise InvalidGrammarError(f"the {kind} constraint matches no string")
         return CompiledGrammar(TokenIndex(dfa, self.vocab), warnings)
 
-    def _to_node(self, constraint: Constraint, warnings: list[str]) -> Node:
+    def _to_node(self, constraint: Constraint, warnings: list[str], budget: Budget) -> Node:
         kind, value = constraint.kind, constraint.value
         if kind == "json_schema":
             from corral.grammar.json_schema import schema_to_node
@@ -123,10 +126,41 @@ class GrammarCompiler:
         if kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
                 raise InvalidGrammarError("a choice constraint needs a non-empty list of strings")
-            return Alt(tuple(literal(v) for v in dict.fromkeys(value)))
+            return _choice_node(value, budget)
         if kind == "grammar":
             return _lark_to_node(value)
         raise InvalidGrammarError(f"unknown constraint kind {kind!r}")
+
+
+def _choice_node(values: list[str], budget: Budget) -> Node:
+    """Exactly one of ``values``, as a prefix tree: shared prefixes are factored out, so the states after a common
+    prefix do not carry every option along (20,000 options sharing "option " would otherwise)."""
+    trie: dict = {}
+    for i, value in enumerate(values):
+        if i % 1024 == 0:
+            budget.check_time()
+        node = trie
+        for char in value:
+            node = node.setdefault(char, {})
+        node[""] = True  # end of one option
+    chars: dict[str, CharSet] = {}
+
+    def char_set(c: str) -> CharSet:
+        return chars.get(c) or chars.setdefault(c, CharSet(((ord(c), ord(c)),)))
+
+    def build(node: dict) -> Node:
+        options = [EMPTY] if "" in node else []
+        for char, child in node.items():
+            if char == "":
+                continue
+            run = [char_set(char)]
+            while len(child) == 1 and "" not in child:  # a chain without branches: one Concat, no recursion
+                (char, child), = child.items()
+                run.append(char_set(char))
+            options.append(Concat((*run, build(child))))
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    return build(trie)
 
 
 def _lark_to_node(text) -> Node:

@@ -114,6 +114,8 @@ class TermTable:
         known = self._from_nodes.get(id(node))
         if known is not None:
             return known[1]
+        if len(self._from_nodes) % 1024 == 0:
+            self.budget.check_time()
         if isinstance(node, CharSet):
             term = self._from_charset(node)
         elif isinstance(node, Concat):

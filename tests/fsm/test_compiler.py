@@ -1,0 +1,154 @@
+"""GrammarCompiler: constraint kinds, the LRU cache, budgets, and typed errors for bad or hostile input."""
+
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from corral.errors import (GrammarTooComplexError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError,
+                           UserInputError)
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def byte_vocab():
+    """One token per byte, plus EOS: a guide driven by this vocabulary accepts exactly the grammar's strings."""
+    return Vocabulary.from_token_bytes([bytes([b]) for b in range(256)] + [b"<eos>"], eos_token_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def compiler(byte_vocab):
+    return GrammarCompiler(byte_vocab)
+
+
+def accepts(grammar, text: str) -> bool:
+    guide = grammar.new_guide()
+    row = np.zeros(9, dtype=np.int32)
+    for byte in text.encode("utf-8"):
+        guide.fill_mask(row)
+        allowed = bool((row[byte >> 5] >> (byte & 31)) & 1)
+        if guide.advance(byte) != allowed:
+            raise AssertionError("mask and advance disagree")
+        if not allowed:
+            return False
+    guide.fill_mask(row)
+    assert bool((row[EOS >> 5] >> (EOS & 31)) & 1) == guide.is_accepting()
+    return guide.is_accepting()
+
+
+def nest(depth: int) -> str:
+    """An object holding ``depth - 1`` nested arrays: ``depth`` containers in all."""
+    return '{"k": ' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
+
+
+def test_json_object_accepts_objects_up_to_the_depth_limit(compiler):
+    grammar = compiler.compile(Constraint("json_object", whitespace="flexible"))
+    for text in ['{}', '{"a": 1, "b": [true, null, -1.5e3, "x\\u00e9\\n"]}', '{ "a" :{"b":{}} }', nest(6)]:
+        assert accepts(grammar, text), text
+        json.loads(text)
+    for text in ['[]', '1', '{"a": 1,}', '{"a" 1}', '{"a": 01}', '{"a": "\x01"}', nest(7), '{"a":      1}']:
+        assert not accepts(grammar, text), text
+
+
+def test_json_object_compact_allows_no_whitespace(compiler):
+    grammar = compiler.compile(Constraint("json_object"))
+    assert accepts(grammar, '{"a":[1,2]}') and not accepts(grammar, '{"a": [1,2]}')
+
+
+def test_regex_and_choice(compiler):
+    assert accepts(compiler.compile(Constraint("regex", r"\d{3}-[a-z]+")), "123-abc")
+    assert not accepts(compiler.compile(Constraint("regex", r"\d{3}-[a-z]+")), "12-abc")
+    choice = compiler.compile(Constraint("choice", ["yes", "no", "yes!"]))
+    assert [accepts(choice, t) for t in ["yes", "no", "yes!", "ye", "maybe"]] == [True, True, True, False, False]
+
+
+def test_json_schema_goes_through_schema_to_node(compiler):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"],
+              "additionalProperties": False}
+    grammar = compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+    assert accepts(grammar, '{"n": 3}') and accepts(grammar, '{"n": 42}')
+    assert not accepts(grammar, '{"n": 2}') and not accepts(grammar, '{}')
+
+
+def test_repeat_compile_is_a_cache_hit_and_options_are_part_of_the_key(compiler):
+    constraint = Constraint("regex", "a+b")
+    first = compiler.compile(constraint)
+    hits = compiler.num_hits
+    start = time.perf_counter()
+    assert compiler.compile(Constraint("regex", "a+b")) is first
+    assert time.perf_counter() - start < 0.01 and compiler.num_hits == hits + 1
+    assert compiler.compile(Constraint("regex", "a+b", whitespace="flexible")) is not first
+
+
+def test_lru_is_bounded_in_bytes(byte_vocab):
+    small = GrammarCompiler(byte_vocab, cache_bytes=1)
+    first = small.compile(Constraint("regex", "a"))
+    small.compile(Constraint("regex", "b"))
+    assert small.compile(Constraint("regex", "a")) is not first  # evicted: the bound holds one entry at most
+
+
+@pytest.mark.parametrize("constraint, error, message", [
+    (Constraint("choice", []), InvalidGrammarError, "non-empty list of strings"),
+    (Constraint("choice", ["a", 1]), InvalidGrammarError, "non-empty list of strings"),
+    (Constraint("regex", "[^\\s\\S]"), InvalidGrammarError, "the regex constraint matches no string"),
+    (Constraint("regex", "a(?=b)"), InvalidRegexError, "lookahead is not supported at offset 1"),
+    (Constraint("json_schema", {"type": "integer", "minimum": 5, "maximum": 1}), UserInputError, "contradict each other"),
+])
+def test_bad_constraints_raise_typed_errors(compiler, constraint, error, message):
+    with pytest.raises(error, match=message):
+        compiler.compile(constraint)
+
+
+def test_lark_grammar_is_refused_until_the_lark_path_exists(compiler, monkeypatch):
+    monkeypatch.setitem(sys.modules, "corral.grammar.lark_regular", None)  # as if the module were absent
+    with pytest.raises(UnsupportedSchemaError, match="Lark grammars are not supported yet"):
+        compiler.compile(Constraint("grammar", "start: \"a\""))
+
+
+def test_time_budget_gives_grammar_too_complex(byte_vocab):
+    hurried = GrammarCompiler(byte_vocab, time_budget_s=0.05)
+    start = time.perf_counter()
+    with pytest.raises(GrammarTooComplexError, match="time budget of 0.05 s"):
+        hurried.compile(Constraint("choice", [f"option number {i}" for i in range(300_000)]))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_large_choice_compiles_within_the_default_budget(compiler):
+    grammar = compiler.compile(Constraint("choice", [f"option {i}" for i in range(20000)]))
+    assert accepts(grammar, "option 19999") and accepts(grammar, "option 1")
+    assert not accepts(grammar, "option 20000") and not accepts(grammar, "option ")
+
+
+HOSTILE_SCHEMAS = [
+    {"type": "string", "maxLength": 10**9},
+    {"type": "string", "pattern": "^(a+)+$"},
+    {"type": "string", "pattern": "(x|x|x|x)*y", "minLength": 3, "maxLength": 5000},
+    {"enum": [f"value-{i}" for i in range(500)]},
+    {"oneOf": [{"oneOf": [{"type": "integer"}, {"type": "string"}]}] * 8},
+    {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "object"}}},
+     "maxItems": 1000},
+    {"$ref": "#/definitions/missing"},
+    {"type": 5},
+    {"type": "integer", "minimum": 10, "maximum": 1},
+    {"anyOf": [{"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}]},
+]
+
+
+@pytest.mark.parametrize("schema", HOSTILE_SCHEMAS, ids=range(len(HOSTILE_SCHEMAS)))
+def test_hostile_schemas_compile_or_fail_typed_within_the_budget(byte_vocab, schema):
+    budgeted = GrammarCompiler(byte_vocab, time_budget_s=2.0)
+    start = time.perf_counter()
+    try:
+        grammar = budgeted.compile(Constraint("json_schema", schema))
+        row = np.zeros(9, dtype=np.int32)
+        grammar.new_guide().fill_mask(row)
+        assert row.any()
+    except UserInputError:
+        pass
+    assert time.perf_counter() - start < 4.0
