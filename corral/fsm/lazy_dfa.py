@@ -9,6 +9,7 @@ language is empty is ``DEAD``, so every state that exists can still reach accept
 Rows are built under a lock; ``trans`` may be reallocated as it grows, so read it after :meth:`ensure`.
 """
 
+import functools
 import threading
 
 import numpy as np
@@ -21,7 +22,9 @@ DEAD = -1
 _UNBUILT = -3
 
 
+@functools.lru_cache(maxsize=4096)
 def _bytes_of(mask: int) -> np.ndarray:
+    """The bytes in a 256-bit mask. Cached: the same classes (string characters, digits) recur in every schema."""
     return np.flatnonzero(np.unpackbits(np.frombuffer(mask.to_bytes(32, "little"), dtype=np.uint8),
                                         bitorder="little"))
 
@@ -39,6 +42,7 @@ class LazyDFA:
         self.accepting = np.zeros(16, dtype=bool)
         self.built = np.zeros(16, dtype=bool)
         self._lock = threading.RLock()
+        self._live_bytes: dict[int, list[int]] = {}
         self.is_empty = not self.terms.is_live(root)
         if not self.is_empty:
             self._state_of(root)
@@ -62,6 +66,13 @@ class LazyDFA:
         if not self.built[state]:
             self.ensure(np.asarray([state], dtype=np.int32))
         return self.trans[state]
+
+    def live_bytes(self, state: int) -> list[int]:
+        """The bytes that do not kill ``state``, ascending (cached)."""
+        live = self._live_bytes.get(state)
+        if live is None:
+            live = self._live_bytes[state] = np.flatnonzero(self.row(state) >= 0).tolist()
+        return live
 
     def step(self, state: int, byte: int) -> int:
         if not self.built[state]:

@@ -149,7 +149,7 @@ class TokenIndex:
             inside_words, outside_ids = tables.loop_split(loop)
             words = inside_words | tables.words_of(self._walk(state, outside_ids))
         else:
-            words = tables.words_of(tables.trie.walk(state, self.dfa.ensure))
+            words = tables.words_of(tables.trie.walk(state, self.dfa))
         if self.dfa.accepting[state]:
             words = words | tables.eos_words
         # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that

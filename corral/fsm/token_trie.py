@@ -11,6 +11,8 @@ bytes under several ids, kept in ``duplicate_ids``.
 
 import numpy as np
 
+_NARROW_STATE_BYTES = 32  # states with at most this many live bytes are walked by the scalar (Python) path
+
 
 class TokenTrie:
     def __init__(self, token_bytes: tuple[bytes, ...], token_ids: np.ndarray):
@@ -40,12 +42,48 @@ class TokenTrie:
         self.node_token = np.asarray(node_token, dtype=np.int64)
         self.duplicate_nodes = np.asarray(sorted(duplicates), dtype=np.int64)
         self.duplicate_ids = duplicates
+        # (node << 8 | byte) -> child, for the scalar part of the walk
+        self.child_of = dict(zip(((np.asarray(parents[1:]) << 8) | np.asarray(bytes_[1:])).tolist(),
+                                 range(1, self.num_nodes)))
+        self._node_token_list = node_token
+        self._has_children_list = self.has_children.tolist()
 
-    def walk(self, state: int, ensure) -> np.ndarray:
-        """Token ids whose bytes, walked from DFA ``state``, never hit a dead move. ``ensure(states)`` returns the
-        transition table with the rows of ``states`` built."""
-        nodes = np.zeros(1, dtype=np.int64)
-        states = np.full(1, state, dtype=np.int32)
+    def walk(self, state: int, dfa) -> np.ndarray:
+        """Token ids whose bytes, walked from ``state`` of the lazy DFA ``dfa``, never hit a dead move.
+
+        Narrow states (few live bytes: literals, punctuation, whitespace) are followed depth-first in plain
+        Python, one dictionary probe per live byte; the subtrees under wide states (string bodies, any byte) are
+        then walked level by level, vectorised. Numpy's per-call cost (a few µs) makes the vectorised walk a bad
+        deal for a frontier of one or two nodes, which is what literal chains give."""
+        child_of, node_token, has_children = self.child_of, self._node_token_list, self._has_children_list
+        stack, wide_nodes, wide_states, ids = [(0, state)], [], [], []
+        while stack:
+            node, current = stack.pop()
+            live = dfa.live_bytes(current)
+            if len(live) > _NARROW_STATE_BYTES:
+                wide_nodes.append(node)
+                wide_states.append(current)
+                continue
+            row = dfa.trans[current]
+            base = node << 8
+            for byte in live:
+                child = child_of.get(base | byte)
+                if child is None:
+                    continue
+                if node_token[child] >= 0:
+                    ids.append(node_token[child])
+                    if child in self.duplicate_ids:
+                        ids.extend(self.duplicate_ids[child])
+                if has_children[child]:
+                    stack.append((child, int(row[byte])))
+        found = np.asarray(ids, dtype=np.int64)
+        if wide_nodes:
+            found = np.concatenate([found, self._walk_levels(np.asarray(wide_nodes, dtype=np.int64),
+                                                            np.asarray(wide_states, dtype=np.int32), dfa.ensure)])
+        return found
+
+    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, ensure) -> np.ndarray:
+        """The vectorised walk below ``nodes`` (in DFA ``states``): one gather per trie level."""
         reached = []
         while len(nodes):
             starts = self.child_start[nodes]
