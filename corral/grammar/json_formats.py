@@ -11,10 +11,13 @@ never rejects what Corral generates:
   keeps every name within the 253-character limit without a counter.
 - ``ipv4``: dotted decimal without leading zeros (as Python's ``ipaddress`` reads it). ``ipv6``: RFC 4291 text
   forms, with an embedded IPv4 tail. Left out: zone identifiers.
-- ``uuid``: 8-4-4-4-12 hex digits, either case. ``uri``, ``uri-reference``: RFC 3986 (ASCII; IRIs left out).
+- ``uuid``: 8-4-4-4-12 hex digits, either case. ``uri``, ``uri-reference``: RFC 3986; ``iri``,
+  ``iri-reference``: RFC 3987 (non-ASCII characters of the BMP). ``json-pointer``, ``relative-json-pointer``.
 
-Formats not listed here are annotations (JSON Schema 2019-09 and later say so outright; earlier drafts let
-validators ignore unknown formats): the caller ignores them and records a warning.
+The other formats some draft defines (``regex``, ``idn-email``, ``idn-hostname``, ``uri-template``) are refused:
+validators check them, so ignoring them would let invalid values through. Any other name is an annotation
+(JSON Schema 2019-09 and later say so outright; earlier drafts let validators ignore unknown formats): the
+caller ignores it and records a warning.
 """
 
 import functools
@@ -55,14 +58,22 @@ _IPV6 = "(?:" + "|".join([
 _HEX = "[0-9A-Fa-f]"
 _UUID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
 _UNRESERVED_ETC = "[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2}"  # unreserved, sub-delims, pct-encoded
-_PCHAR = f"(?:{_UNRESERVED_ETC}|[:@])"
-_AUTHORITY = (f"(?:(?:{_UNRESERVED_ETC}|:)*@)?(?:\\[{_IPV6}\\]|(?:{_UNRESERVED_ETC})*)(?::[0-9]*)?")
-_PATH_REST = f"(?:/{_PCHAR}*)*"
-_TAIL = f"(?:\\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?"
-_URI = (f"[A-Za-z][A-Za-z0-9+.-]*:(?://{_AUTHORITY}{_PATH_REST}|/(?:{_PCHAR}+{_PATH_REST})?"
-        f"|{_PCHAR}+{_PATH_REST}|){_TAIL}")
-_RELATIVE_REF = (f"(?://{_AUTHORITY}{_PATH_REST}|/(?:{_PCHAR}+{_PATH_REST})?"
-                 f"|(?:{_UNRESERVED_ETC}|@)+{_PATH_REST}|){_TAIL}")
+_IUNRESERVED_ETC = "[A-Za-z0-9._~!$&'()*+,;=\u00a0-\ud7ff\uf900-\ufdcf\ufdf0-\uffef-]|%[0-9A-Fa-f]{2}"
+def _uri_regexes(unreserved: str) -> tuple[str, str]:
+    """RFC 3986 URI and relative-ref (RFC 3987 IRI forms when ``unreserved`` holds the non-ASCII ucschars)."""
+    pchar = f"(?:{unreserved}|[:@])"
+    authority = f"(?:(?:{unreserved}|:)*@)?(?:\\[{_IPV6}\\]|(?:{unreserved})*)(?::[0-9]*)?"
+    path_rest = f"(?:/{pchar}*)*"
+    tail = f"(?:\\?(?:{pchar}|[/?])*)?(?:#(?:{pchar}|[/?])*)?"
+    hier = f"//{authority}{path_rest}|/(?:{pchar}+{path_rest})?"
+    return (f"[A-Za-z][A-Za-z0-9+.-]*:(?:{hier}|{pchar}+{path_rest}|){tail}",
+            f"(?:{hier}|(?:{unreserved}|@)+{path_rest}|){tail}")
+
+
+_URI, _RELATIVE_REF = _uri_regexes(_UNRESERVED_ETC)
+_IRI, _RELATIVE_IRI = _uri_regexes(_IUNRESERVED_ETC)
+_POINTER = "(?:/(?:[^/~]|~[01])*)*"
+
 
 FORMAT_REGEXES = {
     "date": _DATE,
@@ -74,8 +85,15 @@ FORMAT_REGEXES = {
     "ipv6": _IPV6,
     "uuid": _UUID,
     "uri": _URI,
-    "relative-ref": _RELATIVE_REF,
+    "iri": _IRI,
+    "json-pointer": _POINTER,
+    "relative-json-pointer": f"(?:0|[1-9][0-9]*)(?:#|{_POINTER})",
 }
+_REFERENCES = {"uri-reference": (_URI, _RELATIVE_REF), "iri-reference": (_IRI, _RELATIVE_IRI)}
+# Every format some draft defines: one that Corral does not compile is refused, never ignored, because validators
+# check these. Any other name is an annotation.
+STANDARD_FORMATS = frozenset({*FORMAT_REGEXES, "date-time", *_REFERENCES, "idn-email", "idn-hostname", "regex",
+                              "uri-template"})
 
 
 @functools.cache
@@ -83,7 +101,8 @@ def format_node(name: str) -> Node | None:
     """The decoded-string language of ``format: name``, or None for a format Corral treats as an annotation."""
     if name == "date-time":  # composed here: the parser would distribute the date's alternation over the tail
         return Concat((format_node("date"), CharSet.chars("Tt"), format_node("time")))
-    if name == "uri-reference":
-        return Alt((format_node("uri"), format_node("relative-ref")))
+    if name in _REFERENCES:
+        absolute, relative = _REFERENCES[name]
+        return Alt((parse_regex(absolute, flavor="python"), parse_regex(relative, flavor="python")))
     pattern = FORMAT_REGEXES.get(name)
     return None if pattern is None else parse_regex(pattern, flavor="python")

@@ -12,7 +12,7 @@ from corral.errors import InvalidSchemaError, UnsupportedSchemaError
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import NOTHING, Node
 from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
-from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, schema_for_name
+from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, property_sources
 from corral.grammar.schema_not import negate
 from corral.grammar.schema_refs import RefResolver
 from corral.grammar.schema_values import ValueBuilders
@@ -200,10 +200,10 @@ class SchemaCompiler(ValueBuilders):
     def _objects_disjoint(self, a: MergedSchema, b: MergedSchema, depth: int) -> bool:
         for name in a.required:
             if name in b.required:
-                if self.disjoint(self.merged_of(a.properties.get(name) or schema_for_name(a, name)),
-                                 self.merged_of(b.properties.get(name) or schema_for_name(b, name)), depth - 1):
+                if self.disjoint(self.merged_of(property_sources(a, name)),
+                                 self.merged_of(property_sources(b, name)), depth - 1):
                     return True
-            elif name not in b.properties and False in [s for s, _ in schema_for_name(b, name)]:
+            elif False in [s for s, _ in property_sources(b, name)]:
                 return True  # b forbids the property a requires
         return False
 

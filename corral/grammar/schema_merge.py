@@ -103,11 +103,19 @@ def _compiled(pattern: str) -> re.Pattern:
     return _PATTERN_CACHE[pattern]
 
 
-def schema_for_name(merged: MergedSchema, name: str) -> list[Source]:
-    """What the merged object keywords demand of a property ``name`` that ``properties`` does not list."""
+def property_sources(merged: MergedSchema, name: str) -> list[Source]:
+    """Every schema a member ``name`` must satisfy: its ``properties`` entries and every ``patternProperties``
+    entry whose pattern matches it (both apply), or ``additionalProperties`` when neither names it."""
     by_pattern = [s for p, sources in merged.pattern_properties.items() if matches_pattern(p, name) for s in sources]
-    return by_pattern if any(matches_pattern(p, name) for p in merged.pattern_properties) \
-        else list(merged.additional_properties)
+    if name in merged.properties:
+        return merged.properties[name] + by_pattern
+    matched = any(matches_pattern(p, name) for p in merged.pattern_properties)
+    return by_pattern if matched else list(merged.additional_properties)
+
+
+def _unlisted(patterns, additional: list[Source], name: str) -> list[Source]:
+    """What one schema object demands of a member it does not list, beyond its patterns (added when building)."""
+    return [] if any(matches_pattern(p, name) for p in patterns) else list(additional)
 
 
 def _merge_types(merged: MergedSchema, value) -> None:
@@ -125,12 +133,12 @@ def _merge_objects(merged: MergedSchema, schema: dict, pointer: str) -> None:
     patterns = {k: [(v, f"{pointer}/patternProperties/{escape_pointer_token(k)}")] for k, v in schema.get("patternProperties", {}).items()}
     additional = [(schema["additionalProperties"], f"{pointer}/additionalProperties")] \
         if "additionalProperties" in schema else []
-    own = MergedSchema(properties=props, pattern_properties=patterns, additional_properties=additional)
     for name in list(merged.properties):
-        merged.properties[name] += props.get(name) or schema_for_name(own, name)
+        merged.properties[name] += props.get(name) or _unlisted(patterns, additional, name)
     for name, sources in props.items():
         if name not in merged.properties:
-            merged.properties[name] = schema_for_name(merged, name) + sources
+            merged.properties[name] = _unlisted(merged.pattern_properties, merged.additional_properties, name) \
+                + sources
     for pattern, sources in patterns.items():
         merged.pattern_properties.setdefault(pattern, list(merged.additional_properties)).extend(sources)
     for pattern in merged.pattern_properties:

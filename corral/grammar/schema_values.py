@@ -11,14 +11,14 @@ import re
 
 from corral.errors import GrammarTooComplexError, InvalidRegexError, InvalidSchemaError, UnsupportedRegexError
 from corral.grammar.json_containers import array_node, member_node, object_node
-from corral.grammar.json_formats import format_node
+from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
 from corral.grammar.json_strings import ANY_CHAR, length_node, loose_string_node, string_literal, string_node
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
-from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, schema_for_name
+from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
 
 ANY_VALUE_DEPTH = 3
 MAX_ENUMERATED_MULTIPLES = 256
@@ -157,7 +157,9 @@ class ValueBuilders:
                 parts.append(node)
         for name, where in merged.formats:
             node = format_node(name)
-            if node is None:
+            if node is None and name in STANDARD_FORMATS:
+                self.unsupported(f"format {name!r} is not supported", "format", where)
+            elif node is None:
                 self.warnings.append(f"format {name!r} at '{where}' is not checked (an annotation)")
             else:
                 parts.append(node)
@@ -203,8 +205,7 @@ class ValueBuilders:
         members = []
         for name in declared:
             allowed = not merged.property_names or self.name_allowed(name, merged.property_names)
-            value = self.node_of(merged.properties.get(name) or schema_for_name(merged, name)) if allowed \
-                else NOTHING
+            value = self.node_of(property_sources(merged, name)) if allowed else NOTHING
             required = name in merged.required
             if value == NOTHING:
                 if required:

@@ -167,6 +167,18 @@ def test_pattern_properties_and_property_names():
     check({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": False},
           good=[{}, {"x-a": 1, "x-b": 2}], bad=[{"y": 1}, {"x-a": "s"}])
     check({"type": "object", "propertyNames": {"maxLength": 2}}, good=[{"ab": 1}], bad=[{"abc": 1}])
+    # a declared property that a pattern also matches must satisfy both schemas
+    check({"type": "object", "properties": {"x-a": {"minimum": 3}}, "patternProperties": {"^x-": {"maximum": 5}}},
+          good=[{"x-a": 4}], bad=[{"x-a": 6}, {"x-a": 2}])
+
+
+def test_repeated_extra_keys_never_make_up_min_properties():
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+    # '{"a":1,"a":2}' is one member to a validator; so only one extra member counts, which leaves nothing here
+    with pytest.raises(InvalidSchemaError, match="accepts no value at all"):
+        schema_to_node(schema)
+    check({"type": "object", "properties": {"k": {}}, "required": ["k"], "additionalProperties": {"type": "integer"},
+           "minProperties": 2}, good=[{"k": 0, "a": 1}], bad=[{"k": 0}])
 
 
 def test_min_and_max_properties():
