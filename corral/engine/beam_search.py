@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from corral.engine.outputs import CompletionOutput
 from corral.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from corral.errors import InvalidRequestError
 from corral.fsm.guide import Guide
@@ -152,39 +153,64 @@ def _best_reachable(cumulative_logprob: float, length: int, params: BeamSearchPa
 class EngineLogprobs:
     """:data:`NextTokenLogprobs` served by an ``LLMEngine`` through its public API.
 
-    Each call adds one single-token greedy request per beam (prompt + the beam's output) and steps the engine
-    until they finish. Beams share their prompt and common prefix through the engine's prefix cache (whole
-    blocks; the last partial block is recomputed), not through explicit forks. A row holds the raw logprobs of
-    the model's top ``MAX_LOGPROBS`` tokens plus that of the beam's best grammar-allowed token (the request
-    carries a copy of the guide), -inf elsewhere. That is exact for ``2 * beam_width <= MAX_LOGPROBS`` without
-    a grammar; with one, an allowed token ranked below the top ``MAX_LOGPROBS`` other than the best allowed one
-    is not seen. The engine must not be serving other callers meanwhile (their outputs would be consumed here).
+    Each call adds one single-token greedy request per beam (prompt + the beam's output, ``logprobs=20``) and
+    steps the engine until they finish. Beams share their prompt and common prefix through the engine's prefix
+    cache (whole blocks; the last partial block is recomputed), not through explicit forks. A row holds the raw
+    logprobs of the model's top ``MAX_LOGPROBS`` tokens, -inf elsewhere: exact for the beam's best
+    ``2 * beam_width`` extensions when ``2 * beam_width <= MAX_LOGPROBS``.
+
+    With a guide, the allowed tokens are often outside the raw top ``MAX_LOGPROBS``. Then more rounds follow,
+    each a greedy request whose guide also excludes the allowed tokens found so far, so each round adds the
+    next-best allowed token, until the row holds ``num_candidates`` allowed tokens or every allowed one.
+    The engine must not be serving other callers meanwhile (their outputs would be consumed here).
     """
 
-    def __init__(self, engine, prompt_token_ids: Sequence[int], guide: Guide | None = None):
+    def __init__(self, engine, prompt_token_ids: Sequence[int], guide: Guide | None = None, num_candidates: int = 8):
         self.engine, self.prompt_token_ids, self.guide = engine, list(prompt_token_ids), guide
+        self.num_candidates = num_candidates
         self._params = SamplingParams(temperature=0, max_tokens=1, logprobs=MAX_LOGPROBS)
-        self._num_calls = 0
+        self._num_requests = 0
 
     def __call__(self, prefixes: Sequence[tuple[int, ...]]) -> torch.Tensor:
-        request_ids = []
-        for i, prefix in enumerate(prefixes):
-            request_ids.append(f"beam-{id(self):x}-{self._num_calls}-{i}")
-            self.engine.add_request(request_ids[-1], self.prompt_token_ids + list(prefix), self._params,
-                                    guide=self._guide_after(prefix))
-        self._num_calls += 1
-        done = {}
-        while len(done) < len(request_ids):
-            done.update((o.request_id, o.outputs[0]) for o in self.engine.step() if o.finished)
-        logprobs = torch.full((len(prefixes), self.engine.vocabulary.size), -math.inf)
-        for i, request_id in enumerate(request_ids):
-            completion = done[request_id]
-            assert completion.finish_reason != "error", "the engine sampled a token its guide rejects"
-            chosen_logprob, top = completion.logprobs[0]
-            for token_id, value in top:
-                logprobs[i, token_id] = value
-            logprobs[i, completion.token_ids[0]] = chosen_logprob
+        vocab_size = self.engine.vocabulary.size
+        logprobs = torch.full((len(prefixes), vocab_size), -math.inf)
+        guides = [self._guide_after(prefix) for prefix in prefixes]
+        # row -> the guide its next request carries (a copy: the engine advances it)
+        pending = {i: g.copy() if g is not None else None for i, g in enumerate(guides)}
+        while pending:
+            for i, completion in self._run({i: (prefixes[i], g) for i, g in pending.items()}).items():
+                chosen_logprob, top = completion.logprobs[0]
+                for token_id, value in top:
+                    logprobs[i, token_id] = value
+                logprobs[i, completion.token_ids[0]] = chosen_logprob
+            pending = {i: _Excluding(guides[i], found) for i in pending
+                       if (found := self._allowed_found(guides[i], logprobs[i])) is not None}
         return logprobs
+
+    def _allowed_found(self, guide: Guide | None, row: torch.Tensor) -> np.ndarray | None:
+        """The allowed tokens seen in ``row`` as a bitmask to exclude next round; None when the row is done."""
+        if guide is None:
+            return None
+        allowed = np.zeros(-(-row.shape[0] // 32), dtype=np.int32)
+        guide.fill_mask(allowed)
+        seen = np.zeros(allowed.size * 32, dtype=bool)
+        seen[: row.shape[0]] = torch.isfinite(row).numpy()
+        found = allowed & np.packbits(seen, bitorder="little").view("<i4").astype(np.int32)
+        num_found, num_allowed = _popcount(found), _popcount(allowed)
+        return found if num_found < min(self.num_candidates, num_allowed) else None
+
+    def _run(self, requests: dict[int, tuple[tuple[int, ...], Guide | None]]) -> dict[int, CompletionOutput]:
+        ids = {}
+        for i, (prefix, guide) in requests.items():
+            request_id = f"beam-{id(self):x}-{self._num_requests}"
+            self._num_requests += 1
+            self.engine.add_request(request_id, self.prompt_token_ids + list(prefix), self._params, guide=guide)
+            ids[request_id] = i
+        done = {}
+        while len(done) < len(ids):
+            done.update((o.request_id, o.outputs[0]) for o in self.engine.step() if o.finished and o.request_id in ids)
+        assert all(c.finish_reason != "error" for c in done.values()), "the engine sampled a token its guide rejects"
+        return {ids[request_id]: completion for request_id, completion in done.items()}
 
     def _guide_after(self, prefix: Sequence[int]) -> Guide | None:
         if self.guide is None:
@@ -195,9 +221,45 @@ class EngineLogprobs:
         return guide
 
 
+def _popcount(words: np.ndarray) -> int:
+    return int(np.unpackbits(words.view(np.uint8)).sum())
+
+
+class _Excluding(Guide):
+    """A throwaway copy of a guide whose mask also leaves out ``excluded`` (a bitmask row)."""
+
+    def __init__(self, guide: Guide, excluded: np.ndarray):
+        self.inner, self.excluded = guide.copy(), excluded
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        self.inner.fill_mask(row)
+        row &= ~self.excluded
+
+    def advance(self, token_id: int) -> bool:
+        return self.inner.advance(token_id)
+
+    def is_accepting(self) -> bool:
+        return self.inner.is_accepting()
+
+    def is_finished(self) -> bool:
+        return self.inner.is_finished()
+
+    def is_error(self) -> bool:
+        return self.inner.is_error()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def copy(self) -> "_Excluding":
+        return _Excluding(self.inner, self.excluded)
+
+    def forced_bytes(self) -> bytes:
+        return self.inner.forced_bytes()
+
+
 def beam_search_engine(engine, prompt: str | Sequence[int], params: BeamSearchParams,
                        guide: Guide | None = None) -> list[BeamHypothesis]:
     """Beam search on the engine's model; ``prompt`` is text (tokenized as is) or token ids."""
     prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    model = EngineLogprobs(engine, prompt_token_ids, guide)
+    model = EngineLogprobs(engine, prompt_token_ids, guide, num_candidates=2 * params.beam_width)
     return beam_search(model, params, eos_token_ids=engine.vocabulary.eos_token_ids, guide=guide)
