@@ -4,8 +4,10 @@ The cache of one layer is two tensors ``[num_blocks, block_size, kv_heads, head_
 ``block_id * block_size + offset`` holds one token's K (or V). The model runner builds one
 :class:`AttentionMetadata` per step, shared by all layers, so the per-layer work is tensor ops only.
 
-Decodes (one query each) run as one batched SDPA over their gathered, padded contexts, the query heads of a
-KV group stacked as the query length so GQA needs no repeat. A prefill chunk runs alone; when nothing of it is
+Decodes (one query each) run as batched SDPA calls over their gathered, padded contexts, the query heads of a
+KV group stacked as the query length so GQA needs no repeat. The runner sorts decodes by context length and
+cuts them into a few groups, each padded only to its own longest context: gathering K/V is the dominant cost
+of CPU decode, and one group padded to the batch's longest context gathered about twice the bytes. A prefill chunk runs alone; when nothing of it is
 cached its own fresh K/V are used directly (no gather) with the causal flash path. On a GPU the same
 contract is served by the Triton kernel in :mod:`corral.kernels.paged_attention`, whose torch twin checks this
 code as well.
@@ -20,14 +22,20 @@ import torch.nn.functional as F
 class PrefillSpan(NamedTuple):
     start: int  # rows [start, end) of the flat batch are this sequence's new tokens
     end: int
-    context_slots: torch.Tensor | None  # [num_context] slots of every visible key; None: the new tokens only
+    context_blocks: torch.Tensor | None  # int64 block ids covering every visible key; None: the new tokens only
+    num_context: int  # visible keys: cached ones plus the new tokens
+
+
+class DecodeGroup(NamedTuple):
+    start: int  # rows [start, end) of the flat batch are single-query sequences
+    end: int
+    block_ids: torch.Tensor  # [(end - start) * width] int64: each sequence's block table, padded to width blocks
+    mask: torch.Tensor  # [end - start, 1, 1, width * block_size] bool, True where a key is real
 
 
 class AttentionMetadata(NamedTuple):
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
-    num_decodes: int  # rows [0, num_decodes) are decodes, one row per sequence
-    decode_slots: torch.Tensor  # [num_decodes, max_context] int64, padded with slot 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_context] bool, True where a key is real
+    decodes: tuple[DecodeGroup, ...]  # they cover rows [0, number of decodes)
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -44,33 +52,39 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], flat_k, flat_v, meta)
+    for group in meta.decodes:
+        out[group.start: group.end] = _decode(q[group.start: group.end], k_cache, v_cache, group)
     for span in meta.prefills:
         out[span.start: span.end] = _prefill(q[span.start: span.end], k[span.start: span.end],
-                                             v[span.start: span.end], flat_k, flat_v, span.context_slots)
+                                             v[span.start: span.end], k_cache, v_cache, span)
     return out
 
 
-def _decode(q, flat_k, flat_v, meta: AttentionMetadata) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_seqs, kv_heads, keys, head_dim] from whole blocks of ``cache`` [num_blocks, block_size, kv_heads, D]."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _decode(q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = flat_k.shape[1]
-    group = num_heads // num_kv_heads
-    keys = flat_k[meta.decode_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-    values = flat_v[meta.decode_slots].transpose(1, 2)
-    queries = q.view(batch, num_kv_heads, group, head_dim)  # a KV group's query heads act as its query rows
-    out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask)
+    num_kv_heads = k_cache.shape[2]
+    keys = gather_blocks(k_cache, group.block_ids, batch)  # [B, kv_heads, L, D]
+    values = gather_blocks(v_cache, group.block_ids, batch)
+    # the query heads sharing a KV head act as that head's query rows
+    queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask)
     return out.reshape(batch, num_heads * head_dim)
 
 
-def _prefill(q, k, v, flat_k, flat_v, context_slots) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
     num_new, num_heads, head_dim = q.shape
-    if context_slots is None:
+    if span.context_blocks is None:
         keys, values, mask = k, v, None
     else:
-        keys, values = flat_k[context_slots].to(q.dtype), flat_v[context_slots].to(q.dtype)
-        num_context = context_slots.shape[0]
+        num_context = span.num_context
+        keys = k_cache.index_select(0, span.context_blocks).flatten(0, 1)[:num_context].to(q.dtype)
+        values = v_cache.index_select(0, span.context_blocks).flatten(0, 1)[:num_context].to(q.dtype)
         # query i sits at position num_context - num_new + i and sees every key up to and including it
         rows = torch.arange(num_context - num_new, num_context).unsqueeze(1)
         mask = torch.arange(num_context).unsqueeze(0) <= rows

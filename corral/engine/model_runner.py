@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from corral.engine.attention import AttentionMetadata, PrefillSpan
+from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from corral.engine.config import EngineConfig
 from corral.engine.model import LlamaModel
 from corral.engine.scheduler import ScheduledBatch
@@ -21,6 +21,7 @@ from corral.models import ModelConfig, ModelFiles
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DECODE_GROUP_SIZE = 16  # decodes per attention call; each group is padded to its own longest context
 
 
 class ModelRunner:
@@ -59,7 +60,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one forward pass; return the sequences that sample and their float32 logits, row for row."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)  # stable
+        # single-token sequences first, by context length, so that decode groups pad little
+        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1,
+                                                              batch.seqs[i].num_computed_tokens))
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         input_ids, positions, meta = self.prepare(seqs, counts)
@@ -88,25 +91,17 @@ class ModelRunner:
             if count == 1:
                 num_decodes += 1
             else:
-                context = None if start == 0 else self._slots(table, start + count)
-                prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context))
-        decode_slots, decode_mask = self._decode_slots(seqs[:num_decodes])
-        meta = AttentionMetadata(torch.tensor(slots), num_decodes, decode_slots, decode_mask, tuple(prefills))
+                context = None if start == 0 else torch.tensor(table[: -(-(start + count) // size)])
+                prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context, start + count))
+        decodes = tuple(self._decode_group(seqs[i: i + DECODE_GROUP_SIZE], i)
+                        for i in range(0, num_decodes, DECODE_GROUP_SIZE))
+        meta = AttentionMetadata(torch.tensor(slots), decodes, tuple(prefills))
         return torch.tensor(input_ids), torch.tensor(positions), meta
 
-    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(table[: -(-num_tokens // self.block_size)])
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
-
-    def _decode_slots(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L] slots of every key each decode sees (padded with slot 0) and the [B, 1, 1, L] mask of real ones."""
-        if not seqs:
-            return torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, 1, 1, dtype=torch.bool)
-        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
-        width = -(-int(context_lens.max()) // self.block_size)
-        tables = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table[:width])] = torch.tensor(seq.block_table[:width])
-        slots = (tables[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
-        mask = torch.arange(slots.shape[1])[None, :] < context_lens[:, None]
-        return slots, mask[:, None, None, :]
+    def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
+        """Block tables padded (with block 0) to the group's longest, and the [B, 1, 1, L] mask of real keys."""
+        context_lens = [seq.num_computed_tokens + 1 for seq in seqs]
+        width = -(-max(context_lens) // self.block_size)
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(context_lens)[:, None]
+        return DecodeGroup(start, start + len(seqs), torch.tensor(tables).flatten(), mask[:, None, None, :])

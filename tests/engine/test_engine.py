@@ -1,0 +1,160 @@
+"""LLMEngine on the real model: prefix cache, preemption, n > 1 forks, stop conditions, guides, abort, errors."""
+
+import numpy as np
+import pytest
+
+from corral.engine import EngineConfig, LLMEngine, SamplingParams
+from corral.errors import InvalidRequestError, PromptTooLongError
+from corral.fsm.guide import Guide
+from tests.engine.real_model import PROMPTS, assert_same_or_near_tie, chat, greedy
+
+SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and truthfully, and never invent facts." for i in range(80))
+
+
+class ScriptGuide(Guide):
+    """Allows exactly the next token of ``script``, then only EOS. ``lie_at``: advance() rejects that position,
+    the way a guide rejects a token it did not allow (the engine must end just that sequence with 'error')."""
+
+    def __init__(self, script, eos, words, lie_at=None, position=0, error=False):
+        self.script, self.eos, self.words, self.lie_at = list(script), eos, words, lie_at
+        self.position, self.error = position, error
+
+    def fill_mask(self, row):
+        row[:] = 0
+        token = self.script[self.position] if self.position < len(self.script) else self.eos
+        row[token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+
+    def advance(self, token_id):
+        allowed = self.script[self.position] if self.position < len(self.script) else self.eos
+        if token_id != allowed or self.position == self.lie_at:
+            self.error = True
+            return False
+        self.position += 1
+        return True
+
+    def is_accepting(self):
+        return self.position >= len(self.script)
+
+    def is_finished(self):
+        return self.error
+
+    def is_error(self):
+        return self.error
+
+    def rollback(self, num_tokens):
+        self.position -= num_tokens
+
+    def copy(self):
+        return ScriptGuide(self.script, self.eos, self.words, self.lie_at, self.position, self.error)
+
+    def forced_bytes(self):
+        return b""
+
+
+def test_shared_system_prompt_is_served_from_the_prefix_cache(engine):
+    first = chat(engine, "What is 2 + 2?", system=SYSTEM)
+    second = chat(engine, "Name a large ocean.", system=SYSTEM)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > 1000
+    engine.generate([first], greedy(4))
+    out = engine.generate([second], greedy(24))[0]
+    assert out.num_cached_tokens == shared // 16 * 16  # every full block of the shared prefix
+    uncached = LLMEngine(EngineConfig(dtype="float32", enable_prefix_caching=False, num_kv_blocks=512))
+    expected = uncached.generate([second], greedy(24))[0]
+    assert expected.num_cached_tokens == 0
+    assert_same_or_near_tie(engine, second, expected.outputs[0].token_ids, out.outputs[0].token_ids)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs_and_leaks_nothing(engine):
+    prompts = [chat(engine, q) for q in PROMPTS]
+    expected = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(64))]
+    # 8 x (about 40 prompt + 64 output) tokens against 20 blocks of 16 = 320 tokens: recompute is unavoidable
+    small = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=20, max_num_seqs=8))
+    outs = small.generate(prompts, greedy(64))
+    stats = small.stats()
+    assert stats.num_preemptions > 0
+    for ids, exp, out in zip(prompts, expected, outs):
+        assert out.finished
+        assert_same_or_near_tie(engine, ids, exp, out.outputs[0].token_ids)
+    assert stats.num_kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert small.block_manager.ref_counts == [0] * 20
+
+
+def test_n_greater_than_one_forks_from_the_computed_prompt(engine):
+    ids = chat(engine, PROMPTS[0])
+    single = engine.generate([ids], greedy(20))[0].outputs[0]
+    copies_before = engine.stats().num_tokens_computed
+    out = engine.generate([ids], greedy(20, n=3))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == single.token_ids and o.text == single.text for o in out.outputs)
+    # the prompt ran once: 3 sequences x (prompt + decodes) would be far more than this
+    computed = engine.stats().num_tokens_computed - copies_before
+    assert computed <= len(ids) + 3 * 20
+    assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_seeded_sampling_is_reproducible_and_siblings_differ(engine):
+    ids = chat(engine, "Tell me a story about a dragon.")
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=7, n=2)
+    a = engine.generate([ids], params)[0].outputs
+    b = engine.generate([ids], params)[0].outputs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].token_ids != a[1].token_ids
+
+
+def test_stop_string_is_cut_and_stop_token_ends(engine):
+    ids = chat(engine, PROMPTS[0])
+    full = engine.generate([ids], greedy(16))[0].outputs[0]
+    assert "Paris" in full.text  # the premise of the next checks
+    cut = engine.generate([ids], greedy(16, stop=("Paris",)))[0].outputs[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (full.text[: full.text.index("Paris")], "stop", "Paris")
+    third = full.token_ids[2]
+    by_id = engine.generate([ids], greedy(16, stop_token_ids=(third,)))[0].outputs[0]
+    assert by_id.token_ids == full.token_ids[:3] and (by_id.finish_reason, by_id.stop_reason) == ("stop", third)
+    short = engine.generate([ids], greedy(3))[0].outputs[0]
+    assert short.token_ids == full.token_ids[:3] and short.finish_reason == "length"
+    assert full.finish_reason == "stop" and full.token_ids[-1] in engine.vocabulary.eos_token_ids
+
+
+def test_incremental_text_equals_tokenizer_decode(engine):
+    outs = engine.generate([chat(engine, q) for q in PROMPTS[:4]], greedy(40))
+    for out in outs:
+        o = out.outputs[0]
+        assert o.text == engine.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_guides_constrain_and_an_error_ends_only_its_sequence(engine):
+    eos = engine.vocabulary.eos_token_ids[0]
+    script = engine.tokenizer.encode('{"answer": 42}')
+    words = -(-engine.vocabulary.size // 32)
+    ids = chat(engine, PROMPTS[0])
+    good, bad = ScriptGuide(script, eos, words), ScriptGuide(script, eos, words, lie_at=2)
+    outs = engine.generate([ids, ids, ids], greedy(32), guides=[good, bad, None])
+    assert outs[0].outputs[0].token_ids == script + [eos] and outs[0].outputs[0].text == '{"answer": 42}'
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == script[:3] and outs[1].outputs[0].finish_reason == "error"
+    free = engine.generate([ids], greedy(32))[0].outputs[0]
+    assert outs[2].outputs[0].token_ids == free.token_ids
+
+
+def test_abort_frees_everything_at_once(engine):
+    ids = chat(engine, PROMPTS[1])
+    engine.add_request("to-abort", ids, greedy(200, n=2))
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().num_kv_blocks_used > 0
+    engine.abort("to-abort")
+    assert not engine.has_unfinished_requests() and engine.stats().num_kv_blocks_used == 0
+
+
+def test_requests_that_can_never_fit_are_refused(engine):
+    tiny = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=4, max_model_len=128))
+    with pytest.raises(PromptTooLongError, match="exceeds the KV cache's 64 tokens"):
+        tiny.add_request("a", list(range(40)), greedy(40))
+    with pytest.raises(PromptTooLongError, match="the model's context is 128"):
+        tiny.add_request("b", list(range(128)), greedy(1))
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        tiny.add_request("c", [], greedy(1))
+    tiny.add_request("d", [1, 2], greedy(1))
+    with pytest.raises(InvalidRequestError, match="already running"):
+        tiny.add_request("d", [1, 2], greedy(1))
