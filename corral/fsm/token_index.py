@@ -22,6 +22,7 @@ from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.token_trie import TokenTrie
 from corral.fsm.vocabulary import Vocabulary
 
+_FEW_TOKENS = 256
 # A state whose self-loop covers at least this many bytes uses the self-loop shortcut.
 _LOOP_SHORTCUT_MIN_BYTES = 24
 
@@ -48,6 +49,14 @@ class VocabTables:
 
     def words_of(self, token_ids: np.ndarray) -> np.ndarray:
         """The int32 bitmask row with exactly ``token_ids`` set."""
+        if len(token_ids) <= _FEW_TOKENS:  # most structural masks: skip the full-width bool array and packbits
+            by_word: dict[int, int] = {}
+            for token_id in token_ids.tolist():
+                by_word[token_id >> 5] = by_word.get(token_id >> 5, 0) | (1 << (token_id & 31))
+            words = np.zeros(self.num_words, dtype=np.uint32)
+            if by_word:
+                words[list(by_word)] = list(by_word.values())
+            return words.view(np.int32)
         bits = np.zeros(self.num_words * 32, dtype=bool)
         bits[token_ids] = True
         return np.packbits(bits, bitorder="little").view(np.int32)
