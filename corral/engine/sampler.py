@@ -146,16 +146,21 @@ class Sampler:
             logits[ids] -= params.presence_penalty
 
     def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        token_ids = torch.argmax(work, dim=-1)  # right for greedy rows; random rows are overwritten below
+        """Greedy rows take the argmax of ``work``; the others are drawn (``work`` is consumed)."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long, device=work.device)
-            params = [rows[i].params for i in random_rows]
-            temperature = torch.tensor([p.temperature for p in params], device=work.device)
-            tempered = work.index_select(0, index) / temperature[:, None]
-            _filter_(tempered, params)
-            uniforms = _uniforms([rows[i].generator for i in random_rows], work.device)
-            token_ids[index] = _draw(torch.softmax(tempered, dim=-1), uniforms)
+        if not random_rows:
+            return torch.argmax(work, dim=-1).tolist()
+        all_random = len(random_rows) == len(rows)
+        token_ids = None if all_random else torch.argmax(work, dim=-1)
+        index = torch.tensor(random_rows, dtype=torch.long, device=work.device)
+        params = [rows[i].params for i in random_rows]
+        tempered = work if all_random else work.index_select(0, index)  # in place when every row is drawn
+        tempered.div_(torch.tensor([p.temperature for p in params], device=work.device)[:, None])
+        probs = _filtered_probs(tempered, params)
+        drawn = _draw(probs, _uniforms([rows[i].generator for i in random_rows], work.device))
+        if all_random:
+            return drawn.tolist()
+        token_ids[index] = drawn
         return token_ids.tolist()
 
 
@@ -183,8 +188,9 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _filter_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """min_p, then top_k, then top_p, in place on tempered logits (rows match ``params``)."""
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """min_p, then top_k (in place on the tempered logits), then the softmax, then top_p (zeroing
+    probabilities; the draw needs no renormalisation). Rows match ``params``."""
     device, neg_inf = logits.device, float("-inf")
     min_p = torch.tensor([p.min_p for p in params], device=device)
     if bool((min_p > 0).any()):
@@ -197,17 +203,15 @@ def _filter_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         largest = torch.topk(logits, int(k.max()), dim=-1).values
         kth = largest.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], neg_inf)
         logits.masked_fill_(logits < kth, neg_inf)
-    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1]
-    if nucleus_rows:
-        index = torch.tensor(nucleus_rows, dtype=torch.long, device=device)
-        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], device=device)
-        subset = logits.index_select(0, index)
-        probs = torch.softmax(subset, dim=-1)
-        logits.index_copy_(0, index, subset.masked_fill_(probs < _top_p_smallest_kept(probs, top_p), neg_inf))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_p < 1).any()):
+        probs.masked_fill_(probs < _top_p_smallest_kept(probs, top_p), 0.0)
+    return probs
 
 
 def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``[rows, 1]``: the probability of the last token top_p (< 1) keeps.
+    """``[rows, 1]``: the probability of the last token top_p keeps (0 for rows with top_p = 1).
 
     A full sort of 49k-150k columns costs far more than the rest of the sampler, and the nucleus is usually a
     few dozen tokens, so this looks at the largest k only, growing k until those k hold ``top_p`` of the mass.
@@ -216,9 +220,10 @@ def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
     while True:
         largest = torch.topk(probs, k, dim=-1).values
         cumulative = torch.cumsum(largest, dim=-1)
-        if k == probs.shape[1] or bool((cumulative[:, -1] >= top_p).all()):
+        if k == probs.shape[1] or bool(((cumulative[:, -1] >= top_p) | (top_p >= 1)).all()):
             break
         k = min(4 * k, probs.shape[1])
     # Keep a token while the mass before it is < top_p: the first token always stays.
     keep = ((cumulative - largest) < top_p[:, None]) & (largest > 0)
-    return largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+    smallest = largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+    return smallest.masked_fill((top_p >= 1)[:, None], 0.0)
