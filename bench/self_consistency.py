@@ -49,7 +49,7 @@ def schema(reasoning_chars: int) -> dict:
     properties = {"answer": {"type": "integer", "minimum": 0, "maximum": 999}}
     if reasoning_chars:
         properties = {"reasoning": {"type": "string", "maxLength": reasoning_chars}, **properties}
-    return {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
 def main():

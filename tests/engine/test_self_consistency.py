@@ -73,7 +73,8 @@ def test_real_model_votes_agree_with_the_samples():
     from corral.fsm.compiler import GrammarCompiler
     engine = LLMEngine(EngineConfig(num_kv_blocks=256, max_num_seqs=16))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4? Answer in JSON."}])
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
     params = SamplingParams(n=4, temperature=0.8, max_tokens=12, seed=5)
     result = self_consistency(engine, GrammarCompiler(engine.vocabulary), prompt, schema, params=params)
     assert result.num_samples == 4 and len(result.answers) == 4
