@@ -165,12 +165,13 @@ class Sampler:
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone."""
-    uniforms = torch.rand(len(generators), dtype=torch.float64, device=device)
+    """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone. Drawn on the
+    generator's device (per-request generators are CPU ones), then moved: one number per row is cheap."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64)
     for j, generator in enumerate(generators):
         if generator is not None:
-            uniforms[j] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
-    return uniforms
+            uniforms[j] = torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
+    return uniforms.to(device)
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
