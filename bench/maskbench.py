@@ -224,6 +224,8 @@ def run_engine(name, args, entries) -> list[dict]:
             worker.start()
             if not parent.poll(300) or parent.recv() != "ready":
                 raise RuntimeError(f"{name}: worker failed to start")
+        if index and index % 200 == 0:
+            print(f"{name}: {index}/{len(entries)} schemas", file=sys.stderr, flush=True)
         parent.send(index)
         if parent.poll(args.timeout):
             try:

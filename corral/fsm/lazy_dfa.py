@@ -47,6 +47,8 @@ class LazyDFA:
         if not self.is_empty:
             self._state_of(root)
             self._build_row(0)
+        # subtle: the compile budget ends with compilation; rows built later, while decoding, must never raise
+        self.terms.budget = Budget(time_s=float("inf"), max_states=budget.max_states)
 
     @property
     def num_states(self) -> int:

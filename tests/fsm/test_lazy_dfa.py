@@ -1,6 +1,7 @@
 """The lazy derivative DFA against ``re``: byte-level acceptance equals ``re.fullmatch`` on the decoded text."""
 
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -114,3 +115,10 @@ def test_time_budget_raises_instead_of_hanging():
     many_words = Alt(tuple(literal(f"word{i}") for i in range(20000)))
     with pytest.raises(GrammarTooComplexError, match="time budget of 0.001 s"):
         LazyDFA(many_words, Budget(time_s=0.001))
+
+
+def test_rows_built_after_compilation_never_hit_the_compile_budget():
+    """The budget bounds compilation only: decoding later explores new states lazily and must not raise."""
+    dfa = LazyDFA(parse_regex("(?:[a-z]{3}-)*[a-z]{0,9000}"), Budget(time_s=0.05))
+    time.sleep(0.1)
+    assert accepts(dfa, b"abc-def-" * 40 + b"x" * 9000)  # thousands of new terms, past the clock checks

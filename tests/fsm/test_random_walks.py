@@ -25,7 +25,7 @@ from corral.models import load_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "maskbench-dev.jsonl.gz")
 NUM_SCHEMAS, WALKS_PER_SCHEMA, MAX_RANDOM_TOKENS = 60, 20, 24
-MAX_SEARCH_STATES = 4000
+MAX_SEARCH_STATES = 20000
 
 
 def _sample() -> list[dict]:
@@ -65,9 +65,11 @@ def shortest_completion(index, state: int, byte_tokens: dict[int, int]) -> bytes
                 path.append(byte)
             return bytes(reversed(path))
         row = index.row(current)
-        for byte in np.flatnonzero(row >= 0).tolist():
-            if byte not in byte_tokens:
-                continue
+        live = [b for b in np.flatnonzero(row >= 0).tolist() if b in byte_tokens]
+        # Whitespace and non-ASCII bytes only multiply the search (flexible whitespace, UTF-8 lead bytes); the
+        # shortest way out never needs them when another byte is possible.
+        preferred = [b for b in live if 0x20 < b < 0x80]
+        for byte in preferred or live:
             following = int(row[byte])
             if following not in parents:
                 parents[following] = (current, byte)
