@@ -49,7 +49,14 @@ def _astral_escapes(b: NodeBuilder, low: int, high: int) -> Node:
 
 
 def spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
-    """Every JSON spelling (inside a string) of every character in ``chars``."""
+    """Every JSON spelling (inside a string) of every character in ``chars`` (cached per builder)."""
+    key = ("spell_chars", chars)
+    if key not in b.cache:
+        b.cache[key] = _spell_chars(b, chars)
+    return b.cache[key]
+
+
+def _spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
     options: list[Node] = [intersect_chars(chars, _RAW)]
     options += [b.literal("\\" + esc) for char, esc in _SHORT_ESCAPES.items() if ord(char) in chars]
     for low, high in intersect_chars(chars, ANY_CHAR).ranges:
@@ -62,7 +69,7 @@ def spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
 
 def spell(b: NodeBuilder, node: Node, memo: dict | None = None) -> Node:
     """The language of JSON string bodies whose decoded value is in ``node``'s language."""
-    memo = {} if memo is None else memo
+    memo = b.cache.setdefault("spell", {}) if memo is None else memo
     hit = memo.get(id(node))
     if hit is not None:
         return hit[1]
@@ -90,7 +97,10 @@ LOOSE_UNIT = Alt((_RAW, Concat((CharSet.chars("\\"), CharSet.chars('"\\/bfnrt'))
 
 def loose_string_node(b: NodeBuilder, max_length: int | None) -> Node:
     """JSON strings of at most ``max_length`` characters and no other constraint (see ``LOOSE_UNIT``)."""
-    return b.concat(QUOTE, b.repeat(LOOSE_UNIT, 0, max_length), QUOTE)
+    key = ("loose_string", max_length)
+    if key not in b.cache:
+        b.cache[key] = b.concat(QUOTE, b.repeat(LOOSE_UNIT, 0, max_length), QUOTE)
+    return b.cache[key]
 
 
 def length_node(b: NodeBuilder, min_length: int, max_length: int | None) -> Node:
@@ -107,6 +117,13 @@ def string_literal(b: NodeBuilder, value: str) -> Node:
     """One string value (``enum``/``const`` members, property names), spelled as ``json.dumps`` writes it
     (ensure_ascii), or with its non-ASCII characters raw. A deliberate narrowing of :func:`spell`: a literal
     spelled every way costs about ten times the automaton, and these two spellings are what encoders emit."""
+    key = ("string_literal", value)
+    if key not in b.cache:
+        b.cache[key] = _string_literal(b, value)
+    return b.cache[key]
+
+
+def _string_literal(b: NodeBuilder, value: str) -> Node:
     units = []
     for char in value:
         canonical = json.dumps(char)[1:-1]

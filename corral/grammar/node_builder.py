@@ -3,15 +3,15 @@
 Every JSON Schema construct is built through one builder, so a gigantic ``enum``, a ``maxLength`` of millions or a
 ``oneOf`` bomb is refused with :class:`GrammarTooComplexError` while it is being built, before any automaton work.
 
-The budget counts the *expanded* size of a node: a ``Repeat`` costs its body times its largest count (a bounded
-repeat unrolls into that many copies in an automaton), a ``Concat`` or ``Alt`` the sum of its parts. ``Intersect``
-is counted as the sum of its parts, an underestimate of the product automaton that the compiler's own state budget
-backs up. Shared sub-nodes are counted once per use, because an automaton construction copies them.
+The budget counts *distinct* nodes (the AST is a DAG: a definition used twice is one subtree), because the
+automaton layer interns nodes by identity and builds states lazily, so its cost follows the DAG and the states a
+document visits, not the tree a DAG unfolds into. Counts are bounded separately: a ``Repeat`` count above
+``MAX_REPEAT_COUNT`` is refused outright (``maxLength: 10000000``).
 
 Simplifications: ``NOTHING`` absorbs a concatenation and drops out of an alternation, ``EMPTY`` drops out of a
-concatenation, nested concatenations and alternations are flattened, single-character options of an alternation
-merge into one ``CharSet``, and trivial repeats collapse. They keep the AST small and let unsatisfiable branches
-(a recursion cut off at its depth limit, an empty ``enum`` intersection) vanish instead of reaching the compiler.
+concatenation, nested concatenations and alternations are flattened, character options of an alternation merge
+into one ``CharSet``, and trivial repeats collapse. They keep the AST small and let unsatisfiable branches (a
+recursion cut off at its depth limit, an empty ``enum`` intersection) vanish instead of reaching the compiler.
 """
 
 from collections.abc import Iterable
@@ -20,32 +20,34 @@ from corral.errors import GrammarTooComplexError
 from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Intersect, Node, Repeat
 
 DEFAULT_MAX_NODES = 250_000
+MAX_REPEAT_COUNT = 100_000
 
 
 class NodeBuilder:
     def __init__(self, max_nodes: int = DEFAULT_MAX_NODES):
         self.max_nodes = max_nodes
-        self._weights: dict[int, tuple[Node, int]] = {}  # id -> (node kept alive so the id stays unique, weight)
+        self.num_nodes = 0
+        self._seen: dict[int, Node] = {}  # id -> node (kept alive so the id stays unique)
+        self.cache: dict = {}  # shared sub-ASTs of the schema compiler (string units, any-value), by key
 
-    def weight(self, node: Node) -> int:
-        """Expanded size of ``node`` (see the module docstring); nodes not built here are measured on demand."""
-        hit = self._weights.get(id(node))
-        if hit is not None:
-            return hit[1]
-        if isinstance(node, CharSet):
-            total = 1
-        elif isinstance(node, Repeat):
-            total = self.weight(node.node) * max(1, node.max if node.max is not None else node.min + 1)
-        else:
-            total = 1 + sum(self.weight(p) for p in (node.parts if not isinstance(node, Alt) else node.options))
-        return self._keep(node, total)
-
-    def _keep(self, node: Node, total: int) -> int:
-        if total > self.max_nodes:
+    def count(self, node: Node) -> None:
+        """Count ``node`` and its not-yet-counted descendants; raise past the budget."""
+        stack = [node]
+        while stack:
+            item = stack.pop()
+            if id(item) in self._seen:
+                continue
+            self._seen[id(item)] = item
+            self.num_nodes += 1
+            if isinstance(item, Repeat):
+                stack.append(item.node)
+            elif isinstance(item, Alt):
+                stack.extend(item.options)
+            elif not isinstance(item, CharSet):
+                stack.extend(item.parts)
+        if self.num_nodes > self.max_nodes:
             raise GrammarTooComplexError(f"the grammar would need more than {self.max_nodes} automaton nodes "
-                                         f"(a huge enum, length or item count, or a oneOf/anyOf/$ref explosion)")
-        self._weights[id(node)] = (node, total)
-        return total
+                                         f"(a huge enum, or a oneOf/anyOf/$ref explosion)")
 
     # ---- constructors ------------------------------------------------------------------------------------------
     def concat(self, *parts: Node) -> Node:
@@ -57,11 +59,11 @@ class NodeBuilder:
         if len(flat) == 1:
             return flat[0]
         node = Concat(tuple(flat))
-        self._keep(node, 1 + sum(self.weight(p) for p in flat))
+        self.count(node)
         return node
 
     def alt(self, options: Iterable[Node]) -> Node:
-        chars, others, seen, total = [], [], set(), 1
+        chars, others, seen = [], [], set()
         for option in options:
             for item in option.options if isinstance(option, Alt) else (option,):
                 if isinstance(item, CharSet):  # alternatives of characters merge into one set
@@ -71,9 +73,6 @@ class NodeBuilder:
                     continue
                 seen.add(id(item))
                 others.append(item)
-                total += self.weight(item)
-                if total > self.max_nodes:
-                    self._keep(item, total)  # raises with the budget message
         merged = CharSet.of(*chars)
         if merged.ranges:
             others.insert(0, merged)
@@ -82,7 +81,7 @@ class NodeBuilder:
         if len(others) == 1:
             return others[0]
         node = Alt(tuple(others))
-        self._keep(node, total + 1)
+        self.count(node)
         return node
 
     def repeat(self, node: Node, low: int, high: int | None) -> Node:
@@ -92,8 +91,11 @@ class NodeBuilder:
             return EMPTY if low == 0 else NOTHING
         if low == 1 and high == 1:
             return node
+        if max(low, high or 0) > MAX_REPEAT_COUNT:
+            raise GrammarTooComplexError(f"a count of {max(low, high or 0)} (maxLength, minItems, ...) is past the "
+                                         f"limit of {MAX_REPEAT_COUNT}")
         out = Repeat(node, low, high)
-        self.weight(out)
+        self.count(out)
         return out
 
     def optional(self, node: Node) -> Node:
@@ -105,7 +107,7 @@ class NodeBuilder:
         if len(parts) == 1:
             return parts[0]
         node = Intersect(tuple(parts))
-        self._keep(node, 1 + sum(self.weight(p) for p in parts))
+        self.count(node)
         return node
 
     def literal(self, text: str) -> Node:

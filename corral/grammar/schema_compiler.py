@@ -6,9 +6,11 @@ the atoms merge into one ``MergedSchema``, an ``anyOf``/``oneOf`` group expands 
 ``$ref`` expansions are counted along the current path; past ``MAX_REF_DEPTH`` a branch matches nothing.
 """
 
+import math
+
 import jsonschema
 
-from corral.errors import InvalidSchemaError, UnsupportedSchemaError
+from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnsupportedSchemaError
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import NOTHING, Node
 from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
@@ -18,6 +20,7 @@ from corral.grammar.schema_refs import RefResolver
 from corral.grammar.schema_values import ValueBuilders
 
 MAX_REF_DEPTH = 3
+MAX_BRANCH_EXPANSIONS = 2000  # anyOf/oneOf/not alternatives built per schema: past it, an allOf of anyOfs explodes
 
 
 class SchemaCompiler(ValueBuilders):
@@ -30,6 +33,7 @@ class SchemaCompiler(ValueBuilders):
         self.memo: dict[tuple, Node] = {}
         self.contradictions: list[str] = []
         self._validator = None
+        self.num_branches = 0
         self._generated: list = []  # schemas made here (negations): kept alive, their ids key the memo
 
     # ---- errors ------------------------------------------------------------------------------------------------
@@ -38,6 +42,12 @@ class SchemaCompiler(ValueBuilders):
         if not self.lenient:
             raise UnsupportedSchemaError(message, keyword=keyword, pointer=pointer)
         self.warnings.append(f"{message} (keyword '{keyword}' at '{pointer}'): ignored")
+
+    def count_branches(self, num: int) -> None:
+        self.num_branches += num
+        if self.num_branches > MAX_BRANCH_EXPANSIONS:
+            raise GrammarTooComplexError(f"anyOf/oneOf/not expand into more than {MAX_BRANCH_EXPANSIONS} "
+                                         f"alternatives (each combined with the rest of its schema)")
 
     def contradiction(self, message: str, pointer: str) -> Node:
         self.contradictions.append(f"{message} at '{pointer}'")
@@ -139,9 +149,13 @@ class SchemaCompiler(ValueBuilders):
         return self.b.alt([self.type_node(t, merged, pointer) for t in types])
 
     def build_choice(self, atoms: list[Atom], merged: MergedSchema) -> Node:
+        combinations = math.prod(len(group[1]) for group in merged.choices)
+        if combinations > MAX_BRANCH_EXPANSIONS:  # an allOf of anyOfs: refuse before building any of them
+            self.count_branches(combinations)
         kind, branches, owner = merged.choices[0]
         schema, pointer, skip = atoms[owner]
         base = atoms[:owner] + [(schema, pointer, skip | {kind})] + atoms[owner + 1:]
+        self.count_branches(len(branches))
         alternatives = []
         for branch, branch_pointer in branches:
             refs: list[str] = []
@@ -164,6 +178,7 @@ class SchemaCompiler(ValueBuilders):
             self.warnings.append(f"{error}: ignored")
             return self.build(base, [])
         self._generated.append(options)
+        self.count_branches(len(options))
         alternatives = []
         for option in options:
             refs: list[str] = []

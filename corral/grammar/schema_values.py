@@ -20,7 +20,7 @@ from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_re
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
 
-ANY_VALUE_DEPTH = 3
+ANY_VALUE_DEPTH = 5
 MAX_ENUMERATED_MULTIPLES = 256
 MAX_MULTIPLE_SUFFIXES = 1024
 
@@ -166,8 +166,12 @@ class ValueBuilders:
         return b.intersect(*parts) if parts else b.repeat(ANY_CHAR, 0, None)
 
     def pattern(self, pattern: str, pointer: str) -> Node | None:
+        key = ("pattern", pattern)
+        if key in self.b.cache:
+            return self.b.cache[key]
         try:
-            return parse_regex(pattern, flavor="ecma", search=True)
+            self.b.cache[key] = parse_regex(pattern, flavor="ecma", search=True)
+            return self.b.cache[key]
         except UnsupportedRegexError as error:
             self.unsupported(f"pattern: {error}", "pattern", pointer)
         except InvalidRegexError as error:
