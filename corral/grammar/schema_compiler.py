@@ -157,14 +157,37 @@ class SchemaCompiler(ValueBuilders):
         base = atoms[:owner] + [(schema, pointer, skip | {kind})] + atoms[owner + 1:]
         self.count_branches(len(branches))
         alternatives = []
-        for branch, branch_pointer in branches:
+        for index, (branch, branch_pointer) in enumerate(branches):
             refs: list[str] = []
             inner = self.atoms(branch, branch_pointer, refs)
             if inner is not None:
-                alternatives.append((base + inner, refs))
+                alternatives.append((index, base + inner, refs))
         if kind == "oneOf":
-            self.check_disjoint([merge_atoms(a) for a, _ in alternatives], pointer)
-        return self.b.alt([self.build(a, refs) for a, refs in alternatives])
+            alternatives = self.exclusive(alternatives, branches, pointer)
+        return self.b.alt([self.build(a, refs) for _, a, refs in alternatives])
+
+    def exclusive(self, alternatives: list, branches: list[Source], pointer: str) -> list:
+        """``oneOf``: each branch must also fail every other branch that it may overlap, so the negations of those
+        join its atoms. Provably disjoint pairs (see :meth:`disjoint`) need none."""
+        merged = [merge_atoms(a) for _, a, _ in alternatives]
+        out = []
+        for i, (index, atoms, refs) in enumerate(alternatives):
+            negations = []
+            for j, (other, _, _) in enumerate(alternatives):
+                if j == i or self.disjoint(merged[i], merged[j], 2):
+                    continue
+                branch, branch_pointer = branches[other]
+                try:
+                    negate(branch, branch_pointer, self.refs.resolve)
+                except UnsupportedSchemaError as error:
+                    self.unsupported(f"oneOf branches {index} and {other} may both match one value, and branch "
+                                     f"{other} cannot be negated ({error})", "oneOf", pointer)
+                    return alternatives  # lenient: compiled as anyOf
+                negation = {"not": branch}
+                self._generated.append(negation)
+                negations.append((negation, branch_pointer, frozenset()))
+            out.append((index, atoms + negations, refs))
+        return out
 
     def build_negation(self, atoms: list[Atom], merged: MergedSchema) -> Node:
         negated, pointer, owner = merged.negations[0]
@@ -188,15 +211,6 @@ class SchemaCompiler(ValueBuilders):
         return self.b.alt(alternatives)
 
     # ---- oneOf -------------------------------------------------------------------------------------------------
-    def check_disjoint(self, branches: list[MergedSchema], pointer: str) -> None:
-        for i in range(len(branches)):
-            for j in range(i + 1, len(branches)):
-                if not self.disjoint(branches[i], branches[j], 2):
-                    self.unsupported(f"oneOf branches {i} and {j} may both match one value; Corral compiles oneOf "
-                                     f"only when its branches are provably disjoint (different types, enum/const "
-                                     f"values, or a required property that tells them apart)", "oneOf", pointer)
-                    return
-
     def disjoint(self, a: MergedSchema | None, b: MergedSchema | None, depth: int) -> bool:
         """True only when no value can satisfy both ``a`` and ``b`` (None is the schema ``false``)."""
         if a is None or b is None or a.is_unsatisfiable or b.is_unsatisfiable:
