@@ -16,7 +16,7 @@ from corral.grammar.regex_ast import NOTHING, Node
 from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
 from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, property_sources
 from corral.grammar.schema_not import negate
-from corral.grammar.schema_refs import RefResolver
+from corral.grammar.schema_refs import RefResolver, escape_pointer_token
 from corral.grammar.schema_values import ValueBuilders
 
 MAX_REF_DEPTH = 3
@@ -34,6 +34,7 @@ class SchemaCompiler(ValueBuilders):
         self.contradictions: list[str] = []
         self._validator = None
         self.num_branches = 0
+        self._dependencies: dict[int, tuple[dict, list[Atom]]] = {}  # id -> (schema kept alive, its atoms)
         self._generated: list = []  # schemas made here (negations): kept alive, their ids key the memo
 
     # ---- errors ------------------------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ class SchemaCompiler(ValueBuilders):
         if schema is False:
             return None
         self.check(schema, pointer)
-        out: list[Atom] = [(schema, pointer, frozenset())]
+        out: list[Atom] = [(schema, pointer, frozenset())] + self.dependency_atoms(schema, pointer)
         if "$ref" in schema:
             target, target_pointer = self.refs.resolve(schema["$ref"], pointer)
             if target_pointer in chain:
@@ -91,6 +92,20 @@ class SchemaCompiler(ValueBuilders):
                 return None
             out += inner
         return out
+
+    def dependency_atoms(self, schema: dict, pointer: str) -> list[Atom]:
+        """``dependencies``/``dependentRequired``/``dependentSchemas`` as ``anyOf`` atoms: either the trigger
+        property is absent, or it is present and the dependency holds. Made once per schema object."""
+        if id(schema) not in self._dependencies:
+            atoms = []
+            for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
+                for name, dependency in schema.get(keyword, {}).items():
+                    present = {"required": [name]}
+                    then = {"required": dependency} if isinstance(dependency, list) else dependency
+                    group = {"anyOf": [{"not": present}, {"allOf": [present, then]}]}
+                    atoms.append((group, f"{pointer}/{keyword}/{escape_pointer_token(name)}", frozenset()))
+            self._dependencies[id(schema)] = (schema, atoms)
+        return self._dependencies[id(schema)][1]
 
     def node(self, schema, pointer: str) -> Node:
         return self.node_of([(schema, pointer)])

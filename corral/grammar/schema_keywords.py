@@ -19,12 +19,12 @@ IMPLEMENTED = frozenset({
     "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems",
     "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "not",
+    "dependencies", "dependentRequired", "dependentSchemas",
 })
 
 # Keywords that change the language and that Corral does not compile: refused, never silently dropped.
 UNSUPPORTED = frozenset({
-    "if", "then", "else", "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
-    "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
+    "if", "then", "else", "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
     "$recursiveAnchor", "$dynamicAnchor",
 })
 
@@ -80,5 +80,10 @@ def check_keywords(schema: dict, pointer: str) -> None:
             raise bad(keyword, "an array")
         elif keyword in ("pattern", "format", "$ref") and not isinstance(value, str):
             raise bad(keyword, "a string")
+        elif keyword in ("dependencies", "dependentRequired", "dependentSchemas") and not (
+                isinstance(value, dict) and all(_is_schema(v) or isinstance(v, list) and all(isinstance(n, str)
+                                                                                             for n in v)
+                                                for v in value.values())):
+            raise bad(keyword, "an object of schemas or arrays of property names")
         elif keyword == "uniqueItems" and not isinstance(value, bool):
             raise bad(keyword, "a boolean")

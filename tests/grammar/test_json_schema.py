@@ -267,6 +267,14 @@ def test_not_is_pushed_down_to_positive_schemas():
            "not": {"type": "integer", "exclusiveMinimum": True, "minimum": 5}}, good=[5, 4, "x"], bad=[6, 100])
 
 
+def test_dependencies_hold_when_their_property_is_present():
+    check({"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "dependencies": {"a": ["b"]}},
+          good=[{}, {"b": 1}, {"a": 1, "b": 2}, {"c": 1}], bad=[{"a": 1}, {"a": 1, "c": 2}])
+    check({"type": "object", "dependentSchemas": {"a": {"properties": {"b": {"type": "integer"}}}},
+           "properties": {"a": {}, "b": {}}}, good=[{"b": "s"}, {"a": 1, "b": 2}], bad=[{"a": 1, "b": "s"}])
+    check({"dependentRequired": {"a": ["b"]}}, good=[1, "s", {"b": 1}], bad=[{"a": 1}])
+
+
 def test_boolean_schemas_and_empty_schema():
     check(True, good=[1, "x", [1, [2, [3]]], {"a": {"b": None}}, None])
     check({"type": "object", "properties": {"a": False}}, good=[{}], bad=[{"a": 1}])
@@ -279,8 +287,6 @@ def test_boolean_schemas_and_empty_schema():
     ({"not": {"oneOf": [{}]}}, r"'not' over 'oneOf' is not supported"),
     ({"properties": {"a": {"if": {}, "then": {}}}}, r"'if' is not supported \(keyword 'if' at '#/properties/a'\)"),
     ({"contains": {}}, r"'contains' is not supported \(keyword 'contains' at '#'\)"),
-    ({"dependencies": {"a": ["b"]}}, r"'dependencies' is not supported"),
-    ({"dependentRequired": {"a": ["b"]}}, r"'dependentRequired' is not supported"),
     ({"unevaluatedProperties": False}, r"'unevaluatedProperties' is not supported"),
     ({"type": "array", "uniqueItems": True}, r"'uniqueItems: true' is not supported unless at most one item"),
     ({"type": "number", "multipleOf": 0.01}, r"a fractional 'multipleOf' is not supported"),
