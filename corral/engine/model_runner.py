@@ -74,7 +74,7 @@ class ModelRunner:
             if seq.num_computed_tokens + count == len(seq):
                 rows.append(end - 1)
                 sampling.append(seq)
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
+        logits = self.model.compute_logits(hidden[rows])  # zero rows when every sequence is mid-prefill
         return sampling, logits
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
