@@ -1,18 +1,22 @@
 """Bitmask apply: Corral's kernel against XGrammar's ``apply_token_bitmask_inplace`` on the same data, one run.
 
 On CPU that is Corral's torch twin against XGrammar's C++ CPU kernel; with CUDA, Corral's Triton kernel against
-XGrammar's Triton kernel over batches 1-512 at a 128k vocabulary. Three mask shapes, because the kernels'
-costs depend on them: ``random`` (half the bits, no structure), ``sparse`` (a grammar allowing ~1% of tokens)
-and ``open`` (all allowed but one word in 37, as inside a JSON string). Prints the median time of each and the
+XGrammar's Triton kernel over batches 1-512 at a 128k vocabulary. Several mask shapes, because the kernels'
+costs depend on them: ``random`` (half the bits, no structure), ``sparse`` (~1% of tokens allowed), ``open``
+(all allowed but one word in 37), and at SmolLM2's 49,152 tokens ``json``: the real masks of Corral's FSM at
+each token of a JSON document under its schema (rows cycle through them). Prints the median time of each and the
 ratio xgrammar / corral (> 1: Corral is faster).
 
     python bench/kernels.py [--threads N] [--repeats R]
 """
 
 import argparse
+import functools
+import json
 import statistics
 import time
 
+import numpy as np
 import torch
 import xgrammar
 
@@ -22,8 +26,34 @@ CPU_SHAPES = [(b, v) for v in (49152, 128256, 151936) for b in (1, 8, 64)]
 GPU_SHAPES = [(b, 128256) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
 
 
+@functools.cache
+def grammar_masks() -> torch.Tensor:
+    """Real masks: the SmolLM2 vocabulary's bitmask at every token of a JSON document, under its schema."""
+    from corral.fsm.compiler import GrammarCompiler
+    from corral.fsm.vocabulary import Vocabulary
+    from corral.grammar.constraint import Constraint
+    from corral.models import load_tokenizer
+    tokenizer = load_tokenizer()
+    vocab = Vocabulary.from_tokenizer(tokenizer)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "age", "tags"], "additionalProperties": False}
+    document = json.dumps({"name": "Ada Lovelace, countess", "age": 36, "tags": ["math", "engines", "notes"]},
+                          separators=(",", ":"))
+    guide = GrammarCompiler(vocab).compile(Constraint("json_schema", schema)).new_guide()
+    masks = []
+    for token_id in tokenizer.encode(document):
+        masks.append(np.zeros(-(-vocab.size // 32), dtype=np.int32))
+        guide.fill_mask(masks[-1])
+        assert guide.advance(token_id), "the document must match its schema"
+    return torch.from_numpy(np.stack(masks))
+
+
 def make_bitmask(kind: str, rows: int, words: int, device: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
+    if kind == "json":
+        masks = grammar_masks()
+        return masks[torch.arange(rows) % len(masks)].to(device)
     if kind == "random":
         bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=generator)
     elif kind == "sparse":
@@ -56,7 +86,8 @@ def run(shapes, device: str, repeats: int, dtype: torch.dtype) -> list[float]:
     print(f"{'batch':>5} {'vocab':>7} {'mask':>7} {'corral us':>10} {'xgrammar us':>12} {'ratio':>6}")
     for batch, vocab in shapes:
         logits = torch.randn(batch, vocab, dtype=dtype).to(device)
-        for kind in ("random", "sparse", "open"):
+        kinds = ("random", "sparse", "open") + (("json",) if vocab == 49152 else ())
+        for kind in kinds:
             bitmask = make_bitmask(kind, batch, (vocab + 31) // 32, device)
             ours, theirs = logits.clone(), logits.clone()
             apply_token_bitmask_(ours, bitmask)
