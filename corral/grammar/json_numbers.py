@@ -15,6 +15,7 @@ itself a float, so every accepted text satisfies the bound whether it is parsed 
 bound is symmetric. Left out: exponents in bounded numbers, and ``-0``.
 """
 
+import functools
 import math
 from fractions import Fraction
 
@@ -26,10 +27,12 @@ DIGIT = CharSet.of((48, 57))
 NONZERO_DIGIT = CharSet.of((49, 57))
 
 
+@functools.cache
 def decimal_digits(low: int, high: int) -> CharSet:
     return CharSet.of((48 + low, 48 + high))
 
 
+@functools.cache
 def hex_digits(low: int, high: int) -> CharSet:
     """Hex digit values ``low..high`` in either case, as JSON's ``\\uXXXX`` allows."""
     ranges = [(48 + d, 48 + d) if d < 10 else (87 + d, 87 + d) for d in range(low, high + 1)]

@@ -12,6 +12,7 @@ of another, so the transform is exact: a body is accepted iff its decoded value 
 Left out: lone surrogates (``\\ud800`` without its pair), which decode to no Unicode character.
 """
 
+import functools
 import json
 
 from corral.grammar.json_numbers import fixed_width_range, hex_digits
@@ -49,11 +50,15 @@ def _astral_escapes(b: NodeBuilder, low: int, high: int) -> Node:
 
 
 def spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
-    """Every JSON spelling (inside a string) of every character in ``chars`` (cached per builder)."""
-    key = ("spell_chars", chars)
-    if key not in b.cache:
-        b.cache[key] = _spell_chars(b, chars)
-    return b.cache[key]
+    """Every JSON spelling (inside a string) of every character in ``chars``."""
+    return _shared_spelling(chars)
+
+
+@functools.lru_cache(maxsize=8192)
+def _shared_spelling(chars: CharSet) -> Node:
+    """Spellings are immutable, so every schema shares them (about 0.3 ms each to build; patterns and formats
+    have hundreds of classes). Built outside any schema's budget; the schema's builder counts them on use."""
+    return _spell_chars(NodeBuilder(max_nodes=1 << 40), chars)
 
 
 def _spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
@@ -70,7 +75,7 @@ def _spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
 def spell(b: NodeBuilder, node: Node, memo: dict | None = None) -> Node:
     """The language of JSON string bodies whose decoded value is in ``node``'s language."""
     memo = b.cache.setdefault("spell", {}) if memo is None else memo
-    hit = memo.get(id(node))
+    hit = memo.get(id(node)) or _STABLE.get(id(node))
     if hit is not None:
         return hit[1]
     if isinstance(node, CharSet):
@@ -101,6 +106,16 @@ def loose_string_node(b: NodeBuilder, max_length: int | None) -> Node:
     if key not in b.cache:
         b.cache[key] = b.concat(QUOTE, b.repeat(LOOSE_UNIT, 0, max_length), QUOTE)
     return b.cache[key]
+
+
+_STABLE: dict[int, tuple[Node, Node]] = {}  # id -> (node living as long as the process, its spelling)
+
+
+def register_stable(node: Node) -> Node:
+    """Spell a node that lives as long as the process (a ``format``) once, for every schema that uses it."""
+    if id(node) not in _STABLE:
+        _STABLE[id(node)] = (node, spell(NodeBuilder(max_nodes=1 << 40), node, {}))
+    return node
 
 
 def length_node(b: NodeBuilder, min_length: int, max_length: int | None) -> Node:

@@ -14,7 +14,8 @@ from corral.grammar.json_containers import array_node, member_node, object_node
 from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
-from corral.grammar.json_strings import ANY_CHAR, length_node, loose_string_node, string_literal, string_node
+from corral.grammar.json_strings import (ANY_CHAR, length_node, loose_string_node, register_stable, string_literal,
+                                         string_node)
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
@@ -162,7 +163,7 @@ class ValueBuilders:
             elif node is None:
                 self.warnings.append(f"format {name!r} at '{where}' is not checked (an annotation)")
             else:
-                parts.append(node)
+                parts.append(register_stable(node))
         return b.intersect(*parts) if parts else b.repeat(ANY_CHAR, 0, None)
 
     def pattern(self, pattern: str, pointer: str) -> Node | None:
