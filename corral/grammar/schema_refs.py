@@ -56,7 +56,9 @@ class RefResolver:
 
     def resolve(self, ref: str, pointer: str) -> tuple[object, str]:
         """The schema ``ref`` names and its JSON pointer. ``pointer`` is where the ``$ref`` stands (for errors)."""
-        url, fragment = urldefrag(urljoin(self.base, ref))
+        # subtle: a fragment-only ref names this document whatever its base (urljoin drops fragments against
+        # bases with schemes it does not know, such as classpath:)
+        url, fragment = (self.base, ref[1:]) if ref.startswith("#") else urldefrag(urljoin(self.base, ref))
         if url not in self.documents:
             raise UnsupportedSchemaError(f"$ref {ref!r} points outside this schema document, which Corral does not "
                                          f"fetch", keyword="$ref", pointer=pointer)

@@ -248,6 +248,8 @@ def test_refs_local_and_recursive_unrolled():
     assert not accepts(schema_to_node(schema), '{"next":{"next":{"next":{"next":{}}}}}')  # past the depth
     check({"definitions": {"a~b/c": {"type": "integer"}}, "items": {"$ref": "#/definitions/a~0b~1c"},
            "type": "array"}, good=[[1]], bad=[["x"]])
+    check({"id": "classpath:///schemas/entry.json#", "definitions": {"a": {"type": "integer"}},
+           "properties": {"p": {"$ref": "#/definitions/a"}}, "type": "object"}, good=[{"p": 1}], bad=[{"p": "x"}])
     check({"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://x.org/root.json", "definitions": {"s": {"$id": "#str", "type": "string"}},
            "properties": {"p": {"$ref": "#str"}}, "type": "object"}, good=[{"p": "x"}], bad=[{"p": 1}])
 
