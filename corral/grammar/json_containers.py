@@ -75,3 +75,12 @@ def object_node(b: NodeBuilder, ws: Node, members: list[tuple[Node, bool]], extr
         return present if required else b.alt([present, rest(i + 1, first, count)])
 
     return b.concat(CharSet.chars("{"), rest(0, True, 0), ws, CharSet.chars("}"))
+
+
+def contains_array_node(b: NodeBuilder, ws: Node, item: Node, contained: Node) -> Node:
+    """``[...]`` of ``item``s of which at least one matches ``contained`` (``contains``; counts are intersected
+    by the caller)."""
+    sep = b.concat(ws, COMMA, ws)
+    before = b.repeat(b.concat(item, sep), 0, None)
+    after = b.repeat(b.concat(sep, item), 0, None)
+    return b.concat(CharSet.chars("["), ws, before, contained, after, ws, CharSet.chars("]"))

@@ -62,9 +62,10 @@ class SchemaCompiler(ValueBuilders):
             return
         self.checked.add(id(schema))
         check_keywords(schema, pointer)
+        if "contains" in schema and (schema.get("minContains", 1) != 1 or "maxContains" in schema):
+            self.unsupported("'minContains'/'maxContains' are not supported", "minContains", pointer)
         for keyword in schema:
-            if keyword in UNSUPPORTED and not (keyword in ("then", "else") and "if" not in schema) \
-                    and not (keyword in ("minContains", "maxContains") and "contains" not in schema) \
+            if keyword in UNSUPPORTED and keyword not in ("then", "else") \
                     and not (keyword == "if" and "then" not in schema and "else" not in schema):
                 self.unsupported(f"'{keyword}' is not supported", keyword, pointer)
 

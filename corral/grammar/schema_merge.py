@@ -44,6 +44,7 @@ class MergedSchema:
     min_items: int = 0
     max_items: int | None = None
     unique_items: str | None = None  # pointer of a uniqueItems: true
+    contains: list[Source] = field(default_factory=list)  # each needs an item that matches it
     properties: dict[str, list[Source]] = field(default_factory=dict)
     pattern_properties: dict[str, list[Source]] = field(default_factory=dict)
     additional_properties: list[Source] = field(default_factory=list)
@@ -192,6 +193,8 @@ def merge_atoms(atoms: list[Atom]) -> MergedSchema:
             merged.formats.append((schema["format"], pointer))
         if schema.get("uniqueItems") is True:
             merged.unique_items = pointer
+        if "contains" in schema:
+            merged.contains.append((schema["contains"], f"{pointer}/contains"))
         if "propertyNames" in schema:
             merged.property_names.append((schema["propertyNames"], f"{pointer}/propertyNames"))
         merged.required += [name for name in schema.get("required", []) if name not in merged.required]

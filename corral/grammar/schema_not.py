@@ -6,9 +6,10 @@ negation also fixes the type: ``not {minimum: 5}`` is ``{type: number, exclusive
 
 - ``type``, ``enum``/``const`` (values to exclude, through the private keyword ``EXCLUDE``), bounds and counts
   (``minimum`` … ``maxProperties``), ``required`` (some listed name absent), ``properties`` (some present
-  property failing its schema), ``not`` (double negation), ``anyOf`` (all branches fail), ``allOf`` (one member
+  property failing its schema), ``items`` (some item failing it: ``contains``), ``contains`` (every item
+  failing it), ``not`` (double negation), ``anyOf`` (all branches fail), ``allOf`` (one member
   fails), ``$ref`` (the target negated), the schemas ``true``/``false``.
-- Refused with :class:`UnsupportedSchemaError`: the others (``pattern``, ``format``, ``multipleOf``, ``items``,
+- Refused with :class:`UnsupportedSchemaError`: the others (``pattern``, ``format``, ``multipleOf``, tuple ``items``,
   ``oneOf``, ...), whose negation is no regular language of this AST or not worth one.
 """
 
@@ -71,6 +72,10 @@ def _negate_keyword(schema: dict, keyword: str, value, pointer: str, resolve, de
                 for name, sub in value.items()]
     if keyword == "not":
         return [value]
+    if keyword == "items" and not isinstance(value, list):
+        return [{"type": "array", "contains": {"not": value}}]
+    if keyword == "contains":
+        return [{"type": "array", "items": {"not": value}}]
     if keyword == "anyOf":
         return [{"allOf": [{"not": branch} for branch in value]}]
     if keyword == "allOf":
@@ -83,8 +88,9 @@ def _negate_keyword(schema: dict, keyword: str, value, pointer: str, resolve, de
 
 
 # Keywords whose negation is refused; anything else unknown is no JSON Schema vocabulary and constrains nothing.
-_REFUSED = {"pattern", "format", "multipleOf", "items", "prefixItems", "oneOf", "uniqueItems", "contains",
+_REFUSED = {"pattern", "format", "multipleOf", "prefixItems", "oneOf", "uniqueItems",
             "patternProperties", "additionalProperties", "propertyNames", "dependencies", "dependentRequired",
             "dependentSchemas", "if", "unevaluatedProperties", "unevaluatedItems", EXCLUDE}
-_KNOWN = {"type", "enum", "const", "required", "properties", "not", "anyOf", "allOf", "$ref", *_COUNTS, *_BOUNDS,
+_KNOWN = {"type", "enum", "const", "required", "properties", "not", "anyOf", "allOf", "$ref", "items", "contains",
+          *_COUNTS, *_BOUNDS,
           *_REFUSED}

@@ -10,7 +10,7 @@ import math
 import re
 
 from corral.errors import GrammarTooComplexError, InvalidRegexError, InvalidSchemaError, UnsupportedRegexError
-from corral.grammar.json_containers import array_node, member_node, object_node
+from corral.grammar.json_containers import array_node, contains_array_node, member_node, object_node
 from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
@@ -200,7 +200,14 @@ class ValueBuilders:
         if merged.unique_items is not None and (effective_high is None or effective_high > 1):
             self.unsupported("'uniqueItems: true' is not supported unless at most one item is allowed",
                              "uniqueItems", merged.unique_items)
-        return array_node(self.b, self.ws, [self.node_of(s) for s in prefix], rest, low, high)
+        node = array_node(self.b, self.ws, [self.node_of(s) for s in prefix], rest, low, high)
+        for source in merged.contains:
+            if prefix:
+                self.unsupported("'contains' together with tuple items is not supported", "contains", source[1])
+                continue
+            contained = self.node_of(merged.rest_items + [source])
+            node = self.b.intersect(node, contains_array_node(self.b, self.ws, rest, contained))
+        return node
 
     def object_node(self, merged: MergedSchema, pointer: str) -> Node:
         b, ws = self.b, self.ws

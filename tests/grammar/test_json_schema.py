@@ -203,6 +203,13 @@ def test_arrays_items_prefix_items_and_counts():
           good=[[], [1]], bad=[[1, 1]])
 
 
+def test_contains_and_its_negation():
+    check({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 5}, "maxItems": 3},
+          good=[[5], [1, 7], [1, 2, 9]], bad=[[], [1, 2], [1, 2, 3, 9], ["x", 6]])
+    check({"type": "array", "not": {"items": {"type": "integer"}}}, good=[["x"], [1, None]], bad=[[], [1, 2]])
+    check({"not": {"contains": {"type": "string"}}}, good=[[], [1, 2]], bad=[["x"], [1, "y"], 5])
+
+
 def test_flexible_whitespace_accepts_json_dumps_separators_and_bounded_runs():
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
     check(schema, good=[{"a": [1, 2]}, {"a": []}, {}], whitespace="flexible",
@@ -288,7 +295,7 @@ def test_boolean_schemas_and_empty_schema():
     ({"not": {"type": "string", "pattern": "a"}}, r"'not' over 'pattern' is not supported \(keyword 'not' at '#/not'\)"),
     ({"not": {"oneOf": [{}]}}, r"'not' over 'oneOf' is not supported"),
     ({"properties": {"a": {"if": {}, "then": {}}}}, r"'if' is not supported \(keyword 'if' at '#/properties/a'\)"),
-    ({"contains": {}}, r"'contains' is not supported \(keyword 'contains' at '#'\)"),
+    ({"contains": {}, "minContains": 2}, r"'minContains'/'maxContains' are not supported \(keyword 'minContains'"),
     ({"unevaluatedProperties": False}, r"'unevaluatedProperties' is not supported"),
     ({"type": "array", "uniqueItems": True}, r"'uniqueItems: true' is not supported unless at most one item"),
     ({"type": "number", "multipleOf": 0.01}, r"a fractional 'multipleOf' is not supported"),
@@ -305,10 +312,10 @@ def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, messa
 
 def test_lenient_ignores_unsupported_keywords_and_reports_them():
     warnings = []
-    node = schema_to_node({"type": "integer", "not": {"multipleOf": 3}, "contains": {}}, lenient=True,
+    node = schema_to_node({"type": "integer", "not": {"multipleOf": 3}, "if": {}, "then": {}}, lenient=True,
                           warnings=warnings)
     assert accepts(node, "3")
-    assert warnings == ["'contains' is not supported (keyword 'contains' at '#'): ignored",
+    assert warnings == ["'if' is not supported (keyword 'if' at '#'): ignored",
                         "'not' over 'multipleOf' is not supported (keyword 'not' at '#/not'): ignored"]
 
 
