@@ -65,8 +65,7 @@ class SchemaCompiler(ValueBuilders):
         if "contains" in schema and (schema.get("minContains", 1) != 1 or "maxContains" in schema):
             self.unsupported("'minContains'/'maxContains' are not supported", "minContains", pointer)
         for keyword in schema:
-            if keyword in UNSUPPORTED and keyword not in ("then", "else") \
-                    and not (keyword == "if" and "then" not in schema and "else" not in schema):
+            if keyword in UNSUPPORTED:
                 self.unsupported(f"'{keyword}' is not supported", keyword, pointer)
 
     # ---- atoms -------------------------------------------------------------------------------------------------
@@ -96,9 +95,15 @@ class SchemaCompiler(ValueBuilders):
 
     def dependency_atoms(self, schema: dict, pointer: str) -> list[Atom]:
         """``dependencies``/``dependentRequired``/``dependentSchemas`` as ``anyOf`` atoms: either the trigger
-        property is absent, or it is present and the dependency holds. Made once per schema object."""
+        property is absent, or it is present and the dependency holds; ``if``/``then``/``else`` as
+        ``anyOf(allOf(if, then), allOf(not if, else))``. Made once per schema object."""
         if id(schema) not in self._dependencies:
             atoms = []
+            if "if" in schema and ("then" in schema or "else" in schema):
+                condition = schema["if"]
+                group = {"anyOf": [{"allOf": [condition, schema.get("then", True)]},
+                                   {"allOf": [{"not": condition}, schema.get("else", True)]}]}
+                atoms.append((group, f"{pointer}/if", frozenset()))
             for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
                 for name, dependency in schema.get(keyword, {}).items():
                     present = {"required": [name]}

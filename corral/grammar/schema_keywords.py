@@ -19,19 +19,19 @@ IMPLEMENTED = frozenset({
     "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems",
     "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "not",
-    "dependencies", "dependentRequired", "dependentSchemas", "contains",
+    "dependencies", "dependentRequired", "dependentSchemas", "contains", "if", "then", "else",
 })
 
 # Keywords that change the language and that Corral does not compile: refused, never silently dropped.
 UNSUPPORTED = frozenset({
-    "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
+    "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
     "$recursiveAnchor", "$dynamicAnchor",
 })
 
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SINGLE_SCHEMAS = ("not", "contains", "additionalProperties", "propertyNames", "additionalItems")
+_SINGLE_SCHEMAS = ("not", "contains", "if", "then", "else", "additionalProperties", "propertyNames", "additionalItems")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
            "maxContains")
 _NUMBERS = ("minimum", "maximum")

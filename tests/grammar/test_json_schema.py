@@ -284,6 +284,14 @@ def test_dependencies_hold_when_their_property_is_present():
     check({"dependentRequired": {"a": ["b"]}}, good=[1, "s", {"b": 1}], bad=[{"a": 1}])
 
 
+def test_if_then_else():
+    check({"if": {"type": "integer"}, "then": {"minimum": 3}, "else": {"type": "string"}},
+          good=[3, 10, "s"], bad=[2, None, [1]])
+    check({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {}},
+           "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}},
+          good=[{"kind": "a", "x": 1}, {"kind": "b"}, {"x": 1}], bad=[{"kind": "a"}, {}])
+
+
 def test_boolean_schemas_and_empty_schema():
     check(True, good=[1, "x", [1, [2, [3]]], {"a": {"b": None}}, None])
     check({"type": "object", "properties": {"a": False}}, good=[{}], bad=[{"a": 1}])
@@ -294,7 +302,9 @@ def test_boolean_schemas_and_empty_schema():
 @pytest.mark.parametrize("schema, message", [
     ({"not": {"type": "string", "pattern": "a"}}, r"'not' over 'pattern' is not supported \(keyword 'not' at '#/not'\)"),
     ({"not": {"oneOf": [{}]}}, r"'not' over 'oneOf' is not supported"),
-    ({"properties": {"a": {"if": {}, "then": {}}}}, r"'if' is not supported \(keyword 'if' at '#/properties/a'\)"),
+    ({"properties": {"a": {"unevaluatedItems": False}}},
+     r"'unevaluatedItems' is not supported \(keyword 'unevaluatedItems' at '#/properties/a'\)"),
+    ({"if": {"pattern": "^a"}, "then": {"maxLength": 3}}, r"'not' over 'pattern' is not supported"),
     ({"contains": {}, "minContains": 2}, r"'minContains'/'maxContains' are not supported \(keyword 'minContains'"),
     ({"unevaluatedProperties": False}, r"'unevaluatedProperties' is not supported"),
     ({"type": "array", "uniqueItems": True}, r"'uniqueItems: true' is not supported unless at most one item"),
@@ -312,10 +322,10 @@ def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, messa
 
 def test_lenient_ignores_unsupported_keywords_and_reports_them():
     warnings = []
-    node = schema_to_node({"type": "integer", "not": {"multipleOf": 3}, "if": {}, "then": {}}, lenient=True,
-                          warnings=warnings)
+    node = schema_to_node({"type": "integer", "not": {"multipleOf": 3}, "unevaluatedProperties": False},
+                          lenient=True, warnings=warnings)
     assert accepts(node, "3")
-    assert warnings == ["'if' is not supported (keyword 'if' at '#'): ignored",
+    assert warnings == ["'unevaluatedProperties' is not supported (keyword 'unevaluatedProperties' at '#'): ignored",
                         "'not' over 'multipleOf' is not supported (keyword 'not' at '#/not'): ignored"]
 
 
