@@ -31,7 +31,9 @@ def _generate(args) -> int:
 
     with open(args.schema) as f:
         schema = json.load(f)
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    sampling = {"temperature": args.temperature}
+    if args.max_tokens is not None:
+        sampling["max_tokens"] = args.max_tokens
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
@@ -64,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None)
     gen.add_argument("--base-url", default=None, help="use a running server instead of an embedded engine")
     gen.add_argument("--api-key", default=None)
-    gen.add_argument("--max-tokens", type=int, default=512)
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: the rest of the context window")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     return top

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from corral.errors import CorralError, EngineOverloadedError
+import numpy as np
+
+from corral.errors import CorralError, EngineOverloadedError, InvalidGrammarError
 from corral.schemas.prepare import PreparedRequest
 
 
@@ -80,10 +82,22 @@ class AsyncEngine:
         """A fresh guide for the request's constraint (None when unconstrained), compiled off the event loop."""
         if prepared.node is None and prepared.constraint is None:
             return None
-        compile_fn = (self.compiler.compile_node if prepared.node is not None else self.compiler.compile)
-        target = prepared.node if prepared.node is not None else prepared.constraint
-        compiled = await asyncio.get_running_loop().run_in_executor(self._pool, compile_fn, target)
-        return compiled.new_guide()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._compile_guide, prepared)
+
+    def _compile_guide(self, prepared: PreparedRequest):
+        if prepared.node is not None:
+            guide = self.compiler.compile_node(prepared.node).new_guide()
+        else:
+            guide = self.compiler.compile(prepared.constraint).new_guide()
+        vocab = getattr(self.compiler, "vocab", None)
+        if guide is not None and vocab is not None:
+            # A start state that no token can leave would reach the sampler with nothing to choose; refuse it
+            # here, as bad input, rather than fail inside a running batch. (The mask is cached: no extra cost.)
+            row = np.zeros(-(-vocab.size // 32), dtype=np.int32)
+            guide.fill_mask(row)
+            if not row.any() and not guide.is_finished():
+                raise InvalidGrammarError("no sequence of this model's tokens can spell the constraint's language")
+        return guide
 
     def check_admission(self, num_requests: int = 1) -> None:
         if self._dead is not None:
@@ -115,6 +129,24 @@ class AsyncEngine:
             if not stream.finished:
                 self._send(("abort", request_id))
 
+    async def run_exclusive(self, fn):
+        """Run ``fn(engine)`` on the engine thread with the engine to itself, and return its result.
+
+        For strategies that drive ``step()`` themselves (beam search): requests already running finish first,
+        requests that arrive meanwhile wait until ``fn`` returns. Everything else stalls while it runs, which is
+        the price of a step-level strategy over a batch engine; it counts as one request in flight.
+        """
+        self.check_admission()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        key = self.new_request_id("exclusive")
+        self._streams[key] = _Stream(loop)
+        try:
+            self._send(("exclusive", fn, loop, future))
+            return await future
+        finally:
+            self._streams.pop(key, None)
+
     def _send(self, command: tuple) -> None:
         with self._wake:
             self._commands.append(command)
@@ -130,18 +162,25 @@ class AsyncEngine:
     # -- the engine thread's side ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        job = None  # an exclusive command waiting for the engine to drain
         try:
             while True:
                 with self._wake:
-                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests() or job):
                         self._wake.wait()
                     if self._stopping:
                         return
-                    commands, self._commands = self._commands, []
+                    commands = self._take_commands() if job is None else []
                 for command in commands:
-                    self._apply(command)
+                    if command[0] == "exclusive":
+                        job = command
+                    else:
+                        self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                elif job is not None:
+                    self._run_job(*job[1:])
+                    job = None
                 self._stats = self.engine.stats()
                 if self.observer is not None:
                     self.observer.on_stats(self._stats)
@@ -150,6 +189,27 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(f"the engine stopped: {err!r}"))
             raise
+
+    def _take_commands(self) -> list[tuple]:
+        """The queued commands up to and including the first exclusive one; later ones wait for it."""
+        for i, command in enumerate(self._commands):
+            if command[0] == "exclusive":
+                taken, self._commands = self._commands[:i + 1], self._commands[i + 1:]
+                return taken
+        taken, self._commands = self._commands, []
+        return taken
+
+    def _run_job(self, fn, loop, future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as err:  # handed to the caller, like an add_request error
+            result, error = None, err
+
+        def settle():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        loop.call_soon_threadsafe(settle)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -161,7 +221,7 @@ class AsyncEngine:
             return  # the client left before the request reached the engine
         try:
             self.engine.add_request(request_id, prompt_ids, params, guide=guide)
-        except CorralError as err:
+        except Exception as err:  # a refused request must not take the loop (and every other request) down
             stream.put(err)
 
     def _deliver(self, outputs) -> None:

@@ -74,6 +74,8 @@ class ServingContext:
 
     async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest) -> tuple[str, dict, object]:
         """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output)."""
+        if prepared.strategy.kind == "beam_search":
+            return await self._beam_search(prefix, prepared)
         request_id, outputs = await self.start(prefix, prepared)
         latest: dict = {}
         last = None
@@ -86,6 +88,27 @@ class ServingContext:
 
         await _unless_disconnected(raw, drain())
         return request_id, latest, last
+
+
+    async def _beam_search(self, prefix: str, prepared: PreparedRequest) -> tuple[str, dict, object]:
+        """Beam search (``corral.engine.beam_search``) with the engine to itself; beams become choices."""
+        from corral.engine.beam_search import BeamSearchParams, beam_search_engine
+        from corral.engine.outputs import CompletionOutput, RequestOutput
+
+        strategy, params = prepared.strategy, prepared.params
+        search = BeamSearchParams(beam_width=strategy.width, max_tokens=params.max_tokens,
+                                  length_penalty=strategy.length_penalty)
+        guide = await self.new_guide(prepared)
+        hypotheses = await self.engine.run_exclusive(
+            lambda engine: beam_search_engine(engine, prepared.prompt_token_ids, search, guide))
+        eos = set(self.vocabulary.eos_token_ids)
+        latest = {i: CompletionOutput(i, list(h.token_ids), self.tokenizer.decode([t for t in h.token_ids
+                                                                                   if t not in eos]),
+                                      h.finish_reason, cumulative_logprob=h.cumulative_logprob)
+                  for i, h in enumerate(hypotheses)}
+        last = RequestOutput(self.engine.new_request_id(prefix), prepared.prompt_token_ids, list(latest.values()),
+                             True)
+        return last.request_id, latest, last
 
 
 async def _chain(first, rest: AsyncIterator, on_abandon) -> AsyncIterator:

@@ -4,7 +4,8 @@ Both speak the chat-completions request shape. With ``base_url`` the request goe
 OpenAI-compatible, structured-output capable) server; without, it runs on an embedded engine created on first
 use and kept for the process. The result is checked again here (``jsonschema`` or the pydantic model): the
 engine's guarantee is the contract, the check is the receipt. Greedy decoding is the default (``temperature=0``)
-since extraction wants the most likely value, not a sample.
+since extraction wants the most likely value, not a sample; without ``max_tokens`` the output may use the rest of
+the context window (the grammar, not a token budget, ends a JSON value).
 """
 
 import json
@@ -157,7 +158,7 @@ def generate_json(schema_or_model, prompt: str | list[dict], *, base_url: str | 
     Raises ``UserInputError`` subclasses for a bad schema, :class:`IncompleteOutputError` when the output was cut.
     """
     schema, model_cls = _schema_of(schema_or_model)
-    body = {"messages": _messages(prompt, system), "temperature": 0.0, "max_tokens": 1024, **sampling,
+    body = {"messages": _messages(prompt, system), "temperature": 0.0, **sampling,
             "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
     content, _, reason = _chat(body, base_url, api_key, model, timeout, engine)
     if reason != "stop":
@@ -176,7 +177,7 @@ def call_tools(tools: list[dict], prompt: str | list[dict], *, tool_choice: str 
                **sampling) -> tuple[str | None, list[ParsedCall]]:
     """Tools in (OpenAI ``tools`` entries), parsed calls out: ``(text, [ParsedCall(name, arguments), ...])``.
     With ``tool_choice='auto'`` the model may answer in text instead; the text is then returned, with no calls."""
-    body = {"messages": _messages(prompt, system), "temperature": 0.0, "max_tokens": 1024, **sampling,
+    body = {"messages": _messages(prompt, system), "temperature": 0.0, **sampling,
             "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel}
     content, calls, reason = _chat(body, base_url, api_key, model, timeout, engine)
     if reason not in ("stop", "tool_calls"):

@@ -1,5 +1,9 @@
 """Build the real serving stack: ``LLMEngine`` + ``GrammarCompiler`` → ``AsyncEngine`` → ``ServingContext``."""
 
+import contextlib
+import socket
+import threading
+import time
 from dataclasses import dataclass
 
 from corral.api.async_engine import AsyncEngine, AsyncEngineConfig
@@ -48,3 +52,34 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
     config = ServerConfig(model_name=name, max_model_len=engine_max_model_len(engine), api_keys=options.api_keys,
                           max_body_bytes=options.max_body_bytes, default_max_tokens=options.default_max_tokens)
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_background(ctx: ServingContext, host: str = "127.0.0.1", port: int | None = None):
+    """Serve ``build_app(ctx)`` with uvicorn in a daemon thread; yield its base URL; stop it (and the engine
+    loop) on exit. For notebooks, benchmarks and tests that talk to a real server."""
+    import uvicorn
+
+    from corral.api.server import build_app
+
+    port = port or free_port(host)
+    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="corral-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        ctx.engine.shutdown()

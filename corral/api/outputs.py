@@ -1,15 +1,15 @@
 """Engine outputs → wire pieces shared by both endpoints: logprobs, usage, finish reasons, choice selection.
 
-Choice selection is where Best-of-N and self-consistency live: both draw ``width`` candidates in one engine
-request (the children share the prompt's KV blocks), then keep the ``n`` with the highest cumulative logprob, or
-the one answer most candidates agree on. JSON answers are compared by value, so ``{"a":1,"b":2}`` and
-``{"b":2,"a":1}`` are one vote.
+Choice selection is where Best-of-N and self-consistency meet the server: both draw ``width`` candidates in one
+engine request (the children share the prompt's KV blocks), then keep the ``n`` best by the engine's Best-of-N
+scorer, or the one answer most candidates agree on (the engine's schema-aware vote, at a JSON pointer).
 """
 
-import json
 from collections import Counter
 from typing import NamedTuple
 
+from corral.engine.best_of_n import score_candidates
+from corral.engine.self_consistency import majority_vote
 from corral.schemas.chat import ChoiceLogprobs, TokenLogprob, TopLogprob
 from corral.schemas.common import PromptTokensDetails, Usage
 from corral.schemas.completions import CompletionLogprobs
@@ -72,22 +72,23 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
-def _answer_key(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-    except (json.JSONDecodeError, ValueError):
-        return text.strip()
+def _vote(outputs: list, pointer: str):
+    """The first output holding the majority answer (``corral.engine.self_consistency``'s vote, at
+    ``pointer``); outputs that are not JSON (regex, choice) vote by their stripped text."""
+    result = majority_vote([o.text for o in outputs], pointer)
+    if result.answer is not None:
+        return outputs[result.answers.index(result.answer)]
+    votes = Counter(o.text.strip() for o in outputs)
+    return max(outputs, key=lambda o: votes[o.text.strip()])  # max keeps the first drawn among equals
 
 
 def select_choices(strategy: Strategy, outputs: list, n: int) -> list:
-    """The outputs to return, in order. ``sample`` returns all; see the module docstring for the rest."""
+    """The outputs to return, in order. ``sample`` and ``beam_search`` return all (beams come best first);
+    ``best_of`` ranks by mean token logprob (``corral.engine.best_of_n``), a grammar error ranking last."""
     outputs = sorted(outputs, key=lambda o: o.index)
     if strategy.kind == "best_of":
-        return sorted(outputs, key=lambda o: -o.cumulative_logprob)[:n]
+        ranked = sorted(score_candidates(outputs), key=lambda c: -c.score)  # stable: ties keep draw order
+        return [c.completion for c in ranked[:n]]
     if strategy.kind == "self_consistency":
-        complete = [o for o in outputs if o.finish_reason == "stop"] or outputs
-        votes = Counter(_answer_key(o.text) for o in complete)
-        best = max(votes.values())
-        winners = [o for o in complete if votes[_answer_key(o.text)] == best]
-        return [max(winners, key=lambda o: o.cumulative_logprob)]
+        return [_vote([o for o in outputs if o.finish_reason == "stop"] or outputs, strategy.pointer)]
     return outputs

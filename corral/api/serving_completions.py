@@ -45,7 +45,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                   outputs: AsyncIterator) -> AsyncIterator[str]:
     def chunk(choices, usage_=None) -> str:
         body = Completion(id=request_id, model=req.model, choices=choices, usage=usage_)
-        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+        return f"data: {body.model_dump_json()}\n\n"  # with nulls: finish_reason is required, as with OpenAI
 
     sent_chars, sent_tokens, done = [0] * req.n, [0] * req.n, [False] * req.n
     num_cached = 0

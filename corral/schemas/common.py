@@ -80,14 +80,15 @@ class StructuredOutputs(Strict):
 
 class SamplingFields(Strict):
     """OpenAI's sampling parameters plus vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-    ``best_of``, ``use_beam_search``) and Corral's ``self_consistency`` (majority vote over that many samples)."""
+    ``best_of``, ``use_beam_search``) and Corral's ``self_consistency`` (majority vote over that many samples, on
+    the value at ``self_consistency_pointer`` when the answer is JSON)."""
 
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -95,17 +96,19 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # HF-style: positive logits are divided by it, so a tiny value overflows them to inf.
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     best_of: int | None = Field(default=None, ge=1, le=128)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
-    self_consistency: int | None = Field(default=None, ge=1, le=128)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)  # length ** penalty must stay finite
+    self_consistency: int | None = Field(default=None, ge=2, le=128)
+    self_consistency_pointer: str | None = None
     # Constraint extensions: ``structured_outputs`` or vLLM's older top-level ``guided_*`` names.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | bool | str | None = None

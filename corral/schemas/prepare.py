@@ -33,6 +33,7 @@ class Strategy:
     kind: StrategyKind = "sample"
     width: int = 1
     length_penalty: float = 1.0
+    pointer: str = ""  # self-consistency votes on the value at this JSON pointer ("" = the whole answer)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,8 +64,17 @@ def strategy_of(req: SamplingFields) -> Strategy:
     if req.self_consistency is not None:
         if req.n != 1:
             raise InvalidRequestError("self_consistency returns one answer; n must be 1", param="n")
-        return Strategy("self_consistency", req.self_consistency)
+        return Strategy("self_consistency", req.self_consistency, pointer=req.self_consistency_pointer or "")
     return Strategy("sample", req.n)
+
+
+def _check_pointer(strategy: Strategy, constraint: Constraint | None) -> None:
+    from corral.engine.self_consistency import check_pointer, pointer_tokens
+
+    if strategy.kind == "self_consistency" and strategy.pointer:
+        pointer_tokens(strategy.pointer)  # raises for a malformed pointer
+        if constraint is not None and constraint.kind == "json_schema":
+            check_pointer(constraint.value, strategy.pointer)
 
 
 def _num_logprobs(enabled: bool, top: int | None) -> int | None:
@@ -74,9 +84,6 @@ def _num_logprobs(enabled: bool, top: int | None) -> int | None:
 def _params(req: SamplingFields, num_prompt: int, num_logprobs: int | None, tokenizer: Tokenizer,
             max_model_len: int, default_max_tokens: int | None, strategy: Strategy) -> SamplingParams:
     budget = output_budget(req, num_prompt, max_model_len, default_max_tokens)
-    # Best-of-N ranks by cumulative logprob, which needs the chosen tokens' logprobs.
-    if strategy.kind == "best_of" and num_logprobs is None:
-        num_logprobs = 0
     return sampling_params(req, max_tokens=budget, num_logprobs=num_logprobs, vocab_size=tokenizer.vocab_size,
                            n=strategy.width)
 
@@ -95,6 +102,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_
                  default_max_tokens: int | None = None) -> PreparedRequest:
     strategy = strategy_of(req)
     constraint = request_constraint(req)
+    _check_pointer(strategy, constraint)
     mode = tool_choice_mode(req.tools, req.tool_choice)
     node = None
     if mode != "none":
@@ -133,6 +141,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, *, max_mode
         raise InvalidRequestError("'suffix' is not supported", param="suffix")
     strategy = strategy_of(req)
     constraint = request_constraint(req)
+    _check_pointer(strategy, constraint)
     return [PreparedRequest(ids, _params(req, len(ids), req.logprobs, tokenizer, max_model_len,
                                          default_max_tokens, strategy), constraint, None, "none", strategy)
             for ids in completion_prompts(req, tokenizer)]

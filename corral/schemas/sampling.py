@@ -47,11 +47,15 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, num_logprobs: int |
         if token_id >= vocab_size:
             raise InvalidRequestError(f"logit_bias names token id {token_id}, past the vocabulary of {vocab_size}",
                                       param="logit_bias")
+    for token_id in req.stop_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(f"stop_token_ids holds {token_id}, outside the vocabulary of {vocab_size}",
+                                      param="stop_token_ids")
     return SamplingParams(
         n=n or req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,  # vLLM spells "off" as -1, Corral as 0
+        top_k=0 if req.top_k is None or req.top_k < 0 else min(req.top_k, vocab_size),  # vLLM's "off" is -1
         min_p=req.min_p or 0.0,
         seed=req.seed,
         max_tokens=max_tokens,

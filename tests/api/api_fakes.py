@@ -1,10 +1,14 @@
 """A scripted stand-in for ``LLMEngine``: same interface, no model. Each request emits the tokens of a text chosen
-by ``script(prompt_token_ids)``, one token per step, as cumulative outputs; a guide, when given, must accept
-every token (the fake checks that the script respects the constraint) or the choice ends with 'error'."""
+by ``script(prompt_token_ids, params)``, one token per step, as cumulative outputs. With a guide, a scripted token
+the guide refuses is replaced by the lowest allowed one, and the output ends ('stop') once the script is spent
+and the guide accepts, so every output is in the constraint's language, as with the real engine."""
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from corral.engine.sampler import Sampler, SamplingRow, make_generator
 
 
 @dataclass
@@ -48,8 +52,13 @@ class _Seq:
 
 
 class FakeEngine:
-    def __init__(self, tokenizer, script, *, max_model_len: int = 2048, blocks_per_request: int = 3):
+    def __init__(self, tokenizer, script, *, vocabulary=None, max_model_len: int = 2048, blocks_per_request: int = 3,
+                 sample: bool = False):
+        """``sample``: choose each token with the real Sampler over random logits (the request's own params,
+        seed, penalties, bias and the guide's mask) instead of following the script."""
         self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
+        self.vocabulary = vocabulary
+        self.sampler = Sampler(tokenizer.vocab_size, tokenizer.eos_token_ids) if sample else None
         self.blocks_per_request = blocks_per_request
         self.requests: dict[str, tuple] = {}
         self.aborted: list[str] = []
@@ -59,10 +68,10 @@ class FakeEngine:
         self.added.append((request_id, list(prompt_token_ids), params, guide))
         texts = self.script(list(prompt_token_ids), params)
         texts = texts if isinstance(texts, list) else [texts] * params.n
-        seqs = [_Seq(i, self.tokenizer.encode(t)[:params.max_tokens],
-                     None if guide is None else (guide if i == 0 else guide.copy())) for i, t in enumerate(texts)]
-        for s, t in zip(seqs, texts):
-            s.full = len(self.tokenizer.encode(t)) <= params.max_tokens
+        seqs = [_Seq(i, self.tokenizer.encode(t), None if guide is None else (guide if i == 0 else guide.copy()))
+                for i, t in enumerate(texts)]
+        for s in seqs:
+            s.generator = make_generator(params.seed)
         self.requests[request_id] = (list(prompt_token_ids), params, seqs)
 
     def abort(self, request_id):
@@ -78,30 +87,65 @@ class FakeEngine:
     def step(self):
         outs = []
         for request_id, (prompt, params, seqs) in list(self.requests.items()):
-            for s in seqs:
-                if s.finish is None:
-                    self._advance(s)
-            completions = [FakeCompletionOutput(s.index, list(s.emitted), self.tokenizer.decode(s.emitted), s.finish,
-                                                logprobs=[-0.5] * len(s.emitted) if params.logprobs is not None else None,
-                                                cumulative_logprob=-0.5 * len(s.emitted) - s.index)
-                           for s in seqs]
+            live = [s for s in seqs if s.finish is None]
+            if self.sampler is not None:
+                for s in live:
+                    if s.guide is not None and s.guide.is_finished():  # as the engine does: only EOS can follow
+                        s.finish = "stop"
+                live = [s for s in live if s.finish is None]
+                drawn = self._sampled(live, params, prompt) if live else []
+            for i, s in enumerate(live):
+                self._advance(s, params, drawn[i] if self.sampler is not None else None)
+            completions = [FakeCompletionOutput(
+                s.index, list(s.emitted), self.tokenizer.decode(s.emitted), s.finish,
+                logprobs=[(-0.5, [(t, -0.5)]) for t in s.emitted] if params.logprobs is not None else None,
+                cumulative_logprob=-0.5 * len(s.emitted) - s.index) for s in seqs]
             finished = all(s.finish is not None for s in seqs)
             outs.append(FakeRequestOutput(request_id, prompt, completions, finished))
             if finished:
                 del self.requests[request_id]
         return outs
 
-    def _advance(self, s):
-        token = s.target[len(s.emitted)]
-        if s.guide is not None:
-            row = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
-            s.guide.fill_mask(row)
-            if not s.guide.advance(token):
+    def _sampled(self, seqs, params, prompt) -> list[int | None]:
+        """One real Sampler call over random logits for the request's live sequences (None: EOS)."""
+        words = (self.tokenizer.vocab_size + 31) // 32
+        logits = torch.randn(len(seqs), self.tokenizer.vocab_size)
+        bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            if s.guide is not None:
+                s.guide.fill_mask(bitmask[i].numpy())
+        rows = [SamplingRow(params, prompt, s.emitted, s.generator) for s in seqs]
+        tokens = self.sampler(logits, rows, bitmask).token_ids
+        eos = set(self.tokenizer.eos_token_ids) if not params.ignore_eos else set()
+        return [None if t in eos else t for t in tokens]
+
+    def _advance(self, s, params, drawn):
+        if self.sampler is not None:
+            token = drawn
+            if token is not None and s.guide is not None and not s.guide.advance(token):
                 s.finish = "error"
                 return
+        else:
+            token = s.target[len(s.emitted)] if len(s.emitted) < len(s.target) else None
+        if s.guide is not None and self.sampler is None:
+            row = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+            s.guide.fill_mask(row)
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:self.tokenizer.vocab_size]
+            allowed = [t for t in np.flatnonzero(bits).tolist() if t not in self.tokenizer.eos_token_ids]
+            if (token is None and s.guide.is_accepting()) or not allowed:
+                s.finish = "stop"
+                return
+            if token not in allowed:
+                token = allowed[0]
+            assert s.guide.advance(token)
+        if token is None:
+            s.finish = "stop"
+            return
         s.emitted.append(token)
-        if len(s.emitted) == len(s.target):
-            s.finish = "stop" if s.full else "length"
+        if s.guide is not None and s.guide.is_finished():
+            s.finish = "stop"
+        elif len(s.emitted) >= params.max_tokens:
+            s.finish = "length"
 
 
 class FakeCompiled:

@@ -170,3 +170,28 @@ def test_32_concurrent_streams_with_8_leaving_leak_no_blocks(live):
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
     assert ctx.metrics.finished.get("abort", 0) >= 8
+
+
+def test_beam_search_over_a_choice_returns_every_choice_best_first(client, live):
+    out = client.chat.completions.create(model=live[1].config.model_name, messages=ask("Is the sky blue?"),
+                                         max_tokens=8, n=2, extra_body={"use_beam_search": True,
+                                                                        "guided_choice": ["yes", "no"]})
+    assert sorted(c.message.content for c in out.choices) == ["no", "yes"]  # the language has just these two
+    assert all(c.finish_reason == "stop" for c in out.choices)
+
+
+def test_generate_json_and_call_tools_against_the_server(live, tmp_path, capsys):
+    import corral
+    from corral import cli
+
+    url = live[0]
+    point = corral.generate_json(SMALL, "Is 4 even? Answer as JSON.", base_url=url, max_tokens=24)
+    jsonschema.validate(point, SMALL)
+    text, calls = corral.call_tools([WEATHER], "Weather in Rome?", base_url=url, max_tokens=40)
+    assert text is None and [c.name for c in calls] == ["get_weather"]
+    jsonschema.validate(calls[0].arguments, WEATHER["function"]["parameters"])
+    schema_file = tmp_path / "small.json"
+    schema_file.write_text(json.dumps(SMALL))
+    assert cli.main(["generate", "--schema", str(schema_file), "--base-url", url, "--max-tokens", "24",
+                     "Is 7 even? Answer as JSON."]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SMALL)

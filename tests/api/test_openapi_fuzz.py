@@ -1,7 +1,8 @@
 """schemathesis against the server's own OpenAPI document: no 500 and no response outside the documented schemas.
 
-The engine is the scripted fake (generation speed is not what this checks) but the compiler is the real one, so
-the generated ``response_format`` schemas, regexes and tool ``parameters`` go through the real front ends. The
+The engine is the fake (generation speed is not what this checks), but it picks its tokens with the real Sampler
+from random logits under the request's own parameters, and the compiler is the real one, so generated sampling
+knobs, ``response_format`` schemas, regexes and tool ``parameters`` all go through the real code. The
 run is bounded: a fixed number of examples per operation, each with a short output budget.
 """
 
@@ -29,8 +30,10 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def base_url():
     tok = load_tokenizer()
     vocab = Vocabulary.from_tokenizer(tok)
-    engine = FakeEngine(tok, lambda prompt, params: "ok")
-    ctx = make_context(engine, GrammarCompiler(vocab, time_budget_s=2.0), tok, vocab, default_max_tokens=8)
+    engine = FakeEngine(tok, lambda prompt, params: "ok", vocabulary=vocab, sample=True)
+    # A short context bounds every generated request's output (max_tokens past it is a 400).
+    ctx = make_context(engine, GrammarCompiler(vocab, time_budget_s=2.0), tok, vocab, default_max_tokens=8,
+                       max_model_len=96)
     with running_server(ctx) as url:
         yield url
 
@@ -47,7 +50,7 @@ def check_events(body: str, document: dict, path: str) -> None:
 
 
 @pytest.mark.parametrize("path, method, examples", [
-    ("/v1/chat/completions", "POST", 100), ("/v1/completions", "POST", 60), ("/v1/models", "GET", 3),
+    ("/v1/chat/completions", "POST", 60), ("/v1/completions", "POST", 40), ("/v1/models", "GET", 3),
     ("/health", "GET", 3), ("/metrics", "GET", 3)])
 def test_openapi_operations_hold_their_contract(base_url, path, method, examples):
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")

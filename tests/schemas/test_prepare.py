@@ -61,6 +61,7 @@ def test_logit_bias_past_the_vocabulary_is_refused(tok):
     ({"n": 2, "best_of": 5}, Strategy("best_of", 5)),
     ({"best_of": 1}, Strategy("sample", 1)),
     ({"self_consistency": 7}, Strategy("self_consistency", 7)),
+    ({"self_consistency": 7, "self_consistency_pointer": "/a"}, Strategy("self_consistency", 7, pointer="/a")),
     ({"use_beam_search": True, "best_of": 4, "length_penalty": 0.5}, Strategy("beam_search", 4, 0.5)),
 ])
 def test_strategy(body, expected):
@@ -78,9 +79,18 @@ def test_strategy_errors(body, message):
         strategy_of(chat(**body))
 
 
-def test_best_of_asks_for_logprobs_to_rank_by(tok):
+def test_best_of_draws_best_of_samples(tok):
     prepared = prepare_chat(chat(best_of=3, max_tokens=4), tok, max_model_len=2048)
-    assert (prepared.params.n, prepared.params.logprobs) == (3, 0)
+    assert (prepared.params.n, prepared.params.logprobs) == (3, None)
+
+
+def test_self_consistency_pointer_must_exist_in_the_schema(tok):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    body = {"self_consistency": 3, "guided_json": schema, "max_tokens": 4}
+    assert prepare_chat(chat(**body, self_consistency_pointer="/answer"), tok,
+                        max_model_len=2048).strategy == Strategy("self_consistency", 3, pointer="/answer")
+    with pytest.raises(InvalidRequestError, match="declares no 'reply' under '/'"):
+        prepare_chat(chat(**body, self_consistency_pointer="/reply"), tok, max_model_len=2048)
 
 
 def test_completion_prompts_in_every_shape(tok):

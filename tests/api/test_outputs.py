@@ -1,0 +1,54 @@
+"""Choice selection (Best-of-N, self-consistency) and the logprob/usage wire pieces, on hand-made outputs."""
+
+import pytest
+
+from corral.api.outputs import TokenLogprobRow, logprob_rows, select_choices, usage
+from corral.engine.outputs import CompletionOutput
+from corral.schemas.prepare import Strategy
+
+
+def out(index, text, cumulative, num_tokens=4, reason="stop"):
+    return CompletionOutput(index, list(range(num_tokens)), text, reason, cumulative_logprob=cumulative)
+
+
+def test_best_of_keeps_the_n_best_by_mean_token_logprob_and_errors_last():
+    outputs = [out(0, "a", -4.0), out(1, "b", -2.0, num_tokens=1), out(2, "c", -1.0, reason="error"),
+               out(3, "d", -4.0, num_tokens=8)]
+    # means: a -1.0, b -2.0, c error (-inf), d -0.5
+    assert [o.text for o in select_choices(Strategy("best_of", 4), outputs, 2)] == ["d", "a"]
+    assert [o.text for o in select_choices(Strategy("best_of", 4), outputs, 4)] == ["d", "a", "b", "c"]
+
+
+def test_self_consistency_votes_on_json_values_at_the_pointer():
+    texts = ['{"answer": 4, "why": "x"}', '{"answer": 5}', '{"why": "y", "answer": 4.0}', '{"answer": 5}',
+             '{"answer": 4}']
+    outputs = [out(i, t, -1.0) for i, t in enumerate(texts)]
+    (winner,) = select_choices(Strategy("self_consistency", 5, pointer="/answer"), outputs, 1)
+    assert winner.index == 0  # 4, 4.0 and 4 are one answer; the first drawn speaks for it
+    (whole,) = select_choices(Strategy("self_consistency", 5), outputs, 1)
+    assert whole.index == 1  # on whole documents only {"answer": 5} repeats
+
+
+def test_self_consistency_on_text_and_ignoring_truncated_samples():
+    outputs = [out(0, "no", 0), out(1, "yes", 0), out(2, " yes", 0), out(3, "no", 0, reason="length"),
+               out(4, "no", 0, reason="length")]
+    assert select_choices(Strategy("self_consistency", 5), outputs, 1)[0].index == 1
+
+
+def test_sample_returns_every_output_in_index_order():
+    outputs = [out(1, "b", 0), out(0, "a", 0)]
+    assert [o.index for o in select_choices(Strategy("sample", 2), outputs, 2)] == [0, 1]
+
+
+def test_logprob_rows_read_the_engine_format():
+    completion = CompletionOutput(0, [7, 9], "xy", "stop", logprobs=[(-0.1, [(7, -0.1), (3, -2.5)]), (-0.7, None)])
+    assert logprob_rows(completion) == [TokenLogprobRow(7, -0.1, [(7, -0.1), (3, -2.5)]),
+                                        TokenLogprobRow(9, -0.7, [])]
+    assert logprob_rows(CompletionOutput(0, [1], "z")) == []
+
+
+@pytest.mark.parametrize("prompt, completion, cached", [(10, 5, 0), (7, 0, 7)])
+def test_usage_adds_up(prompt, completion, cached):
+    u = usage(prompt, completion, cached)
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.prompt_tokens_details.cached_tokens) == (
+        prompt, completion, prompt + completion, cached)
