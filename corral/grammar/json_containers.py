@@ -5,7 +5,8 @@ empty container is ``{ws}`` and every run between two tokens is one ``ws``: ``{w
 
 Objects list their declared properties in schema order, each optional one may be left out, and the count of
 present members is tracked only when ``minProperties``/``maxProperties`` ask for it. Extra members (keys not
-declared, allowed by ``additionalProperties``/``patternProperties``) come after the declared ones. At most one of them counts towards ``minProperties`` (see ``object_node``).
+declared, allowed by ``additionalProperties``/``patternProperties``) come after the declared ones. At most one
+of them counts towards ``minProperties`` (see ``object_node``).
 """
 
 from functools import cache

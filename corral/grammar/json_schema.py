@@ -12,15 +12,21 @@ be a context-free or non-regular language. The deliberate narrowings, each docum
 - Recursive ``$ref`` is unrolled ``MAX_REF_DEPTH`` times along any path, then cut (the deeper branch matches
   nothing, so a recursive structure nests at most that deep).
 - Numbers with bounds have no exponent (see ``json_numbers``); integers are canonical (no ``1.0``, no ``-0``).
-- ``oneOf`` compiles only when its branches are provably disjoint (different types, disjoint ``enum``/``const``,
-  or a required property whose values are disjoint, or that one branch forbids); otherwise it is refused.
+- ``oneOf`` is exact: each branch also carries the negation of every branch it may overlap (pairs that are
+  provably disjoint, by type, ``enum``/``const`` or a required discriminator, need none). It is refused when
+  such a branch cannot be negated. ``not``, ``if``/``then``/``else`` and ``dependencies`` compile through the
+  same negation (``schema_not``), which leaves out the non-integral numbers of ``not {type: integer}``.
 - ``uniqueItems: true`` compiles only when at most one item is possible. ``multipleOf`` compiles for integral
   factors whose multiples a regex can say (factors of the form 2^a 5^b, or a small bounded range).
 - ``enum``/``const`` members are spelled as ``json.dumps`` writes them (see ``json_strings.string_literal``).
+- Extra members make up at most one missing member of ``minProperties`` (a repeated key counts once).
+- Lone surrogate escapes are not accepted where the decoded length or a pattern matters.
 
-Annotations are ignored; keywords that change the language and are not compiled (``schema_keywords.UNSUPPORTED``)
-raise :class:`UnsupportedSchemaError` naming the keyword and its JSON pointer, or with ``lenient=True`` are
-ignored and reported in ``warnings``.
+Annotations are ignored; keywords that change the language and are not compiled (``schema_keywords.UNSUPPORTED``,
+and the forms the modules above refuse: ``not`` over ``pattern``, fractional ``multipleOf``, ``format: regex``,
+...) raise :class:`UnsupportedSchemaError` naming the keyword and its JSON pointer, or with ``lenient=True`` are
+ignored and reported in ``warnings``. Budgets (``node_builder``): distinct AST nodes, repeat counts, and the
+number of ``anyOf``/``oneOf``/``not`` alternatives; past one, :class:`GrammarTooComplexError`.
 """
 
 import json

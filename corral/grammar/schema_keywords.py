@@ -11,7 +11,7 @@ from corral.errors import InvalidSchemaError
 ANNOTATIONS = frozenset({
     "title", "description", "examples", "example", "default", "$comment", "$schema", "$id", "id", "deprecated",
     "readOnly", "writeOnly", "$anchor", "$vocabulary", "contentMediaType", "contentEncoding", "contentSchema",
-    "definitions", "$defs",
+    "definitions", "$defs", "$recursiveAnchor", "$dynamicAnchor",
 })
 
 IMPLEMENTED = frozenset({
@@ -23,10 +23,8 @@ IMPLEMENTED = frozenset({
 })
 
 # Keywords that change the language and that Corral does not compile: refused, never silently dropped.
-UNSUPPORTED = frozenset({
-    "unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef",
-    "$recursiveAnchor", "$dynamicAnchor",
-})
+# The anchors these refs aim at ($recursiveAnchor, $dynamicAnchor) are harmless without them.
+UNSUPPORTED = frozenset({"unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef"})
 
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")

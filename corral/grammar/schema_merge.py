@@ -130,8 +130,10 @@ def _merge_types(merged: MergedSchema, value) -> None:
 
 
 def _merge_objects(merged: MergedSchema, schema: dict, pointer: str) -> None:
-    props = {k: [(v, f"{pointer}/properties/{escape_pointer_token(k)}")] for k, v in schema.get("properties", {}).items()}
-    patterns = {k: [(v, f"{pointer}/patternProperties/{escape_pointer_token(k)}")] for k, v in schema.get("patternProperties", {}).items()}
+    props = {k: [(v, f"{pointer}/properties/{escape_pointer_token(k)}")]
+             for k, v in schema.get("properties", {}).items()}
+    patterns = {k: [(v, f"{pointer}/patternProperties/{escape_pointer_token(k)}")]
+                for k, v in schema.get("patternProperties", {}).items()}
     additional = [(schema["additionalProperties"], f"{pointer}/additionalProperties")] \
         if "additionalProperties" in schema else []
     for name in list(merged.properties):

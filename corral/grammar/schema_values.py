@@ -68,7 +68,8 @@ class ValueBuilders:
     def enum_node(self, merged: MergedSchema, atoms, pointer: str) -> Node:
         """The ``enum``/``const`` members that also satisfy every other keyword (checked by ``jsonschema``, plus
         the formats it does not check)."""
-        if 2 * len(merged.enum) > self.b.max_nodes or sum(len(json.dumps(v)) for v in merged.enum) > self.b.max_nodes:  # refuse before validating them
+        size = 2 * len(merged.enum) + sum(len(json.dumps(v)) for v in merged.enum[:self.b.max_nodes])
+        if size > self.b.max_nodes:  # refuse before validating them one by one
             raise GrammarTooComplexError(f"the enum would need more than {self.b.max_nodes} automaton nodes")
         formats = [format_node(f) for f, _ in merged.formats if format_node(f) is not None]
         excluded = {json_key(v) for v in merged.excluded}
