@@ -125,6 +125,19 @@ def run_llama(entries: list[dict], max_tokens: int, threads: int) -> list[Outcom
     return outcomes
 
 
+def run_isolated(fn, *args):
+    """``fn(*args)`` in a fresh process, so that a native crash (a wheel built for another CPU dies with SIGILL)
+    ends the peer's run, not the benchmark. None when the process died."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except concurrent.futures.process.BrokenProcessPool:
+            return None
+
+
 def summarize(name: str, outcomes: list[Outcome], schemas: dict, wall_s: float) -> dict:
     stopped = [o for o in outcomes if o.error is None and o.finish == "stop"]
     verdicts = collections.Counter(verdict(o, schemas[o.schema_id]) for o in stopped)
@@ -185,6 +198,7 @@ def main() -> None:
         start = time.perf_counter()
         outcomes = asyncio.run(run_corral(base_url, entries, args.max_tokens, args.concurrency))
         rows.append(summarize("corral (server)", outcomes, schemas, time.perf_counter() - start))
+        print(json.dumps(rows[-1]), flush=True)  # kept if the peer crashes later
     finally:
         if server is not None:
             server.__exit__(None, None, None)
@@ -195,8 +209,13 @@ def main() -> None:
             print("llama-cpp-python is not installed (make bench-extras); skipping it", file=sys.stderr)
         else:
             start = time.perf_counter()
-            outcomes = run_llama(entries, args.max_tokens, args.threads)
-            rows.append(summarize("llama-cpp-python", outcomes, schemas, time.perf_counter() - start))
+            outcomes = run_isolated(run_llama, entries, args.max_tokens, args.threads)
+            if outcomes is None:
+                print("llama-cpp-python crashed (its worker process died); no comparison in this run",
+                      file=sys.stderr)
+            else:
+                rows.append(summarize("llama-cpp-python", outcomes, schemas, time.perf_counter() - start))
+                print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     if len(rows) == 2 and rows[1]["output_tok_s"]:
         print(f"\nthroughput ratio corral / llama-cpp-python: {rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")
