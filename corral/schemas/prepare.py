@@ -105,6 +105,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_
     _check_pointer(strategy, constraint)
     mode = tool_choice_mode(req.tools, req.tool_choice)
     node = None
+    # With 'required' or a named tool the output is the call, so a response_format describes a later turn's
+    # answer, not this one; with 'auto' it is the alternative to a call.
     if mode != "none":
         answer = constraint_node(constraint) if constraint is not None and mode == "auto" else None
         node = tools_node(req.tools, req.tool_choice, parallel=req.parallel_tool_calls, answer=answer)
