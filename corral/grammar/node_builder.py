@@ -20,7 +20,7 @@ from corral.errors import GrammarTooComplexError
 from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Intersect, Node, Repeat
 
 DEFAULT_MAX_NODES = 250_000
-MAX_REPEAT_COUNT = 100_000
+MAX_REPEAT_COUNT = 1_000_000
 
 
 class NodeBuilder:

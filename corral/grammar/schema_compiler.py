@@ -19,7 +19,7 @@ from corral.grammar.schema_not import negate
 from corral.grammar.schema_refs import RefResolver, escape_pointer_token
 from corral.grammar.schema_values import ValueBuilders
 
-MAX_REF_DEPTH = 3
+MAX_REF_DEPTH = 4
 MAX_BRANCH_EXPANSIONS = 2000  # anyOf/oneOf/not alternatives built per schema: past it, an allOf of anyOfs explodes
 
 
@@ -155,6 +155,8 @@ class SchemaCompiler(ValueBuilders):
         if not atoms:
             return self.any_value()
         merged = merge_atoms(atoms)
+        if merged.enum is not None:  # jsonschema judges each member against every atom: not, anyOf, oneOf exactly
+            return self.enum_node(merged, atoms, atoms[0][1])
         if merged.negations:
             return self.build_negation(atoms, merged)
         if merged.choices:
@@ -162,8 +164,6 @@ class SchemaCompiler(ValueBuilders):
         pointer = atoms[0][1]
         if merged.is_unsatisfiable:
             return self.contradiction("the 'type' keywords have no type in common", pointer)
-        if merged.enum is not None:
-            return self.enum_node(merged, atoms, pointer)
         types = [t for t in TYPES if merged.types is None or t in merged.types]
         if "number" in types:
             types.remove("integer")  # number's grammar already holds every integer

@@ -148,6 +148,9 @@ def test_enum_and_const():
     check({"type": "string", "enum": ["a", 1, "bb"], "maxLength": 1}, good=["a"], bad=[1, "bb"])
     check({"const": "x\"y"}, good=['x"y'], bad=["xy"])
     check({"enum": [{"a": 1, "b": [True]}]}, good=[{"a": 1, "b": [True]}], whitespace="flexible")
+    # members are judged by jsonschema against every other keyword, 'not' and 'oneOf' included
+    check({"allOf": [{"enum": [1.5, 1, 3]}, {"not": {"anyOf": [{"type": "integer"}, {"minimum": 2}]}}]},
+          good=[1.5], bad=[1, 3])
 
 
 # ---- objects and arrays ----------------------------------------------------------------------------------------
@@ -252,7 +255,9 @@ def test_refs_local_and_recursive_unrolled():
                                  "additionalProperties": False}},
               "$ref": "#/$defs/node"}
     check(schema, good=[{}, {"next": {}}, {"next": {"next": {}}}], bad=[{"next": 1}])
-    assert not accepts(schema_to_node(schema), '{"next":{"next":{"next":{"next":{}}}}}')  # past the depth
+    # MAX_REF_DEPTH = 4 expansions of the definition along a path: four nested objects, not five
+    assert accepts(schema_to_node(schema), '{"next":{"next":{"next":{}}}}')
+    assert not accepts(schema_to_node(schema), '{"next":{"next":{"next":{"next":{}}}}}')
     check({"definitions": {"a~b/c": {"type": "integer"}}, "items": {"$ref": "#/definitions/a~0b~1c"},
            "type": "array"}, good=[[1]], bad=[["x"]])
     check({"id": "classpath:///schemas/entry.json#", "definitions": {"a": {"type": "integer"}},
@@ -366,6 +371,6 @@ def test_malformed_schemas_raise_invalid_schema_error(schema, message):
                for letter in "abcde"]},
 ])
 def test_gigantic_schemas_fail_fast_with_a_typed_error(schema):
-    expected = r"more than \d+ automaton nodes|past the limit of 100000|more than 2000 alternatives"
+    expected = r"more than \d+ automaton nodes|past the limit of 1000000|more than 2000 alternatives"
     with pytest.raises(GrammarTooComplexError, match=expected):
         schema_to_node(schema)
