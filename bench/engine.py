@@ -241,7 +241,7 @@ def main() -> None:
         if not args.skip_poisson:
             results.append(run_corral(engine, stream, f"poisson {args.rate:g}/s"))
         if not args.skip_prefix:
-            system = " ".join(f"Rule {i}: answer politely, briefly and truthfully." for i in range(100))
+            system = " ".join(f"Rule {i}: answer politely, briefly and truthfully." for i in range(75))
             shared = make_workload(tokenizer, 32, args.seed + 1, system=system, output_range=(32, 32))
             print(f"shared-prefix workload: {len(shared[0].prompt_token_ids)} prompt tokens per request")
             engine.block_manager.reset_prefix_cache()

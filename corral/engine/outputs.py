@@ -10,7 +10,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    logprobs: list | None = None  # per token: (logprob, top list or None)
+    logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...] most likely first)
     cumulative_logprob: float = 0.0
 
     @property
