@@ -20,8 +20,8 @@ from corral.grammar.regex_match import fullmatch
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "maskbench-dev.jsonl.gz"
 SAMPLE_SIZE = 300
-MIN_COMPILED_FRACTION = 0.85
-MAX_MISSED_FRACTION = 0.05
+MIN_COMPILED_FRACTION = 0.93  # measured: 287 of 300 compile (flexible)
+MAX_MISSED_FRACTION = 0.03  # measured: 6 of 287 reject a valid instance (property order, nesting)
 
 
 def _sample() -> list[dict]:
