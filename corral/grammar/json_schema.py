@@ -32,7 +32,7 @@ number of ``anyOf``/``oneOf``/``not`` alternatives; past one, :class:`GrammarToo
 import json
 
 from corral.errors import GrammarTooComplexError, InvalidSchemaError
-from corral.grammar.node_builder import DEFAULT_MAX_NODES, NodeBuilder
+from corral.grammar.node_builder import DEFAULT_MAX_NODES, DEFAULT_TIME_BUDGET_S, NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
 from corral.grammar.schema_compiler import SchemaCompiler
 
@@ -41,13 +41,13 @@ __all__ = ["schema_to_node"]
 
 def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
                    lenient: bool = False, warnings: list[str] | None = None,
-                   max_nodes: int = DEFAULT_MAX_NODES) -> Node:
+                   max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S) -> Node:
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
     ``max_whitespace`` characters between tokens (not before or after the value). ``lenient``: ignore
-    unsupported keywords, appending a warning to ``warnings`` for each. ``max_nodes``: the size budget of the
-    AST (:class:`GrammarTooComplexError` past it).
+    unsupported keywords, appending a warning to ``warnings`` for each. ``max_nodes`` and ``time_budget_s``: the
+    size and wall-clock budgets of building the AST (:class:`GrammarTooComplexError` past either).
 
     Raises :class:`InvalidSchemaError` (not JSON, wrong keyword types, dangling ``$ref``, no value possible),
     :class:`UnsupportedSchemaError` and :class:`GrammarTooComplexError`.
@@ -64,7 +64,7 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
         raise GrammarTooComplexError("the schema is nested too deeply") from None
     ws = EMPTY if whitespace == "compact" else NodeBuilder(max_nodes).repeat(CharSet.chars(" \t\n\r"), 0,
                                                                                 max_whitespace)
-    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes), ws, lenient=lenient,
+    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s), ws, lenient=lenient,
                               warnings=warnings if warnings is not None else [])
     try:
         node = compiler.node(schema, "#")

@@ -6,7 +6,8 @@ Every JSON Schema construct is built through one builder, so a gigantic ``enum``
 The budget counts *distinct* nodes (the AST is a DAG: a definition used twice is one subtree), because the
 automaton layer interns nodes by identity and builds states lazily, so its cost follows the DAG and the states a
 document visits, not the tree a DAG unfolds into. Counts are bounded separately: a ``Repeat`` count above
-``MAX_REPEAT_COUNT`` is refused outright (``maxLength: 10000000``).
+``MAX_REPEAT_COUNT`` is refused outright (``maxLength: 10000000``). A wall-clock budget backs both up (checked
+every 4096 nodes and at every anyOf/oneOf/not expansion), so building never hangs a worker.
 
 Simplifications: ``NOTHING`` absorbs a concatenation and drops out of an alternation, ``EMPTY`` drops out of a
 concatenation, nested concatenations and alternations are flattened, character options of an alternation merge
@@ -14,18 +15,22 @@ into one ``CharSet``, and trivial repeats collapse. They keep the AST small and 
 recursion cut off at its depth limit, an empty ``enum`` intersection) vanish instead of reaching the compiler.
 """
 
+import time
 from collections.abc import Iterable
 
 from corral.errors import GrammarTooComplexError
 from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Intersect, Node, Repeat
 
 DEFAULT_MAX_NODES = 250_000
+DEFAULT_TIME_BUDGET_S = 5.0
 MAX_REPEAT_COUNT = 1_000_000
 
 
 class NodeBuilder:
-    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES):
+    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S):
         self.max_nodes = max_nodes
+        self.time_budget_s = time_budget_s
+        self.deadline = time.perf_counter() + time_budget_s
         self.num_nodes = 0
         self._seen: dict[int, Node] = {}  # id -> node (kept alive so the id stays unique)
         self.cache: dict = {}  # shared sub-ASTs of the schema compiler (string units, any-value), by key
@@ -39,6 +44,8 @@ class NodeBuilder:
                 continue
             self._seen[id(item)] = item
             self.num_nodes += 1
+            if self.num_nodes % 4096 == 0:
+                self.check_time()
             if isinstance(item, Repeat):
                 stack.append(item.node)
             elif isinstance(item, Alt):
@@ -48,6 +55,10 @@ class NodeBuilder:
         if self.num_nodes > self.max_nodes:
             raise GrammarTooComplexError(f"the grammar would need more than {self.max_nodes} automaton nodes "
                                          f"(a huge enum, or a oneOf/anyOf/$ref explosion)")
+
+    def check_time(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise GrammarTooComplexError(f"building the grammar ran past its time budget of {self.time_budget_s:g} s")
 
     # ---- constructors ------------------------------------------------------------------------------------------
     def concat(self, *parts: Node) -> Node:

@@ -45,6 +45,7 @@ class SchemaCompiler(ValueBuilders):
         self.warnings.append(f"{message} (keyword '{keyword}' at '{pointer}'): ignored")
 
     def count_branches(self, num: int) -> None:
+        self.b.check_time()
         self.num_branches += num
         if self.num_branches > MAX_BRANCH_EXPANSIONS:
             raise GrammarTooComplexError(f"anyOf/oneOf/not expand into more than {MAX_BRANCH_EXPANSIONS} "

@@ -362,6 +362,11 @@ def test_malformed_schemas_raise_invalid_schema_error(schema, message):
         schema_to_node(schema)
 
 
+def test_building_runs_under_a_time_budget():
+    with pytest.raises(GrammarTooComplexError, match=r"ran past its time budget of 0.001 s"):
+        schema_to_node({"enum": [f"value {i}" for i in range(3000)]}, time_budget_s=0.001)
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("schema", [
     {"enum": list(range(200_000))},
