@@ -12,6 +12,7 @@ pool, off the event loop, through the compiler's own cache.
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,15 @@ import numpy as np
 
 from corral.errors import CorralError, EngineOverloadedError, InvalidGrammarError
 from corral.schemas.prepare import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(CorralError):
+    """A step of the engine raised: the requests in flight then fail with a 500, and the loop goes on."""
+
+    status_code = 500
+    error_type = "internal_error"
 
 
 class EngineDeadError(CorralError):
@@ -177,7 +187,7 @@ class AsyncEngine:
                     else:
                         self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._step()
                 elif job is not None:
                     self._run_job(*job[1:])
                     job = None
@@ -189,6 +199,17 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(f"the engine stopped: {err!r}"))
             raise
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # one bad step fails the requests in flight, not the server
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+            for request_id, stream in list(self._streams.items()):
+                self.engine.abort(request_id)  # frees their blocks; a failure here is fatal (outer handler)
+                stream.put(EngineStepError(f"the engine failed while running this request: {err!r}"))
+            return
+        self._deliver(outputs)
 
     def _take_commands(self) -> list[tuple]:
         """The queued commands up to and including the first exclusive one; later ones wait for it."""
