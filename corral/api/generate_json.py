@@ -107,7 +107,9 @@ def _wrapped(engine):
 
 def _run_remote(body: dict, base_url: str, api_key: str | None, model: str | None, timeout: float) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout) as client:
+    # Accept the server root and the OpenAI client's form (".../v1") alike.
+    root = base_url.rstrip("/").removesuffix("/v1")
+    with httpx.Client(base_url=root, headers=headers, timeout=timeout) as client:
         if model is None:
             models = client.get("/v1/models")
             models.raise_for_status()

@@ -149,3 +149,12 @@ def test_metrics_use_vllm_names(server, client):
     rows = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert int(rows['vllm:request_success_total{model_name="test-model",finished_reason="stop"}']) >= 1
     assert int(rows['vllm:generation_tokens_total{model_name="test-model"}']) >= len('{"a": 1}') // 4
+
+
+@pytest.mark.parametrize("suffix", ["", "/v1", "/v1/"])
+def test_generate_json_takes_the_server_root_or_the_openai_base_url(server, suffix):
+    import corral
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    value = corral.generate_json(schema, "hi", base_url=server[0] + suffix, api_key="sk-test", max_tokens=20)
+    assert value == {"a": 1}
