@@ -21,7 +21,7 @@ from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_re
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
 
-ANY_VALUE_DEPTH = 8
+ANY_VALUE_DEPTH = 5
 MAX_ENUMERATED_MULTIPLES = 256
 MAX_MULTIPLE_SUFFIXES = 1024
 
