@@ -12,6 +12,8 @@ Left out: complement. Emptiness is syntactic (a normalized term other than ∅ i
 ``Intersect``, where it is decided by exploring the product's derivatives, under a step limit.
 """
 
+from collections import deque
+
 from corral.fsm.budget import Budget
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
@@ -19,7 +21,7 @@ from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repe
 EMPTYSET, EPSILON = 0, 1
 _BYTES, _CAT, _ALT, _REP, _AND, _CONST = range(6)
 ALL_BYTES = (1 << 256) - 1
-_LIVENESS_STEP_LIMIT = 20000
+_LIVENESS_STEP_LIMIT = 5000
 
 
 class TermTable:
@@ -230,27 +232,43 @@ class TermTable:
         return classes
 
     def is_live(self, term: int) -> bool:
-        """The language of ``term`` is not empty (syntactic, except under intersections: explored, bounded)."""
+        """The language of ``term`` is not empty. Compositional (a concatenation is live when every part is, an
+        alternation when one member is); only an intersection itself is explored, so the cost is the size of the
+        intersected piece (a string with a pattern and a length), never the rest of the document."""
         if term == EMPTYSET:
             return False
         if not self.has_and[term]:
             return True
         known = self._live.get(term)
         if known is None:
-            known = self._live[term] = self._explore_for_acceptance(term)
+            kind, args = self.kind[term], self.args[term]
+            if kind == _CAT:
+                known = self.is_live(args[0]) and self.is_live(args[1])
+            elif kind == _ALT:
+                known = any(self.is_live(member) for member in args)
+            elif kind == _REP:
+                known = args[1] == 0 or self.is_live(args[0])
+            else:
+                known = self._explore_for_acceptance(term)
+            self._live[term] = known
         return known
 
     def _explore_for_acceptance(self, term: int) -> bool:
-        seen, frontier = {term}, [term]
+        """Breadth-first over the derivatives of an intersection until a nullable one appears."""
+        seen, frontier = {term}, deque([term])
         while frontier and len(seen) < _LIVENESS_STEP_LIMIT:
-            current = frontier.pop()
+            current = frontier.popleft()
             if self.nullable[current] or self._live.get(current):
                 return True
             for cls in self.byte_classes(current):
                 following = self.derivative(current, (cls & -cls).bit_length() - 1)
-                if following != EMPTYSET and following not in seen:
+                if following != EMPTYSET and following not in seen and self._live.get(following) is not False:
                     seen.add(following)
                     frontier.append(following)
+        if not frontier:  # exhausted: every term reached is empty as well
+            for dead in seen:
+                self._live[dead] = False
+            return False
         # subtle: past the step limit the term is assumed live; a wrong guess can only leave a state without
         # tokens later (reported as a guide error), never allow a string outside the language.
-        return bool(frontier)
+        return True
