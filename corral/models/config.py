@@ -93,6 +93,11 @@ def _from_hf(folder: str) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     num_heads = cfg["num_attention_heads"]
+    # transformers 5 writes RoPE settings as one "rope_parameters" dict (rope_theta and rope_type inside it);
+    # earlier versions write "rope_theta" and "rope_scaling" at the top level.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     return ModelConfig(
         architecture=arch,
         num_layers=cfg["num_hidden_layers"],
@@ -103,13 +108,13 @@ def _from_hf(folder: str) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         vocab_size=cfg["vocab_size"],
         max_position=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=cfg.get("pad_token_id"),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=scaling,
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
     )
 

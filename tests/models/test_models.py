@@ -66,3 +66,16 @@ def test_chat_template_renders_like_transformers():
         for add in (True, False):
             expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
             assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+
+
+def test_transformers5_rope_parameters_are_read(tmp_path):
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+              "eos_token_id": 2, "rope_parameters": {"rope_theta": 250000.0, "rope_type": "linear", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model_config(str(tmp_path))
+    assert loaded.rope_theta == 250000.0 and loaded.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    config["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "default"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    resolve_model.cache_clear()
+    assert load_model_config(str(tmp_path)).rope_scaling is None
