@@ -104,17 +104,17 @@ class Vocabulary:
     @classmethod
     def from_byte_level_pieces(cls, pieces: Iterable[str], special_ids: Iterable[int],
                                eos_token_ids: Iterable[int], added_ids: Iterable[int] = ()) -> "Vocabulary":
-        special = frozenset(special_ids)
-        token_bytes = tuple(p.encode("utf-8") if i in special else byte_level_piece_to_bytes(p)
-                            for i, p in enumerate(pieces))
-        return cls(token_bytes, special, tuple(eos_token_ids), frozenset(added_ids))
+        return cls._from_pieces(pieces, byte_level_piece_to_bytes, special_ids, eos_token_ids, added_ids)
 
     @classmethod
     def from_sentencepiece_pieces(cls, pieces: Iterable[str], special_ids: Iterable[int],
                                   eos_token_ids: Iterable[int], added_ids: Iterable[int] = ()) -> "Vocabulary":
-        special = frozenset(special_ids)
-        token_bytes = tuple(p.encode("utf-8") if i in special else sentencepiece_piece_to_bytes(p)
-                            for i, p in enumerate(pieces))
+        return cls._from_pieces(pieces, sentencepiece_piece_to_bytes, special_ids, eos_token_ids, added_ids)
+
+    @classmethod
+    def _from_pieces(cls, pieces, piece_to_bytes, special_ids, eos_token_ids, added_ids) -> "Vocabulary":
+        special = frozenset(special_ids)  # control tokens are spelled as their text, never through the byte map
+        token_bytes = tuple(p.encode("utf-8") if i in special else piece_to_bytes(p) for i, p in enumerate(pieces))
         return cls(token_bytes, special, tuple(eos_token_ids), frozenset(added_ids))
 
     @classmethod
