@@ -97,6 +97,10 @@ def test_n_greater_than_one_forks_from_the_computed_prompt(engine):
 def test_seeded_sampling_is_reproducible_and_siblings_differ(engine):
     ids = chat(engine, "Tell me a story about a dragon.")
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=7, n=2)
+    # subtle: a prefix-cache hit computes the prompt's tail in a differently shaped matmul, which moves the
+    # logits by about 1e-6 (measured); a seeded draw that lands that close to a CDF boundary then flips (seed 7
+    # does, at the second sibling's 13th token). Warm the cache so that both runs take the same path.
+    engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
     a = engine.generate([ids], params)[0].outputs
     b = engine.generate([ids], params)[0].outputs
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
