@@ -8,7 +8,7 @@ constraint kind compiles to:
   language cannot nest without bound; see ``json_value.py``);
 - ``regex``: a Python ``re`` pattern with ``fullmatch`` semantics;
 - ``choice``: exactly one of the listed strings;
-- ``grammar`` (Lark): through ``corral.grammar.lark_regular`` when it is present, else refused.
+- ``grammar`` (Lark): refused with a typed error until the Lark path exists.
 """
 
 import threading
@@ -128,7 +128,7 @@ class GrammarCompiler:
                 raise InvalidGrammarError("a choice constraint needs a non-empty list of strings")
             return _choice_node(value, budget)
         if kind == "grammar":
-            return _lark_to_node(value)
+            raise UnsupportedSchemaError("Lark grammars are not supported yet", keyword="grammar")
         raise InvalidGrammarError(f"unknown constraint kind {kind!r}")
 
 
@@ -161,11 +161,3 @@ def _choice_node(values: list[str], budget: Budget) -> Node:
         return options[0] if len(options) == 1 else Alt(tuple(options))
 
     return build(trie)
-
-
-def _lark_to_node(text) -> Node:
-    try:
-        from corral.grammar import lark_regular
-    except ImportError:
-        raise UnsupportedSchemaError("Lark grammars are not supported yet", keyword="grammar") from None
-    return lark_regular.lark_to_node(text)
