@@ -25,5 +25,8 @@ test: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/corral serve
 
+# llama-cpp-python builds llama.cpp from source; a native build can emit instructions that another machine of
+# the same kind lacks (it died with SIGILL in grammar code), so build for a portable AVX2 baseline.
 bench-extras: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
+		$(PY) -m pip install -q -e '.[bench]'
