@@ -19,8 +19,8 @@ columns must be dense, which is what a model's lm_head produces).
 
 import torch
 
-from corral.kernels.bitmask_torch import (apply_token_bitmask_cpu_, apply_token_bitmask_torch_, check_bitmask_args,
-                                          unpack_bitmask)
+from corral.kernels.bitmask_torch import (apply_checked_cpu_, apply_token_bitmask_cpu_, apply_token_bitmask_torch_,
+                                          check_bitmask_args, unpack_bitmask)
 
 __all__ = ["apply_token_bitmask_", "apply_token_bitmask_cpu_", "apply_token_bitmask_torch_",
            "apply_token_bitmask_triton_", "unpack_bitmask"]
@@ -36,8 +36,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: t
     vocab_size = check_bitmask_args(logits, bitmask, indices, vocab_size)
     if logits.is_cuda:
         apply_token_bitmask_triton_(logits, bitmask, indices, vocab_size=vocab_size)
-    elif logits.device.type == "cpu":
-        apply_token_bitmask_cpu_(logits, bitmask, indices, vocab_size=vocab_size)
+    elif logits.is_cpu:
+        apply_checked_cpu_(logits, bitmask, indices, vocab_size)
     else:
         apply_token_bitmask_torch_(logits, bitmask, indices, vocab_size=vocab_size)
 

@@ -5,23 +5,27 @@ Both implement the pseudo-code in ``corral.kernels.bitmask``'s docstring exactly
 rendering of it.
 """
 
+import threading
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 
 def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None,
-           vocab_size: int | None) -> int:
+                       vocab_size: int | None) -> int:
+    """Assert the contract of ``apply_token_bitmask_`` and return the effective ``vocab_size``."""
     assert logits.dim() == 2 and bitmask.dim() == 2, "logits and bitmask must be [rows, columns]"
     assert bitmask.dtype == torch.int32, f"bitmask must be int32, not {bitmask.dtype}"
     assert logits.stride(1) == 1, "logits columns must be contiguous"
     assert logits.device == bitmask.device, "logits and bitmask must be on one device"
-    if indices is None:
-        assert logits.shape[0] == bitmask.shape[0], "without indices, logits and bitmask rows must match"
-    detected = min(logits.shape[1], 32 * bitmask.shape[1])
-    assert vocab_size is None or 0 <= vocab_size <= detected, f"vocab_size {vocab_size} > {detected}"
-    return detected if vocab_size is None else vocab_size
-
-
+    (num_rows, width), (num_mask_rows, num_words) = logits.shape, bitmask.shape
+    assert indices is not None or num_rows == num_mask_rows, "without indices, logits and bitmask rows must match"
+    detected = min(width, 32 * num_words)
+    if vocab_size is None:
+        return detected
+    assert 0 <= vocab_size <= detected, f"vocab_size {vocab_size} > {detected}"
+    return vocab_size
 
 
 # --- the pure-torch twin ----------------------------------------------------------------------------------------
@@ -75,59 +79,148 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, indi
 
 # --- the CPU path -------------------------------------------------------------------------------------------------
 
-# Each dtype's -inf as the bit pattern of a same-width integer, so one code path serves fp32, bf16 and fp16
-# (numpy has no bfloat16).
-_INT_VIEWS = {torch.float32: (torch.int32, -8388608), torch.bfloat16: (torch.int16, -128),
-              torch.float16: (torch.int16, -1024)}
+class _Masker(NamedTuple):
+    """How the CPU path masks one logits dtype, through numpy views of the logits.
+
+    A bitmask byte stands for 8 columns, so ``tables[i][byte]`` holds those 8 columns' operand, as one numpy void
+    element: a single ``take`` turns mask bytes into a row of operands. fp32 and fp16 mask with
+    ``minimum(x, table[byte])``, the table holding +inf (allowed) or -inf (masked). bf16, which numpy lacks, is
+    masked through its int16 bit pattern as ``(x & keep[byte]) | fill[byte]``."""
+    int_view: torch.dtype | None  # the tensor view that numpy can hold, if the dtype itself is not one
+    fill: float | int  # -inf, as a value of the numpy view
+    tables: tuple[np.ndarray, ...]
+    block: np.dtype  # a word's 32 columns as one void element
+
+
+def _masker(operands: list[np.ndarray], fill: float | int, int_view: torch.dtype | None = None) -> _Masker:
+    tables = tuple(op.view(f"V{op.strides[0]}").reshape(256) for op in operands)
+    return _Masker(int_view, fill, tables, np.dtype(f"V{32 * operands[0].itemsize}"))
+
+
+# row b: the 8 bits of byte value b, least significant first. Bitmask words are read as little-endian bytes, the
+# byte order of every platform torch ships for.
+_KEEP = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+_MASKERS = {
+    torch.float32: _masker([np.where(_KEEP, np.inf, -np.inf).astype(np.float32)], -np.inf),
+    torch.float16: _masker([np.where(_KEEP, np.inf, -np.inf).astype(np.float16)], -np.inf),
+    torch.bfloat16: _masker([np.where(_KEEP, -1, 0).astype(np.int16), np.where(_KEEP, 0, -128).astype(np.int16)],
+                            -128, torch.int16),  # -128 is 0xFF80, bf16 -inf
+}
+# Bitmask bytes per pass of the dense path (128k columns): their operands (512 KiB in fp32) are still in L2 when
+# the masking op reads them. 1k-4k and 64k measured 15-90% slower, 64 x 152k random, one thread.
+_CHUNK_BYTES = 16384
+# The word path wins while at most this share of the words has a masked bit: it moves 32-column blocks one by
+# one, the dense path streams every column (measured crossover ~1/4 at 49k-152k columns).
+_MAX_SPARSE_SHARE = 0.25
+_scratch = threading.local()
 
 
 def apply_token_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None,
                              *, vocab_size: int | None = None) -> None:
-    """The CPU path: same contract and result as the twin, but the cost follows the mask's structure, like
-    XGrammar's CPU kernel. Words that allow all 32 tokens are skipped, words that allow none are filled, and
-    only mixed words are unpacked bit by bit. A mask of mostly mixed words (no structure) goes to the twin's
-    branch-free pass instead, which is faster there."""
-    vocab_size = check_bitmask_args(logits, bitmask, indices, vocab_size)
-    if logits.dtype not in _INT_VIEWS or not logits.is_contiguous():
+    """The CPU path: same contract and result as the twin, in place, on numpy views of the tensors (one thread).
+    When few words have a masked bit (a grammar state that allows almost everything), only those words' columns
+    are read and written. Otherwise every column is masked in one pass, in cache-sized chunks, through a byte
+    lookup table: no branch per bit, so the cost does not depend on the mask's pattern.
+
+    As in the twin (and unlike the Triton kernel), a NaN logit at a masked column stays NaN in fp32/fp16:
+    ``minimum`` propagates it. Every other value, infinities included, gets exactly the kernel's result."""
+    apply_checked_cpu_(logits, bitmask, indices, check_bitmask_args(logits, bitmask, indices, vocab_size))
+
+
+def apply_checked_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None,
+                       vocab_size: int) -> None:
+    """``apply_token_bitmask_cpu_`` once ``check_bitmask_args`` has passed (the dispatcher runs it)."""
+    masker = _MASKERS.get(logits.dtype)
+    if masker is None:
         return apply_token_bitmask_torch_(logits, bitmask, indices, vocab_size=vocab_size)
-    int_dtype, neg_inf = _INT_VIEWS[logits.dtype]
-    if indices is None:
-        _mask_words(logits.view(int_dtype).numpy(), bitmask.numpy(), vocab_size, neg_inf, logits, bitmask)
+    x = (logits if masker.int_view is None else logits.view(masker.int_view)).numpy()
+    masks, rows = bitmask.numpy(), None
+    if indices is not None:
+        rows = torch.as_tensor(indices, dtype=torch.long, device="cpu").numpy()
+        if not len(rows):
+            return
+        masks = masks.take(rows, axis=0)
+    if vocab_size < x.shape[1]:
+        x[slice(None) if rows is None else rows, vocab_size:] = masker.fill
+    num_full = vocab_size // 32
+    words = masks if num_full == masks.shape[1] else masks[:, :num_full]
+    # the flat ids of the words with a masked bit (-1: all 32 tokens allowed)
+    word_ids = np.not_equal(words, -1).ravel().nonzero()[0]
+    if len(word_ids) > _MAX_SPARSE_SHARE * words.size:
+        _mask_dense(x, words, rows, masker.tables)
+    elif len(word_ids):
+        _mask_words(x, words, rows, masker, word_ids)
+    if vocab_size % 32:
+        _mask_last_word(x, masks[:, num_full], rows, masker.tables, vocab_size)
+
+
+def _mask_words(x: np.ndarray, words: np.ndarray, rows: np.ndarray | None, masker: _Masker,
+                word_ids: np.ndarray) -> None:
+    """Mask only the words ``word_ids`` (flat ids into ``words``): gather their 32-column blocks, mask them, and
+    scatter them back. A block is one numpy void element, so gather and scatter are a ``take`` and a ``put``."""
+    as_bytes, tables, block = words.take(word_ids).view(np.uint8), masker.tables, masker.block
+    num_words = words.shape[1]
+    if x.flags.c_contiguous and x.shape[1] % 32 == 0:
+        blocks = x.reshape(-1).view(block)  # every row's blocks, back to back
+        if rows is not None or num_words != x.shape[1] // 32:
+            row_ids, column_ids = np.divmod(word_ids, num_words)
+            word_ids = (row_ids if rows is None else rows.take(row_ids)) * (x.shape[1] // 32) + column_ids
+        segments = blocks.take(word_ids)
+        _mask(segments.view(x.dtype), as_bytes, tables)
+        blocks.put(word_ids, segments)
         return
-    indices = torch.as_tensor(indices, dtype=torch.long)
-    if indices.numel() == 0:
-        return
-    rows, masks = logits.index_select(0, indices), bitmask.index_select(0, indices)
-    _mask_words(rows.view(int_dtype).numpy(), masks.numpy(), vocab_size, neg_inf, rows, masks)
-    logits.index_copy_(0, indices, rows)
+    blocks = x[:, : 32 * num_words].view(block)  # strided rows, or a width that is not a whole number of words
+    row_ids, column_ids = np.divmod(word_ids, num_words)
+    where = (row_ids if rows is None else rows.take(row_ids), column_ids)
+    segments = blocks[where]
+    _mask(segments.view(x.dtype), as_bytes, tables)
+    blocks[where] = segments
 
 
-def _mask_words(x: np.ndarray, masks: np.ndarray, vocab_size: int, neg_inf: int, logits: torch.Tensor,
-                bitmask: torch.Tensor) -> None:
-    """Mask ``x`` (the logits' integer view, shared memory) word by word; see apply_token_bitmask_cpu_."""
-    num_rows, num_full = x.shape[0], vocab_size // 32
-    words = np.ascontiguousarray(masks[:, :num_full])
-    # subtle: as uint32, w + 1 maps an open word (-1) to 0 and a closed word (0) to 1: mixed words are > 1.
-    plus_one = words.view(np.uint32) + np.uint32(1)
-    mixed_ids = np.flatnonzero(plus_one > 1)
-    if 2 * len(mixed_ids) > words.size:
-        return apply_token_bitmask_torch_(logits, bitmask, vocab_size=vocab_size)
-    x[:, vocab_size:] = neg_inf
-    blocks = x[:, : 32 * num_full].reshape(num_rows, num_full, 32)  # splits the last axis: a view, not a copy
-    blocks = blocks.reshape(-1, 32) if x.shape[1] == 32 * num_full else blocks  # flat word ids need a flat view
-    closed = np.flatnonzero(plus_one == 1)
-    blocks[closed if blocks.ndim == 2 else np.divmod(closed, num_full)] = neg_inf
-    if len(mixed_ids):
-        where = mixed_ids if blocks.ndim == 2 else np.divmod(mixed_ids, num_full)
-        segments = blocks[where]
-        np.copyto(segments, neg_inf, where=~_unpack(words.reshape(-1)[mixed_ids]))
-        blocks[where] = segments
-    if vocab_size % 32:  # the tokenizer's last, partial word
-        tail = x[:, 32 * num_full: vocab_size]
-        np.copyto(tail, neg_inf, where=~_unpack(masks[:, num_full])[:, : vocab_size % 32])
+def _mask_dense(x: np.ndarray, words: np.ndarray, rows: np.ndarray | None, tables) -> None:
+    """Mask the first ``32 * words.shape[1]`` columns of the selected rows, ``_CHUNK_BYTES`` mask bytes at a time
+    through one reused buffer."""
+    as_bytes = words.view(np.uint8)
+    row_bytes = as_bytes.shape[1]
+    step = max(1, _CHUNK_BYTES // row_bytes) if rows is None else 1
+    buffer = _scratch_buffer(tables[0].dtype)
+    for first in range(0, len(as_bytes), step):
+        x_rows = slice(first, first + step) if rows is None else slice(rows[first], rows[first] + 1)
+        for start in range(0, row_bytes, _CHUNK_BYTES):
+            chunk = as_bytes[first: first + step, start: start + _CHUNK_BYTES]
+            _mask(x[x_rows, 8 * start: 8 * (start + chunk.shape[1])], chunk, tables,
+                  buffer[: chunk.size].reshape(chunk.shape))
 
 
-def _unpack(words: np.ndarray) -> np.ndarray:
-    """bool ``[n, 32]`` from int32 ``[n]``, bit j of each word in column j."""
-    as_bytes = np.ascontiguousarray(words, dtype="<i4").view(np.uint8).reshape(-1, 4)
-    return np.unpackbits(as_bytes, axis=1, bitorder="little").view(bool)
+def _mask_last_word(x: np.ndarray, last_words: np.ndarray, rows: np.ndarray | None, tables, vocab_size: int):
+    """The tokenizer's last, partial word: its bits past ``vocab_size`` are ignored (those columns are masked)."""
+    columns = slice(vocab_size // 32 * 32, vocab_size)
+    tail = x[:, columns] if rows is None else x[rows, columns]  # a copy when rows is an index array
+    _mask(tail, np.ascontiguousarray(last_words).view(np.uint8).reshape(-1, 4), tables)
+    if rows is not None:
+        x[rows, columns] = tail
+
+
+def _mask(x: np.ndarray, as_bytes: np.ndarray, tables, buffer: np.ndarray | None = None) -> None:
+    """Mask ``x`` ``[..., c]`` in place by the bits of ``as_bytes`` ``[..., b]``, ``c <= 8 * b``: bit j of byte k
+    is column 8k + j. ``buffer``: where to look the operands up (``as_bytes``'s shape), rather than a new array."""
+    if len(tables) == 1:
+        np.minimum(x, _operand(tables[0], as_bytes, x, buffer), out=x)
+    else:
+        np.bitwise_and(x, _operand(tables[0], as_bytes, x, buffer), out=x)
+        np.bitwise_or(x, _operand(tables[1], as_bytes, x, buffer), out=x)
+
+
+def _operand(table: np.ndarray, as_bytes: np.ndarray, x: np.ndarray, buffer: np.ndarray | None) -> np.ndarray:
+    # subtle: mode="wrap", because take() fills `out` through a temporary in its default mode ("raise")
+    operand = table.take(as_bytes, out=buffer, mode="wrap").view(x.dtype)
+    return operand if operand.shape[-1] == x.shape[-1] else operand[..., : x.shape[-1]]
+
+
+def _scratch_buffer(dtype: np.dtype) -> np.ndarray:
+    """This thread's buffer of ``_CHUNK_BYTES`` operands, kept across calls: a fresh one of 512 KiB would be a
+    fresh mmap, page-faulted on every call."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    if dtype not in buffers:
+        buffers[dtype] = np.empty(_CHUNK_BYTES, dtype=dtype)
+    return buffers[dtype]
