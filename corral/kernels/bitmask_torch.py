@@ -89,12 +89,14 @@ class _Masker(NamedTuple):
     int_view: torch.dtype | None  # the tensor view that numpy can hold, if the dtype itself is not one
     fill: float | int  # -inf, as a value of the numpy view
     tables: tuple[np.ndarray, ...]
+    ops: tuple[np.ufunc, ...]  # x = op(x, table[byte]) for each table in turn
     block: np.dtype  # a word's 32 columns as one void element
 
 
 def _masker(operands: list[np.ndarray], fill: float | int, int_view: torch.dtype | None = None) -> _Masker:
     tables = tuple(op.view(f"V{op.strides[0]}").reshape(256) for op in operands)
-    return _Masker(int_view, fill, tables, np.dtype(f"V{32 * operands[0].itemsize}"))
+    ops = (np.minimum,) if len(tables) == 1 else (np.bitwise_and, np.bitwise_or)
+    return _Masker(int_view, fill, tables, ops, np.dtype(f"V{32 * operands[0].itemsize}"))
 
 
 # row b: the 8 bits of byte value b, least significant first. Bitmask words are read as little-endian bytes, the
@@ -112,7 +114,10 @@ _CHUNK_BYTES = 16384
 # The word path wins while at most this share of the words has a masked bit: it moves 32-column blocks one by
 # one, the dense path streams every column (measured crossover ~1/4 at 49k-152k columns).
 _MAX_SPARSE_SHARE = 0.25
-_scratch = threading.local()
+# Below this many bytes, a temporary array costs less than looking up this thread's buffer; from ~128 KiB, glibc
+# mmaps each new array and every call page-faults it afresh (measured 2-5x the cost of the masking itself).
+_SCRATCH_FROM = 65536
+_local = threading.local()
 
 
 def apply_token_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None,
@@ -145,82 +150,87 @@ def apply_checked_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, indices: tor
     num_full = vocab_size // 32
     words = masks if num_full == masks.shape[1] else masks[:, :num_full]
     # the flat ids of the words with a masked bit (-1: all 32 tokens allowed)
-    word_ids = np.not_equal(words, -1).ravel().nonzero()[0]
+    needs_mask = None if words.size < _SCRATCH_FROM else _scratch("needs_mask", np.bool_, words.size)
+    word_ids = np.not_equal(words, -1, out=None if needs_mask is None else needs_mask.reshape(words.shape))
+    word_ids = word_ids.ravel().nonzero()[0]
     if len(word_ids) > _MAX_SPARSE_SHARE * words.size:
-        _mask_dense(x, words, rows, masker.tables)
+        _mask_dense(x, words, rows, masker)
     elif len(word_ids):
         _mask_words(x, words, rows, masker, word_ids)
     if vocab_size % 32:
-        _mask_last_word(x, masks[:, num_full], rows, masker.tables, vocab_size)
+        _mask_last_word(x, masks[:, num_full], rows, masker, vocab_size)
 
 
 def _mask_words(x: np.ndarray, words: np.ndarray, rows: np.ndarray | None, masker: _Masker,
                 word_ids: np.ndarray) -> None:
     """Mask only the words ``word_ids`` (flat ids into ``words``): gather their 32-column blocks, mask them, and
     scatter them back. A block is one numpy void element, so gather and scatter are a ``take`` and a ``put``."""
-    as_bytes, tables, block = words.take(word_ids).view(np.uint8), masker.tables, masker.block
     num_words = words.shape[1]
-    if x.flags.c_contiguous and x.shape[1] % 32 == 0:
-        blocks = x.reshape(-1).view(block)  # every row's blocks, back to back
-        if rows is not None or num_words != x.shape[1] // 32:
-            row_ids, column_ids = np.divmod(word_ids, num_words)
-            word_ids = (row_ids if rows is None else rows.take(row_ids)) * (x.shape[1] // 32) + column_ids
-        segments = blocks.take(word_ids)
-        _mask(segments.view(x.dtype), as_bytes, tables)
-        blocks.put(word_ids, segments)
+    if not x.flags.c_contiguous or x.shape[1] % 32:  # strided rows, or a width that is not a whole number of words
+        row_ids, column_ids = np.divmod(word_ids, num_words)
+        where = (row_ids if rows is None else rows.take(row_ids), column_ids)
+        blocks = x[:, : 32 * num_words].view(masker.block)
+        segments = blocks[where]
+        _mask(segments.view(x.dtype), words.take(word_ids).view(np.uint8), masker)
+        blocks[where] = segments
         return
-    blocks = x[:, : 32 * num_words].view(block)  # strided rows, or a width that is not a whole number of words
-    row_ids, column_ids = np.divmod(word_ids, num_words)
-    where = (row_ids if rows is None else rows.take(row_ids), column_ids)
-    segments = blocks[where]
-    _mask(segments.view(x.dtype), as_bytes, tables)
-    blocks[where] = segments
+    blocks = x.reshape(-1).view(masker.block)  # every row's blocks, back to back
+    block_ids = word_ids
+    if rows is not None or num_words != x.shape[1] // 32:
+        row_ids, column_ids = np.divmod(word_ids, num_words)
+        block_ids = (row_ids if rows is None else rows.take(row_ids)) * (x.shape[1] // 32) + column_ids
+    if len(word_ids) * masker.block.itemsize < _SCRATCH_FROM:
+        segments = blocks.take(block_ids)
+        _mask(segments.view(x.dtype), words.take(word_ids).view(np.uint8), masker)
+        blocks.put(block_ids, segments)
+        return
+    chunk = _CHUNK_BYTES // 4
+    for start in range(0, len(word_ids), chunk):
+        ids, as_bytes = block_ids[start: start + chunk], words.take(word_ids[start: start + chunk]).view(np.uint8)
+        segments = blocks.take(ids, out=_scratch("blocks", masker.block, len(ids)), mode="wrap")
+        _mask(segments.view(x.dtype), as_bytes, masker, _scratch("operands", masker.tables[0].dtype, as_bytes.size))
+        blocks.put(ids, segments)
 
 
-def _mask_dense(x: np.ndarray, words: np.ndarray, rows: np.ndarray | None, tables) -> None:
+def _mask_dense(x: np.ndarray, words: np.ndarray, rows: np.ndarray | None, masker: _Masker) -> None:
     """Mask the first ``32 * words.shape[1]`` columns of the selected rows, ``_CHUNK_BYTES`` mask bytes at a time
     through one reused buffer."""
     as_bytes = words.view(np.uint8)
     row_bytes = as_bytes.shape[1]
     step = max(1, _CHUNK_BYTES // row_bytes) if rows is None else 1
-    buffer = _scratch_buffer(tables[0].dtype)
+    buffer = _scratch("operands", masker.tables[0].dtype, _CHUNK_BYTES)
     for first in range(0, len(as_bytes), step):
         x_rows = slice(first, first + step) if rows is None else slice(rows[first], rows[first] + 1)
         for start in range(0, row_bytes, _CHUNK_BYTES):
             chunk = as_bytes[first: first + step, start: start + _CHUNK_BYTES]
-            _mask(x[x_rows, 8 * start: 8 * (start + chunk.shape[1])], chunk, tables,
+            _mask(x[x_rows, 8 * start: 8 * (start + chunk.shape[1])], chunk, masker,
                   buffer[: chunk.size].reshape(chunk.shape))
 
 
-def _mask_last_word(x: np.ndarray, last_words: np.ndarray, rows: np.ndarray | None, tables, vocab_size: int):
+def _mask_last_word(x: np.ndarray, last_words: np.ndarray, rows: np.ndarray | None, masker: _Masker,
+                    vocab_size: int) -> None:
     """The tokenizer's last, partial word: its bits past ``vocab_size`` are ignored (those columns are masked)."""
     columns = slice(vocab_size // 32 * 32, vocab_size)
     tail = x[:, columns] if rows is None else x[rows, columns]  # a copy when rows is an index array
-    _mask(tail, np.ascontiguousarray(last_words).view(np.uint8).reshape(-1, 4), tables)
+    _mask(tail, np.ascontiguousarray(last_words).view(np.uint8).reshape(-1, 4), masker)
     if rows is not None:
         x[rows, columns] = tail
 
 
-def _mask(x: np.ndarray, as_bytes: np.ndarray, tables, buffer: np.ndarray | None = None) -> None:
+def _mask(x: np.ndarray, as_bytes: np.ndarray, masker: _Masker, buffer: np.ndarray | None = None) -> None:
     """Mask ``x`` ``[..., c]`` in place by the bits of ``as_bytes`` ``[..., b]``, ``c <= 8 * b``: bit j of byte k
     is column 8k + j. ``buffer``: where to look the operands up (``as_bytes``'s shape), rather than a new array."""
-    if len(tables) == 1:
-        np.minimum(x, _operand(tables[0], as_bytes, x, buffer), out=x)
-    else:
-        np.bitwise_and(x, _operand(tables[0], as_bytes, x, buffer), out=x)
-        np.bitwise_or(x, _operand(tables[1], as_bytes, x, buffer), out=x)
+    for table, op in zip(masker.tables, masker.ops):
+        # subtle: mode="wrap", because take() fills `out` through a temporary in its default mode ("raise")
+        operand = table.take(as_bytes, out=buffer, mode="wrap").view(x.dtype)
+        op(x, operand if operand.shape[-1] == x.shape[-1] else operand[..., : x.shape[-1]], out=x)
 
 
-def _operand(table: np.ndarray, as_bytes: np.ndarray, x: np.ndarray, buffer: np.ndarray | None) -> np.ndarray:
-    # subtle: mode="wrap", because take() fills `out` through a temporary in its default mode ("raise")
-    operand = table.take(as_bytes, out=buffer, mode="wrap").view(x.dtype)
-    return operand if operand.shape[-1] == x.shape[-1] else operand[..., : x.shape[-1]]
-
-
-def _scratch_buffer(dtype: np.dtype) -> np.ndarray:
-    """This thread's buffer of ``_CHUNK_BYTES`` operands, kept across calls: a fresh one of 512 KiB would be a
-    fresh mmap, page-faulted on every call."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    if dtype not in buffers:
-        buffers[dtype] = np.empty(_CHUNK_BYTES, dtype=dtype)
-    return buffers[dtype]
+def _scratch(name: str, dtype: np.dtype, size: int) -> np.ndarray:
+    """``size`` elements of this thread's buffer ``name``, kept across calls (and grown when needed): a fresh
+    array of a few hundred KiB or more is a fresh mmap, page-faulted on every call."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((name, dtype))
+    if buffer is None or buffer.size < size:
+        buffer = buffers[name, dtype] = np.empty(max(size, _CHUNK_BYTES), dtype=dtype)
+    return buffer[:size]
