@@ -37,6 +37,7 @@ class TermTable:
         self._from_nodes: dict[int, tuple[Node, int]] = {}
         self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
+        self._structures: dict[int, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -156,6 +157,44 @@ class TermTable:
             term = self.alt([sequence_term(seq) for lo, hi in chars.ranges for seq in utf8_sequences(lo, hi)])
             self._charsets[chars] = term
         return term
+
+    # ---- structure: the same language in another table -------------------------------------------------------
+    def structure(self, term: int):
+        """A table-independent key of ``term``: equal for the same term built in any table (memoized)."""
+        known = self._structures.get(term)
+        if known is None:
+            kind, args = self.kind[term], self.args[term]
+            if kind in (_BYTES, _CONST):
+                known = (kind, args if kind == _BYTES else term)
+            elif kind == _CAT:
+                known = (kind, self.structure(args[0]), self.structure(args[1]))
+            elif kind == _REP:
+                known = (kind, self.structure(args[0]), args[1], args[2])
+            else:  # members are sorted by id, which differs between tables
+                known = (kind, frozenset(self.structure(member) for member in args))
+            self._structures[term] = known
+        return known
+
+    def from_structure(self, key) -> int:
+        """The term of a :meth:`structure` key, built in this table."""
+        kind = key[0]
+        if kind == _CONST:
+            return key[1]
+        if kind == _BYTES:
+            return self.byte_set(key[1])
+        if kind == _CAT:
+            return self.cat(self.from_structure(key[1]), self.from_structure(key[2]))
+        if kind == _REP:
+            return self.repeat(self.from_structure(key[1]), key[2], key[3])
+        members = [self.from_structure(member) for member in key[1]]
+        return self.alt(members) if kind == _ALT else self.intersect(members)
+
+    def first_mask(self, term: int) -> int:
+        """The 256-bit mask of every byte that can start ``term``."""
+        mask = 0
+        for part in self.first_bytes(term):
+            mask |= part
+        return mask
 
     # ---- derivatives -----------------------------------------------------------------------------------------
     def derivative(self, term: int, byte: int) -> int:

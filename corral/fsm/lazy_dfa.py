@@ -32,16 +32,18 @@ def _bytes_of(mask: int) -> np.ndarray:
 class LazyDFA:
     """State 0 is the start. ``trans`` int32 [capacity, 256]; ``accepting`` bool; rows filled by :meth:`ensure`."""
 
-    def __init__(self, node: Node, budget: Budget):
-        self.terms = TermTable(budget)
-        root = self.terms.from_node(node)
+    def __init__(self, node: Node | None, budget: Budget, *, terms: TermTable | None = None, root: int = 0):
+        """The DFA of ``node``, or (``terms`` and ``root`` given) of a term already in ``terms``."""
+        self.terms = terms if terms is not None else TermTable(budget)
+        if node is not None:
+            root = self.terms.from_node(node)
         budget.check_time()
         self._state_ids: dict[int, int] = {}
         self._state_terms: list[int] = []
         self.trans = np.full((16, 256), _UNBUILT, dtype=np.int32)
         self.accepting = np.zeros(16, dtype=bool)
         self.built = np.zeros(16, dtype=bool)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # held while the term table or the rows grow
         self._live_bytes: dict[int, list[int]] = {}
         self.is_empty = not self.terms.is_live(root)
         if not self.is_empty:
@@ -58,7 +60,7 @@ class LazyDFA:
         """Build the rows of ``states`` (an int array of live states); returns the current ``trans``."""
         missing = states[~self.built[states]]
         if len(missing):
-            with self._lock:
+            with self.lock:
                 for state in np.unique(missing):
                     if not self.built[state]:
                         self._build_row(int(state))
@@ -75,6 +77,14 @@ class LazyDFA:
         if live is None:
             live = self._live_bytes[state] = np.flatnonzero(self.row(state) >= 0).tolist()
         return live
+
+    def state_of_term(self, term: int) -> int:
+        """The state whose language is ``term``'s (made if new; reachable or not), or ``DEAD``."""
+        with self.lock:
+            return self._state_of(term)
+
+    def term_of(self, state: int) -> int:
+        return self._state_terms[state]
 
     def step(self, state: int, byte: int) -> int:
         if not self.built[state]:

@@ -9,6 +9,10 @@ How a mask is computed (all vectorised over the vocabulary, see :class:`VocabTab
 
 - trie walk (``token_trie.py``): tokens sharing a prefix take each DFA step once, level by level, and a branch
   is dropped at its first dead byte, so structural states cost a handful of trie nodes;
+- repeat pieces (``token_pieces.py``), tried first on wide states: a member ``X{lo,hi} R`` of the state's term
+  (string bodies, bounded or not, and the free-form member of a property-name alternation) takes its tokens from
+  facts about ``X`` computed once per vocabulary, plus a walk of the few tokens that cross into ``R``, cached per
+  ``R``; the other members' mask is the mask of their own state;
 - self-loop shortcut: tokens whose bytes all lie in ``s``'s self-loop byte set stay in ``s`` (string bodies,
   digit runs). Those sets recur across schemas, so the split of the vocabulary by such a set is cached per
   vocabulary, and only the tokens outside it are walked, token by token with compaction of the live ones.
@@ -19,6 +23,7 @@ import threading
 import numpy as np
 
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
+from corral.fsm.token_pieces import PieceTokens, piece_tokens, split_pieces
 from corral.fsm.token_trie import TokenTrie
 from corral.fsm.vocabulary import Vocabulary
 
@@ -45,6 +50,7 @@ class VocabTables:
         self._byte_sets: np.ndarray | None = None
         self._trie: TokenTrie | None = None
         self._loop_splits: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._pieces: dict[tuple, PieceTokens | None] = {}
         self._lock = threading.Lock()
 
     def words_of(self, token_ids: np.ndarray) -> np.ndarray:
@@ -83,6 +89,14 @@ class VocabTables:
             self._loop_splits[key] = split
         return split
 
+    def piece_tokens(self, structure) -> PieceTokens | None:
+        """The shared token facts of a repeat piece (``token_pieces.py``), by the piece's term structure."""
+        if structure not in self._pieces:
+            tokens = piece_tokens(structure, self.vocab, self.grammar_ids, self.columns)
+            with self._lock:
+                self._pieces.setdefault(structure, tokens)
+        return self._pieces[structure]
+
     def _token_byte_sets(self) -> np.ndarray:
         """uint64 [len(grammar_ids), 4]: the 256-bit set of bytes each grammar token contains."""
         bits = np.zeros((len(self.grammar_ids), 256), dtype=bool)
@@ -113,6 +127,7 @@ class TokenIndex:
         assert not dfa.is_empty, "an empty language has no token index"
         self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
         self._masks: dict[int, np.ndarray] = {}
+        self._crossings: dict[tuple[int, int], np.ndarray] = {}
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
@@ -152,19 +167,74 @@ class TokenIndex:
         return state
 
     def _compute_mask(self, state: int) -> np.ndarray:
-        tables, row = self.tables, self.dfa.row(state)
-        loop = row == state
-        if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
-            inside_words, outside_ids = tables.loop_split(loop)
-            words = inside_words | tables.words_of(self._walk(state, outside_ids))
-        else:
-            words = tables.words_of(tables.trie.walk(state, self.dfa))
+        tables = self.tables
+        words = self._piece_mask(state)
+        if words is None:
+            row = self.dfa.row(state)
+            loop = row == state
+            if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
+                inside_words, outside_ids = tables.loop_split(loop)
+                words = inside_words | tables.words_of(self._walk(state, outside_ids))
+            else:
+                words = tables.words_of(tables.trie.walk(state, self.dfa))
         if self.dfa.accepting[state]:
             words = words | tables.eos_words
         # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that
         # lacks the bytes a state needs can leave a state with no token, which the guide reports as an error.
         words.setflags(write=False)
         return words
+
+    def _piece_mask(self, state: int) -> np.ndarray | None:
+        """The mask as a union over the state's members: repeat pieces by their shared token facts, the other
+        members by their own (cached) mask. ``None`` when the state has no wide repeat piece."""
+        dfa, terms = self.dfa, self.dfa.terms
+        with dfa.lock:
+            pieces, others = split_pieces(terms, dfa.term_of(state), self.tables.piece_tokens)
+            if not pieces:
+                return None
+            other_state = dfa.state_of_term(terms.alt(others)) if others else DEAD
+        words = self.mask(other_state).copy() if other_state != DEAD else np.zeros(self.tables.num_words, np.int32)
+        for piece in pieces:
+            tokens, low, high = piece.tokens, piece.low, piece.high
+            if high is None:
+                words |= tokens.unbounded_words
+            else:
+                words |= np.packbits(tokens.never_exits & (tokens.units <= high), bitorder="little").view(np.int32)
+            crossing = self._crossing(tokens, piece.rest) & (tokens.cross_units >= low)
+            if high is not None:
+                crossing &= tokens.cross_units <= high
+            words |= self.tables.words_of(tokens.cross_ids[crossing])
+        return words
+
+    def _crossing(self, tokens: PieceTokens, rest: int) -> np.ndarray:
+        """Over ``tokens.cross_ids``: whether the bytes after the piece's end are a prefix of ``rest``'s language
+        (cached per piece and ``rest``: every position of a counted repeat shares it)."""
+        rest_state = self.dfa.state_of_term(rest)
+        key = (id(tokens), rest_state)
+        crossing = self._crossings.get(key)
+        if crossing is None:
+            crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
+            if rest_state != DEAD:
+                crossing = self._walk_suffixes(rest_state, tokens.cross_ids, tokens.cross_offsets)
+            self._crossings[key] = crossing
+        return crossing
+
+    def _walk_suffixes(self, state: int, token_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Whether each token's bytes from its offset on, walked from ``state``, never hit a dead move."""
+        lengths, matrix, ensure = self.tables.lengths, self.vocab.byte_matrix, self.dfa.ensure
+        allowed = np.zeros(len(token_ids), dtype=bool)
+        at = np.arange(len(token_ids))
+        states = np.full(len(token_ids), state, dtype=np.int32)
+        depth = 0
+        while len(at):
+            states = ensure(states)[states, matrix[token_ids[at], offsets[at] + depth]]
+            alive = states != DEAD
+            at, states = at[alive], states[alive]
+            depth += 1
+            ended = lengths[token_ids[at]] == offsets[at] + depth
+            allowed[at[ended]] = True
+            at, states = at[~ended], states[~ended]
+        return allowed
 
     def _walk(self, state: int, token_ids: np.ndarray) -> np.ndarray:
         """The subset of ``token_ids`` whose bytes, walked from ``state``, never hit a dead move."""

@@ -1,0 +1,148 @@
+"""Repeat pieces: the context-independent part of a token mask, computed once per vocabulary and piece.
+
+A state whose term is ``X{lo,hi} R`` (a JSON string body: ``X`` one spelled character, ``R`` the closing quote
+and the rest of the document; a bounded ``maxLength`` body; the free-form member of a property-name
+alternation) would walk nearly the whole vocabulary, and with a counted repeat every position is a new state.
+But what a token does inside ``X*`` depends on ``X`` alone. Walking every token once through the small DFA of
+``X*`` gives, per token:
+
+- it never leaves ``X*``: the number of units of ``X`` it starts (``units``);
+- it dies at byte ``exit``: whether the DFA was back at its start there (a unit boundary), and how many units
+  were complete.
+
+When ``first(X)`` and ``first(R)`` share no byte the split between the repeat and ``R`` is unique, so exactly:
+
+    allowed(t) = (never exits and units <= hi) or (exits at a boundary, lo <= units <= hi, t[exit:] in Pref(R))
+
+The first part is a few vectorised comparisons per state; the second walks only the tokens that can cross the
+piece's end (a few hundred), once per ``R``, whatever position of the repeat the state is at. This is XGrammar's
+context-independent token split, expressed on derivative terms.
+
+Unit counting is exact only when a complete unit always returns the DFA of ``X*`` to its start term (no unit is a
+prefix of another, as with spelled JSON characters); a piece whose DFA reaches another accepting state is marked
+unusable and its states take the plain trie walk. Left out: intersections (``pattern`` with ``maxLength``).
+"""
+
+import numpy as np
+
+from corral.fsm.budget import Budget
+from corral.fsm.derivatives import _ALT, _CAT, _REP, EPSILON, TermTable
+from corral.fsm.lazy_dfa import LazyDFA
+
+# A piece whose first bytes are at most this many is narrow: the trie walk visits few nodes there anyway.
+MIN_PIECE_BYTES = 32
+
+
+class PieceTokens:
+    """Per-token facts about one piece ``X`` over a whole vocabulary (arrays indexed by token id)."""
+
+    def __init__(self, never_exits: np.ndarray, units: np.ndarray, exits: np.ndarray, at_boundary: np.ndarray):
+        self.never_exits = never_exits
+        self.units = units
+        self.cross_ids = np.flatnonzero((exits >= 0) & at_boundary)
+        self.cross_offsets = exits[self.cross_ids].astype(np.intp)
+        self.cross_units = units[self.cross_ids]
+        self.unbounded_words = np.packbits(never_exits, bitorder="little").view(np.int32)
+
+
+def piece_tokens(structure, vocab, grammar_ids: np.ndarray, columns: list[np.ndarray]) -> PieceTokens | None:
+    """Walk every grammar token through the DFA of ``X*`` (``X`` given by its table-independent structure);
+    ``None`` when units cannot be counted exactly (see the module docstring)."""
+    table = TermTable(Budget(time_s=float("inf")))
+    star = table.repeat(table.from_structure(structure), 0, None)
+    dfa = LazyDFA(None, Budget(time_s=float("inf")), terms=table, root=star)
+    lengths = vocab.lengths
+    size = (vocab.size + 31) // 32 * 32  # whole bitmask words
+    units = np.zeros(size, dtype=np.int32)
+    exits = np.full(size, -1, dtype=np.int32)
+    at_boundary = np.zeros(size, dtype=bool)
+    ids, states = grammar_ids, np.zeros(len(grammar_ids), dtype=np.int32)
+    for depth, column in enumerate(columns):
+        running = lengths[ids] > depth
+        ids, states = ids[running], states[running]
+        if not len(ids):
+            break
+        at_start = states == 0
+        next_states = dfa.ensure(states)[states, column[ids]]
+        dead = next_states < 0
+        exits[ids[dead]] = depth
+        at_boundary[ids[dead]] = at_start[dead]
+        alive = ~dead
+        units[ids[alive]] += at_start[alive]
+        ids, states = ids[alive], next_states[alive]
+    if dfa.accepting[1:dfa.num_states].any():
+        return None
+    never_exits = np.zeros(size, dtype=bool)
+    never_exits[grammar_ids] = True
+    never_exits[exits >= 0] = False
+    return PieceTokens(never_exits, units, exits, at_boundary)
+
+
+class Piece:
+    """One member ``X{lo,hi} R`` of a state's term, with ``X``'s shared token facts."""
+
+    __slots__ = ("tokens", "low", "high", "rest")
+
+    def __init__(self, tokens: PieceTokens, low: int, high: int | None, rest: int):
+        self.tokens, self.low, self.high, self.rest = tokens, low, high, rest
+
+
+def split_pieces(terms: TermTable, term: int, tokens_of) -> tuple[list[Piece], list[int]]:
+    """The members of ``term`` that are wide repeat pieces, and the other members (their union is ``term``).
+    Members are an alternation's, one level of ``(a|b) R = a R | b R`` included. ``tokens_of(structure)``
+    returns the shared :class:`PieceTokens` of a piece, or ``None``."""
+    if bin(terms.first_mask(term)).count("1") <= MIN_PIECE_BYTES:
+        return [], [term]
+    pieces, others = [], []
+    for member in terms.args[term] if terms.kind[term] == _ALT else (term,):
+        piece = _as_piece(terms, member, tokens_of)
+        if piece is None:
+            head, tail = terms.args[member] if terms.kind[member] == _CAT else (None, None)
+            if head is None or terms.kind[head] != _ALT:
+                others.append(member)
+                continue
+            parts = [terms.cat(option, tail) for option in terms.args[head]]  # distributed, one level
+            found = [_as_piece(terms, part, tokens_of) for part in parts]
+            if all(piece is None for piece in found):
+                others.append(member)  # keep the member whole: its state may exist already
+                continue
+            others += [part for part, piece in zip(parts, found) if piece is None]
+            pieces += [piece for piece in found if piece]
+        elif piece is not False:
+            pieces.append(piece)
+    return pieces, others
+
+
+def _as_piece(terms: TermTable, member: int, tokens_of):
+    """A :class:`Piece`, ``None`` when ``member`` is not one, ``False`` when its language is empty.
+    ``X X ... X{lo,hi} R`` (single units before the repeat, as ``minLength`` writes) is ``X{n+lo,n+hi} R``."""
+    kind, args = terms.kind[member], terms.args[member]
+    if kind == _REP:
+        (unit, low, high), rest = args, EPSILON
+    elif kind == _CAT:
+        unit, count, rest = args[0], 0, member
+        if terms.kind[unit] == _REP:
+            unit = terms.args[unit][0]
+        while terms.kind[rest] == _CAT and terms.args[rest][0] == unit:
+            count, rest = count + 1, terms.args[rest][1]
+        low = high = count
+        if terms.kind[rest] == _CAT and terms.kind[terms.args[rest][0]] == _REP:
+            repeat, tail = terms.args[rest]
+            if terms.args[repeat][0] == unit:
+                low, high = low + terms.args[repeat][1], None if terms.args[repeat][2] is None else high + terms.args[repeat][2]
+                rest = tail
+        elif rest == unit:  # the last unit is the whole tail
+            low, high, rest = low + 1, high + 1, EPSILON
+        if (low, high) == (0, 0):
+            return None
+    else:
+        return None
+    if terms.has_and[unit] or terms.nullable[unit]:
+        return None
+    unit_first = terms.first_mask(unit)
+    if bin(unit_first).count("1") <= MIN_PIECE_BYTES or unit_first & terms.first_mask(rest):
+        return None
+    if not terms.is_live(rest):
+        return False
+    tokens = tokens_of(terms.structure(unit))
+    return None if tokens is None else Piece(tokens, low, high, rest)

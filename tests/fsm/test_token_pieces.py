@@ -1,0 +1,99 @@
+"""Repeat pieces: the shared-piece shortcut gives exactly the mask of the plain trie walk, state by state."""
+
+import random
+
+import numpy as np
+import pytest
+
+from corral.fsm.budget import Budget
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.derivatives import TermTable
+from corral.fsm.token_index import vocab_tables
+from corral.fsm.token_pieces import piece_tokens, split_pieces
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+
+_ALPHABET = [b"a", b"b", b"x", b" ", b'"', b"\\", b",", b":", b"{", b"}", b"[", b"]", b"0", b"7", b"u", b"n",
+             "é".encode(), b"\xc3", b"\xa9", b"\n"]
+
+
+def _toy_vocabulary() -> Vocabulary:
+    """Every printable ASCII byte, then 1,500 random strings over JSON-ish pieces (quotes, escapes, é and its
+    two bytes alone), so tokens cross string ends, split characters and carry escapes."""
+    rng = random.Random(7)
+    tokens = {bytes([b]) for b in range(0x20, 0x7F)} | set(_ALPHABET)
+    while len(tokens) < 1600:
+        tokens.add(b"".join(rng.choice(_ALPHABET) for _ in range(rng.randint(2, 6))))
+    ordered = sorted(tokens) + [b"<eos>"]
+    return Vocabulary.from_token_bytes(ordered, eos_token_ids=[len(ordered) - 1])
+
+
+VOCAB = _toy_vocabulary()
+
+CONSTRAINTS = [
+    Constraint("json_schema", {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                                "tag": {"type": "string", "minLength": 2}},
+                               "required": ["name"]}, whitespace="flexible"),
+    Constraint("json_schema", {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 9}}),
+    Constraint("json_schema", {"type": "object", "additionalProperties": {"type": "string"}}),
+    Constraint("regex", r'[^"\\]{1,4}"(,|\})'),
+    Constraint("regex", r"(é|[^é]){3,}x"),
+]
+
+
+def _reference_mask(index, state: int) -> np.ndarray:
+    tables = index.tables
+    words = tables.words_of(tables.trie.walk(state, index.dfa))
+    return words | tables.eos_words if index.dfa.accepting[state] else words
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: str(c.value)[:40])
+def test_piece_masks_equal_the_plain_walk_on_random_walks(constraint):
+    index = GrammarCompiler(VOCAB).compile(constraint).index
+    rng = random.Random(str(constraint.value))
+    checked = with_pieces = 0
+    for _ in range(40):
+        state = 0
+        for _ in range(rng.randint(1, 25)):
+            mask = index.mask(state)
+            assert np.array_equal(mask, _reference_mask(index, state)), (constraint.value, state)
+            checked += 1
+            with index.dfa.lock:
+                pieces, _ = split_pieces(index.dfa.terms, index.dfa.term_of(state), index.tables.piece_tokens)
+            with_pieces += bool(pieces)
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB.size]
+            choices = [t for t in np.flatnonzero(bits).tolist() if t not in VOCAB.eos_token_ids]
+            if not choices:
+                break
+            state = index.next_state(state, rng.choice(choices))
+            assert state >= 0
+    assert with_pieces >= 10, "the walks must reach states that take the piece shortcut"
+    assert checked > with_pieces
+
+
+def _facts(table: TermTable, unit: int):
+    tables = vocab_tables(VOCAB)
+    return piece_tokens(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns)
+
+
+def test_piece_facts_count_units_and_find_the_exit():
+    table = TermTable(Budget())
+    letters = table.byte_set(sum(1 << b for b in b"abxun"))
+    facts = _facts(table, letters)
+    token_id = {data: i for i, data in enumerate(VOCAB.token_bytes)}
+    ab = token_id[b"ab"]
+    assert facts.never_exits[ab] and facts.units[ab] == 2
+    crossing = dict(zip(facts.cross_ids.tolist(), zip(facts.cross_offsets.tolist(), facts.cross_units.tolist())))
+    assert crossing[token_id[b'"']] == (0, 0)  # exits at once, at a unit boundary
+    tokens_with_quote = [i for i, data in enumerate(VOCAB.token_bytes)
+                         if b'"' in data and all(c in b"abxun" for c in data[:data.index(b'"')])]
+    for i in tokens_with_quote:
+        end = VOCAB.token_bytes[i].index(b'"')
+        assert crossing[i] == (end, end)
+
+
+def test_a_unit_that_is_a_prefix_of_another_is_refused():
+    table = TermTable(Budget())
+    a = table.byte_set(1 << ord("a"))
+    unit = table.alt([a, table.cat(a, a)])  # "a" and "aa": units cannot be counted from the DFA of unit*
+    assert _facts(table, unit) is None
