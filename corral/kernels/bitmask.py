@@ -34,10 +34,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: t
     module docstring. The Triton kernel runs on CUDA tensors, a word-skipping CPU path on CPU tensors, and the
     torch twin on any other device."""
     vocab_size = check_bitmask_args(logits, bitmask, indices, vocab_size)
-    if logits.is_cuda:
-        apply_token_bitmask_triton_(logits, bitmask, indices, vocab_size=vocab_size)
-    elif logits.is_cpu:
+    if logits.is_cpu:
         apply_checked_cpu_(logits, bitmask, indices, vocab_size)
+    elif logits.is_cuda:
+        apply_token_bitmask_triton_(logits, bitmask, indices, vocab_size=vocab_size)
     else:
         apply_token_bitmask_torch_(logits, bitmask, indices, vocab_size=vocab_size)
 

@@ -15,11 +15,12 @@ import torch
 def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None,
                        vocab_size: int | None) -> int:
     """Assert the contract of ``apply_token_bitmask_`` and return the effective ``vocab_size``."""
-    assert logits.dim() == 2 and bitmask.dim() == 2, "logits and bitmask must be [rows, columns]"
+    shape, mask_shape = logits.shape, bitmask.shape
+    assert len(shape) == 2 and len(mask_shape) == 2, "logits and bitmask must be [rows, columns]"
     assert bitmask.dtype == torch.int32, f"bitmask must be int32, not {bitmask.dtype}"
     assert logits.stride(1) == 1, "logits columns must be contiguous"
     assert logits.device == bitmask.device, "logits and bitmask must be on one device"
-    (num_rows, width), (num_mask_rows, num_words) = logits.shape, bitmask.shape
+    (num_rows, width), (num_mask_rows, num_words) = shape, mask_shape
     assert indices is not None or num_rows == num_mask_rows, "without indices, logits and bitmask rows must match"
     detected = min(width, 32 * num_words)
     if vocab_size is None:
@@ -220,10 +221,11 @@ def _mask_last_word(x: np.ndarray, last_words: np.ndarray, rows: np.ndarray | No
 def _mask(x: np.ndarray, as_bytes: np.ndarray, masker: _Masker, buffer: np.ndarray | None = None) -> None:
     """Mask ``x`` ``[..., c]`` in place by the bits of ``as_bytes`` ``[..., b]``, ``c <= 8 * b``: bit j of byte k
     is column 8k + j. ``buffer``: where to look the operands up (``as_bytes``'s shape), rather than a new array."""
+    width = x.shape[-1]
     for table, op in zip(masker.tables, masker.ops):
         # subtle: mode="wrap", because take() fills `out` through a temporary in its default mode ("raise")
         operand = table.take(as_bytes, out=buffer, mode="wrap").view(x.dtype)
-        op(x, operand if operand.shape[-1] == x.shape[-1] else operand[..., : x.shape[-1]], out=x)
+        op(x, operand if operand.shape[-1] == width else operand[..., :width], out=x)
 
 
 def _scratch(name: str, dtype: np.dtype, size: int) -> np.ndarray:
