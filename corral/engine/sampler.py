@@ -216,15 +216,34 @@ def _top_p_smallest_kept(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
 
     A full sort of 49k-150k columns costs far more than the rest of the sampler, and the nucleus is usually a
     few dozen tokens, so this looks at the largest k only, growing k until those k hold ``top_p`` of the mass.
+    On CPU, once a row is bound to need more than 1,024 tokens (a flat distribution), one numpy sort replaces
+    the rest of the growing: torch's CPU sort and large-k topk measured 10-60x slower than numpy's sort (one
+    row of 152k: ~48 ms against ~1-2.5 ms), and every k on the way was paid for too.
     """
     k = min(64, probs.shape[1])
     while True:
         largest = torch.topk(probs, k, dim=-1).values
         cumulative = torch.cumsum(largest, dim=-1)
-        if k == probs.shape[1] or bool(((cumulative[:, -1] >= top_p) | (top_p >= 1)).all()):
+        short = (cumulative[:, -1] < top_p) & (top_p < 1)
+        if k == probs.shape[1] or not bool(short.any()):
+            break
+        # Every token past the k-th holds at most the k-th's probability: a lower bound on the tokens needed.
+        if probs.is_cpu and bool((short & (k + (top_p - cumulative[:, -1]) / largest[:, -1] > 1024)).any()):
+            largest, cumulative = _sorted_and_cumulative_cpu(probs)
             break
         k = min(4 * k, probs.shape[1])
     # Keep a token while the mass before it is < top_p: the first token always stays.
     keep = ((cumulative - largest) < top_p[:, None]) & (largest > 0)
     smallest = largest.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
     return smallest.masked_fill((top_p >= 1)[:, None], 0.0)
+
+
+def _sorted_and_cumulative_cpu(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float32 ``probs`` sorted largest first, and its running sum: what ``topk`` and ``cumsum``
+    give at k = every column, in numpy. The same values bit for bit: torch's CPU ``cumsum`` also accumulates
+    float32 in float64 and rounds each sum to float32."""
+    ascending = probs.numpy().copy()
+    ascending.sort(axis=-1)
+    largest = ascending[:, ::-1].copy()
+    cumulative = largest.cumsum(axis=-1, dtype="float64").astype("float32")
+    return torch.from_numpy(largest), torch.from_numpy(cumulative)
