@@ -1,8 +1,8 @@
 """The bitmask operation of ``bitmask.py`` without Triton: the pure-torch twin (any device, and the oracle the
 Triton kernel is tested against) and the CPU path, which skips the words a grammar leaves fully open.
 
-Both implement the pseudo-code in ``corral.kernels.bitmask``'s docstring exactly; tests hold all three to a numpy
-rendering of it.
+Both implement the pseudo-code in ``corral.kernels.bitmask``'s docstring exactly for finite logits (the CPU path
+for infinite ones too; see ``apply_token_bitmask_cpu_`` on NaN); tests hold all three to a numpy rendering of it.
 """
 
 import threading
@@ -110,13 +110,16 @@ _MASKERS = {
                             -128, torch.int16),  # -128 is 0xFF80, bf16 -inf
 }
 # Bitmask bytes per pass of the dense path (128k columns): their operands (512 KiB in fp32) are still in L2 when
-# the masking op reads them. 1k-4k and 64k measured 15-90% slower, 64 x 152k random, one thread.
+# the masking op reads them. 64 x 152k random, one thread: 1k and 4k bytes measured ~90% and ~15% slower, 64k
+# about the same.
 _CHUNK_BYTES = 16384
 # The word path wins while at most this share of the words has a masked bit: it moves 32-column blocks one by
-# one, the dense path streams every column (measured crossover ~1/4 at 49k-152k columns).
+# one, the dense path streams every column. Measured crossover ~0.3 at 1 x 49k, 8 x 128k and 64 x 152k (random
+# words among all-allowed ones, one thread).
 _MAX_SPARSE_SHARE = 0.25
 # Below this many bytes, a temporary array costs less than looking up this thread's buffer; from ~128 KiB, glibc
-# mmaps each new array and every call page-faults it afresh (measured 2-5x the cost of the masking itself).
+# mmaps each new array and every call page-faults it afresh (the word path on 64 x 128k-152k open masks measured
+# ~1.2-1.7x slower with fresh arrays).
 _SCRATCH_FROM = 65536
 _local = threading.local()
 
