@@ -12,6 +12,7 @@ Left out: complement. Emptiness is syntactic (a normalized term other than ∅ i
 ``Intersect``, where it is decided by exploring the product's derivatives, under a step limit.
 """
 
+import threading
 from collections import deque
 
 from corral.fsm.budget import Budget
@@ -22,6 +23,22 @@ EMPTYSET, EPSILON = 0, 1
 _BYTES, _CAT, _ALT, _REP, _AND, _CONST = range(6)
 ALL_BYTES = (1 << 256) - 1
 _LIVENESS_STEP_LIMIT = 5000
+
+
+_CANONICAL: dict[tuple, int] = {}  # structure key -> process-wide id (see TermTable.structure)
+_CANONICAL_KEYS: list[tuple] = []
+_CANONICAL_LOCK = threading.Lock()
+
+
+def _canonical_id(key: tuple) -> int:
+    known = _CANONICAL.get(key)
+    if known is None:
+        with _CANONICAL_LOCK:
+            known = _CANONICAL.get(key)
+            if known is None:
+                known = _CANONICAL[key] = len(_CANONICAL_KEYS)
+                _CANONICAL_KEYS.append(key)
+    return known
 
 
 class TermTable:
@@ -37,7 +54,8 @@ class TermTable:
         self._from_nodes: dict[int, tuple[Node, int]] = {}
         self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
-        self._structures: dict[int, tuple] = {}
+        self._structures: dict[int, int] = {}
+        self._from_structures: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -159,35 +177,42 @@ class TermTable:
         return term
 
     # ---- structure: the same language in another table -------------------------------------------------------
-    def structure(self, term: int):
-        """A table-independent key of ``term``: equal for the same term built in any table (memoized)."""
+    def structure(self, term: int) -> int:
+        """A table-independent id of ``term``: equal for the same term built in any table (memoized). Ids are
+        hash-consed process-wide, so a key is a small int however large and shared the term is."""
         known = self._structures.get(term)
         if known is None:
             kind, args = self.kind[term], self.args[term]
             if kind in (_BYTES, _CONST):
-                known = (kind, args if kind == _BYTES else term)
+                key = (kind, args if kind == _BYTES else term)
             elif kind == _CAT:
-                known = (kind, self.structure(args[0]), self.structure(args[1]))
+                key = (kind, self.structure(args[0]), self.structure(args[1]))
             elif kind == _REP:
-                known = (kind, self.structure(args[0]), args[1], args[2])
+                key = (kind, self.structure(args[0]), args[1], args[2])
             else:  # members are sorted by id, which differs between tables
-                known = (kind, frozenset(self.structure(member) for member in args))
-            self._structures[term] = known
+                key = (kind, frozenset(self.structure(member) for member in args))
+            known = self._structures[term] = _canonical_id(key)
         return known
 
-    def from_structure(self, key) -> int:
-        """The term of a :meth:`structure` key, built in this table."""
-        kind = key[0]
-        if kind == _CONST:
-            return key[1]
-        if kind == _BYTES:
-            return self.byte_set(key[1])
-        if kind == _CAT:
-            return self.cat(self.from_structure(key[1]), self.from_structure(key[2]))
-        if kind == _REP:
-            return self.repeat(self.from_structure(key[1]), key[2], key[3])
-        members = [self.from_structure(member) for member in key[1]]
-        return self.alt(members) if kind == _ALT else self.intersect(members)
+    def from_structure(self, structure: int) -> int:
+        """The term of a :meth:`structure` id, built in this table."""
+        known = self._from_structures.get(structure)
+        if known is None:
+            key = _CANONICAL_KEYS[structure]
+            kind = key[0]
+            if kind == _CONST:
+                known = key[1]
+            elif kind == _BYTES:
+                known = self.byte_set(key[1])
+            elif kind == _CAT:
+                known = self.cat(self.from_structure(key[1]), self.from_structure(key[2]))
+            elif kind == _REP:
+                known = self.repeat(self.from_structure(key[1]), key[2], key[3])
+            else:
+                members = [self.from_structure(member) for member in key[1]]
+                known = self.alt(members) if kind == _ALT else self.intersect(members)
+            self._from_structures[structure] = known
+        return known
 
     def first_mask(self, term: int) -> int:
         """The 256-bit mask of every byte that can start ``term``."""

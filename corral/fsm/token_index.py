@@ -23,7 +23,7 @@ import threading
 import numpy as np
 
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
-from corral.fsm.token_pieces import PieceTokens, piece_tokens, split_pieces
+from corral.fsm.token_pieces import Piece, PieceFacts, PieceTokens, split_pieces
 from corral.fsm.token_trie import TokenTrie
 from corral.fsm.vocabulary import Vocabulary
 
@@ -50,7 +50,7 @@ class VocabTables:
         self._byte_sets: np.ndarray | None = None
         self._trie: TokenTrie | None = None
         self._loop_splits: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        self._pieces: dict[tuple, PieceTokens | None] = {}
+        self._pieces: dict[tuple, PieceFacts] = {}
         self._lock = threading.Lock()
 
     def words_of(self, token_ids: np.ndarray) -> np.ndarray:
@@ -89,13 +89,14 @@ class VocabTables:
             self._loop_splits[key] = split
         return split
 
-    def piece_tokens(self, structure) -> PieceTokens | None:
+    def piece_facts(self, structure) -> PieceFacts:
         """The shared token facts of a repeat piece (``token_pieces.py``), by the piece's term structure."""
-        if structure not in self._pieces:
-            tokens = piece_tokens(structure, self.vocab, self.grammar_ids, self.columns)
+        facts = self._pieces.get(structure)
+        if facts is None:
             with self._lock:
-                self._pieces.setdefault(structure, tokens)
-        return self._pieces[structure]
+                facts = self._pieces.setdefault(structure, PieceFacts(structure, self.vocab, self.grammar_ids,
+                                                                      self.columns))
+        return facts
 
     def _token_byte_sets(self) -> np.ndarray:
         """uint64 [len(grammar_ids), 4]: the 256-bit set of bytes each grammar token contains."""
@@ -128,6 +129,7 @@ class TokenIndex:
         self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
         self._masks: dict[int, np.ndarray] = {}
         self._crossings: dict[tuple[int, int], np.ndarray] = {}
+        self._splits: dict[int, tuple[list[Piece], int] | None] = {}
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
@@ -176,7 +178,7 @@ class TokenIndex:
                 inside_words, outside_ids = tables.loop_split(loop)
                 words = inside_words | tables.words_of(self._walk(state, outside_ids))
             else:
-                words = tables.words_of(tables.trie.walk(state, self.dfa))
+                words = tables.words_of(tables.trie.walk(state, self.dfa, self))
         if self.dfa.accepting[state]:
             words = words | tables.eos_words
         # Never empty when the vocabulary spells every single byte (all real ones do); a toy vocabulary that
@@ -184,39 +186,69 @@ class TokenIndex:
         words.setflags(write=False)
         return words
 
+    def piece_split(self, state: int) -> tuple[list[Piece], int] | None:
+        """The wide repeat pieces among ``state``'s members and the state of the other members (``DEAD`` when
+        none), or ``None`` when it has no piece (cached)."""
+        split = self._splits.get(state, False)
+        if split is False:
+            dfa, terms = self.dfa, self.dfa.terms
+            with dfa.lock:
+                pieces, others = split_pieces(terms, dfa.term_of(state), self.tables.piece_facts)
+                split = None
+                if pieces:
+                    split = pieces, dfa.state_of_term(terms.alt(others)) if others else DEAD
+            self._splits[state] = split
+        return split
+
     def _piece_mask(self, state: int) -> np.ndarray | None:
         """The mask as a union over the state's members: repeat pieces by their shared token facts, the other
         members by their own (cached) mask. ``None`` when the state has no wide repeat piece."""
-        dfa, terms = self.dfa, self.dfa.terms
-        with dfa.lock:
-            pieces, others = split_pieces(terms, dfa.term_of(state), self.tables.piece_tokens)
-            if not pieces:
-                return None
-            other_state = dfa.state_of_term(terms.alt(others)) if others else DEAD
+        split = self.piece_split(state)
+        if split is None:
+            return None
+        pieces, other_state = split
         words = self.mask(other_state).copy() if other_state != DEAD else np.zeros(self.tables.num_words, np.int32)
         for piece in pieces:
-            tokens, low, high = piece.tokens, piece.low, piece.high
+            tokens, high = piece.facts.at(0), piece.high
             if high is None:
                 words |= tokens.unbounded_words
             else:
                 words |= np.packbits(tokens.never_exits & (tokens.units <= high), bitorder="little").view(np.int32)
-            crossing = self._crossing(tokens, piece.rest) & (tokens.cross_units >= low)
-            if high is not None:
-                crossing &= tokens.cross_units <= high
-            words |= self.tables.words_of(tokens.cross_ids[crossing])
+            words |= self.tables.words_of(tokens.cross_ids[self._crossing_ok(piece, tokens)])
         return words
 
-    def _crossing(self, tokens: PieceTokens, rest: int) -> np.ndarray:
-        """Over ``tokens.cross_ids``: whether the bytes after the piece's end are a prefix of ``rest``'s language
-        (cached per piece and ``rest``: every position of a counted repeat shares it)."""
-        rest_state = self.dfa.state_of_term(rest)
+    def piece_subtree_ids(self, piece: Piece, offset: int, token_ids: np.ndarray) -> np.ndarray | None:
+        """Of ``token_ids`` (tokens whose first ``offset`` bytes led to a state holding ``piece``), those the
+        piece allows; ``None`` when its facts at this offset are not exact."""
+        tokens = piece.facts.at(offset)
+        if tokens is None:
+            return None
+        inside = tokens.never_exits[token_ids]
+        if piece.high is not None:
+            inside &= tokens.units[token_ids] <= piece.high
+        among = np.zeros(len(tokens.never_exits), dtype=bool)
+        among[token_ids] = True
+        crossing = self._crossing_ok(piece, tokens) & among[tokens.cross_ids]
+        return np.concatenate([token_ids[inside], tokens.cross_ids[crossing]])
+
+    def _crossing_ok(self, piece: Piece, tokens: PieceTokens) -> np.ndarray:
+        """Over ``tokens.cross_ids``: the piece's count bounds hold where the token leaves it, and the bytes after
+        are a prefix of the rest's language (that walk cached per offset and rest: every position of a counted
+        repeat shares it)."""
+        rest_state = self.dfa.state_of_term(piece.rest)
         key = (id(tokens), rest_state)
         crossing = self._crossings.get(key)
         if crossing is None:
             crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
             if rest_state != DEAD:
-                crossing = self._walk_suffixes(rest_state, tokens.cross_ids, tokens.cross_offsets)
+                row = self.dfa.row(rest_state)
+                walked = np.flatnonzero(row[tokens.cross_bytes] >= 0)  # most die at the first byte after the piece
+                crossing[walked] = self._walk_suffixes(rest_state, tokens.cross_ids[walked],
+                                                       tokens.cross_offsets[walked])
             self._crossings[key] = crossing
+        crossing = crossing & (tokens.cross_units >= piece.low)
+        if piece.high is not None:
+            crossing &= tokens.cross_units <= piece.high
         return crossing
 
     def _walk_suffixes(self, state: int, token_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -23,6 +23,8 @@ prefix of another, as with spelled JSON characters); a piece whose DFA reaches a
 unusable and its states take the plain trie walk. Left out: intersections (``pattern`` with ``maxLength``).
 """
 
+import threading
+
 import numpy as np
 
 from corral.fsm.budget import Budget
@@ -31,78 +33,111 @@ from corral.fsm.lazy_dfa import LazyDFA
 
 # A piece whose first bytes are at most this many is narrow: the trie walk visits few nodes there anyway.
 MIN_PIECE_BYTES = 32
+# A piece most tokens leave into a rest that takes them (a UTF-8 continuation byte before any character) saves
+# nothing: the crossing walk would be the whole trie walk, without the trie's shared prefixes.
+MAX_CROSSING_TOKENS = 4096
 
 
 class PieceTokens:
-    """Per-token facts about one piece ``X`` over a whole vocabulary (arrays indexed by token id)."""
+    """Facts about one piece ``X`` for every token's bytes from ``offset`` on (arrays indexed by token id; a
+    token no longer than ``offset`` never exits and starts no unit)."""
 
-    def __init__(self, never_exits: np.ndarray, units: np.ndarray, exits: np.ndarray, at_boundary: np.ndarray):
+    def __init__(self, never_exits: np.ndarray, units: np.ndarray, exits: np.ndarray, at_boundary: np.ndarray,
+                 byte_matrix: np.ndarray):
         self.never_exits = never_exits
         self.units = units
         self.cross_ids = np.flatnonzero((exits >= 0) & at_boundary)
-        self.cross_offsets = exits[self.cross_ids].astype(np.intp)
+        self.cross_offsets = exits[self.cross_ids].astype(np.intp)  # where the bytes after the piece begin
         self.cross_units = units[self.cross_ids]
+        self.cross_bytes = byte_matrix[self.cross_ids, self.cross_offsets]  # the first byte after the piece
         self.unbounded_words = np.packbits(never_exits, bitorder="little").view(np.int32)
 
 
-def piece_tokens(structure, vocab, grammar_ids: np.ndarray, columns: list[np.ndarray]) -> PieceTokens | None:
-    """Walk every grammar token through the DFA of ``X*`` (``X`` given by its table-independent structure);
-    ``None`` when units cannot be counted exactly (see the module docstring)."""
-    table = TermTable(Budget(time_s=float("inf")))
-    star = table.repeat(table.from_structure(structure), 0, None)
-    dfa = LazyDFA(None, Budget(time_s=float("inf")), terms=table, root=star)
-    lengths = vocab.lengths
-    size = (vocab.size + 31) // 32 * 32  # whole bitmask words
-    units = np.zeros(size, dtype=np.int32)
-    exits = np.full(size, -1, dtype=np.int32)
-    at_boundary = np.zeros(size, dtype=bool)
-    ids, states = grammar_ids, np.zeros(len(grammar_ids), dtype=np.int32)
-    for depth, column in enumerate(columns):
-        running = lengths[ids] > depth
-        ids, states = ids[running], states[running]
-        if not len(ids):
-            break
-        at_start = states == 0
-        next_states = dfa.ensure(states)[states, column[ids]]
-        dead = next_states < 0
-        exits[ids[dead]] = depth
-        at_boundary[ids[dead]] = at_start[dead]
-        alive = ~dead
-        units[ids[alive]] += at_start[alive]
-        ids, states = ids[alive], next_states[alive]
-    if dfa.accepting[1:dfa.num_states].any():
-        return None
-    never_exits = np.zeros(size, dtype=bool)
-    never_exits[grammar_ids] = True
-    never_exits[exits >= 0] = False
-    return PieceTokens(never_exits, units, exits, at_boundary)
+class PieceFacts:
+    """The DFA of ``X*`` for one piece and its :class:`PieceTokens` per offset (offset ``d`` serves a trie walk
+    that meets the piece ``d`` bytes into a token), computed on first use and shared by every grammar."""
+
+    def __init__(self, structure, vocab, grammar_ids: np.ndarray, columns: list[np.ndarray]):
+        table = TermTable(Budget(time_s=float("inf")))
+        star = table.repeat(table.from_structure(structure), 0, None)
+        self.dfa = LazyDFA(None, Budget(time_s=float("inf")), terms=table, root=star)
+        self.vocab, self.grammar_ids, self.columns = vocab, grammar_ids, columns
+        self._at: dict[int, PieceTokens | None] = {}
+        self._crossing_counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def at(self, offset: int) -> PieceTokens | None:
+        """The facts for token bytes from ``offset`` on; ``None`` when units cannot be counted exactly."""
+        if offset not in self._at:
+            with self._lock:
+                if offset not in self._at:
+                    self._at[offset] = self._walk(offset)
+        return self._at[offset]
+
+    def num_crossing(self, first_mask: int) -> int:
+        """How many tokens leave the piece (at offset 0) on a byte of ``first_mask``: the walk a rest starting
+        with those bytes costs."""
+        count = self._crossing_counts.get(first_mask)
+        if count is None:
+            table = np.unpackbits(np.frombuffer(first_mask.to_bytes(32, "little"), dtype=np.uint8),
+                                  bitorder="little").astype(bool)
+            count = self._crossing_counts[first_mask] = int(np.count_nonzero(table[self.at(0).cross_bytes]))
+        return count
+
+    def _walk(self, offset: int) -> PieceTokens | None:
+        dfa, lengths = self.dfa, self.vocab.lengths
+        size = (self.vocab.size + 31) // 32 * 32  # whole bitmask words
+        units = np.zeros(size, dtype=np.int32)
+        exits = np.full(size, -1, dtype=np.int32)
+        at_boundary = np.zeros(size, dtype=bool)
+        ids = self.grammar_ids[lengths[self.grammar_ids] > offset]
+        states = np.zeros(len(ids), dtype=np.int32)
+        for depth in range(offset, len(self.columns)):
+            running = lengths[ids] > depth
+            ids, states = ids[running], states[running]
+            if not len(ids):
+                break
+            at_start = states == 0
+            next_states = dfa.ensure(states)[states, self.columns[depth][ids]]
+            dead = next_states < 0
+            exits[ids[dead]] = depth
+            at_boundary[ids[dead]] = at_start[dead]
+            alive = ~dead
+            units[ids[alive]] += at_start[alive]
+            ids, states = ids[alive], next_states[alive]
+        if dfa.accepting[1:dfa.num_states].any():
+            return None
+        never_exits = np.zeros(size, dtype=bool)
+        never_exits[self.grammar_ids] = True
+        never_exits[exits >= 0] = False
+        return PieceTokens(never_exits, units, exits, at_boundary, self.vocab.byte_matrix)
 
 
 class Piece:
     """One member ``X{lo,hi} R`` of a state's term, with ``X``'s shared token facts."""
 
-    __slots__ = ("tokens", "low", "high", "rest")
+    __slots__ = ("facts", "low", "high", "rest")
 
-    def __init__(self, tokens: PieceTokens, low: int, high: int | None, rest: int):
-        self.tokens, self.low, self.high, self.rest = tokens, low, high, rest
+    def __init__(self, facts: PieceFacts, low: int, high: int | None, rest: int):
+        self.facts, self.low, self.high, self.rest = facts, low, high, rest
 
 
-def split_pieces(terms: TermTable, term: int, tokens_of) -> tuple[list[Piece], list[int]]:
+def split_pieces(terms: TermTable, term: int, facts_of) -> tuple[list[Piece], list[int]]:
     """The members of ``term`` that are wide repeat pieces, and the other members (their union is ``term``).
-    Members are an alternation's, one level of ``(a|b) R = a R | b R`` included. ``tokens_of(structure)``
-    returns the shared :class:`PieceTokens` of a piece, or ``None``."""
+    Members are an alternation's, one level of ``(a|b) R = a R | b R`` included. ``facts_of(structure)``
+    returns the shared :class:`PieceFacts` of a piece."""
     if bin(terms.first_mask(term)).count("1") <= MIN_PIECE_BYTES:
         return [], [term]
     pieces, others = [], []
     for member in terms.args[term] if terms.kind[term] == _ALT else (term,):
-        piece = _as_piece(terms, member, tokens_of)
+        piece = _as_piece(terms, member, facts_of)
         if piece is None:
             head, tail = terms.args[member] if terms.kind[member] == _CAT else (None, None)
             if head is None or terms.kind[head] != _ALT:
                 others.append(member)
                 continue
             parts = [terms.cat(option, tail) for option in terms.args[head]]  # distributed, one level
-            found = [_as_piece(terms, part, tokens_of) for part in parts]
+            found = [_as_piece(terms, part, facts_of) for part in parts]
             if all(piece is None for piece in found):
                 others.append(member)  # keep the member whole: its state may exist already
                 continue
@@ -113,7 +148,7 @@ def split_pieces(terms: TermTable, term: int, tokens_of) -> tuple[list[Piece], l
     return pieces, others
 
 
-def _as_piece(terms: TermTable, member: int, tokens_of):
+def _as_piece(terms: TermTable, member: int, facts_of):
     """A :class:`Piece`, ``None`` when ``member`` is not one, ``False`` when its language is empty.
     ``X X ... X{lo,hi} R`` (single units before the repeat, as ``minLength`` writes) is ``X{n+lo,n+hi} R``."""
     kind, args = terms.kind[member], terms.args[member]
@@ -144,5 +179,7 @@ def _as_piece(terms: TermTable, member: int, tokens_of):
         return None
     if not terms.is_live(rest):
         return False
-    tokens = tokens_of(terms.structure(unit))
-    return None if tokens is None else Piece(tokens, low, high, rest)
+    facts = facts_of(terms.structure(unit))
+    if facts.at(0) is None or facts.num_crossing(terms.first_mask(rest)) > MAX_CROSSING_TOKENS:
+        return None
+    return Piece(facts, low, high, rest)

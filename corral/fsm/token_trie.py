@@ -47,18 +47,52 @@ class TokenTrie:
                                  range(1, self.num_nodes)))
         self._node_token_list = node_token
         self._has_children_list = self.has_children.tolist()
+        self._index_subtrees(parents, node_token, duplicates)
 
-    def walk(self, state: int, dfa) -> np.ndarray:
+    def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict) -> None:
+        """``subtree_ids[subtree_start[n]:subtree_end[n]]`` are the token ids at or below node ``n``. Nodes were
+        numbered in preorder (tokens inserted in byte order), so every subtree is one run."""
+        num_nodes = self.num_nodes
+        depth = [0] * num_nodes
+        for node in range(1, num_nodes):
+            assert parents[node] < node
+            depth[node] = depth[parents[node]] + 1
+        ids_at = [([node_token[n]] if node_token[n] >= 0 else []) + duplicates.get(n, []) for n in range(num_nodes)]
+        counts = np.asarray([len(ids) for ids in ids_at], dtype=np.int64)
+        self.subtree_ids = np.asarray([i for ids in ids_at for i in ids], dtype=np.int64)
+        self.subtree_start = np.cumsum(counts) - counts
+        # the subtree of n ends where the next node at its depth or above begins (preorder)
+        end_node = np.full(num_nodes, num_nodes, dtype=np.int64)
+        open_nodes: list[int] = []
+        for node in range(num_nodes):
+            while open_nodes and depth[open_nodes[-1]] >= depth[node]:
+                end_node[open_nodes.pop()] = node
+            open_nodes.append(node)
+        starts = np.append(self.subtree_start, len(self.subtree_ids))
+        self.subtree_end = starts[end_node]
+        self.depth = np.asarray(depth, dtype=np.int64)
+
+    def subtree_token_ids(self, nodes: np.ndarray) -> np.ndarray:
+        starts, ends = self.subtree_start[nodes], self.subtree_end[nodes]
+        counts = ends - starts
+        return self.subtree_ids[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())]
+
+    def walk(self, state: int, dfa, pieces=None) -> np.ndarray:
         """Token ids whose bytes, walked from ``state`` of the lazy DFA ``dfa``, never hit a dead move.
 
         Narrow states (few live bytes: literals, punctuation, whitespace) are followed depth-first in plain
         Python, one dictionary probe per live byte; the subtrees under wide states (string bodies, any byte) are
         then walked level by level, vectorised. Numpy's per-call cost (a few µs) makes the vectorised walk a bad
-        deal for a frontier of one or two nodes, which is what literal chains give."""
+        deal for a frontier of one or two nodes, which is what literal chains give. ``pieces`` (a TokenIndex)
+        resolves whole subtrees that meet a repeat piece from its shared facts (``token_pieces.py``)."""
         child_of, node_token, has_children = self.child_of, self._node_token_list, self._has_children_list
         stack, wide_nodes, wide_states, ids = [(0, state)], [], [], []
         while stack:
             node, current = stack.pop()
+            if node and pieces is not None and pieces.piece_split(current) is not None:
+                wide_nodes.append(node)
+                wide_states.append(current)
+                continue
             live = dfa.live_bytes(current)
             if len(live) > _NARROW_STATE_BYTES:
                 wide_nodes.append(node)
@@ -79,13 +113,16 @@ class TokenTrie:
         found = np.asarray(ids, dtype=np.int64)
         if wide_nodes:
             found = np.concatenate([found, self._walk_levels(np.asarray(wide_nodes, dtype=np.int64),
-                                                            np.asarray(wide_states, dtype=np.int32), dfa.ensure)])
+                                                            np.asarray(wide_states, dtype=np.int32), dfa.ensure,
+                                                            pieces)])
         return found
 
-    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, ensure) -> np.ndarray:
+    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, ensure, pieces=None) -> np.ndarray:
         """The vectorised walk below ``nodes`` (in DFA ``states``): one gather per trie level."""
-        reached = []
+        reached, resolved = [], []
         while len(nodes):
+            if pieces is not None:
+                nodes, states = self._resolve_pieces(nodes, states, pieces, resolved)
             starts = self.child_start[nodes]
             counts = self.child_start[nodes + 1] - starts
             total = int(counts.sum())
@@ -100,13 +137,43 @@ class TokenTrie:
             reached.append(children)
             keep = self.has_children[children]
             nodes, states = children[keep], states[keep]
-        if not reached:
-            return np.zeros(0, dtype=np.int64)
-        reached_nodes = np.concatenate(reached)
-        ids = self.node_token[reached_nodes]
-        ids = ids[ids >= 0]
-        if len(self.duplicate_nodes):
-            extra = reached_nodes[np.isin(reached_nodes, self.duplicate_nodes)]
-            if len(extra):
-                ids = np.concatenate([ids] + [np.asarray(self.duplicate_ids[int(n)]) for n in extra])
-        return ids
+        ids = np.zeros(0, dtype=np.int64)
+        if reached:
+            reached_nodes = np.concatenate(reached)
+            ids = self.node_token[reached_nodes]
+            ids = ids[ids >= 0]
+            if len(self.duplicate_nodes):
+                extra = reached_nodes[np.isin(reached_nodes, self.duplicate_nodes)]
+                if len(extra):
+                    ids = np.concatenate([ids] + [np.asarray(self.duplicate_ids[int(n)]) for n in extra])
+        return np.concatenate([ids, *resolved]) if resolved else ids
+
+    def _resolve_pieces(self, nodes: np.ndarray, states: np.ndarray, pieces, resolved: list):
+        """Frontier nodes whose state holds repeat pieces: the pieces' tokens in their subtrees come from the
+        shared facts, and the walk goes on in the state of the other members (or stops there)."""
+        keep = np.ones(len(nodes), dtype=bool)
+        states = states.copy()
+        for state in np.unique(states).tolist():
+            split = pieces.piece_split(state)
+            if split is None:
+                continue
+            in_state = np.flatnonzero(states == state)
+            depths = self.depth[nodes[in_state]]
+            exact = True
+            for depth in np.unique(depths).tolist():
+                ids = self.subtree_token_ids(nodes[in_state[depths == depth]])
+                for piece in split[0]:
+                    allowed = pieces.piece_subtree_ids(piece, depth, ids)
+                    if allowed is None:
+                        exact = False
+                        break
+                    resolved.append(allowed)
+                if not exact:
+                    break
+            if not exact:
+                continue  # walk this state plainly; what was resolved is a subset of what the walk finds
+            if split[1] < 0:
+                keep[in_state] = False
+            else:
+                states[in_state] = split[1]
+        return nodes[keep], states[keep]

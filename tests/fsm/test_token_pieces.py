@@ -9,7 +9,7 @@ from corral.fsm.budget import Budget
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.derivatives import TermTable
 from corral.fsm.token_index import vocab_tables
-from corral.fsm.token_pieces import piece_tokens, split_pieces
+from corral.fsm.token_pieces import PieceFacts, split_pieces
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
 
@@ -59,7 +59,7 @@ def test_piece_masks_equal_the_plain_walk_on_random_walks(constraint):
             assert np.array_equal(mask, _reference_mask(index, state)), (constraint.value, state)
             checked += 1
             with index.dfa.lock:
-                pieces, _ = split_pieces(index.dfa.terms, index.dfa.term_of(state), index.tables.piece_tokens)
+                pieces, _ = split_pieces(index.dfa.terms, index.dfa.term_of(state), index.tables.piece_facts)
             with_pieces += bool(pieces)
             bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB.size]
             choices = [t for t in np.flatnonzero(bits).tolist() if t not in VOCAB.eos_token_ids]
@@ -73,7 +73,7 @@ def test_piece_masks_equal_the_plain_walk_on_random_walks(constraint):
 
 def _facts(table: TermTable, unit: int):
     tables = vocab_tables(VOCAB)
-    return piece_tokens(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns)
+    return PieceFacts(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns).at(0)
 
 
 def test_piece_facts_count_units_and_find_the_exit():
