@@ -3,54 +3,78 @@
 A step is: schedule → fill the grammar masks (on a worker thread, while the model runs) → forward → sample →
 advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
 siblings are forked from it, sharing its KV blocks, each with its own ``guide.copy()`` and generator.
+
+A beam-search request (``BeamSearchParams``) is a :class:`BeamGroup` whose live beams are sequences in the same
+batches as everything else. Its rows skip the sampler: each beam's full raw logprob row, masked by its own
+guide, goes to the group, and once every live beam has its row the group picks the extensions. The first
+extension of a beam continues that sequence, each further one forks it (``BlockManager.fork``: shared blocks,
+the partial last block copied on its first write), and beams with no extension are freed. A beam that has its
+row but waits for a sibling (preempted, or not yet readmitted) is left out of the batches until the group
+decides. A group is preempted as a whole (see ``_schedule``).
 """
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from corral.engine.beam_search import BeamGroup, Extension
 from corral.engine.block_manager import BlockManager
 from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from corral.engine.sampler import Sampler, SampleResult, SamplingRow, make_generator
-from corral.engine.sampling_params import SamplingParams
+from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
-from corral.engine.sequence import Sequence
+from corral.engine.sequence import Sequence, SequenceStatus
 from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.fsm.guide import Guide
 from corral.fsm.vocabulary import Vocabulary
+from corral.kernels.bitmask import apply_token_bitmask_
 from corral.models import load_model_config, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
 
 class _Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], seqs: list[Sequence]):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], seqs: list[Sequence],
+                 beam_group: BeamGroup | None = None):
         self.request_id, self.prompt_token_ids, self.seqs = request_id, prompt_token_ids, seqs
+        self.beam_group = beam_group
 
     @property
     def is_finished(self) -> bool:
+        if self.beam_group is not None:
+            return self.beam_group.is_done
         return all(seq.is_finished and not seq.num_forks_pending for seq in self.seqs)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return self.beam_group.beams if self.beam_group is not None else self.seqs
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, runner=None, model_config=None,
+                 vocabulary: Vocabulary | None = None, tokenizer=None):
+        """Load ``config.model``. Or, given a ``runner`` (``num_blocks``, ``execute``, ``copy_blocks``), its
+        ``model_config`` (``vocab_size``, ``max_position``) and ``vocabulary``, run over those: how the tests
+        drive the engine over a toy model."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        files = resolve_model(config.model)
-        self.model_config = load_model_config(files)
-        self.tokenizer = load_tokenizer(files)
-        self.vocabulary = Vocabulary.from_tokenizer(self.tokenizer)
+        if runner is None:
+            files = resolve_model(config.model)
+            model_config, tokenizer = load_model_config(files), load_tokenizer(files)
+            vocabulary = Vocabulary.from_tokenizer(tokenizer)
+            runner = ModelRunner(config, model_config, files)
+        self.model_config, self.tokenizer, self.vocabulary, self.runner = model_config, tokenizer, vocabulary, runner
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
-        self.runner = ModelRunner(config, self.model_config, files)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(vocab_size=self.vocabulary.size, eos_token_ids=self.vocabulary.eos_token_ids)
@@ -61,10 +85,14 @@ class LLMEngine:
         self._auto_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
                     guide: Guide | None = None, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises PromptTooLongError when it can never fit, InvalidRequestError for bad input."""
+        """Queue a request: sampling, or beam search. Raises PromptTooLongError when it can never fit,
+        InvalidRequestError for bad input. A beam-search request finishes with one output per hypothesis, best
+        first (EOS included in ``token_ids``, as for sampled outputs); it streams nothing before."""
         self._check_request(request_id, prompt_token_ids, params)
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_request(request_id, prompt_token_ids, params, guide, cache_salt)
         seq = Sequence(request_id, list(prompt_token_ids), params, guide=guide, cache_salt=cache_salt,
                        generator=make_generator(params.seed), arrival_time=time.monotonic(),
                        detokenizer=IncrementalDetokenizer(self.vocabulary, params.stop, params.skip_special_tokens))
@@ -72,7 +100,22 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, list(prompt_token_ids), [seq])
         self.scheduler.add(seq)
 
-    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
+                          guide: Guide | None, cache_salt: str | None) -> None:
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        # The beams' own SamplingParams: what a Sequence reads; beam rows never reach the sampler.
+        root = Sequence(request_id, list(prompt_token_ids), SamplingParams(temperature=0, max_tokens=max_tokens),
+                        guide=guide.copy() if guide is not None else None, cache_salt=cache_salt,
+                        arrival_time=time.monotonic())
+        root.num_forks_pending = params.beam_width - 1  # reserves the beams' places at admission
+        group = BeamGroup(params, self.vocabulary.eos_token_ids, root)
+        self._requests[request_id] = _Request(request_id, list(prompt_token_ids), [root], group)
+        self.scheduler.add(root)
+
+    def _check_request(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams | BeamSearchParams) -> None:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_token_ids:
@@ -80,8 +123,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary", param="prompt")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", param="n")
+        beams = isinstance(params, BeamSearchParams)
+        width, name = (params.beam_width, "beam_width") if beams else (params.n, "n")
+        if width > self.config.max_num_seqs:
+            raise InvalidRequestError(f"{name}={width} exceeds max_num_seqs={self.config.max_num_seqs}", param=name)
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
                                      f"{self.max_model_len}, which leaves no room for output", param="prompt")
@@ -90,11 +135,18 @@ class LLMEngine:
         if self.block_manager.num_blocks_for(longest) > self.runner.num_blocks:
             raise PromptTooLongError(f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                                      f"exceeds the KV cache's {capacity} tokens", param="max_tokens")
+        # subtle: beams share blocks only while they run together; after preemption each recomputes alone (sharing
+        # just the prefix cache's full blocks), and a group decides only with all its beams resident. So the pool
+        # must hold every beam unshared, or the group could wait forever.
+        if beams and width * self.block_manager.num_blocks_for(longest) > self.runner.num_blocks:
+            raise PromptTooLongError(f"beam_width ({width}) x (prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                                     f"({params.max_tokens})) exceeds the KV cache's {capacity} tokens",
+                                     param="max_tokens")
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of the request at once and free all its blocks. Unknown ids are ignored."""
         request = self._requests.pop(request_id, None)
-        for seq in request.seqs if request else ():
+        for seq in request.live_seqs if request else ():
             if not seq.is_finished:
                 self._finish(seq, "abort")
             seq.num_forks_pending = 0
@@ -105,16 +157,63 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence once; return the outputs of the requests that advanced."""
-        batch = self.scheduler.schedule()                                   # who advances, by how many tokens
+        batch = self._schedule()                                            # who advances, by how many tokens
         if not batch:
             return []
         self.runner.copy_blocks(self.block_manager.take_pending_copies())   # copy-on-write of forked blocks
         masks = self._mask_worker.submit(self._fill_masks, self._sampling_seqs(batch))  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
         self._commit(batch)                                                 # their K/V is in the cache now
+        (seqs, logits), beams = self._split_beams(seqs, logits)             # beam rows skip the sampler
+        masks = masks.result()
         rows, row_logits = self._fork_siblings(seqs, logits)                # n > 1: siblings share the row
-        result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, seqs, rows))
-        return self._process(rows, result)                                  # advance guides, stop, finish
+        result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
+        return self._process(rows, result) + self._advance_beams(*beams, masks)  # guides, stops; beams: search
+
+    def _schedule(self) -> ScheduledBatch:
+        """The scheduler's batch, less the beams that hold their row while a sibling catches up (nothing to
+        compute). Beam groups are preempted whole: a preempted beam takes its group's resident beams along, so a
+        group never pins blocks while it waits for a beam it cannot get back. When nothing can run because held
+        beams pin the pool the front of the queue needs, the groups holding them go to the back of the queue."""
+        while True:
+            batch = self.scheduler.schedule()
+            for group in {id(g): g for s in batch.preempted if (g := self._beam_group(s)) is not None}.values():
+                self._preempt_group(group)
+            kept = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                    if n > 0 and s.status is SequenceStatus.RUNNING]
+            if len(kept) < len(batch.seqs):
+                batch = ScheduledBatch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
+                                       batch.preempted)
+            if batch or not self._requeue_blocking_groups():
+                return batch
+
+    def _preempt_group(self, group: BeamGroup, to_back: bool = False) -> None:
+        for beam in group.beams:
+            group.drop_row(beam)
+            if beam.status is SequenceStatus.RUNNING:
+                self.scheduler.preempt(beam)
+        if to_back:
+            waiting = self.scheduler.waiting
+            for beam in group.beams:
+                waiting.remove(beam)
+                waiting.append(beam)
+
+    def _requeue_blocking_groups(self) -> bool:
+        """Requeue, at the back, every group with held beams except the one at the front of the queue (or that
+        one, when it alone holds). False when nothing is held or nothing waits: there is no stall to break."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        holders = {id(g): g for s in running if s.num_uncomputed_tokens == 0 and (g := self._beam_group(s))}
+        if not holders or not waiting:
+            return False
+        front = self._beam_group(waiting[0])
+        blocking = [g for g in holders.values() if g is not front] or list(holders.values())
+        for group in blocking:
+            self._preempt_group(group, to_back=True)
+        return True
+
+    def _beam_group(self, seq: Sequence) -> BeamGroup | None:
+        request = self._requests.get(seq.request_id)
+        return request.beam_group if request is not None else None
 
     def _sampling_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
         return [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == len(s)]
@@ -134,6 +233,15 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
         self._counters["steps"] += 1
         self._counters["computed"] += batch.num_tokens
+
+    def _split_beams(self, seqs: list[Sequence], logits: torch.Tensor):
+        """((sampled sequences, their logits), (beams, their logits)), in batch order."""
+        is_beam = [self._beam_group(seq) is not None for seq in seqs]
+        if not any(is_beam):
+            return (seqs, logits), ([], logits[:0])
+        sampled = [i for i, b in enumerate(is_beam) if not b]
+        beams = [i for i, b in enumerate(is_beam) if b]
+        return (([seqs[i] for i in sampled], logits[sampled]), ([seqs[i] for i in beams], logits[beams]))
 
     def _fork_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[tuple[Sequence, Sequence]], torch.Tensor]:
         """(sequence, the sequence whose logits row it samples from) per row, and the logits row for row."""
@@ -168,8 +276,7 @@ class LLMEngine:
     def _sampling_rows(self, rows) -> list[SamplingRow]:
         return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator) for seq, _ in rows]
 
-    def _bitmask(self, masks: Future, seqs: list[Sequence], rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        filled = masks.result()
+    def _bitmask(self, filled: dict[int, np.ndarray], rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not filled:
             return None, None
         masked = [i for i, (seq, source) in enumerate(rows) if source.seq_id in filled]
@@ -223,8 +330,76 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
-        seq.detokenizer.finish()
+        if seq.detokenizer is not None:  # beams have none: their text is built once, per hypothesis
+            seq.detokenizer.finish()
         self.scheduler.finish(seq)
+
+    # -- beam search ----------------------------------------------------------------------------------------
+    def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor,
+                       masks: dict[int, np.ndarray]) -> list[RequestOutput]:
+        """Hand each beam its full raw logprob row, masked by its own guide; step every group that now has all
+        its rows; return the outputs of the groups that finished."""
+        if not beams:
+            return []
+        logprobs = torch.log_softmax(logits[:, : self.vocabulary.size].float(), dim=-1)
+        masked = [i for i, seq in enumerate(beams) if seq.seq_id in masks]
+        if masked:
+            bitmask = np.zeros((len(beams), self._mask_words), dtype=np.int32)
+            for i in masked:
+                bitmask[i] = masks[beams[i].seq_id]
+            apply_token_bitmask_(logprobs, torch.from_numpy(bitmask), torch.tensor(masked))
+        requests = {}
+        for seq, row in zip(beams, logprobs):
+            request = self._requests[seq.request_id]
+            request.beam_group.add_row(seq, row)
+            requests[request.request_id] = request
+        self._counters["generated"] += len(beams)
+        outputs, now = [], time.monotonic()
+        for request in requests.values():
+            group = request.beam_group
+            if not group.is_ready:
+                continue
+            request.seqs[0].first_token_time = request.seqs[0].first_token_time or now
+            self._apply_extensions(group, group.decide())
+            if group.is_done:
+                outputs.append(self._finish_beam_request(request))
+        return outputs
+
+    def _apply_extensions(self, group: BeamGroup, extensions: list[Extension]) -> None:
+        """The next live beams: a beam's first extension continues it, each further one forks it (all forks
+        before any token is appended, so a fork copies its parent as it was); beams left without one are freed."""
+        parents, continued, beams = group.beams, set(), []
+        group.beams[0].num_forks_pending = 0  # the root's reservation is spent at the first fork
+        for ext in extensions:
+            parent = parents[ext.beam]
+            beams.append(parent if ext.beam not in continued else self._fork_beam(parent))
+            continued.add(ext.beam)
+        for beam, ext in zip(beams, extensions):
+            beam.append_token(ext.token_id)
+            beam.cumulative_logprob, beam.guide = ext.cumulative_logprob, ext.guide
+        for i, parent in enumerate(parents):
+            if i not in continued:
+                self._finish(parent, "stop")
+        group.beams = beams
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        group = self._requests[parent.request_id].beam_group
+        group.num_forks += 1
+        child = parent.fork(index=group.num_forks)
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(child)
+        return child
+
+    def _finish_beam_request(self, request: _Request) -> RequestOutput:
+        group = request.beam_group
+        for beam in group.beams:
+            self._finish(beam, "length")
+        del self._requests[request.request_id]
+        root = request.seqs[0]
+        metrics = RequestMetrics(root.arrival_time, root.first_token_time, time.monotonic())
+        return RequestOutput(request.request_id, request.prompt_token_ids, group.completions(self.vocabulary), True,
+                             root.num_cached_tokens, metrics)
 
     def _output(self, request: _Request) -> RequestOutput:
         seqs = sorted(request.seqs, key=lambda s: s.index)
@@ -244,12 +419,14 @@ class LLMEngine:
         while self.has_unfinished_requests():
             yield from self.step()
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | Seq[SamplingParams],
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | BeamSearchParams | Seq[SamplingParams | BeamSearchParams],
                  guides: Seq[Guide | None] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion together; the final outputs in prompt order."""
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        """Run ``prompts`` to completion together (sampled or beam-searched); the final outputs in prompt order."""
+        single = isinstance(params, (SamplingParams, BeamSearchParams))
+        params_list = [params] * len(prompts) if single else list(params)
         guides = list(guides) if guides is not None else [None] * len(prompts)
-        assert len(params_list) == len(prompts) == len(guides), "one SamplingParams and guide per prompt"
+        assert len(params_list) == len(prompts) == len(guides), "one params and guide per prompt"
         ids = []
         for prompt, p, guide in zip(prompts, params_list, guides):
             request_id = f"generate-{next(self._auto_ids)}"

@@ -2,8 +2,9 @@
 
 Ranges follow the OpenAI API where it defines one (penalties in [-2, 2], logit bias in [-100, 100], at most 20
 top logprobs) and vLLM elsewhere. A bad value raises :class:`InvalidRequestError` naming the parameter, so the
-API answers 400 with ``param`` set. Left out: ``best_of`` and beam search, which are strategies over the engine
-(``corral.engine.best_of_n``, ``corral.engine.beam_search``) rather than per-token knobs.
+API answers 400 with ``param`` set. A beam-search request carries :class:`BeamSearchParams` instead (the engine
+runs its beams as a group, see ``corral.engine.beam_search``). Left out: ``best_of``, a strategy over the engine
+(``corral.engine.best_of_n``) rather than a per-token knob.
 """
 
 import math
@@ -122,3 +123,25 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """How to run one beam-search request: keep the ``beam_width`` best beams each step, score a finished
+    hypothesis ``cumulative_logprob / length ** length_penalty`` (``length``: its output tokens, EOS included),
+    and with ``early_stopping`` end as soon as ``beam_width`` hypotheses are finished."""
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self):
+        _require(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+                 f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_number(self.length_penalty), "length_penalty",
+                 f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        _require(isinstance(self.early_stopping, bool), "early_stopping",
+                 f"early_stopping must be a boolean, got {self.early_stopping!r}")

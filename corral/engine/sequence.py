@@ -1,6 +1,7 @@
 """Sequence: one stream of tokens the engine advances, with what the scheduler and block manager track about it.
 
-A request with ``n > 1`` owns ``n`` sequences; they share the prompt's KV blocks. ``num_computed_tokens`` is
+A request with ``n > 1`` owns ``n`` sequences; they share the prompt's KV blocks. A beam-search request's live
+beams are sequences too, forked from one another as the search goes (:meth:`Sequence.fork`). ``num_computed_tokens`` is
 how many of ``token_ids`` have K/V in the cache; the scheduler advances it by any k (a prefill chunk, one
 decode token, a prefix-cache hit), so prefill and decode are the same operation.
 """
@@ -73,6 +74,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> "Sequence":
+        """A new sequence with this one's tokens (prompt and output) and cumulative logprob, nothing else: the
+        caller gives it its guide, and its blocks through ``BlockManager.fork``."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, index=index, cache_salt=self.cache_salt,
+                         arrival_time=self.arrival_time)
+        child.token_ids = list(self.token_ids)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.first_token_time = self.first_token_time
+        return child
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
