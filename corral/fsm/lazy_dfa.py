@@ -6,7 +6,8 @@ holds, per byte, the state of its derivative. Schemas whose full DFA runs to ten
 compiling costs the AST-to-term conversion plus the start state. Dead states never get an id: a derivative whose
 language is empty is ``DEAD``, so every state that exists can still reach acceptance (masks are never empty).
 
-Rows are built under a lock; ``trans`` may be reallocated as it grows, so read it after :meth:`ensure`.
+Rows are built under a lock; ``trans`` may be reallocated as it grows, so read it after :meth:`ensure` (whole
+rows) or through :meth:`gather` / :meth:`next_state` (one byte class at a time; other entries stay unbuilt).
 """
 
 import functools
@@ -20,6 +21,7 @@ from corral.grammar.regex_ast import Node
 
 DEAD = -1
 _UNBUILT = -3
+_ALL_BYTES = (1 << 256) - 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -45,6 +47,7 @@ class LazyDFA:
         self.built = np.zeros(16, dtype=bool)
         self.lock = threading.RLock()  # held while the term table or the rows grow
         self._live_bytes: dict[int, list[int]] = {}
+        self._classes: dict[int, list[int]] = {}
         self.is_empty = not self.terms.is_live(root)
         if not self.is_empty:
             self._state_of(root)
@@ -65,6 +68,28 @@ class LazyDFA:
                     if not self.built[state]:
                         self._build_row(int(state))
         return self.trans
+
+    def gather(self, states: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
+        """``trans[states, bytes_]``, deriving only the byte classes asked for: a trie walk below the first byte
+        meets a handful of bytes per state, so most of a row is never needed."""
+        out = self.trans[states, bytes_]
+        missing = out == _UNBUILT
+        if missing.any():
+            with self.lock:
+                pairs = np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing])
+                for pair in pairs.tolist():
+                    self._build_byte(pair >> 8, pair & 255)
+            out = self.trans[states, bytes_]
+        return out
+
+    def next_state(self, state: int, byte: int) -> int:
+        """One transition, deriving only its byte class if needed."""
+        following = int(self.trans[state, byte])
+        if following == _UNBUILT:
+            with self.lock:
+                self._build_byte(state, byte)
+            following = int(self.trans[state, byte])
+        return following
 
     def row(self, state: int) -> np.ndarray:
         if not self.built[state]:
@@ -87,9 +112,7 @@ class LazyDFA:
         return self._state_terms[state]
 
     def step(self, state: int, byte: int) -> int:
-        if not self.built[state]:
-            self.row(state)
-        return int(self.trans[state, byte])
+        return self.next_state(state, byte)
 
     def _state_of(self, term: int) -> int:
         state = self._state_ids.get(term)
@@ -114,11 +137,33 @@ class LazyDFA:
         self.built = np.concatenate([self.built, np.zeros(capacity - len(self.built), dtype=bool)])
 
     def _build_row(self, state: int) -> None:
-        terms, term = self.terms, self._state_terms[state]
-        row = np.full(256, DEAD, dtype=np.int32)
-        for cls in terms.byte_classes(term):
-            following = self._state_of(terms.derivative(term, (cls & -cls).bit_length() - 1))
-            if following != DEAD:
-                row[_bytes_of(cls)] = following
-        self.trans[state] = row  # after _state_of: it may have reallocated trans
+        for cls in self._classes_of(state):
+            lowest = (cls & -cls).bit_length() - 1
+            if self.trans[state, lowest] == _UNBUILT:
+                self._build_class(state, cls)
         self.built[state] = True
+
+    def _classes_of(self, state: int) -> list[int]:
+        """The byte classes of ``state`` (cached); the first call marks the bytes outside them all dead."""
+        classes = self._classes.get(state)
+        if classes is None:
+            classes = self._classes[state] = self.terms.byte_classes(self._state_terms[state])
+            covered = 0
+            for cls in classes:
+                covered |= cls
+            if covered != _ALL_BYTES:
+                self.trans[state, _bytes_of(_ALL_BYTES ^ covered)] = DEAD
+        return classes
+
+    def _build_class(self, state: int, cls: int) -> None:
+        term = self._state_terms[state]
+        following = self._state_of(self.terms.derivative(term, (cls & -cls).bit_length() - 1))
+        self.trans[state, _bytes_of(cls)] = following  # after _state_of: it may have reallocated trans
+
+    def _build_byte(self, state: int, byte: int) -> None:
+        if self.trans[state, byte] != _UNBUILT:
+            return
+        for cls in self._classes_of(state):
+            if (cls >> byte) & 1:
+                self._build_class(state, cls)
+                return

@@ -253,13 +253,13 @@ class TokenIndex:
 
     def _walk_suffixes(self, state: int, token_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Whether each token's bytes from its offset on, walked from ``state``, never hit a dead move."""
-        lengths, matrix, ensure = self.tables.lengths, self.vocab.byte_matrix, self.dfa.ensure
+        lengths, matrix, gather = self.tables.lengths, self.vocab.byte_matrix, self.dfa.gather
         allowed = np.zeros(len(token_ids), dtype=bool)
         at = np.arange(len(token_ids))
         states = np.full(len(token_ids), state, dtype=np.int32)
         depth = 0
         while len(at):
-            states = ensure(states)[states, matrix[token_ids[at], offsets[at] + depth]]
+            states = gather(states, matrix[token_ids[at], offsets[at] + depth])
             alive = states != DEAD
             at, states = at[alive], states[alive]
             depth += 1
@@ -270,12 +270,12 @@ class TokenIndex:
 
     def _walk(self, state: int, token_ids: np.ndarray) -> np.ndarray:
         """The subset of ``token_ids`` whose bytes, walked from ``state``, never hit a dead move."""
-        lengths, columns, ensure = self.tables.lengths, self.tables.columns, self.dfa.ensure
+        lengths, columns, gather = self.tables.lengths, self.tables.columns, self.dfa.gather
         live_ids = token_ids
         states = np.full(len(live_ids), state, dtype=np.int32)
         allowed = []
         for depth, column in enumerate(columns):
-            states = ensure(states)[states, column[live_ids]]
+            states = gather(states, column[live_ids])
             alive = states != DEAD
             live_ids, states = live_ids[alive], states[alive]
             ended = lengths[live_ids] == depth + 1

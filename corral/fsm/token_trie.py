@@ -47,6 +47,9 @@ class TokenTrie:
                                  range(1, self.num_nodes)))
         self._node_token_list = node_token
         self._has_children_list = self.has_children.tolist()
+        self._child_start_list = self.child_start.tolist()
+        self._child_byte_list = self.child_byte.tolist()
+        self._child_node_list = self.child_node.tolist()
         self._index_subtrees(parents, node_token, duplicates)
 
     def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict) -> None:
@@ -87,11 +90,31 @@ class TokenTrie:
         resolves whole subtrees that meet a repeat piece from its shared facts (``token_pieces.py``)."""
         child_of, node_token, has_children = self.child_of, self._node_token_list, self._has_children_list
         stack, wide_nodes, wide_states, ids = [(0, state)], [], [], []
+        child_start, child_byte, child_node = self._child_start_list, self._child_byte_list, self._child_node_list
         while stack:
             node, current = stack.pop()
             if node and pieces is not None and pieces.piece_split(current) is not None:
                 wide_nodes.append(node)
                 wide_states.append(current)
+                continue
+            if node and not dfa.built[current]:
+                # below the first byte a node has few children: derive only their bytes, not the whole row
+                first, last = child_start[node], child_start[node + 1]
+                if last - first > _NARROW_STATE_BYTES:
+                    wide_nodes.append(node)
+                    wide_states.append(current)
+                    continue
+                for k in range(first, last):
+                    following = dfa.next_state(current, child_byte[k])
+                    if following < 0:
+                        continue
+                    child = child_node[k]
+                    if node_token[child] >= 0:
+                        ids.append(node_token[child])
+                        if child in self.duplicate_ids:
+                            ids.extend(self.duplicate_ids[child])
+                    if has_children[child]:
+                        stack.append((child, following))
                 continue
             live = dfa.live_bytes(current)
             if len(live) > _NARROW_STATE_BYTES:
@@ -113,12 +136,12 @@ class TokenTrie:
         found = np.asarray(ids, dtype=np.int64)
         if wide_nodes:
             found = np.concatenate([found, self._walk_levels(np.asarray(wide_nodes, dtype=np.int64),
-                                                            np.asarray(wide_states, dtype=np.int32), dfa.ensure,
+                                                            np.asarray(wide_states, dtype=np.int32), dfa.gather,
                                                             pieces)])
         return found
 
-    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, ensure, pieces=None) -> np.ndarray:
-        """The vectorised walk below ``nodes`` (in DFA ``states``): one gather per trie level."""
+    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, gather, pieces=None) -> np.ndarray:
+        """The vectorised walk below ``nodes`` (in DFA ``states``): one ``gather(states, bytes)`` per trie level."""
         reached, resolved = [], []
         while len(nodes):
             if pieces is not None:
@@ -131,7 +154,7 @@ class TokenTrie:
             # children of every frontier node, flattened: index = start of its parent's run + rank in the run
             offsets = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
             parent_states = np.repeat(states, counts)
-            next_states = ensure(states)[parent_states, self.child_byte[offsets]]
+            next_states = gather(parent_states, self.child_byte[offsets])
             alive = next_states >= 0
             children, states = self.child_node[offsets[alive]], next_states[alive]
             reached.append(children)
