@@ -171,6 +171,17 @@ def test_additional_properties_default_allows_undeclared_members_after_declared_
           good=[{"a": "s", "b": 1}], bad=[{"a": "s", "b": "s"}])
 
 
+def test_undeclared_member_keys_other_than_the_declared_names_in_every_spelling():
+    # declared members come first (see the default-policy test above); then any key but "ab" and "é", however spelled
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"}, "é": {"type": "integer"}},
+              "additionalProperties": {"type": "string"}}
+    check(schema, good=[{"ab": 1, "é": 2, "a": "s", "abc": "s", "b\u00e9": "s", "\u4e2d": "s", "\U0001f600": "s"},
+                        {"ée": "s", "\u00e8": "s"}],
+          bad=[{"ab": "s"}, {"é": "s"}, {"a": 1}],
+          texts_good=['{"\\u00e8":"s"}', '{"a\\u00e9":"s"}', '{"\\ud83d\\ude00":"s"}'],
+          texts_bad=['{"a\\u0062":"s"}', '{"\\u00e9":"s"}', '{"\\u00E9":"s"}', '{"\\u0061b":"s"}'])
+
+
 def test_pattern_properties_and_property_names():
     check({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": False},
           good=[{}, {"x-a": 1, "x-b": 2}], bad=[{"y": 1}, {"x-a": "s"}])
