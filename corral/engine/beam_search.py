@@ -20,6 +20,7 @@ score (logprobs are <= 0, so a bound is exact), or at ``max_tokens``. Live beams
 reason 'length'. Left out: stop strings, penalties, logit bias and temperature, which are sampling knobs.
 """
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -245,10 +246,19 @@ class BeamGroup:
 
 def beam_search_engine(engine, prompt: str | Sequence[int], params: BeamSearchParams,
                        guide: Guide | None = None) -> list[BeamHypothesis]:
-    """Beam search on the engine's model; ``prompt`` is text (tokenized as is) or token ids. Like
-    ``LLMEngine.generate`` it steps the engine until its requests finish, so it suits code that owns the
+    """Beam search on the engine's model; ``prompt`` is text (tokenized as is) or token ids. It steps the engine
+    until its request finishes and drops what other requests output meanwhile, so it suits code that owns the
     engine; a server submits ``add_request(request_id, prompt_ids, BeamSearchParams(...), guide)`` instead."""
-    (output,) = engine.generate([prompt], params, [guide])
-    return [BeamHypothesis(tuple(c.token_ids), c.cumulative_logprob,
-                           length_normalized_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
-                           c.finish_reason) for c in output.outputs]
+    prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    request_id = f"beam-search-{next(_request_ids)}"
+    engine.add_request(request_id, prompt_token_ids, params, guide=guide)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return [BeamHypothesis(tuple(c.token_ids), c.cumulative_logprob,
+                                       length_normalized_score(c.cumulative_logprob, len(c.token_ids),
+                                                               params.length_penalty), c.finish_reason)
+                        for c in output.outputs]
+
+
+_request_ids = itertools.count()
