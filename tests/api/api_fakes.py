@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from corral.engine.sampler import Sampler, SamplingRow, make_generator
+from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -66,6 +67,8 @@ class FakeEngine:
 
     def add_request(self, request_id, prompt_token_ids, params, guide=None, cache_salt=None):
         self.added.append((request_id, list(prompt_token_ids), params, guide))
+        if isinstance(params, BeamSearchParams):  # no model to search: the beams are width greedy outputs
+            params = SamplingParams(n=params.beam_width, temperature=0, max_tokens=params.max_tokens)
         texts = self.script(list(prompt_token_ids), params)
         texts = texts if isinstance(texts, list) else [texts] * params.n
         seqs = [_Seq(i, self.tokenizer.encode(t), None if guide is None else (guide if i == 0 else guide.copy()))
