@@ -28,6 +28,9 @@ from corral.fsm.token_trie import TokenTrie
 from corral.fsm.vocabulary import Vocabulary
 
 _FEW_TOKENS = 256
+# Piece facts kept per vocabulary (each about 0.3 MB per offset used at 49k tokens); a real workload has a few
+# dozen pieces (string characters, loose and exact; pattern classes).
+_MAX_PIECES = 64
 # A state whose self-loop covers at least this many bytes uses the self-loop shortcut.
 _LOOP_SHORTCUT_MIN_BYTES = 24
 
@@ -96,6 +99,8 @@ class VocabTables:
             with self._lock:
                 facts = self._pieces.setdefault(structure, PieceFacts(structure, self.vocab, self.grammar_ids,
                                                                       self.columns))
+                while len(self._pieces) > _MAX_PIECES:  # oldest first; grammars holding one keep it alive
+                    del self._pieces[next(iter(self._pieces))]
         return facts
 
     def _token_byte_sets(self) -> np.ndarray:
@@ -128,7 +133,7 @@ class TokenIndex:
         assert not dfa.is_empty, "an empty language has no token index"
         self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
         self._masks: dict[int, np.ndarray] = {}
-        self._crossings: dict[tuple[int, int], np.ndarray] = {}
+        self._crossings: dict[tuple[int, int], tuple[PieceTokens, np.ndarray]] = {}
         self._splits: dict[int, tuple[list[Piece], int] | None] = {}
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
@@ -237,7 +242,8 @@ class TokenIndex:
         repeat shares it)."""
         rest_state = self.dfa.state_of_term(piece.rest)
         key = (id(tokens), rest_state)
-        crossing = self._crossings.get(key)
+        known = self._crossings.get(key)
+        crossing = known[1] if known is not None else None
         if crossing is None:
             crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
             if rest_state != DEAD:
@@ -245,7 +251,7 @@ class TokenIndex:
                 walked = np.flatnonzero(row[tokens.cross_bytes] >= 0)  # most die at the first byte after the piece
                 crossing[walked] = self._walk_suffixes(rest_state, tokens.cross_ids[walked],
                                                        tokens.cross_offsets[walked])
-            self._crossings[key] = crossing
+            self._crossings[key] = (tokens, crossing)  # holding ``tokens`` keeps its id from being reused
         crossing = crossing & (tokens.cross_units >= piece.low)
         if piece.high is not None:
             crossing &= tokens.cross_units <= piece.high
