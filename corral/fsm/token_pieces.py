@@ -16,7 +16,10 @@ When ``first(X)`` and ``first(R)`` share no byte the split between the repeat an
 
 The first part is a few vectorised comparisons per state; the second walks only the tokens that can cross the
 piece's end (a few hundred), once per ``R``, whatever position of the repeat the state is at. This is XGrammar's
-context-independent token split, expressed on derivative terms.
+context-independent token split, expressed on derivative terms. The same facts for token bytes from offset ``d``
+on (one walk per piece and offset, on first use) let a trie walk that meets a piece ``d`` bytes into a token
+(after a string's opening quote, one character into a property name's free-form member) take that whole subtree
+at once, in the walk's state's other members' stead.
 
 Unit counting is exact only when a complete unit always returns the DFA of ``X*`` to its start term (no unit is a
 prefix of another, as with spelled JSON characters); a piece whose DFA reaches another accepting state is marked
