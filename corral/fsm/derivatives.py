@@ -162,6 +162,12 @@ class TermTable:
 
     def _from_charset(self, chars: CharSet) -> int:
         term = self._charsets.get(chars)
+        if term is None and chars.ranges and chars.ranges[0][0] < 0x80 < chars.ranges[-1][1]:
+            # ASCII and beyond apart: classes that differ in a few ASCII characters (the escape hatch at each
+            # node of a property-name trie) share the multi-byte part, most of the conversion
+            low = CharSet(tuple((lo, min(hi, 0x7F)) for lo, hi in chars.ranges if lo < 0x80))
+            high = CharSet(tuple((max(lo, 0x80), hi) for lo, hi in chars.ranges if hi >= 0x80))
+            term = self._charsets[chars] = self.alt([self._from_charset(low), self._from_charset(high)])
         if term is None:
             tails: dict[tuple, int] = {}  # sequences that end alike share their tail terms
 

@@ -14,8 +14,8 @@ from corral.grammar.json_containers import array_node, contains_array_node, memb
 from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
-from corral.grammar.json_strings import (ANY_CHAR, intersect_chars, length_node, loose_string_node, register_stable,
-                                         string_literal, string_node)
+from corral.grammar.json_strings import (ANY_CHAR, length_node, loose_string_node, register_stable, string_literal,
+                                         string_node)
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
@@ -262,13 +262,14 @@ class ValueBuilders:
 
     def _not_in_trie(self, trie: dict, tail: Node | None = None) -> Node:
         b = self.b
+        # one tail node for the whole trie: spelled and turned into automaton terms once, not once per node
         tail = b.repeat(ANY_CHAR, 0, None) if tail is None else tail
         children = [c for c in trie if c is not None]
         options = [] if None in trie else [EMPTY]
         options += [b.concat(CharSet.chars(c), self._not_in_trie(trie[c], tail)) for c in children]
         others = CharSet.chars("".join(children)).negate()
         others = others.negate().union(ANY_CHAR.negate()).negate()  # minus surrogates
-        options.append(b.concat(_split_non_ascii(b, others), tail))
+        options.append(b.concat(others, tail))
         return b.alt(options)
 
     def property_name_language(self, sources) -> Node:
@@ -292,21 +293,6 @@ class ValueBuilders:
                 return False
             atoms += inner
         return self.validates(name, atoms)
-
-
-_ASCII = CharSet.of((0, 0x7F))
-_NON_ASCII = intersect_chars(ANY_CHAR, _ASCII.negate())
-
-
-def _split_non_ascii(b: NodeBuilder, chars: CharSet) -> Node:
-    """``chars`` as (its ASCII part | every non-ASCII character) when it holds all of the latter, as the escape
-    hatch of a name trie over ASCII names does at every node: the non-ASCII part is then one shared node, whose
-    spelling (UTF-8 sequences, ``\\u`` escapes, surrogate pairs: most of a spelled class) is built and turned into
-    automaton terms once per schema instead of once per trie node. The language is the same."""
-    if intersect_chars(chars, _NON_ASCII) != _NON_ASCII:
-        return chars
-    ascii_part = intersect_chars(chars, _ASCII)
-    return b.alt([ascii_part, _NON_ASCII]) if ascii_part.ranges else _NON_ASCII
 
 
 def _fullmatch(node: Node, text: str) -> bool:
