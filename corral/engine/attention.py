@@ -4,10 +4,11 @@ The cache of one layer is two tensors ``[num_blocks, block_size, kv_heads, head_
 ``block_id * block_size + offset`` holds one token's K (or V). The model runner builds one
 :class:`AttentionMetadata` per step, shared by all layers, so the per-layer work is tensor ops only.
 
-Decodes (one query each) run as batched SDPA calls over their gathered, padded contexts, the query heads of a
-KV group stacked as the query length so GQA needs no repeat. The runner sorts decodes by context length and
-cuts them into a few groups, each padded only to its own longest context: gathering K/V is the dominant cost
-of CPU decode, and one group padded to the batch's longest context gathered about twice the bytes. A prefill chunk runs alone; when nothing of it is
+Decodes (one query each) run, when the compiled CPU kernel of :mod:`corral.kernels.paged_attention_cpu` is
+available, as one call over all of them that reads K/V in place from the blocks: gathering K/V was the dominant
+cost of CPU decode. Without it they run as batched SDPA calls over their gathered, padded contexts, the query
+heads of a KV group stacked as the query length so GQA needs no repeat; the runner then sorts decodes by context
+length and cuts them into a few groups, each padded only to its own longest context. A prefill chunk runs alone; when nothing of it is
 cached its own fresh K/V are used directly (no gather) with the causal flash path. On a GPU the same
 contract is served by the Triton kernel in :mod:`corral.kernels.paged_attention`, whose torch twin checks this
 code as well.
@@ -17,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from corral.kernels.paged_attention_cpu import paged_decode
 
 
 class PrefillSpan(NamedTuple):
@@ -29,8 +32,9 @@ class PrefillSpan(NamedTuple):
 class DecodeGroup(NamedTuple):
     start: int  # rows [start, end) of the flat batch are single-query sequences
     end: int
-    block_ids: torch.Tensor  # [(end - start) * width] int64: each sequence's block table, padded to width blocks
-    mask: torch.Tensor  # [end - start, 1, 1, width * block_size] bool, True where a key is real
+    block_tables: torch.Tensor  # [end - start, width] int64: each sequence's block table, padded with block 0
+    context_lens: torch.Tensor  # [end - start] int64: keys each query sees, its own included
+    mask: torch.Tensor | None  # [end - start, 1, 1, width * block_size] bool, True where a key is real; None: kernel
 
 
 class AttentionMetadata(NamedTuple):
@@ -68,9 +72,12 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
+    if group.mask is None:  # the compiled kernel reads the blocks in place
+        return paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, head_dim ** -0.5)
     num_kv_heads = k_cache.shape[2]
-    keys = gather_blocks(k_cache, group.block_ids, batch)  # [B, kv_heads, L, D]
-    values = gather_blocks(v_cache, group.block_ids, batch)
+    block_ids = group.block_tables.flatten()
+    keys = gather_blocks(k_cache, block_ids, batch)  # [B, kv_heads, L, D]
+    values = gather_blocks(v_cache, block_ids, batch)
     # the query heads sharing a KV head act as that head's query rows
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask)

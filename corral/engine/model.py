@@ -57,7 +57,8 @@ class LlamaModel:
         self.layers = [self._layer(weights, i, get) for i in range(config.num_layers)]
         freqs = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inv_freq(config))
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = angles.cos(), angles.sin()  # float32 [max_position, head_dim], as HF computes them
+        # computed in float32 as HF does, then cast once: [max_position, head_dim] in the run dtype
+        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _layer(self, weights, i, get) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -80,17 +81,15 @@ class LlamaModel:
         """Hidden states [T, hidden] after the final norm, for the flat batch ``input_ids`` [T]."""
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = F.linear(self.rms_norm(h, layer["attn_norm"]), layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            # Q and K heads side by side take RoPE in one pass (the same elementwise ops as two)
+            qk = qkv[:, : q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention_forward(q, k, v, k_cache, v_cache, meta)
             h = h + F.linear(attn, layer["o"])

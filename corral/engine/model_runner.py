@@ -16,12 +16,13 @@ from corral.engine.model import LlamaModel
 from corral.engine.scheduler import ScheduledBatch
 from corral.engine.sequence import Sequence
 from corral.engine.weights import load_weights
+from corral.kernels import paged_attention_cpu
 from corral.models import ModelConfig, ModelFiles
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-DECODE_GROUP_SIZE = 16  # decodes per attention call; each group is padded to its own longest context
+DECODE_GROUP_SIZE = 16  # torch path: decodes per attention call; each group is padded to its own longest context
 
 
 class ModelRunner:
@@ -30,6 +31,7 @@ class ModelRunner:
         dtype = config.torch_dtype
         self.model = LlamaModel(model_config, load_weights(files, model_config, dtype), dtype)
         self.block_size = config.block_size
+        self.use_decode_kernel = paged_attention_cpu.load() is not None
         bytes_per_token = model_config.kv_bytes_per_token(dtype.itemsize)
         self.num_blocks = config.num_kv_blocks or max(
             1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // (bytes_per_token * config.block_size))
@@ -93,15 +95,17 @@ class ModelRunner:
             else:
                 context = None if start == 0 else torch.tensor(table[: -(-(start + count) // size)])
                 prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context, start + count))
-        decodes = tuple(self._decode_group(seqs[i: i + DECODE_GROUP_SIZE], i)
-                        for i in range(0, num_decodes, DECODE_GROUP_SIZE))
+        group_size = max(num_decodes, 1) if self.use_decode_kernel else DECODE_GROUP_SIZE
+        decodes = tuple(self._decode_group(seqs[i: i + group_size], i) for i in range(0, num_decodes, group_size))
         meta = AttentionMetadata(torch.tensor(slots), decodes, tuple(prefills))
         return torch.tensor(input_ids), torch.tensor(positions), meta
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
-        """Block tables padded (with block 0) to the group's longest, and the [B, 1, 1, L] mask of real keys."""
-        context_lens = [seq.num_computed_tokens + 1 for seq in seqs]
-        width = -(-max(context_lens) // self.block_size)
+        """Block tables padded (with block 0) to the group's longest, and for the torch path the [B, 1, 1, L]
+        mask of real keys."""
+        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+        width = -(-int(context_lens.max()) // self.block_size)
         tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
-        mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(context_lens)[:, None]
-        return DecodeGroup(start, start + len(seqs), torch.tensor(tables).flatten(), mask[:, None, None, :])
+        mask = None if self.use_decode_kernel else \
+            (torch.arange(width * self.block_size)[None, :] < context_lens[:, None])[:, None, None, :]
+        return DecodeGroup(start, start + len(seqs), torch.tensor(tables), context_lens, mask)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention_forward
+from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention, paged_attention_torch, paged_attention_triton
 
 BLOCK_SIZE = 16
@@ -77,8 +78,12 @@ def test_dispatch_uses_the_twin_on_cpu():
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_engine_cpu_path_matches_twin(name):
-    """The engine's batched path (decodes first, prefill spans after) on the same caches and tables."""
+@pytest.mark.parametrize("decode_path", ["torch", "kernel"])
+def test_engine_cpu_path_matches_twin(name, decode_path):
+    """The engine's batched path (decodes first, prefill spans after) on the same caches and tables; decodes
+    through gathered SDPA (a mask given) or the compiled kernel (no mask)."""
+    if decode_path == "kernel" and paged_attention_cpu.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernel is unavailable")
     query_lens, seq_lens = CASES[name]
     q, k_cache, v_cache, tables, lens, qsl = make_case(query_lens, seq_lens, seed=2)
     order = sorted(range(len(query_lens)), key=lambda s: query_lens[s] != 1)  # the engine puts decodes first
@@ -91,8 +96,10 @@ def test_engine_cpu_path_matches_twin(name):
     for i, s in enumerate(decodes):
         padded[i, : len(block_lists[i])] = block_lists[i]
         mask[i, ..., : seq_lens[s]] = True
-    groups = (DecodeGroup(0, 1, padded[:1].flatten(), mask[:1]),
-              DecodeGroup(1, len(decodes), padded[1:].flatten(), mask[1:]))
+    context_lens = torch.tensor([seq_lens[s] for s in decodes], dtype=torch.long)
+    masks = (mask[:1], mask[1:]) if decode_path == "torch" else (None, None)
+    groups = (DecodeGroup(0, 1, padded[:1], context_lens[:1], masks[0]),
+              DecodeGroup(1, len(decodes), padded[1:], context_lens[1:], masks[1]))
     spans, start = [], len(decodes)
     for i, s in enumerate(order[len(decodes):], start=len(decodes)):
         end = start + query_lens[s]

@@ -1,0 +1,55 @@
+"""The compiled CPU decode kernel against the torch twin, over a table of shapes (GQA groups, head sizes with
+and without a compile-time specialisation, contexts from one key to several blocks, float32 and bfloat16)."""
+
+import pytest
+import torch
+
+from corral.kernels import paged_attention_cpu
+from corral.kernels.paged_attention import paged_attention_torch
+
+pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C++ compiler: kernel unavailable")
+
+SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size, context lengths)
+    "smollm-like": (9, 3, 64, 16, [1, 15, 16, 17, 300]),
+    "mha": (4, 4, 32, 16, [5, 64]),
+    "head_dim 128": (8, 2, 128, 16, [33, 1]),
+    "odd head_dim": (6, 2, 40, 8, [9, 100, 2]),
+}
+
+
+def make_case(num_heads, num_kv_heads, head_dim, block_size, lens, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in lens]
+    num_blocks = sum(widths) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.long)  # padded with block 0, as the runner does
+    for s, w in enumerate(widths):
+        tables[s, :w] = torch.tensor([order.pop() for _ in range(w)])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_twin(name, dtype):
+    q, k_cache, v_cache, tables, lens = make_case(*SHAPES[name], dtype=dtype)
+    scale = q.shape[-1] ** -0.5
+    got = paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    expected = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables.int(), lens.int(), qsl, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: only the final rounding of the output differs
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.reshape(len(lens), -1), atol=tol, rtol=tol)
+
+
+def test_keys_past_the_context_are_never_read():
+    """Poisoning (NaN) the unused tail of each sequence's last block must not change the output."""
+    q, k_cache, v_cache, tables, lens = make_case(9, 3, 64, 16, [3, 20], dtype=torch.float32)
+    clean = paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    for s, n in enumerate(lens.tolist()):
+        last = int(tables[s, (n - 1) // 16])
+        k_cache[last, n % 16:] = float("nan")
+        v_cache[last, n % 16:] = float("nan")
+    assert torch.equal(paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), clean)
