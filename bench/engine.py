@@ -231,7 +231,8 @@ def main() -> None:
     workload = make_workload(tokenizer, args.num_requests, args.seed)
     stream = poisson_arrivals(workload, args.rate, args.seed)
     print(f"{len(workload)} requests, prompt tokens {sum(len(r.prompt_token_ids) for r in workload)}, "
-          f"output tokens {sum(r.num_output_tokens for r in workload)}; torch threads {torch.get_num_threads()}")
+          f"output tokens {sum(r.num_output_tokens for r in workload)}; torch threads {torch.get_num_threads()}; "
+          f"load average at the start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     results = []
     if "corral" in engines:
         engine = LLMEngine(EngineConfig(dtype=args.dtype))
@@ -264,6 +265,7 @@ def main() -> None:
         if not args.skip_poisson:
             results.append(run_llama_cpp(llm, stream, eos, f"poisson {args.rate:g}/s"))
     report(results)
+    print(f"load average at the end (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
