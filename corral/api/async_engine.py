@@ -139,24 +139,6 @@ class AsyncEngine:
             if not stream.finished:
                 self._send(("abort", request_id))
 
-    async def run_exclusive(self, fn):
-        """Run ``fn(engine)`` on the engine thread with the engine to itself, and return its result.
-
-        For strategies that drive ``step()`` themselves (beam search): requests already running finish first,
-        requests that arrive meanwhile wait until ``fn`` returns. Everything else stalls while it runs, which is
-        the price of a step-level strategy over a batch engine; it counts as one request in flight.
-        """
-        self.check_admission()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        key = self.new_request_id("exclusive")
-        self._streams[key] = _Stream(loop)
-        try:
-            self._send(("exclusive", fn, loop, future))
-            return await future
-        finally:
-            self._streams.pop(key, None)
-
     def _send(self, command: tuple) -> None:
         with self._wake:
             self._commands.append(command)
@@ -172,25 +154,18 @@ class AsyncEngine:
     # -- the engine thread's side ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        job = None  # an exclusive command waiting for the engine to drain
         try:
             while True:
                 with self._wake:
-                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests() or job):
+                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                         self._wake.wait()
                     if self._stopping:
                         return
-                    commands = self._take_commands() if job is None else []
+                    commands, self._commands = self._commands, []
                 for command in commands:
-                    if command[0] == "exclusive":
-                        job = command
-                    else:
-                        self._apply(command)
+                    self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif job is not None:
-                    self._run_job(*job[1:])
-                    job = None
                 self._stats = self.engine.stats()
                 if self.observer is not None:
                     self.observer.on_stats(self._stats)
@@ -210,27 +185,6 @@ class AsyncEngine:
                 stream.put(EngineStepError(f"the engine failed while running this request: {err!r}"))
             return
         self._deliver(outputs)
-
-    def _take_commands(self) -> list[tuple]:
-        """The queued commands up to and including the first exclusive one; later ones wait for it."""
-        for i, command in enumerate(self._commands):
-            if command[0] == "exclusive":
-                taken, self._commands = self._commands[:i + 1], self._commands[i + 1:]
-                return taken
-        taken, self._commands = self._commands, []
-        return taken
-
-    def _run_job(self, fn, loop, future) -> None:
-        try:
-            result, error = fn(self.engine), None
-        except Exception as err:  # handed to the caller, like an add_request error
-            result, error = None, err
-
-        def settle():
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
-
-        loop.call_soon_threadsafe(settle)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from corral.api.async_engine import AsyncEngine
 from corral.api.metrics import ServerMetrics
+from corral.engine.sampling_params import BeamSearchParams
 from corral.errors import InvalidRequestError
 from corral.schemas.prepare import PreparedRequest
 
@@ -55,7 +56,7 @@ class ServingContext:
             self.metrics.on_compile(time.monotonic() - start)
         return guide
 
-    async def start(self, prefix: str, prepared: PreparedRequest) -> tuple[str, AsyncIterator]:
+    async def start(self, prefix: str, prepared: PreparedRequest, params=None) -> tuple[str, AsyncIterator]:
         """Compile, admit and submit: the request id and its stream of ``RequestOutput`` s. Errors before the
         first output (bad constraint, overload, a prompt the engine can never fit) are raised here, so the
         endpoint can still answer with a status code instead of a broken stream."""
@@ -63,7 +64,7 @@ class ServingContext:
         guide = await self.new_guide(prepared)
         request_id = self.engine.new_request_id(prefix)
         self.metrics.on_arrival(request_id, time.monotonic())
-        outputs = self.engine.generate(request_id, prepared, guide)
+        outputs = self.engine.generate(request_id, prepared, guide, params)
         try:
             first = await anext(outputs)
         except BaseException:
@@ -74,9 +75,7 @@ class ServingContext:
 
     async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest) -> tuple[str, dict, object]:
         """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output)."""
-        if prepared.strategy.kind == "beam_search":
-            return await self._beam_search(prefix, prepared)
-        request_id, outputs = await self.start(prefix, prepared)
+        request_id, outputs = await self.start(prefix, prepared, _beam_search_params(prepared))
         latest: dict = {}
         last = None
 
@@ -90,25 +89,16 @@ class ServingContext:
         return request_id, latest, last
 
 
-    async def _beam_search(self, prefix: str, prepared: PreparedRequest) -> tuple[str, dict, object]:
-        """Beam search (``corral.engine.beam_search``) with the engine to itself; beams become choices."""
-        from corral.engine.beam_search import BeamSearchParams, beam_search_engine
-        from corral.engine.outputs import CompletionOutput, RequestOutput
+def _beam_search_params(prepared: PreparedRequest):
+    """The engine's beam-search parameters when the request asks for beam search, else None (its own params).
 
-        strategy, params = prepared.strategy, prepared.params
-        search = BeamSearchParams(beam_width=strategy.width, max_tokens=params.max_tokens,
-                                  length_penalty=strategy.length_penalty)
-        guide = await self.new_guide(prepared)
-        hypotheses = await self.engine.run_exclusive(
-            lambda engine: beam_search_engine(engine, prepared.prompt_token_ids, search, guide))
-        eos = set(self.vocabulary.eos_token_ids)
-        latest = {i: CompletionOutput(i, list(h.token_ids), self.tokenizer.decode([t for t in h.token_ids
-                                                                                   if t not in eos]),
-                                      h.finish_reason, cumulative_logprob=h.cumulative_logprob)
-                  for i, h in enumerate(hypotheses)}
-        last = RequestOutput(self.engine.new_request_id(prefix), prepared.prompt_token_ids, list(latest.values()),
-                             True)
-        return last.request_id, latest, last
+    Beams run in the engine as a beam group, batched with every other request; the group's hypotheses come back
+    as the request's completions, best first."""
+    if prepared.strategy.kind != "beam_search":
+        return None
+    strategy = prepared.strategy
+    return BeamSearchParams(beam_width=strategy.width, max_tokens=prepared.params.max_tokens,
+                            length_penalty=strategy.length_penalty)
 
 
 async def _chain(first, rest: AsyncIterator, on_abandon) -> AsyncIterator:
