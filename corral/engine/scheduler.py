@@ -9,7 +9,10 @@ Order of a step (vLLM V1's policy, in one pass):
    recompute: its blocks are freed, it goes back to the front of the queue and later recomputes prompt plus
    output (the prefix cache often makes that cheap). A sequence may preempt itself;
 3. then waiting sequences, first come first served, each starting from its prefix-cache hit, while the budget,
-   the sequence cap and the pool allow. None is admitted in a step that preempted.
+   the sequence cap and the pool allow. None is admitted in a step that preempted. A waiting sequence whose
+   next uncached block is one a running prefill is computing right now (same chain hash) is held back, keeping
+   its place in the queue, and the ones behind it go on: next step that block is a cache hit instead of being
+   computed twice (SGLang's cache-aware admission, reduced to the one block that decides it).
 
 What this leaves out: priorities, and swapping KV to host memory (recompute is what a small model wants).
 """
@@ -77,11 +80,16 @@ class Scheduler:
 
     def _admit(self, planned: dict, budget: int) -> int:
         bm = self.block_manager
+        in_flight = self._blocks_in_flight() if bm.enable_prefix_caching else None
+        held: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq)
+            if in_flight and self._next_block_hash(seq, hits) in in_flight:
+                held.append(self.waiting.popleft())
+                continue
             num_new = min(len(seq) - len(hits) * bm.block_size, budget)
             if not bm.can_allocate(seq, len(hits) * bm.block_size + num_new, hits):
                 break
@@ -91,7 +99,28 @@ class Scheduler:
             self.running.append(seq)
             planned[seq.seq_id] = (seq, num_new)
             budget -= num_new
+            if in_flight is not None:
+                in_flight.update(self._uncached_block_hashes(seq))
+        self.waiting.extendleft(reversed(held))  # held sequences keep their place at the front
         return budget
+
+    def _uncached_block_hashes(self, seq: Sequence) -> list[int]:
+        """Chain hashes of ``seq``'s full prompt blocks that are not cached yet (it is computing them)."""
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        return self.block_manager.chain_hashes(seq.token_ids, seq.cache_salt, parent, len(seq.block_hashes),
+                                               seq.num_prompt_tokens // self.block_manager.block_size)
+
+    def _blocks_in_flight(self) -> set[int]:
+        return {h for seq in self.running if seq.num_computed_tokens < seq.num_prompt_tokens
+                for h in self._uncached_block_hashes(seq)}
+
+    def _next_block_hash(self, seq: Sequence, hits: list[int]) -> int | None:
+        """Chain hash of the first full block of ``seq`` past its cache ``hits`` (None: no such block)."""
+        bm = self.block_manager
+        if len(hits) >= (len(seq) - 1) // bm.block_size:
+            return None
+        parent = bm.block_hash[hits[-1]] if hits else None
+        return bm.chain_hashes(seq.token_ids, seq.cache_salt, parent, len(hits), len(hits) + 1)[0]
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first, to recompute everything it has so far."""

@@ -89,6 +89,27 @@ def test_a_prefix_hit_starts_the_prefill_after_the_cached_blocks():
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
 
 
+def test_a_request_waits_one_step_for_a_prefix_a_running_prefill_is_computing():
+    """Arriving together, b shares a's first two blocks: b is held while a computes them (c, unrelated, goes
+    ahead of it), then starts after them instead of computing them a second time."""
+    sched = make(num_blocks=16, block_size=4, budget=32)
+    a = add(sched, "a", 10)
+    b = Sequence("b", list(range(9)) + [77], PARAMS)
+    sched.add(b)
+    c = add(sched, "c", 6, first_token=50)
+    assert step(sched) == [("a", 10), ("c", 6)]
+    assert [s.request_id for s in sched.waiting] == ["b"]
+    assert step(sched) == [("a", 1), ("c", 1), ("b", 2)]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+
+
+def test_without_the_prefix_cache_nothing_is_held():
+    sched = make(num_blocks=16, block_size=4, budget=32, prefix=False)
+    add(sched, "a", 10)
+    sched.add(Sequence("b", list(range(9)) + [77], PARAMS))
+    assert step(sched) == [("a", 10), ("b", 10)]
+
+
 def test_finish_frees_everything_at_once():
     sched = make()
     a, b = add(sched, "a", 5), add(sched, "b", 30, first_token=100)
