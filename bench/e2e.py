@@ -101,41 +101,56 @@ async def run_corral(base_url: str, entries: list[dict], max_tokens: int, concur
         await client.close()
 
 
-def run_llama(entries: list[dict], max_tokens: int, threads: int) -> list[Outcome]:
+_LLAMA = None  # the worker process's model
+
+
+def _load_llama(threads: int) -> None:
+    global _LLAMA
     from llama_cpp import Llama
 
     from corral.models import resolve_model
 
-    llm = Llama(model_path=resolve_model().path, n_ctx=2048, n_threads=threads, verbose=False)
-    outcomes = []
-    for entry in entries:
-        outcome = Outcome(entry["id"])
-        start = time.perf_counter()
-        try:
-            response = llm.create_chat_completion(
-                messages=[{"role": "user", "content": prompt_of(entry["schema"])}], temperature=0,
-                max_tokens=max_tokens, response_format={"type": "json_object", "schema": entry["schema"]})
-            choice = response["choices"][0]
-            outcome.finish, outcome.text = choice["finish_reason"], choice["message"]["content"] or ""
-            outcome.tokens = response["usage"]["completion_tokens"]
-        except Exception as err:  # llama-cpp-python raises plain exceptions for schemas it cannot convert
-            outcome.error = f"{type(err).__name__}: {str(err)[:50]}"
-        outcome.seconds = time.perf_counter() - start
-        outcomes.append(outcome)
-    return outcomes
+    _LLAMA = Llama(model_path=resolve_model().path, n_ctx=2048, n_threads=threads, verbose=False)
 
 
-def run_isolated(fn, *args):
-    """``fn(*args)`` in a fresh process, so that a native crash (a wheel built for another CPU dies with SIGILL)
-    ends the peer's run, not the benchmark. None when the process died."""
+def _llama_one(entry: dict, max_tokens: int) -> Outcome:
+    outcome = Outcome(entry["id"])
+    start = time.perf_counter()
+    try:
+        response = _LLAMA.create_chat_completion(
+            messages=[{"role": "user", "content": prompt_of(entry["schema"])}], temperature=0,
+            max_tokens=max_tokens, response_format={"type": "json_object", "schema": entry["schema"]})
+        choice = response["choices"][0]
+        outcome.finish, outcome.text = choice["finish_reason"], choice["message"]["content"] or ""
+        outcome.tokens = response["usage"]["completion_tokens"]
+    except Exception as err:  # llama-cpp-python raises plain exceptions for schemas it cannot convert
+        outcome.error = f"{type(err).__name__}: {str(err)[:50]}"
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def run_llama(entries: list[dict], max_tokens: int, threads: int) -> list[Outcome]:
+    """llama-cpp-python, one request at a time, in a worker process: a native crash on one schema (seen: the
+    worker died mid-run) is recorded as that schema's error, and a fresh worker goes on with the rest."""
     import concurrent.futures
     import multiprocessing
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            return pool.submit(fn, *args).result()
-        except concurrent.futures.process.BrokenProcessPool:
-            return None
+    outcomes, pending = [], list(entries)
+    while pending:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=_load_llama, initargs=(threads,)) as pool:
+            try:
+                while pending:
+                    outcomes.append(pool.submit(_llama_one, pending[0], max_tokens).result())
+                    pending.pop(0)
+                    if len(outcomes) % 20 == 0:
+                        print(f"llama-cpp-python: {len(outcomes)}/{len(entries)}", file=sys.stderr, flush=True)
+            except concurrent.futures.process.BrokenProcessPool:
+                crashed = Outcome(pending.pop(0)["id"])
+                crashed.error = "crash: the worker process died"
+                print(f"llama-cpp-python crashed on {crashed.schema_id}", file=sys.stderr, flush=True)
+                outcomes.append(crashed)
+    return outcomes
 
 
 def summarize(name: str, outcomes: list[Outcome], schemas: dict, wall_s: float) -> dict:
@@ -209,13 +224,9 @@ def main() -> None:
             print("llama-cpp-python is not installed (make bench-extras); skipping it", file=sys.stderr)
         else:
             start = time.perf_counter()
-            outcomes = run_isolated(run_llama, entries, args.max_tokens, args.threads)
-            if outcomes is None:
-                print("llama-cpp-python crashed (its worker process died); no comparison in this run",
-                      file=sys.stderr)
-            else:
-                rows.append(summarize("llama-cpp-python", outcomes, schemas, time.perf_counter() - start))
-                print(json.dumps(rows[-1]), flush=True)
+            outcomes = run_llama(entries, args.max_tokens, args.threads)
+            rows.append(summarize("llama-cpp-python", outcomes, schemas, time.perf_counter() - start))
+            print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     if len(rows) == 2 and rows[1]["output_tok_s"]:
         print(f"\nthroughput ratio corral / llama-cpp-python: {rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")
