@@ -111,7 +111,11 @@ ENTRY(corral_paged_decode_f32, float)
 ENTRY(corral_paged_decode_bf16, uint16_t)
 """
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
+# denormals-are-zero for the whole process when the library loads (numpy, torch and every test after it would
+# lose subnormal floats). The reassociation that lets the dot products vectorize is asked for on its own.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+         "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

@@ -53,3 +53,13 @@ def test_keys_past_the_context_are_never_read():
         k_cache[last, n % 16:] = float("nan")
         v_cache[last, n % 16:] = float("nan")
     assert torch.equal(paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), clean)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library built with -ffast-math would set flush-to-zero for the whole process when it loads."""
+    if paged_attention_cpu.load() is None:
+        pytest.skip("no C++ compiler: the kernel is not built")
+    import numpy as np
+
+    tiny = np.float32(1e-40)  # subnormal in float32
+    assert tiny * np.float32(1.0) != 0 and float(torch.tensor(1e-40) * 1.0) != 0
