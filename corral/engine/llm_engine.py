@@ -167,8 +167,9 @@ class LLMEngine:
         (seqs, logits), beams = self._split_beams(seqs, logits)             # beam rows skip the sampler
         masks = masks.result()
         rows, row_logits = self._fork_siblings(seqs, logits)                # n > 1: siblings share the row
+        rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
         result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
-        return self._process(rows, result) + self._advance_beams(*beams, masks)  # guides, stops; beams: search
+        return self._process(rows, result, stuck) + self._advance_beams(*beams, masks)  # guides, stops; beams
 
     def _schedule(self) -> ScheduledBatch:
         """The scheduler's batch, less the beams that hold their row while a sibling catches up (nothing to
@@ -285,8 +286,20 @@ class LLMEngine:
             bitmask[i] = filled[rows[i][1].seq_id]  # a fresh sibling's guide is a copy: same state, same mask
         return torch.from_numpy(bitmask), torch.tensor(masked, dtype=torch.long)
 
-    def _process(self, rows, result: SampleResult) -> list[RequestOutput]:
+    def _drop_dead_ends(self, rows, logits: torch.Tensor, filled: dict[int, np.ndarray]):
+        """Rows whose guide allows no token at all (a grammar that needs bytes no token spells) leave the batch:
+        their sequences finish with reason 'error' instead of failing the whole step in the sampler."""
+        stuck = [i for i, (_, source) in enumerate(rows) if source.seq_id in filled and not filled[source.seq_id].any()]
+        if not stuck:
+            return rows, logits, []
+        kept = [i for i in range(len(rows)) if i not in set(stuck)]
+        return [rows[i] for i in kept], logits[kept], [rows[i][0] for i in stuck]
+
+    def _process(self, rows, result: SampleResult, stuck: list[Sequence] = ()) -> list[RequestOutput]:
         now, touched = time.monotonic(), {}
+        for seq in stuck:
+            self._finish(seq, "error")
+            touched[seq.request_id] = self._requests[seq.request_id]
         for i, (seq, _) in enumerate(rows):
             token = result.token_ids[i]
             seq.append_token(token)

@@ -98,7 +98,8 @@ class FakeEngine:
                 live = [s for s in live if s.finish is None]
                 drawn = self._sampled(live, params, prompt) if live else []
             for i, s in enumerate(live):
-                self._advance(s, params, drawn[i] if self.sampler is not None else None)
+                if s.finish is None:  # a guide with no allowed token has already ended its sequence
+                    self._advance(s, params, drawn[i] if self.sampler is not None else None)
             completions = [FakeCompletionOutput(
                 s.index, list(s.emitted), self.tokenizer.decode(s.emitted), s.finish,
                 logprobs=[(-0.5, [(t, -0.5)]) for t in s.emitted] if params.logprobs is not None else None,
@@ -117,10 +118,17 @@ class FakeEngine:
         for i, s in enumerate(seqs):
             if s.guide is not None:
                 s.guide.fill_mask(bitmask[i].numpy())
-        rows = [SamplingRow(params, prompt, s.emitted, s.generator) for s in seqs]
-        tokens = self.sampler(logits, rows, bitmask).token_ids
+        for i, s in enumerate(seqs):
+            if s.guide is not None and not bitmask[i].any():  # as the engine does: no token fits, an error
+                s.finish = "error"
+        keep = [i for i, s in enumerate(seqs) if s.finish is None]
+        rows = [SamplingRow(params, prompt, seqs[i].emitted, seqs[i].generator) for i in keep]
+        tokens = self.sampler(logits[keep], rows, bitmask[keep]).token_ids if keep else []
         eos = set(self.tokenizer.eos_token_ids) if not params.ignore_eos else set()
-        return [None if t in eos else t for t in tokens]
+        drawn = [None] * len(seqs)
+        for i, token in zip(keep, tokens):
+            drawn[i] = None if token in eos else token
+        return drawn
 
     def _advance(self, s, params, drawn):
         if self.sampler is not None:

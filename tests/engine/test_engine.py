@@ -142,6 +142,20 @@ def test_guides_constrain_and_an_error_ends_only_its_sequence(engine):
     assert outs[2].outputs[0].token_ids == free.token_ids
 
 
+def test_a_guide_that_allows_no_token_ends_only_its_sequence(engine):
+    from corral.fsm.compiler import GrammarCompiler
+    from corral.grammar.constraint import Constraint
+
+    # byte 0x04 is in no token of the default vocabulary: the grammar is live but its first mask is empty
+    assert not any(4 in t for i, t in enumerate(engine.vocabulary.token_bytes) if i not in engine.vocabulary.special_ids)
+    guide = GrammarCompiler(engine.vocabulary).compile(Constraint("regex", "\x04")).new_guide()
+    ids = chat(engine, PROMPTS[0])
+    stuck, free = engine.generate([ids, ids], greedy(8), guides=[guide, None])
+    assert stuck.outputs[0].finish_reason == "error" and stuck.outputs[0].token_ids == []
+    assert free.outputs[0].token_ids == engine.generate([ids], greedy(8))[0].outputs[0].token_ids
+    assert not engine.has_unfinished_requests()
+
+
 def test_abort_frees_everything_at_once(engine):
     ids = chat(engine, PROMPTS[1])
     engine.add_request("to-abort", ids, greedy(200, n=2))
