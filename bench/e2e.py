@@ -11,7 +11,7 @@ as it serves, on the same GGUF file and threads. For both it reports:
 - compile errors grouped by the schema keyword the error names (Corral) or the exception (llama-cpp-python);
 - throughput: output tokens per second over the whole run, and the median request latency.
 
-    python bench/e2e.py [--limit 200] [--max-tokens 128] [--concurrency 16] [--base-url URL] [--no-llama]
+    python bench/e2e.py [--limit 200] [--max-tokens 128] [--concurrency 16] [--base-url URL] [--no-llama] [--peer-timeout S]
 """
 
 import argparse
@@ -129,9 +129,10 @@ def _llama_one(entry: dict, max_tokens: int) -> Outcome:
     return outcome
 
 
-def run_llama(entries: list[dict], max_tokens: int, threads: int) -> list[Outcome]:
+def run_llama(entries: list[dict], max_tokens: int, threads: int, timeout_s: float) -> list[Outcome]:
     """llama-cpp-python, one request at a time, in a worker process: a native crash on one schema (seen: the
-    worker died mid-run) is recorded as that schema's error, and a fresh worker goes on with the rest."""
+    worker died on 4 of the first 140 dev schemas) or a request running past ``timeout_s`` (seen: one ran for
+    over 15 minutes) is recorded as that schema's error, and a fresh worker goes on with the rest."""
     import concurrent.futures
     import multiprocessing
 
@@ -141,15 +142,18 @@ def run_llama(entries: list[dict], max_tokens: int, threads: int) -> list[Outcom
                                                     initializer=_load_llama, initargs=(threads,)) as pool:
             try:
                 while pending:
-                    outcomes.append(pool.submit(_llama_one, pending[0], max_tokens).result())
+                    outcomes.append(pool.submit(_llama_one, pending[0], max_tokens).result(timeout=timeout_s))
                     pending.pop(0)
                     if len(outcomes) % 20 == 0:
                         print(f"llama-cpp-python: {len(outcomes)}/{len(entries)}", file=sys.stderr, flush=True)
-            except concurrent.futures.process.BrokenProcessPool:
-                crashed = Outcome(pending.pop(0)["id"])
-                crashed.error = "crash: the worker process died"
-                print(f"llama-cpp-python crashed on {crashed.schema_id}", file=sys.stderr, flush=True)
-                outcomes.append(crashed)
+            except (concurrent.futures.process.BrokenProcessPool, concurrent.futures.TimeoutError) as err:
+                failed = Outcome(pending.pop(0)["id"])
+                timed_out = isinstance(err, concurrent.futures.TimeoutError)
+                failed.error = f"timeout: over {timeout_s:g} s" if timed_out else "crash: the worker process died"
+                print(f"llama-cpp-python {failed.error} on {failed.schema_id}", file=sys.stderr, flush=True)
+                outcomes.append(failed)
+                for process in list(pool._processes.values()):  # a stalled worker would hold the pool's exit
+                    process.kill()
     return outcomes
 
 
@@ -173,14 +177,14 @@ def summarize(name: str, outcomes: list[Outcome], schemas: dict, wall_s: float) 
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| engine | requests | stop | valid of stop | truncated | compile errors | output tok/s | median latency |")
+    print("| engine | requests | stop | valid of stop | truncated | errors (compile, crash, timeout) | output tok/s | median latency |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         errors = sum(r["compile_errors"].values())
         print(f"| {r['engine']} | {r['requests']} | {r['stop']} | {r['valid_of_stop']} ({r['valid_pct']:.1f}%) | "
               f"{r['truncated_pct']:.1f}% | {errors} | {r['output_tok_s']:.1f} | {r['median_latency_s']:.2f} s |")
     for r in rows:
-        print(f"\n{r['engine']} compile errors by keyword: {r['compile_errors'] or 'none'}")
+        print(f"\n{r['engine']} errors by keyword or exception: {r['compile_errors'] or 'none'}")
         if r["invalid_ids"]:
             print(f"{r['engine']} invalid outputs (first ids): {r['invalid_ids']}")
 
@@ -202,6 +206,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--base-url", default=None, help="a running Corral server (default: start one here)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--peer-timeout", type=float, default=120.0, help="seconds per llama-cpp-python request")
     parser.add_argument("--out", default=None, help="write the summaries as JSON")
     args = parser.parse_args()
     entries = load_schemas(args.data, args.limit)
@@ -224,7 +229,7 @@ def main() -> None:
             print("llama-cpp-python is not installed (make bench-extras); skipping it", file=sys.stderr)
         else:
             start = time.perf_counter()
-            outcomes = run_llama(entries, args.max_tokens, args.threads)
+            outcomes = run_llama(entries, args.max_tokens, args.threads, args.peer_timeout)
             rows.append(summarize("llama-cpp-python", outcomes, schemas, time.perf_counter() - start))
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
