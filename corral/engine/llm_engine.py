@@ -292,7 +292,8 @@ class LLMEngine:
         stuck = [i for i, (_, source) in enumerate(rows) if source.seq_id in filled and not filled[source.seq_id].any()]
         if not stuck:
             return rows, logits, []
-        kept = [i for i in range(len(rows)) if i not in set(stuck)]
+        dead = set(stuck)
+        kept = [i for i in range(len(rows)) if i not in dead]
         return [rows[i] for i in kept], logits[kept], [rows[i][0] for i in stuck]
 
     def _process(self, rows, result: SampleResult, stuck: list[Sequence] = ()) -> list[RequestOutput]:
