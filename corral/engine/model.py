@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from corral.engine.attention import AttentionMetadata, paged_attention_forward, write_kv
 from corral.errors import ModelNotFoundError
+from corral.kernels import cpu_ops
 from corral.models import ModelConfig
 
 
@@ -45,6 +46,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # subtle: computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm does
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, heads, D] rotated by per-row ``cos``/``sin`` [T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class LlamaModel:
     """Weights plus ``forward``. Plain tensors rather than ``nn.Module``: nothing here trains."""
 
@@ -59,6 +77,7 @@ class LlamaModel:
         angles = torch.cat((freqs, freqs), dim=-1)
         # computed in float32 as HF does, then cast once: [max_position, head_dim] in the run dtype
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self.fused = cpu_ops.available(dtype) and self.embed.device.type == "cpu"
 
     def _layer(self, weights, i, get) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -70,32 +89,41 @@ class LlamaModel:
                 "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 "down": get(p + "mlp.down_proj.weight")}
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # subtle: computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * x32.to(x.dtype)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the flat batch ``input_ids`` [T]."""
         cfg = self.config
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        num_tokens, q_size, kv_size = len(input_ids), cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         h = F.embedding(input_ids, self.embed)
+        delta = None  # the last sublayer's output, not yet added to the residual stream h
+        if not self.fused:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            qkv = F.linear(self.rms_norm(h, layer["attn_norm"]), layer["qkv"], layer["qkv_bias"])
+            h, normed = self._add_norm(h, delta, layer["attn_norm"])
+            qkv = F.linear(normed, layer["qkv"], layer["qkv_bias"])
             # Q and K heads side by side take RoPE in one pass (the same elementwise ops as two)
-            qk = qkv[:, : q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if self.fused:
+                cpu_ops.rope_(qk, positions, self.cos, self.sin)
+            else:
+                qk = apply_rope(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention_forward(q, k, v, k_cache, v_cache, meta)
-            h = h + F.linear(attn, layer["o"])
-            gate, up = F.linear(self.rms_norm(h, layer["mlp_norm"]), layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
-        return self.rms_norm(h, self.final_norm)
+            h, normed = self._add_norm(h, F.linear(attn, layer["o"]), layer["mlp_norm"])
+            gate_up = F.linear(normed, layer["gate_up"])
+            delta = F.linear(cpu_ops.silu_mul(gate_up) if self.fused else silu_mul(gate_up), layer["down"])
+        return self._add_norm(h, delta, self.final_norm)[1]
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + delta, RMSNorm(h + delta))``; the fused path adds in place."""
+        if self.fused:
+            return h, cpu_ops.add_rms_norm(h, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the given final hidden states."""

@@ -7,60 +7,18 @@ head) the kernel reads each visible key once to score the query heads of that gr
 then reads each value once to accumulate the output. The torch path it replaces gathered every context into a
 padded copy, layer after layer, and that copy was most of a CPU decode step.
 
-The C++ source below is compiled on first use with the system C++ compiler (``$CXX``, default ``g++``) for the
-host CPU, OpenMP over (sequence, KV head), and cached under ``$CORRAL_CACHE_DIR/kernels``. Without a compiler,
-or with ``CORRAL_CPU_KERNELS=0``, :func:`load` returns None and callers keep the torch path. What this leaves
-out: prefill (many queries per sequence is compute-bound, and torch's flash attention does it well), float16.
+The C++ source below is compiled on first use (:mod:`corral.kernels.cpu_build`), OpenMP over (sequence, KV
+head). Without a compiler, or with ``CORRAL_CPU_KERNELS=0``, :func:`load` returns None and callers keep the
+torch path. What this leaves out: prefill (many queries per sequence is compute-bound, and torch's flash attention does it well), float16.
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+from corral.kernels.cpu_build import PRELUDE, CompiledLibrary
 
-SOURCE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-static inline float load(float x) { return x; }
-static inline float load(uint16_t x) {  // bfloat16 is the high half of a float32
-    uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-static inline void store(float x, float* dst) { *dst = x; }
-static inline void store(float x, uint16_t* dst) {  // round to nearest even, as torch does
-    uint32_t u; std::memcpy(&u, &x, 4);
-    *dst = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar call per score): Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2/2, a degree-6 minimax polynomial for exp(r), and 2^n built in the exponent
-// bits. Relative error about 2 ulp; below -87 the result is clamped to exp(-87), which is 0 next to the maximum.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale; std::memcpy(&scale, &bits, 4);
-    return y * scale;
-}
-
+SOURCE = PRELUDE + r"""
 // The next block sits anywhere in the pool, where no hardware prefetcher looks: while row j of this block is
 // read, row j of the next one is asked for (the loads of K and V rows were most of the kernel's time; asking for
 // a whole block at once stalled on the line-fill buffers instead).
@@ -121,7 +79,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
                 for (int64_t t = 1; t < n; ++t) top = sc[t] > top ? sc[t] : top;
                 float sum = 0.0f;
                 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) { sc[t] = exp_nonpositive(sc[t] - top); sum += sc[t]; }
+                for (int64_t t = 0; t < n; ++t) { sc[t] = exp_approx(sc[t] - top); sum += sc[t]; }
                 const float inv = 1.0f / sum;
                 #pragma omp simd
                 for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
@@ -163,67 +121,14 @@ ENTRY(corral_paged_decode_f32, float)
 ENTRY(corral_paged_decode_bf16, uint16_t)
 """
 
-# Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
-# denormals-are-zero for the whole process when the library loads (numpy, torch and every test after it would
-# lose subnormal floats). -fassociative-math, asked for on its own, lets the dot products end in a tree of vector
-# adds (under ``omp simd`` alone the lanes were summed one by one); it may fold the exp's two-constant range
-# reduction into one, which costs at most a few ulp on scores far below the maximum.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-         "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> str:
-    from corral.engine.weights import cache_dir
-
-    key = hashlib.sha256("|".join([SOURCE, compiler, *FLAGS, _cpu_key(), platform.machine()]).encode()).hexdigest()
-    path = os.path.join(cache_dir(), "kernels", f"paged_decode-{key[:16]}.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        src, tmp = f"{path}.{os.getpid()}.cpp", f"{path}.{os.getpid()}.tmp"
-        with open(src, "w") as f:
-            f.write(SOURCE)
-        try:
-            subprocess.run([compiler, *FLAGS, src, "-o", tmp], check=True, capture_output=True, timeout=300)
-            os.replace(tmp, path)  # atomic: a concurrent loader sees the whole library or none
-        finally:
-            for leftover in (src, tmp):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
-    return path
+_LIBRARY = CompiledLibrary("paged_decode", SOURCE, {
+    name: [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    for name in ("corral_paged_decode_f32", "corral_paged_decode_bf16")})
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first call; None when it cannot be built (callers use torch)."""
-    global _library, _tried
-    with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        if os.environ.get("CORRAL_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            library = ctypes.CDLL(_build(os.environ.get("CXX", "g++")))
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("CPU paged-attention kernel unavailable, using the torch path: %s", exc)
-            return None
-        args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-        for name in ("corral_paged_decode_f32", "corral_paged_decode_bf16"):
-            getattr(library, name).argtypes = args
-            getattr(library, name).restype = None
-        _library = library
-        return library
+    return _LIBRARY.load()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,6 +1,9 @@
 """Helpers for the engine tests that run the real model (fp32, the shipped SmolLM2 GGUF)."""
 
+import torch
+
 from corral.engine import EngineConfig, LLMEngine, SamplingParams
+from corral.engine.attention import AttentionMetadata, PrefillSpan
 
 PROMPTS = [
     "What is the capital of France?",
@@ -43,3 +46,14 @@ def assert_same_or_near_tie(engine: LLMEngine, prompt: list[int], expected: list
     return False
 
 
+
+
+def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """float32 logits at every prompt position from ``model`` (a LlamaModel), one prefill into a scratch cache."""
+    cfg, n = model.config, len(token_ids)
+    shape = (-(-n // 16), 16, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+              for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(torch.arange(n), (), (PrefillSpan(0, n, None, n),))
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(torch.tensor(token_ids), torch.arange(n), meta, caches))

@@ -12,9 +12,8 @@ import time
 import pytest
 import torch
 
-from corral.engine.attention import AttentionMetadata, PrefillSpan
 from corral.models import resolve_model
-from tests.engine.real_model import PROMPTS, assert_same_or_near_tie, chat, greedy
+from tests.engine.real_model import PROMPTS, assert_same_or_near_tie, chat, greedy, prefill_logits
 
 MAX_NEW_TOKENS = 256
 TIE = 1e-4
@@ -40,24 +39,12 @@ def batch_outputs(engine, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def corral_prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from Corral's model, one prefill into a private scratch cache."""
-    model, cfg, n = engine.runner.model, engine.model_config, len(token_ids)
-    blocks = -(-n // 16)
-    caches = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks, 16, cfg.num_kv_heads,
-                                                                                 cfg.head_dim))
-              for _ in range(cfg.num_layers)]
-    meta = AttentionMetadata(torch.arange(n), (), (PrefillSpan(0, n, None, n),))
-    with torch.inference_mode():
-        return model.compute_logits(model.forward(torch.tensor(token_ids), torch.arange(n), meta, caches))
-
-
 def test_prefill_logits_match_hf(engine, hf_model, prompts):
     worst = 0.0
     for ids in prompts:
         with torch.inference_mode():
             expected = hf_model(torch.tensor([ids])).logits[0].float()
-        worst = max(worst, float((corral_prefill_logits(engine, ids) - expected).abs().max()))
+        worst = max(worst, float((prefill_logits(engine.runner.model, ids) - expected).abs().max()))
     print(f"prefill logits, max abs difference to HF over {len(prompts)} prompts: {worst:.3g}")
     assert worst < 1e-3
 
