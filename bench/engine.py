@@ -7,7 +7,10 @@ like. Arrivals: all at once, and as a Poisson stream (Corral and llama.cpp; a st
 arrival). A second workload: 32 requests sharing a 1,000-token system prompt, Corral with the prefix cache on
 and off. Printed per engine: output tok/s, TTFT p50/p99, TPOT p50/p99, and the ratios.
 
-    .venv/bin/python bench/engine.py                       # everything (about 10 minutes on 2 cores)
+HF runs in two forms, both bf16 (see ``load_hf``): as transformers loads the GGUF (quantized tensors kept packed)
+and as a plain dense model of the same dequantized weights; the ratio is against the fastest HF run.
+
+    .venv/bin/python bench/engine.py                       # everything (about 40 minutes on 2 cores)
     .venv/bin/python bench/engine.py --engines corral --skip-poisson
 
 HF's TTFT in a static batch is the batch's first decoding step (prefill included) minus the request's
@@ -129,16 +132,29 @@ def run_corral(engine: LLMEngine, requests: list[Request], scenario: str) -> Res
 
 
 # -- HF transformers ------------------------------------------------------------------------------------------
-def load_hf():
-    from transformers import AutoModelForCausalLM
+def load_hf(weights: str):
+    """HF's Llama in bf16. ``gguf``: loaded from the GGUF file as transformers does it (its loader warns that it
+    keeps the quantized tensors packed and casts each bf16 matmul's input and output);
+    ``dense``: the same weights dequantized to plain bf16 tensors (Corral's own conversion, HF names and layout)
+    in an ordinary ``nn.Linear`` model. Both run, and the ratio is taken against the faster."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     files = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(files.path), gguf_file=os.path.basename(files.path),
-                                                 dtype=torch.bfloat16)
+    folder, name = os.path.dirname(files.path), os.path.basename(files.path)
+    if weights == "gguf":
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    from corral.engine.weights import load_weights
+    from corral.models import load_model_config
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.bfloat16)
+    state = load_weights(files, load_model_config(files), torch.bfloat16)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # a tied head is not stored
+    model.tie_weights()
     return model.eval()
 
 
-def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> Result:
+def run_hf(model, requests: list[Request], batch_size: int, pad_id: int, weights: str) -> Result:
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class StepClock(LogitsProcessor):
@@ -163,7 +179,7 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> Resu
         stamps = [s - start for s in clock.stamps]
         for r in batch:
             timings.append(Timing(r.arrival, stamps[0], stamps[r.num_output_tokens - 1], r.num_output_tokens))
-    return Result(f"hf-bf16-b{batch_size}", "all at once", time.perf_counter() - start, timings)
+    return Result(f"hf-{weights}-b{batch_size}", "all at once", time.perf_counter() - start, timings)
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------------------
@@ -193,11 +209,11 @@ def run_llama_cpp(llm, requests: list[Request], eos: int, scenario: str) -> Resu
 
 # -- report ---------------------------------------------------------------------------------------------------
 def report(results: list[Result]) -> None:
-    print(f"\n{'engine':<16} {'scenario':<22} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+    print(f"\n{'engine':<18} {'scenario':<22} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
           f"{'TPOT p99':>9}  (seconds)")
     for r in results:
         ttft, tpot = [t.ttft for t in r.timings], [t.tpot for t in r.timings]
-        print(f"{r.engine:<16} {r.scenario:<22} {r.tok_s:>9.1f} {percentile(ttft, 50):>9.3f} {percentile(ttft, 99):>9.3f}"
+        print(f"{r.engine:<18} {r.scenario:<22} {r.tok_s:>9.1f} {percentile(ttft, 50):>9.3f} {percentile(ttft, 99):>9.3f}"
               f" {percentile(tpot, 50):>9.4f} {percentile(tpot, 99):>9.4f}")
     corral = next((r for r in results if r.engine == "corral" and r.scenario == "all at once"), None)
     hf = [r for r in results if r.engine.startswith("hf")]
@@ -219,6 +235,7 @@ def main() -> None:
     parser.add_argument("--engines", default="corral,hf,llama.cpp")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--hf-batch-sizes", default="16,32")
+    parser.add_argument("--hf-weights", default="dense,gguf", help="HF model variants (see load_hf), all bf16")
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--skip-poisson", action="store_true")
@@ -251,12 +268,13 @@ def main() -> None:
             results.append(run_corral(uncached, shared, "shared prefix, cache off"))
         report(results)
     if "hf" in engines:
-        model = load_hf()
         pad = tokenizer.eos_token_ids[0]
-        for size in map(int, args.hf_batch_sizes.split(",")):
-            results.append(run_hf(model, workload, size, pad))
-            report(results[-1:])
-        del model
+        for weights in args.hf_weights.split(","):
+            model = load_hf(weights)
+            for size in map(int, args.hf_batch_sizes.split(",")):
+                results.append(run_hf(model, workload, size, pad, weights))
+                report(results[-1:])
+            del model
     if "llama.cpp" in engines:
         llm = load_llama_cpp()
         eos = tokenizer.eos_token_ids[0]
