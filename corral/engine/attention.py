@@ -8,8 +8,10 @@ Decodes (one query each) run, when the compiled CPU kernel of :mod:`corral.kerne
 available, as one call over all of them that reads K/V in place from the blocks: gathering K/V was the dominant
 cost of CPU decode. Without it they run as batched SDPA calls over their gathered, padded contexts, the query
 heads of a KV group stacked as the query length so GQA needs no repeat; the runner then sorts decodes by context
-length and cuts them into a few groups, each padded only to its own longest context. A prefill chunk runs alone; when nothing of it is
-cached its own fresh K/V are used directly (no gather) with the causal flash path. On a GPU the same
+length and cuts them into a few groups, each padded only to its own longest context. A prefill chunk with nothing
+cached runs alone over its own fresh K/V (no gather) with the causal flash path; chunks over cached context
+(prefix-cache hits, later chunks of a long prompt, recomputes) are sorted by context length and attended in
+padded groups, one gather and one SDPA call per group and layer. On a GPU the same
 contract is served by the Triton kernel in :mod:`corral.kernels.paged_attention`, whose torch twin checks this
 code as well.
 """
@@ -37,10 +39,53 @@ class DecodeGroup(NamedTuple):
     mask: torch.Tensor | None  # [end - start, 1, 1, width * block_size] bool, True where a key is real; None: kernel
 
 
+class PrefillGroup(NamedTuple):
+    """Prefill chunks that attend to cached context, padded into one SDPA call per layer (see
+    :func:`group_prefills`): B chunks of up to N queries over up to W blocks of keys."""
+    rows: torch.Tensor  # [B * N] int64: the flat-batch row of each query slot (a padding slot repeats a real one)
+    valid: torch.Tensor  # [B * N] bool: the slot is a real query
+    block_ids: torch.Tensor  # [B * W] int64: each chunk's context blocks, padded with block 0
+    mask: torch.Tensor  # [B, 1, N, W * block_size] bool: what each query may see
+
+
 class AttentionMetadata(NamedTuple):
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     decodes: tuple[DecodeGroup, ...]  # they cover rows [0, number of decodes)
-    prefills: tuple[PrefillSpan, ...]
+    prefills: tuple[PrefillSpan, ...]  # attended one at a time
+    prefill_groups: tuple[PrefillGroup, ...] = ()
+
+
+PREFILL_GROUP_SIZE = 16  # chunks per padded call; they are sorted by context length first, so padding stays small
+
+
+def group_prefills(spans, block_size: int) -> tuple[tuple[PrefillSpan, ...], tuple[PrefillGroup, ...]]:
+    """Split prefill spans into those over their own new tokens only (kept as spans: causal flash attention over
+    fresh K/V needs no gather) and those over cached context, grouped. Thirty-one requests behind one cached
+    system prompt, each with a 40-token tail, used to run 31 gathers and SDPA calls per layer."""
+    fresh = tuple(span for span in spans if span.context_blocks is None)
+    cached = sorted((span for span in spans if span.context_blocks is not None), key=lambda span: span.num_context)
+    groups = []
+    for i in range(0, len(cached), PREFILL_GROUP_SIZE):
+        chunk = cached[i: i + PREFILL_GROUP_SIZE]
+        num_queries = max(span.end - span.start for span in chunk)
+        width = max(len(span.context_blocks) for span in chunk)
+        rows = torch.empty(len(chunk), num_queries, dtype=torch.long)
+        valid = torch.zeros(len(chunk), num_queries, dtype=torch.bool)
+        block_ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), 1, num_queries, width * block_size, dtype=torch.bool)
+        keys = torch.arange(width * block_size)
+        for b, span in enumerate(chunk):
+            count = span.end - span.start
+            rows[b, :count] = torch.arange(span.start, span.end)
+            rows[b, count:] = span.start
+            valid[b, :count] = True
+            block_ids[b, : len(span.context_blocks)] = span.context_blocks
+            # query i sits at position num_context - count + i and sees every key up to and including it
+            positions = torch.arange(span.num_context - count, span.num_context)
+            mask[b, 0, :count] = keys[None, :] <= positions[:, None]
+            mask[b, 0, count:, 0] = True  # padding slots see one key, so their softmax stays finite
+        groups.append(PrefillGroup(rows.flatten(), valid.flatten(), block_ids.flatten(), mask))
+    return fresh, tuple(groups)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,6 +106,8 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     for span in meta.prefills:
         out[span.start: span.end] = _prefill(q[span.start: span.end], k[span.start: span.end],
                                              v[span.start: span.end], k_cache, v_cache, span)
+    for group in meta.prefill_groups:
+        out[group.rows[group.valid]] = _prefill_group(q, k_cache, v_cache, group)[group.valid]
     return out
 
 
@@ -82,6 +129,17 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask)
     return out.reshape(batch, num_heads * head_dim)
+
+
+def _prefill_group(q, k_cache, v_cache, group: PrefillGroup) -> torch.Tensor:
+    """[B * N, heads * head_dim]: every query slot of the group, padding included."""
+    batch, _, num_queries, _ = group.mask.shape
+    _, num_heads, head_dim = q.shape
+    queries = q.index_select(0, group.rows).view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
+    keys = gather_blocks(k_cache, group.block_ids, batch).to(q.dtype)  # [B, kv_heads, W * block_size, D]
+    values = gather_blocks(v_cache, group.block_ids, batch).to(q.dtype)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * num_queries, num_heads * head_dim)
 
 
 def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_prefills
 from corral.engine.config import EngineConfig
 from corral.engine.model import LlamaModel
 from corral.engine.scheduler import ScheduledBatch
@@ -97,7 +97,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context, start + count))
         group_size = max(num_decodes, 1) if self.use_decode_kernel else DECODE_GROUP_SIZE
         decodes = tuple(self._decode_group(seqs[i: i + group_size], i) for i in range(0, num_decodes, group_size))
-        meta = AttentionMetadata(torch.tensor(slots), decodes, tuple(prefills))
+        fresh, groups = group_prefills(prefills, size)
+        meta = AttentionMetadata(torch.tensor(slots), decodes, fresh, groups)
         return torch.tensor(input_ids), torch.tensor(positions), meta
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention_forward
+from corral.engine.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, group_prefills,
+                                     paged_attention_forward)
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention, paged_attention_torch, paged_attention_triton
 
@@ -79,9 +80,11 @@ def test_dispatch_uses_the_twin_on_cpu():
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("decode_path", ["torch", "kernel"])
-def test_engine_cpu_path_matches_twin(name, decode_path):
+@pytest.mark.parametrize("grouped", [False, True], ids=["spans", "grouped"])
+def test_engine_cpu_path_matches_twin(name, decode_path, grouped):
     """The engine's batched path (decodes first, prefill spans after) on the same caches and tables; decodes
-    through gathered SDPA (a mask given) or the compiled kernel (no mask)."""
+    through gathered SDPA (a mask given) or the compiled kernel (no mask); prefill spans over their context one
+    by one, or padded into groups as the runner does (``group_prefills``)."""
     if decode_path == "kernel" and paged_attention_cpu.load() is None:
         pytest.skip("no C++ compiler: the CPU kernel is unavailable")
     query_lens, seq_lens = CASES[name]
@@ -106,6 +109,10 @@ def test_engine_cpu_path_matches_twin(name, decode_path):
         spans.append(PrefillSpan(start, end, block_lists[i], seq_lens[s]))  # always read back through the cache
         start = end
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), groups if decodes else (), tuple(spans))
+    if grouped:
+        fresh, prefill_groups = group_prefills(spans, BLOCK_SIZE)
+        assert not fresh and sum(int(g.valid.sum()) for g in prefill_groups) == sum(s.end - s.start for s in spans)
+        meta = meta._replace(prefills=fresh, prefill_groups=prefill_groups)
     q_sorted = q[rows]
     dummy_kv = torch.zeros(q_sorted.shape[0], k_cache.shape[2], k_cache.shape[3])
     got = paged_attention_forward(q_sorted, dummy_kv, dummy_kv, k_cache, v_cache, meta)
