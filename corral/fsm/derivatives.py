@@ -9,7 +9,8 @@ repeats (``maxLength: 5000``) and recurring pieces (any-value, string bodies) co
 ``Intersect`` is just the intersection of the parts' derivatives.
 
 Left out: complement. Emptiness is syntactic (a normalized term other than ∅ is non-empty) except under
-``Intersect``, where it is decided by exploring the product's derivatives, under a step limit.
+``Intersect``, where it is decided by exploring the product's derivatives, under a step limit; an intersection
+still undecided at the limit is treated as empty (sound: it can only forbid strings, never allow one).
 """
 
 import threading
@@ -54,6 +55,7 @@ class TermTable:
         self._from_nodes: dict[int, tuple[Node, int]] = {}
         self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
+        self.num_undecided = 0  # intersections whose emptiness the step limit left open (treated as empty)
         self._structures: dict[int, int] = {}
         self._from_structures: dict[int, int] = {}
 
@@ -339,6 +341,9 @@ class TermTable:
             for dead in seen:
                 self._live[dead] = False
             return False
-        # subtle: past the step limit the term is assumed live; a wrong guess can only leave a state without
-        # tokens later (reported as a guide error), never allow a string outside the language.
-        return True
+        # subtle: past the step limit the term is treated as empty. Assuming it live (as this once did) let walks
+        # reach states whose every continuation was empty: a mask with no token, mid-generation. Treating it as
+        # empty can only forbid strings the language has (an intersection too big to explore), never allow one
+        # it lacks, and every state made stays one from which acceptance was seen to be reachable.
+        self.num_undecided += 1
+        return False

@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from corral.errors import GrammarTooComplexError
 from corral.fsm.budget import Budget
 from corral.fsm.derivatives import TermTable
 from corral.grammar.regex_ast import Node
@@ -49,6 +50,9 @@ class LazyDFA:
         self._live_bytes: dict[int, list[int]] = {}
         self._classes: dict[int, list[int]] = {}
         self.is_empty = not self.terms.is_live(root)
+        if self.is_empty and self.terms.num_undecided:
+            raise GrammarTooComplexError("the constraint's intersections (allOf, not, pattern with length bounds) are "
+                                         "too large to decide whether any value satisfies them")
         if not self.is_empty:
             self._state_of(root)
             self._build_row(0)

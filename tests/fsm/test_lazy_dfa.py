@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.errors import GrammarTooComplexError
+from corral.fsm import derivatives
 from corral.fsm.budget import Budget
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.utf8 import utf8_sequences
-from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Intersect, Repeat, literal
+from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Concat, Intersect, Repeat, literal
 from corral.grammar.regex_parser import parse_regex
 
 
@@ -122,3 +123,22 @@ def test_rows_built_after_compilation_never_hit_the_compile_budget():
     dfa = LazyDFA(parse_regex("(?:[a-z]{3}-)*[a-z]{0,9000}"), Budget(time_s=0.05))
     time.sleep(0.1)
     assert accepts(dfa, b"abc-def-" * 40 + b"x" * 9000)  # thousands of new terms, past the clock checks
+
+
+def test_an_intersection_too_large_to_decide_is_treated_as_empty(monkeypatch):
+    """Past the liveness step limit an intersection counts as empty: the byte leading into it is dead, so no walk
+    can reach a state whose continuations are all empty (a mask without tokens)."""
+    monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 10)
+    slow = Intersect((parse_regex("[a-z]{30}"), parse_regex("[a-y]*")))  # non-empty, but 30 steps deep
+    dfa = LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget())
+    assert dfa.step(0, ord("b")) != DEAD and dfa.step(0, ord("c")) == DEAD
+    assert dfa.terms.num_undecided == 1
+    monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 5000)
+    assert LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget()).step(0, ord("c")) != DEAD
+
+
+def test_a_root_too_large_to_decide_is_refused_not_called_empty(monkeypatch):
+    monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 10)
+    slow = Intersect((parse_regex("[a-z]{30}"), parse_regex("[a-y]*")))
+    with pytest.raises(GrammarTooComplexError, match="too large to decide"):
+        LazyDFA(slow, Budget())
