@@ -14,7 +14,7 @@ constraint kind compiles to:
 import threading
 from collections import OrderedDict
 
-from corral.errors import InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
+from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
 from corral.fsm.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
@@ -66,8 +66,12 @@ class GrammarCompiler:
             return cached
         warnings: list[str] = []
         budget = Budget(self.time_budget_s, self.max_states)
-        node = self._to_node(constraint, warnings, budget)
-        return self._store(key, self._build(node, constraint.kind, tuple(warnings), budget))
+        try:
+            node = self._to_node(constraint, warnings, budget)
+            grammar = self._build(node, constraint.kind, tuple(warnings), budget)
+        except RecursionError:  # a structure nested past what the recursive passes can walk: refused, not a crash
+            raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
+        return self._store(key, grammar)
 
     def compile_node(self, node: Node) -> CompiledGrammar:
         """The compiled grammar of a regex AST (cached by the node)."""
@@ -75,7 +79,11 @@ class GrammarCompiler:
         cached = self._lookup(key)
         if cached is not None:
             return cached
-        return self._store(key, self._build(node, "node", (), Budget(self.time_budget_s, self.max_states)))
+        try:
+            grammar = self._build(node, "node", (), Budget(self.time_budget_s, self.max_states))
+        except RecursionError:
+            raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
+        return self._store(key, grammar)
 
     def cache_nbytes(self) -> int:
         with self._lock:

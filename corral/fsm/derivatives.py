@@ -314,8 +314,12 @@ class TermTable:
         known = self._live.get(term)
         if known is None:
             kind, args = self.kind[term], self.args[term]
-            if kind == _CAT:
-                known = self.is_live(args[0]) and self.is_live(args[1])
+            if kind == _CAT:  # along the right-nested chain, iteratively: chains run to thousands of terms
+                known, current = True, term
+                while known and self.kind[current] == _CAT and self.has_and[current]:
+                    head, current = self.args[current]
+                    known = self.is_live(head)
+                known = known and self.is_live(current)
             elif kind == _ALT:
                 known = any(self.is_live(member) for member in args)
             elif kind == _REP:

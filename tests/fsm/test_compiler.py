@@ -150,3 +150,8 @@ def test_hostile_schemas_compile_or_fail_typed_within_the_budget(byte_vocab, sch
     except UserInputError:
         pass
     assert time.perf_counter() - start < 4.0
+
+
+def test_a_structure_nested_past_the_recursion_limit_is_refused_not_a_crash(compiler):
+    with pytest.raises(GrammarTooComplexError, match="nests too deeply"):
+        compiler.compile(Constraint("regex", "(" * 3000 + "a" + ")" * 3000))

@@ -142,3 +142,12 @@ def test_a_root_too_large_to_decide_is_refused_not_called_empty(monkeypatch):
     slow = Intersect((parse_regex("[a-z]{30}"), parse_regex("[a-y]*")))
     with pytest.raises(GrammarTooComplexError, match="too large to decide"):
         LazyDFA(slow, Budget())
+
+
+def test_liveness_of_a_long_concatenation_ending_in_an_intersection_does_not_recurse_per_part():
+    """Thousands of parts before an intersection (a long literal, then a pattern with a length): the chain is
+    walked iteratively, not one Python frame per part."""
+    digits = Intersect((parse_regex("[0-9]+"), parse_regex("[0-5]{2}")))
+    node = Concat(tuple(literal(c) for c in "ab" * 3000) + (digits,))
+    dfa = LazyDFA(node, Budget())
+    assert not dfa.is_empty and dfa.step(0, ord("a")) != DEAD
