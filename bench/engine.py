@@ -10,7 +10,7 @@ and off. Printed per engine: output tok/s, TTFT p50/p99, TPOT p50/p99, and the r
 HF runs in two forms, both bf16 (see ``load_hf``): as transformers loads the GGUF (quantized tensors kept packed)
 and as a plain dense model of the same dequantized weights; the ratio is against the fastest HF run.
 
-    .venv/bin/python bench/engine.py                       # everything (about 40 minutes on 2 cores)
+    .venv/bin/python bench/engine.py                       # everything (about 25 minutes on 2 cores)
     .venv/bin/python bench/engine.py --engines corral --skip-poisson
 
 HF's TTFT in a static batch is the batch's first decoding step (prefill included) minus the request's

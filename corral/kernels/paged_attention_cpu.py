@@ -28,6 +28,27 @@ static inline void prefetch_row(const T* row, int64_t D) {
         __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
 }
 
+// Widens row t = 0 .. n-1 of one KV head (at `offset` within each token's slot) into `row`, then calls visit(t):
+// one table lookup per block, none per key, and the next block's row asked for while this one is read.
+template <typename T, int DIM, typename Visit>
+static inline void for_each_row(const T* cache, const int64_t* table, int64_t n, int64_t block_size, int64_t slot,
+                                int64_t offset, int64_t head_dim, float* __restrict row, Visit visit) {
+    const int64_t D = DIM > 0 ? DIM : head_dim;
+    const int64_t num_blocks = (n + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* block = cache + table[b] * block_size * slot + offset;
+        const int64_t first = b * block_size, count = std::min(block_size, n - first);
+        const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_size * slot + offset : nullptr;
+        for (int64_t j = 0; j < count; ++j) {
+            if (next) prefetch_row(next + j * slot, D);
+            const T* src = block + j * slot;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) row[d] = load(src[d]);
+            visit(first + j);
+        }
+    }
+}
+
 // DIM > 0 fixes the head size at compile time (so the inner loops vectorize fully); 0 reads it at run time.
 template <typename T, int DIM>
 static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
@@ -43,7 +64,6 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
         for (int64_t job = 0; job < num_seqs * num_kv_heads; ++job) {
             const int64_t s = job / num_kv_heads, g = job % num_kv_heads, n = context_lens[s];
             const int64_t* table = tables + s * table_stride;
-            const int64_t num_blocks = (n + block_size - 1) / block_size;
             if (int64_t(scores.size()) < group * n) scores.resize(group * n);
             float* __restrict qv = query.data();
             float* __restrict av = acc.data();
@@ -54,24 +74,15 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
                 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) qv[i * D + d] = load(src[d]) * scale;
             }
-            // scores: one pass over the keys, block by block (one table lookup per block, none per key)
-            for (int64_t b = 0; b < num_blocks; ++b) {
-                const T* block = k_cache + table[b] * block_size * slot + g * D;
-                const int64_t first = b * block_size, count = std::min(block_size, n - first);
-                const T* next = b + 1 < num_blocks ? k_cache + table[b + 1] * block_size * slot + g * D : nullptr;
-                for (int64_t j = 0; j < count; ++j) {
-                    const T* key = block + j * slot;
-                    if (next) prefetch_row(next + j * slot, D);
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) rv[d] = load(key[d]);
-                    for (int64_t i = 0; i < group; ++i) {
-                        float sum = 0.0f;
-                        #pragma omp simd reduction(+ : sum)
-                        for (int64_t d = 0; d < D; ++d) sum += qv[i * D + d] * rv[d];
-                        sv[i * n + first + j] = sum;
-                    }
+            // scores: one pass over the keys
+            for_each_row<T, DIM>(k_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+                for (int64_t i = 0; i < group; ++i) {
+                    float sum = 0.0f;
+                    #pragma omp simd reduction(+ : sum)
+                    for (int64_t d = 0; d < D; ++d) sum += qv[i * D + d] * rv[d];
+                    sv[i * n + t] = sum;
                 }
-            }
+            });
             for (int64_t i = 0; i < group; ++i) {
                 float* sc = sv + i * n;
                 float top = sc[0];
@@ -85,22 +96,13 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
                 for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
             }
             std::fill(av, av + group * D, 0.0f);
-            for (int64_t b = 0; b < num_blocks; ++b) {
-                const T* block = v_cache + table[b] * block_size * slot + g * D;
-                const int64_t first = b * block_size, count = std::min(block_size, n - first);
-                const T* next = b + 1 < num_blocks ? v_cache + table[b + 1] * block_size * slot + g * D : nullptr;
-                for (int64_t j = 0; j < count; ++j) {
-                    const T* value = block + j * slot;
-                    if (next) prefetch_row(next + j * slot, D);
+            for_each_row<T, DIM>(v_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+                for (int64_t i = 0; i < group; ++i) {
+                    const float p = sv[i * n + t];
                     #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) rv[d] = load(value[d]);
-                    for (int64_t i = 0; i < group; ++i) {
-                        const float p = sv[i * n + first + j];
-                        #pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) av[i * D + d] += p * rv[d];
-                    }
+                    for (int64_t d = 0; d < D; ++d) av[i * D + d] += p * rv[d];
                 }
-            }
+            });
             for (int64_t i = 0; i < group; ++i) {
                 T* dst = out + (s * num_heads + g * group + i) * D;
                 for (int64_t d = 0; d < D; ++d) store(av[i * D + d], dst + d);
