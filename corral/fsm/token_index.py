@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from corral.fsm import native_walk
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.token_pieces import Piece, PieceFacts, PieceTokens, split_pieces
 from corral.fsm.token_trie import TokenTrie
@@ -33,6 +34,8 @@ _FEW_TOKENS = 256
 _MAX_PIECES = 64
 # A state whose self-loop covers at least this many bytes uses the self-loop shortcut.
 _LOOP_SHORTCUT_MIN_BYTES = 24
+# Piece masks kept per token index (6 kB each at 49k tokens), least recently used dropped first.
+_PIECE_WORDS_CACHED = 64
 
 
 class VocabTables:
@@ -52,6 +55,7 @@ class VocabTables:
         self.eos_words = self.words_of(np.asarray(vocab.eos_token_ids, dtype=np.int64))
         self._byte_sets: np.ndarray | None = None
         self._trie: TokenTrie | None = None
+        self._native_trie: native_walk.NativeTrie | None = None
         self._loop_splits: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._pieces: dict[tuple, PieceFacts] = {}
         self._lock = threading.Lock()
@@ -77,6 +81,16 @@ class VocabTables:
                 if self._trie is None:
                     self._trie = TokenTrie(self.vocab.token_bytes, self.grammar_ids)
         return self._trie
+
+    @property
+    def native_trie(self) -> "native_walk.NativeTrie | None":
+        """The trie in the C++ walk's layout, or None when the walk library cannot be built."""
+        if self._native_trie is None and native_walk.library() is not None:
+            trie = self.trie
+            with self._lock:
+                if self._native_trie is None:
+                    self._native_trie = native_walk.NativeTrie(trie)
+        return self._native_trie
 
     def loop_split(self, loop_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For a byte set: (bitmask words of the tokens made only of those bytes, ids of all other tokens)."""
@@ -134,10 +148,14 @@ class TokenIndex:
         self.dfa, self.vocab, self.tables = dfa, vocab, vocab_tables(vocab)
         self._masks: dict[int, np.ndarray] = {}
         self._crossings: dict[tuple[int, int], tuple[PieceTokens, np.ndarray]] = {}
+        self._piece_words: dict[tuple, np.ndarray] = {}
         self._splits: dict[int, tuple[list[Piece], int] | None] = {}
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
+        library = native_walk.library()
+        native = self.tables.native_trie if library is not None else None
+        self._native = native_walk.NativeWalk(library, native, self) if native is not None else None
 
     @property
     def num_states(self) -> int:
@@ -182,6 +200,10 @@ class TokenIndex:
             if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
                 inside_words, outside_ids = tables.loop_split(loop)
                 words = inside_words | tables.words_of(self._walk(state, outside_ids))
+            elif self._native is not None:
+                words = np.zeros(tables.num_words, dtype=np.uint32)
+                self._native.walk(state, words)
+                words = words.view(np.int32)
             else:
                 words = tables.words_of(tables.trie.walk(state, self.dfa, self))
         if self.dfa.accepting[state]:
@@ -214,12 +236,28 @@ class TokenIndex:
         pieces, other_state = split
         words = self.mask(other_state).copy() if other_state != DEAD else np.zeros(self.tables.num_words, np.int32)
         for piece in pieces:
-            tokens, high = piece.facts.at(0), piece.high
-            if high is None:
-                words |= tokens.unbounded_words
+            words |= self.piece_words(piece, 0)
+        return words
+
+    def piece_words(self, piece: Piece, offset: int) -> np.ndarray | None:
+        """int32 bitmask words of every token whose bytes from ``offset`` on ``piece`` allows (inside it, or
+        leaving it into its rest); ``None`` when its facts at this offset are not exact. A few recent ones are
+        cached: every position of a counted repeat has its own bounds."""
+        tokens = piece.facts.at(offset)
+        if tokens is None:
+            return None
+        key = (id(tokens), self.dfa.state_of_term(piece.rest), piece.low, piece.high)
+        words = self._piece_words.pop(key, None)
+        if words is None:
+            if piece.high is None:
+                words = tokens.unbounded_words.copy()
             else:
-                words |= np.packbits(tokens.never_exits & (tokens.units <= high), bitorder="little").view(np.int32)
+                words = np.packbits(tokens.never_exits & (tokens.units <= piece.high), bitorder="little").view(np.int32)
             words |= self.tables.words_of(tokens.cross_ids[self._crossing_ok(piece, tokens)])
+            words.setflags(write=False)
+            while len(self._piece_words) >= _PIECE_WORDS_CACHED:
+                del self._piece_words[next(iter(self._piece_words))]
+        self._piece_words[key] = words  # (re)inserted last: the dict's order is least recently used first
         return words
 
     def piece_subtree_ids(self, piece: Piece, offset: int, token_ids: np.ndarray) -> np.ndarray | None:

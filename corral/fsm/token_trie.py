@@ -50,9 +50,9 @@ class TokenTrie:
         self._child_start_list = self.child_start.tolist()
         self._child_byte_list = self.child_byte.tolist()
         self._child_node_list = self.child_node.tolist()
-        self._index_subtrees(parents, node_token, duplicates)
+        self._index_subtrees(parents, node_token, duplicates, bytes_)
 
-    def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict) -> None:
+    def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict, bytes_: list[int]) -> None:
         """``subtree_ids[subtree_start[n]:subtree_end[n]]`` are the token ids at or below node ``n``. Nodes were
         numbered in preorder (tokens inserted in byte order), so every subtree is one run."""
         num_nodes = self.num_nodes
@@ -73,7 +73,9 @@ class TokenTrie:
             open_nodes.append(node)
         starts = np.append(self.subtree_start, len(self.subtree_ids))
         self.subtree_end = starts[end_node]
+        self.subtree_end_node = end_node  # node ids at or below n are n .. subtree_end_node[n] - 1
         self.depth = np.asarray(depth, dtype=np.int64)
+        self.node_byte = np.asarray(bytes_, dtype=np.int64)  # the byte on the edge into each node (0 at the root)
 
     def subtree_token_ids(self, nodes: np.ndarray) -> np.ndarray:
         starts, ends = self.subtree_start[nodes], self.subtree_end[nodes]

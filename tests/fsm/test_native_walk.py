@@ -1,0 +1,84 @@
+"""The C++ trie walk: the same masks as the Python walk, state by state, pieces and lazy derivation included."""
+
+import random
+
+import numpy as np
+import pytest
+
+from corral.fsm import native_walk
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.token_index import TokenIndex
+from corral.grammar.constraint import Constraint
+from corral.fsm.vocabulary import Vocabulary
+from tests.fsm.test_token_pieces import CONSTRAINTS
+from tests.fsm.test_token_pieces import VOCAB as PIECES_VOCAB
+
+# tokens that enter a piece state and leave it through another member at once (the walk must go on below them)
+_EXTRA = [b'"a",', b'x"a",', b'"a"', b'"u\\"ab', b'"ab"!']
+_TOKENS = sorted(set(PIECES_VOCAB.token_bytes[:-1]) | set(_EXTRA))
+VOCAB = Vocabulary.from_token_bytes(_TOKENS + [b"<eos>"], eos_token_ids=[len(_TOKENS)])
+
+pytestmark = pytest.mark.skipif(native_walk.library() is None, reason="no C++ compiler for the native walk")
+
+MORE = [
+    Constraint("regex", r"(ab|a\d{2,5}|[^a]{0,3}x)+"),
+    Constraint("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+                               "patternProperties": {"^u": {"type": "string", "pattern": "^[ab]{2}$"}}},
+               whitespace="flexible"),
+    # pieces beside other members (declared names beside the free-form one; a literal beside a string body)
+    Constraint("json_schema", {"type": "object", "properties": {"ab": {"type": "string"}, "b7": {"type": "integer"},
+                                                                "u": {"type": "string", "maxLength": 3}}}),
+    Constraint("regex", r'(x|\\")*"(a",|[^"\\]*"!|u\\"[^"\\]*"!)'),
+]
+
+
+def _python_mask(index: TokenIndex, state: int) -> np.ndarray:
+    """The mask by the Python trie walk with no piece shortcut: the plain definition."""
+    tables = index.tables
+    words = tables.words_of(tables.trie.walk(state, index.dfa))
+    return words | tables.eos_words if index.dfa.accepting[state] else words
+
+
+def _native_mask(index: TokenIndex, state: int) -> np.ndarray:
+    words = np.zeros(index.tables.num_words, dtype=np.uint32)
+    index._native.walk(state, words)
+    words = words.view(np.int32)
+    return words | index.tables.eos_words if index.dfa.accepting[state] else words
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS + MORE, ids=lambda c: str(c.value)[:40])
+def test_native_walk_equals_the_plain_walk_on_random_walks(constraint):
+    # a fresh index per check order: the native walk runs first, so it meets transitions not yet derived
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+    assert index._native is not None
+    rng = random.Random(str(constraint.value))
+    checked = 0
+    for _ in range(30):
+        state = 0
+        for _ in range(rng.randint(1, 25)):
+            native = _native_mask(index, state)
+            assert np.array_equal(native, _python_mask(index, state)), (constraint.value, state)
+            assert np.array_equal(index.mask(state), native)
+            checked += 1
+            bits = np.unpackbits(native.view(np.uint8), bitorder="little")[:VOCAB.size]
+            choices = [t for t in np.flatnonzero(bits).tolist() if t not in VOCAB.eos_token_ids]
+            if not choices:
+                break
+            state = index.next_state(state, rng.choice(choices))
+            assert state >= 0
+    assert checked >= 30
+    assert index._native.flags[:index.num_states].tolist().count(native_walk.FLAG_PIECES) or constraint in MORE[:1]
+
+
+def test_without_the_library_masks_come_from_the_python_walk(monkeypatch):
+    monkeypatch.setattr(native_walk, "library", lambda: None)
+    constraint = CONSTRAINTS[0]
+    plain = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+    assert plain._native is None
+    monkeypatch.undo()
+    native = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+    assert native._native is not None
+    state_plain = state_native = 0
+    for token_id in [VOCAB.token_bytes.index(b"{")] + [VOCAB.token_bytes.index(b'"')] * 2:
+        assert np.array_equal(plain.mask(state_plain), native.mask(state_native))
+        state_plain, state_native = plain.next_state(state_plain, token_id), native.next_state(state_native, token_id)
