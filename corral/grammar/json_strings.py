@@ -24,6 +24,8 @@ ANY_CHAR = SURROGATES.negate()  # every Unicode scalar value
 _RAW = CharSet.of((0x20, 0x21), (0x23, 0x5B), (0x5D, 0xD7FF), (0xE000, MAX_CODE_POINT))  # no '"', '\', C0 controls
 _SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
 QUOTE = CharSet.chars('"')
+_ASCII = CharSet.of((0, 0x7F))
+_BEYOND_ASCII = _ASCII.negate()
 
 
 def intersect_chars(a: CharSet, b: CharSet) -> CharSet:
@@ -57,8 +59,17 @@ def spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
 @functools.lru_cache(maxsize=8192)
 def _shared_spelling(chars: CharSet) -> Node:
     """Spellings are immutable, so every schema shares them (about 0.3 ms each to build; patterns and formats
-    have hundreds of classes). Built outside any schema's budget; the schema's builder counts them on use."""
-    return _spell_chars(NodeBuilder(max_nodes=1 << 40), chars)
+    have hundreds of classes). Built outside any schema's budget; the schema's builder counts them on use.
+
+    A class with characters on both sides of U+0080 is spelled as its ASCII part or its part beyond: the spelling
+    of a class is the union of its characters' spellings, so the language is the same. Classes that differ in a
+    few ASCII characters (the escape hatch at each node of a property-name trie) then share the spelling of the
+    part beyond ASCII, most of the AST, as one node object, which the automaton layer converts once per grammar."""
+    b = NodeBuilder(max_nodes=1 << 40)
+    ascii_part, beyond = intersect_chars(chars, _ASCII), intersect_chars(chars, _BEYOND_ASCII)
+    if ascii_part.ranges and beyond.ranges:
+        return b.alt([_shared_spelling(ascii_part), _shared_spelling(beyond)])
+    return _spell_chars(b, chars)
 
 
 def _spell_chars(b: NodeBuilder, chars: CharSet) -> Node:

@@ -37,22 +37,28 @@ class NodeBuilder:
 
     def count(self, node: Node) -> None:
         """Count ``node`` and its not-yet-counted descendants; raise past the budget."""
-        stack = [node]
+        if id(node) not in self._seen:
+            self._count_new(node, _children(node))
+
+    def _count_new(self, node: Node, children: tuple[Node, ...]) -> None:
+        """Count a node not counted yet (one just made) and its not-yet-counted descendants. The children of a
+        node made here are usually counted already, so most calls visit the node alone."""
+        seen, before = self._seen, self.num_nodes
+        seen[id(node)] = node
+        stack = [child for child in children if id(child) not in seen]
+        num_nodes = before + 1
         while stack:
             item = stack.pop()
-            if id(item) in self._seen:
+            if id(item) in seen:
                 continue
-            self._seen[id(item)] = item
-            self.num_nodes += 1
-            if self.num_nodes % 4096 == 0:
-                self.check_time()
-            if isinstance(item, Repeat):
-                stack.append(item.node)
-            elif isinstance(item, Alt):
-                stack.extend(item.options)
-            elif not isinstance(item, CharSet):
-                stack.extend(item.parts)
-        if self.num_nodes > self.max_nodes:
+            seen[id(item)] = item
+            num_nodes += 1
+            if type(item) is not CharSet:
+                stack.extend(child for child in _children(item) if id(child) not in seen)
+        self.num_nodes = num_nodes
+        if num_nodes >> 12 != before >> 12:  # every 4096 nodes
+            self.check_time()
+        if num_nodes > self.max_nodes:
             raise GrammarTooComplexError(f"the grammar would need more than {self.max_nodes} automaton nodes "
                                          f"(a huge enum, or a oneOf/anyOf/$ref explosion)")
 
@@ -70,7 +76,7 @@ class NodeBuilder:
         if len(flat) == 1:
             return flat[0]
         node = Concat(tuple(flat))
-        self.count(node)
+        self._count_new(node, node.parts)
         return node
 
     def alt(self, options: Iterable[Node]) -> Node:
@@ -92,7 +98,7 @@ class NodeBuilder:
         if len(others) == 1:
             return others[0]
         node = Alt(tuple(others))
-        self.count(node)
+        self._count_new(node, node.options)
         return node
 
     def repeat(self, node: Node, low: int, high: int | None) -> Node:
@@ -106,7 +112,7 @@ class NodeBuilder:
             raise GrammarTooComplexError(f"a count of {max(low, high or 0)} (maxLength, minItems, ...) is past the "
                                          f"limit of {MAX_REPEAT_COUNT}")
         out = Repeat(node, low, high)
-        self.count(out)
+        self._count_new(out, (node,))
         return out
 
     def optional(self, node: Node) -> Node:
@@ -118,8 +124,16 @@ class NodeBuilder:
         if len(parts) == 1:
             return parts[0]
         node = Intersect(tuple(parts))
-        self.count(node)
+        self._count_new(node, node.parts)
         return node
 
     def literal(self, text: str) -> Node:
         return self.concat(*(CharSet(((ord(c), ord(c)),)) for c in text)) if text else EMPTY
+
+
+def _children(node: Node) -> tuple[Node, ...]:
+    if isinstance(node, Repeat):
+        return (node.node,)
+    if isinstance(node, Alt):
+        return node.options
+    return () if isinstance(node, CharSet) else node.parts
