@@ -30,48 +30,53 @@ _SOURCE = r"""
 
 // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
 // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
-// trans is [rows, 256]; UNBUILT is -3, DEAD -1. Input: (node, state of its parent) pairs, one subtree each.
+// trans is [rows, 256], flags [rows]; UNBUILT is -3, DEAD -1. node_token: the id ending at the node, -1 none,
+// -2 several (then own_ids[own_start[n]:own_end[n]]). Input: (node, state of its parent) pairs, one subtree each.
 extern "C" void walk_trie(
-    const int32_t* trans, int64_t rows, const int8_t* flags, int64_t num_flags,
-    const int32_t* node_byte, const int32_t* node_depth, const int32_t* node_end,
+    const int32_t* trans, const int8_t* flags,
+    const int32_t* node_byte, const int32_t* node_depth, const int32_t* node_end, const int32_t* node_token,
     const int64_t* own_start, const int64_t* own_end, const int32_t* own_ids,
     const int32_t* in_node, const int32_t* in_state, int64_t n_in,
-    uint32_t* words,
+    uint32_t* words, int32_t* found,
     int32_t* pend_node, int32_t* pend_state, int32_t* special_node, int32_t* special_state, int64_t* counts) {
     int32_t stack[1024];
-    int64_t n_pend = 0, n_special = 0;
+    int64_t n_pend = 0, n_special = 0, n_found = 0;
     for (int64_t p = 0; p < n_in; ++p) {
         const int32_t top = in_node[p], end = node_end[top], base = node_depth[top] - 1;
         stack[0] = in_state[p];
         int32_t i = top;
         while (i < end) {
             const int32_t level = node_depth[i] - base;  // 1 at top
-            const int32_t s = stack[level - 1];
-            const int32_t t = trans[int64_t(s) * 256 + node_byte[i]];
-            if (t == -1) { i = node_end[i]; continue; }
-            const int8_t flag = (t >= 0 && t < num_flags) ? flags[t] : 0;
-            if (t < 0 || flag == 0) {  // not derived yet, or a state Python has not looked at: hand it back
-                pend_node[n_pend] = i;
-                pend_state[n_pend] = s;
-                ++n_pend;
+            const int32_t parent = stack[level - 1];
+            const int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
+            stack[level] = t;
+            if (t == -1) {
                 i = node_end[i];
                 continue;
             }
-            for (int64_t j = own_start[i]; j < own_end[i]; ++j) {
-                const int32_t id = own_ids[j];
-                words[id >> 5] |= 1u << (id & 31);
-            }
-            if (flag == 2) {
-                special_node[n_special] = i;
+            const int8_t flag = t < 0 ? 0 : flags[t];
+            if (__builtin_expect(flag != 1, 0)) {
+                if (flag == 0) {  // not derived yet, or a state Python has not looked at: hand it back
+                    pend_node[n_pend] = i;
+                    pend_state[n_pend] = parent;
+                    ++n_pend;
+                    i = node_end[i];
+                    continue;
+                }
+                special_node[n_special] = i;  // holds repeat pieces: Python fills the subtree
                 special_state[n_special] = t;
                 ++n_special;
-                i = node_end[i];
-                continue;
             }
-            stack[level] = t;
-            ++i;
+            const int32_t id = node_token[i];
+            found[n_found] = id;  // listed now, set below: bits or-ed in here, in trie order, stalled the walk
+            n_found += id >= 0;
+            if (__builtin_expect(id == -2, 0)) {
+                for (int64_t j = own_start[i]; j < own_end[i]; ++j) found[n_found++] = own_ids[j];
+            }
+            i = flag == 1 ? i + 1 : node_end[i];
         }
     }
+    for (int64_t j = 0; j < n_found; ++j) words[found[j] >> 5] |= 1u << (found[j] & 31);
     counts[0] = n_pend;
     counts[1] = n_special;
 }
@@ -92,7 +97,7 @@ extern "C" void set_subtree_bits(uint32_t* words, const uint32_t* allowed, const
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
-    "walk_trie": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P],
+    "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P],
     "set_subtree_bits": [_P, _P, _P, _P, _P, _P, _I],
 })
 
@@ -122,12 +127,13 @@ class NativeTrie:
         self.own_start = np.ascontiguousarray(trie.subtree_start, dtype=np.int64)
         self.own_end = self.own_start + own_counts
         self.own_ids = np.ascontiguousarray(trie.subtree_ids, dtype=np.int32)
+        self.node_token = np.where(own_counts > 1, -2, trie.node_token).astype(np.int32)
         self.subtree_end = np.ascontiguousarray(trie.subtree_end, dtype=np.int64)
         self.num_nodes = trie.num_nodes
         self._local = threading.local()
         self.root_children = self.children(np.zeros(1, dtype=np.int64))
-        self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.own_start,
-                                           self.own_end, self.own_ids)]
+        self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.node_token,
+                                           self.own_start, self.own_end, self.own_ids)]
         self.subtree_pointers = [_ptr(a) for a in (self.own_start, self.subtree_end, self.own_ids)]
 
     def buffers(self) -> tuple[tuple[np.ndarray, ...], list[int]]:
@@ -135,7 +141,8 @@ class NativeTrie:
         addresses."""
         held = getattr(self._local, "buffers", None)
         if held is None:
-            arrays = (*(np.empty(self.num_nodes, dtype=np.int32) for _ in range(4)), np.zeros(2, dtype=np.int64))
+            arrays = (np.empty(len(self.own_ids) + 1, dtype=np.int32),  # every token at most once, and one spare
+                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(4)), np.zeros(2, dtype=np.int64))
             held = self._local.buffers = (arrays, [_ptr(a) for a in arrays])
         return held
 
@@ -155,11 +162,14 @@ class NativeWalk:
         self.lib, self.native, self.index = lib, native, index
         self.flags = np.zeros(64, dtype=np.int8)
 
+    def _grow_flags(self, size: int) -> None:
+        grown = np.zeros(max(2 * len(self.flags), size), dtype=np.int8)
+        grown[:len(self.flags)] = self.flags
+        self.flags = grown
+
     def _flag(self, state: int) -> int:
         if state >= len(self.flags):
-            grown = np.zeros(max(2 * len(self.flags), state + 1), dtype=np.int8)
-            grown[:len(self.flags)] = self.flags
-            self.flags = grown
+            self._grow_flags(state + 1)
         flag = self.flags[state]
         if flag == FLAG_UNKNOWN:
             flag = self.flags[state] = FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
@@ -171,11 +181,13 @@ class NativeWalk:
         native, dfa, lib = self.native, self.index.dfa, self.lib
         nodes = native.root_children
         states = np.full(len(nodes), state, dtype=np.int32)
-        (pend_node, pend_state, special_node, special_state, counts), pointers = native.buffers()
+        (_, pend_node, pend_state, special_node, special_state, counts), pointers = native.buffers()
         outputs = [_ptr(words), *pointers]
         while len(nodes):
-            trans, flags = dfa.trans, self.flags
-            lib.walk_trie(_ptr(trans), len(trans), _ptr(flags), len(flags), *native.pointers, _ptr(nodes),
+            trans = dfa.trans
+            if len(self.flags) < len(trans):  # the walk reads a flag for every row
+                self._grow_flags(len(trans))
+            lib.walk_trie(_ptr(trans), _ptr(self.flags), *native.pointers, _ptr(nodes),
                           _ptr(states), len(nodes), *outputs)
             n_pend, n_special = int(counts[0]), int(counts[1])
             next_nodes, next_states = [], []
