@@ -137,12 +137,13 @@ class NativeTrie:
         self.subtree_pointers = [_ptr(a) for a in (self.own_start, self.subtree_end, self.own_ids)]
 
     def buffers(self) -> tuple[tuple[np.ndarray, ...], list[int]]:
-        """This thread's output buffers of the walk (a walk hands back at most one entry per node) and their
-        addresses."""
+        """This thread's buffers of the walk (tokens found, nodes handed back, counts; nodes and states in) and
+        their addresses. A walk's inputs are disjoint subtrees and it hands back at most one entry per node."""
         held = getattr(self._local, "buffers", None)
         if held is None:
             arrays = (np.empty(len(self.own_ids) + 1, dtype=np.int32),  # every token at most once, and one spare
-                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(4)), np.zeros(2, dtype=np.int64))
+                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(4)), np.zeros(2, dtype=np.int64),
+                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(2)))  # the walk's input
             held = self._local.buffers = (arrays, [_ptr(a) for a in arrays])
         return held
 
@@ -179,16 +180,24 @@ class NativeWalk:
         """OR into ``words`` (uint32 bitmask) the tokens whose bytes, walked from ``state``, never hit a dead
         move; pieces met below the root resolve from their shared facts, as the Python walk does."""
         native, dfa, lib = self.native, self.index.dfa, self.lib
-        nodes = native.root_children
-        states = np.full(len(nodes), state, dtype=np.int32)
-        (_, pend_node, pend_state, special_node, special_state, counts), pointers = native.buffers()
-        outputs = [_ptr(words), *pointers]
-        while len(nodes):
-            trans = dfa.trans
-            if len(self.flags) < len(trans):  # the walk reads a flag for every row
-                self._grow_flags(len(trans))
-            lib.walk_trie(_ptr(trans), _ptr(self.flags), *native.pointers, _ptr(nodes),
-                          _ptr(states), len(nodes), *outputs)
+        buffers, pointers = native.buffers()
+        _, pend_node, pend_state, special_node, special_state, counts, in_node, in_state = buffers
+        outputs = [_ptr(words), *pointers[:6]]
+        in_pointers = pointers[6:]
+        n_in = len(native.root_children)
+        in_node[:n_in] = native.root_children
+        in_state[:n_in] = state
+        trans = trans_pointer = flags = flags_pointer = None
+        while n_in:
+            if dfa.trans is not trans:  # reallocated as the DFA grew
+                trans = dfa.trans
+                trans_pointer = _ptr(trans)
+                if len(self.flags) < len(trans):  # the walk reads a flag for every row
+                    self._grow_flags(len(trans))
+            if self.flags is not flags:
+                flags = self.flags
+                flags_pointer = _ptr(flags)
+            lib.walk_trie(trans_pointer, flags_pointer, *native.pointers, *in_pointers, n_in, *outputs)
             n_pend, n_special = int(counts[0]), int(counts[1])
             next_nodes, next_states = [], []
             if n_pend:
@@ -203,10 +212,11 @@ class NativeWalk:
             if n_special:
                 self._resolve(special_node[:n_special].copy(), special_state[:n_special].copy(), words,
                               next_nodes, next_states)
-            if not next_nodes:
-                break
-            nodes = np.concatenate(next_nodes)
-            states = np.concatenate(next_states).astype(np.int32, copy=False)
+            n_in = 0
+            for nodes_part, states_part in zip(next_nodes, next_states):  # disjoint subtrees: at most one per node
+                in_node[n_in:n_in + len(nodes_part)] = nodes_part
+                in_state[n_in:n_in + len(nodes_part)] = states_part
+                n_in += len(nodes_part)
 
     def _resolve(self, nodes: np.ndarray, states: np.ndarray, words: np.ndarray, next_nodes: list,
                  next_states: list) -> None:
