@@ -29,14 +29,30 @@ ignored and reported in ``warnings``. Budgets (``node_builder``): distinct AST n
 number of ``anyOf``/``oneOf``/``not`` alternatives; past one, :class:`GrammarTooComplexError`.
 """
 
+import functools
 import json
 
 from corral.errors import GrammarTooComplexError, InvalidSchemaError
 from corral.grammar.node_builder import DEFAULT_MAX_NODES, DEFAULT_TIME_BUDGET_S, NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
 from corral.grammar.schema_compiler import SchemaCompiler
+from corral.grammar.schema_values import share_any_value
 
 __all__ = ["schema_to_node"]
+
+
+@functools.cache
+def _compact_whitespace() -> Node:
+    share_any_value(EMPTY)
+    return EMPTY
+
+
+@functools.lru_cache(maxsize=64)
+def _flexible_whitespace(max_whitespace: int) -> Node:
+    """One node per whitespace policy, so that every schema shares the any-value AST built for it."""
+    ws = NodeBuilder(max_nodes=1 << 40).repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace)
+    share_any_value(ws)
+    return ws
 
 
 def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
@@ -62,8 +78,7 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
         raise InvalidSchemaError(f"the schema is not JSON: {error}") from None
     except RecursionError:
         raise GrammarTooComplexError("the schema is nested too deeply") from None
-    ws = EMPTY if whitespace == "compact" else NodeBuilder(max_nodes).repeat(CharSet.chars(" \t\n\r"), 0,
-                                                                                max_whitespace)
+    ws = _compact_whitespace() if whitespace == "compact" else _flexible_whitespace(max_whitespace)
     compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s), ws, lenient=lenient,
                               warnings=warnings if warnings is not None else [])
     try:

@@ -16,7 +16,7 @@ import functools
 import json
 
 from corral.grammar.json_numbers import fixed_width_range, hex_digits
-from corral.grammar.node_builder import NodeBuilder
+from corral.grammar.node_builder import NodeBuilder, share
 from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Concat, Intersect, Node, Repeat
 
 SURROGATES = CharSet.of((0xD800, 0xDFFF))
@@ -68,8 +68,8 @@ def _shared_spelling(chars: CharSet) -> Node:
     b = NodeBuilder(max_nodes=1 << 40)
     ascii_part, beyond = intersect_chars(chars, _ASCII), intersect_chars(chars, _BEYOND_ASCII)
     if ascii_part.ranges and beyond.ranges:
-        return b.alt([_shared_spelling(ascii_part), _shared_spelling(beyond)])
-    return _spell_chars(b, chars)
+        return share(b.alt([_shared_spelling(ascii_part), _shared_spelling(beyond)]))
+    return share(_spell_chars(b, chars))
 
 
 def _spell_chars(b: NodeBuilder, chars: CharSet) -> Node:
@@ -115,8 +115,15 @@ def loose_string_node(b: NodeBuilder, max_length: int | None) -> Node:
     """JSON strings of at most ``max_length`` characters and no other constraint (see ``LOOSE_UNIT``)."""
     key = ("loose_string", max_length)
     if key not in b.cache:
-        b.cache[key] = b.concat(QUOTE, b.repeat(LOOSE_UNIT, 0, max_length), QUOTE)
+        if max_length is None:  # every string of any-value and every plain string property: one node per process
+            b.count(_ANY_STRING)
+            b.cache[key] = _ANY_STRING
+        else:
+            b.cache[key] = b.concat(QUOTE, b.repeat(LOOSE_UNIT, 0, max_length), QUOTE)
     return b.cache[key]
+
+
+_ANY_STRING = share(Concat((QUOTE, Repeat(LOOSE_UNIT, 0, None), QUOTE)))
 
 
 _STABLE: dict[int, tuple[Node, Node]] = {}  # id -> (node living as long as the process, its spelling)

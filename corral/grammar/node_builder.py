@@ -24,6 +24,17 @@ from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Inter
 DEFAULT_MAX_NODES = 250_000
 DEFAULT_TIME_BUDGET_S = 5.0
 MAX_REPEAT_COUNT = 1_000_000
+MAX_SHARED_NODES = 16_384
+SHARED_NODES: dict[int, Node] = {}  # id -> a node that lives as long as the process and serves many grammars
+
+
+def share(node: Node) -> Node:
+    """Mark ``node`` (immutable, kept alive here) as shared by every grammar that uses it, so the automaton layer
+    may convert it once per process instead of once per grammar. Bounded: past ``MAX_SHARED_NODES`` a node is
+    left unmarked (it still works; it is just converted per grammar)."""
+    if len(SHARED_NODES) < MAX_SHARED_NODES:
+        SHARED_NODES.setdefault(id(node), node)
+    return node
 
 
 class NodeBuilder:
@@ -61,6 +72,11 @@ class NodeBuilder:
         if num_nodes > self.max_nodes:
             raise GrammarTooComplexError(f"the grammar would need more than {self.max_nodes} automaton nodes "
                                          f"(a huge enum, or a oneOf/anyOf/$ref explosion)")
+
+    def count_all(self, nodes: Iterable[Node]) -> None:
+        """Count every node of ``nodes`` (and their descendants): what another builder made, used here."""
+        for node in nodes:
+            self.count(node)
 
     def check_time(self) -> None:
         if time.perf_counter() > self.deadline:

@@ -16,7 +16,7 @@ from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, i
                                          number_range)
 from corral.grammar.json_strings import (ANY_CHAR, length_node, loose_string_node, register_stable, string_literal,
                                          string_node)
-from corral.grammar.node_builder import NodeBuilder
+from corral.grammar.node_builder import NodeBuilder, share
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
@@ -34,11 +34,21 @@ class ValueBuilders:
     # ---- literals ----------------------------------------------------------------------------------------------
     def any_value(self, depth: int = ANY_VALUE_DEPTH) -> Node:
         if depth not in self._any:
+            shared = _SHARED_ANY.get((self.ws, depth))
+            if shared is not None and shared[0] is self.ws:  # the same whitespace node: the same AST
+                self.b.count_all(shared[2])  # what building it here would have counted
+                self._any[depth] = shared[1]
+                return shared[1]
+            self._any[depth] = self.build_any_value(depth)
+        return self._any[depth]
+
+    def build_any_value(self, depth: int) -> Node:
+        if depth not in self._any:
             b = self.b
             options = [b.literal("null"), b.literal("true"), b.literal("false"), number_node(b),
                        self.any_string()]
             if depth > 0:
-                inner = self.any_value(depth - 1)
+                inner = self.build_any_value(depth - 1)
                 options.append(array_node(b, self.ws, [], inner, 0, None))
                 options.append(object_node(b, self.ws, [], member_node(b, self.ws, self.any_string(), inner), 0,
                                            None))
@@ -293,6 +303,19 @@ class ValueBuilders:
                 return False
             atoms += inner
         return self.validates(name, atoms)
+
+
+_SHARED_ANY: dict[tuple[Node, int], tuple[Node, Node, tuple[Node, ...]]] = {}  # (ws, depth) -> (ws, AST, nodes)
+
+
+def share_any_value(ws: Node, depth: int = ANY_VALUE_DEPTH) -> None:
+    """Build the any-value AST for whitespace ``ws`` once per process (about 3 ms per schema otherwise), for every
+    schema compiled with this very ``ws`` object. It keeps every node its builder counted, so that a schema using
+    it counts exactly what building it in place would have."""
+    if (ws, depth) not in _SHARED_ANY:
+        values = ValueBuilders(NodeBuilder(max_nodes=1 << 40), ws)
+        node = share(values.build_any_value(depth))
+        _SHARED_ANY[(ws, depth)] = (ws, node, tuple(values.b._seen.values()))
 
 
 def _fullmatch(node: Node, text: str) -> bool:

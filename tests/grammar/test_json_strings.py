@@ -7,7 +7,8 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corral.grammar.json_strings import ANY_CHAR, length_node, spell, string_literal, string_node
+from corral.grammar.json_strings import (ANY_CHAR, intersect_chars, length_node, spell, string_literal,
+                                         string_node)
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Repeat, to_python_regex
 from corral.grammar.regex_match import fullmatch
@@ -55,6 +56,24 @@ def test_spelling_of_astral_ranges_uses_surrogate_pairs():
         assert fullmatch(node, chr(cp))
     for cp in (0x1F5FF, 0x1F650, 0x10002):
         assert not fullmatch(node, json.dumps(chr(cp))[1:-1]) and not fullmatch(node, chr(cp))
+
+
+_ONE_UNITS = _UNITS + ['b', '\\u0061', '\\u0062', '\\u00e9', '\\u00C9', '\x7f', '\\u007F', '\\u0080', '\\uE000',
+                       '\\uFFFF', '\\uD83D\\uDE01', '\\ud800\\udc00', '\\b', '\\f', '\\r', '\u2028']
+
+
+def test_spelling_of_a_class_across_ascii_is_exact():
+    # such a class spells as its ASCII half or the rest (the escape hatch of a property-name trie)
+    excluded = "a\n\"é😀"
+    chars = intersect_chars(CharSet.chars(excluded).negate(), ANY_CHAR)
+    node = spell(NodeBuilder(), chars)
+    for unit in _ONE_UNITS:
+        try:
+            value = json.loads(f'"{unit}"')
+            valid = len(value) == 1 and value not in excluded and not 0xD800 <= ord(value) <= 0xDFFF
+        except json.JSONDecodeError:
+            valid = False
+        assert fullmatch(node, unit) == valid, unit
 
 
 def test_string_literal_spells_as_json_dumps_or_raw():
