@@ -14,8 +14,8 @@ from corral.grammar.json_containers import array_node, contains_array_node, memb
 from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
-from corral.grammar.json_strings import (ANY_CHAR, length_node, loose_string_node, register_stable, string_literal,
-                                         string_node)
+from corral.grammar.json_strings import (ANY_CHAR, QUOTE, intersect_chars, length_node, loose_string_node,
+                                         register_stable, spell, spell_chars, string_literal, string_node)
 from corral.grammar.node_builder import NodeBuilder, share
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
 from corral.grammar.regex_parser import parse_regex
@@ -249,37 +249,45 @@ class ValueBuilders:
             if any(s is False for s, _ in merged.additional_properties):
                 return None
             keys, value_sources = b.repeat(ANY_CHAR, 0, None), merged.additional_properties
+        # only "not a declared name" (the common case): the trie is built spelled, not spelled afterwards
+        spelled_trie = bool(declared) and not merged.pattern_properties and not merged.property_names
         key_parts = [keys] if merged.pattern_properties else []  # any key at all needs no intersection
-        if declared:
+        if declared and not spelled_trie:
             key_parts.append(self.names_except(declared))
         if merged.property_names:
             key_parts.append(self.property_name_language(merged.property_names))
         value = self.node_of(value_sources)
+        if value == NOTHING:
+            return None
+        if spelled_trie:
+            key_node = b.concat(QUOTE, self.names_except(declared, spelled=True), QUOTE)
+            return member_node(b, self.ws, key_node, value)
         key = b.intersect(*key_parts) if key_parts else keys
-        if value == NOTHING or key == NOTHING:
+        if key == NOTHING:
             return None
         return member_node(b, self.ws, string_node(b, key), value)
 
-    def names_except(self, names: list[str]) -> Node:
-        """Decoded strings other than ``names``: a trie with an escape hatch at every node."""
+    def names_except(self, names: list[str], spelled: bool = False) -> Node:
+        """Decoded strings other than ``names``: a trie with an escape hatch at every node. ``spelled``: the JSON
+        string bodies of those strings instead (what ``json_strings.spell`` of the trie would give)."""
         trie: dict = {}
         for name in names:
             node = trie
             for char in name:
                 node = node.setdefault(char, {})
             node[None] = {}
-        return self._not_in_trie(trie)
-
-    def _not_in_trie(self, trie: dict, tail: Node | None = None) -> Node:
-        b = self.b
+        tail = self.b.repeat(ANY_CHAR, 0, None)
         # one tail node for the whole trie: spelled and turned into automaton terms once, not once per node
-        tail = b.repeat(ANY_CHAR, 0, None) if tail is None else tail
+        return self._not_in_trie(trie, spell(self.b, tail) if spelled else tail, spelled)
+
+    def _not_in_trie(self, trie: dict, tail: Node, spelled: bool) -> Node:
+        b = self.b
+        chars = (lambda cs: spell_chars(b, cs)) if spelled else (lambda cs: cs)  # noqa: E731
         children = [c for c in trie if c is not None]
         options = [] if None in trie else [EMPTY]
-        options += [b.concat(CharSet.chars(c), self._not_in_trie(trie[c], tail)) for c in children]
-        others = CharSet.chars("".join(children)).negate()
-        others = others.negate().union(ANY_CHAR.negate()).negate()  # minus surrogates
-        options.append(b.concat(others, tail))
+        options += [b.concat(chars(CharSet.chars(c)), self._not_in_trie(trie[c], tail, spelled)) for c in children]
+        others = intersect_chars(CharSet.chars("".join(children)).negate(), ANY_CHAR)  # minus surrogates
+        options.append(b.concat(chars(others), tail))
         return b.alt(options)
 
     def property_name_language(self, sources) -> Node:
