@@ -10,7 +10,7 @@ from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.token_index import TokenIndex
 from corral.grammar.constraint import Constraint
 from corral.fsm.vocabulary import Vocabulary
-from tests.fsm.test_token_pieces import CONSTRAINTS
+from tests.fsm.test_token_pieces import CONSTRAINTS, random_walk_states
 from tests.fsm.test_token_pieces import VOCAB as PIECES_VOCAB
 
 # tokens that enter a piece state and leave it through another member at once (the walk must go on below them)
@@ -51,21 +51,12 @@ def test_native_walk_equals_the_plain_walk_on_random_walks(constraint):
     # a fresh index per check order: the native walk runs first, so it meets transitions not yet derived
     index = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
     assert index._native is not None
-    rng = random.Random(str(constraint.value))
     checked = 0
-    for _ in range(30):
-        state = 0
-        for _ in range(rng.randint(1, 25)):
-            native = _native_mask(index, state)
-            assert np.array_equal(native, _python_mask(index, state)), (constraint.value, state)
-            assert np.array_equal(index.mask(state), native)
-            checked += 1
-            bits = np.unpackbits(native.view(np.uint8), bitorder="little")[:VOCAB.size]
-            choices = [t for t in np.flatnonzero(bits).tolist() if t not in VOCAB.eos_token_ids]
-            if not choices:
-                break
-            state = index.next_state(state, rng.choice(choices))
-            assert state >= 0
+    for state, native in random_walk_states(index, VOCAB, random.Random(str(constraint.value)), 30,
+                                            lambda state: _native_mask(index, state)):
+        assert np.array_equal(native, _python_mask(index, state)), (constraint.value, state)
+        assert np.array_equal(index.mask(state), native)
+        checked += 1
     assert checked >= 30
     assert index._native.flags[:index.num_states].tolist().count(native_walk.FLAG_PIECES) or constraint in MORE[:1]
 

@@ -47,26 +47,32 @@ def _reference_mask(index, state: int) -> np.ndarray:
     return words | tables.eos_words if index.dfa.accepting[state] else words
 
 
-@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: str(c.value)[:40])
-def test_piece_masks_equal_the_plain_walk_on_random_walks(constraint):
-    index = GrammarCompiler(VOCAB).compile(constraint).index
-    rng = random.Random(str(constraint.value))
-    checked = with_pieces = 0
-    for _ in range(40):
+def random_walk_states(index, vocab: Vocabulary, rng: random.Random, walks: int, mask_of):
+    """(state, ``mask_of(state)``) along ``walks`` random token walks from the start (up to 25 tokens each),
+    each next token drawn from that mask."""
+    for _ in range(walks):
         state = 0
         for _ in range(rng.randint(1, 25)):
-            mask = index.mask(state)
-            assert np.array_equal(mask, _reference_mask(index, state)), (constraint.value, state)
-            checked += 1
-            with index.dfa.lock:
-                pieces, _ = split_pieces(index.dfa.terms, index.dfa.term_of(state), index.tables.piece_facts)
-            with_pieces += bool(pieces)
-            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB.size]
-            choices = [t for t in np.flatnonzero(bits).tolist() if t not in VOCAB.eos_token_ids]
+            mask = mask_of(state)
+            yield state, mask
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab.size]
+            choices = [t for t in np.flatnonzero(bits).tolist() if t not in vocab.eos_token_ids]
             if not choices:
                 break
             state = index.next_state(state, rng.choice(choices))
             assert state >= 0
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: str(c.value)[:40])
+def test_piece_masks_equal_the_plain_walk_on_random_walks(constraint):
+    index = GrammarCompiler(VOCAB).compile(constraint).index
+    checked = with_pieces = 0
+    for state, mask in random_walk_states(index, VOCAB, random.Random(str(constraint.value)), 40, index.mask):
+        assert np.array_equal(mask, _reference_mask(index, state)), (constraint.value, state)
+        checked += 1
+        with index.dfa.lock:
+            pieces, _ = split_pieces(index.dfa.terms, index.dfa.term_of(state), index.tables.piece_facts)
+        with_pieces += bool(pieces)
     assert with_pieces >= 10, "the walks must reach states that take the piece shortcut"
     assert checked > with_pieces
 
