@@ -41,7 +41,8 @@ class CorralEngine:
         from corral.fsm.token_index import vocab_tables
 
         self.compiler = GrammarCompiler(vocab, time_budget_s=min(10.0, timeout_s), cache_bytes=64 << 20)
-        vocab_tables(vocab).trie  # per-vocabulary tables, built once per process like the peers' tokenizer info
+        vocab_tables(vocab).native_trie  # per-vocabulary tables (the token trie and the native walk's copy of
+        # it), built once per process like the peers' tokenizer info
 
     def compile(self, schema):
         from corral.grammar.constraint import Constraint

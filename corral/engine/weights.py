@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from corral.cache import cache_dir
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -40,10 +41,6 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
-
-
-def cache_dir() -> str:
-    return os.environ.get("CORRAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "corral")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:

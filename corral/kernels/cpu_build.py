@@ -14,6 +14,8 @@ import platform
 import subprocess
 import threading
 
+from corral.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 # Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
@@ -106,8 +108,6 @@ class CompiledLibrary:
             return library
 
     def _build(self, compiler: str) -> str:
-        from corral.engine.weights import cache_dir
-
         key = hashlib.sha256("|".join([self.source, compiler, *self.flags, _cpu_key(), platform.machine()]).encode())
         path = os.path.join(cache_dir(), "kernels", f"{self.name}-{key.hexdigest()[:16]}.so")
         if not os.path.isfile(path):
