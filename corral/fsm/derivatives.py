@@ -13,6 +13,7 @@ Left out: complement. Emptiness is syntactic (a normalized term other than ∅ i
 still undecided at the limit is treated as empty (sound: it can only forbid strings, never allow one).
 """
 
+import functools
 import threading
 from collections import deque
 
@@ -44,6 +45,21 @@ def _canonical_id(key: tuple) -> int:
     return known
 
 
+@functools.lru_cache(maxsize=65536)
+def _partition(masks: frozenset[int]) -> list[int]:
+    """The coarsest partition of the union of ``masks`` that each mask is a union of (shared: the same first-byte
+    sets recur in every state of a string body or a pattern). Callers must not modify the list."""
+    classes = []
+    for mask in masks:
+        remaining, refined = mask, []
+        for cls in classes:
+            inside, outside = cls & mask, cls & ~mask
+            refined += [c for c in (inside, outside) if c]
+            remaining &= ~cls
+        classes = refined + ([remaining] if remaining else [])
+    return classes
+
+
 class TermTable:
     """Interned terms: ``kind[t]``, ``args[t]``, ``nullable[t]``; derivatives and first-byte sets memoized."""
 
@@ -57,6 +73,7 @@ class TermTable:
         self._from_nodes: dict[int, tuple[Node, int]] = {}
         self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
+        self._live_boxes: dict[tuple, list[tuple[int, int]]] = {}  # see _intersection_is_live
         self.num_undecided = 0  # intersections whose emptiness the step limit left open (treated as empty)
         self._structures: dict[int, int] = {}
         self._from_structures: dict[int, int] = {}
@@ -309,15 +326,7 @@ class TermTable:
 
     def byte_classes(self, term: int) -> list[int]:
         """A partition (as 256-bit masks) of the bytes that can start ``term``: one derivative per class."""
-        classes = []
-        for mask in self.first_bytes(term):
-            remaining, refined = mask, []
-            for cls in classes:
-                inside, outside = cls & mask, cls & ~mask
-                refined += [c for c in (inside, outside) if c]
-                remaining &= ~cls
-            classes = refined + ([remaining] if remaining else [])
-        return classes
+        return _partition(self.first_bytes(term))
 
     def is_live(self, term: int) -> bool:
         """The language of ``term`` is not empty. Compositional (a concatenation is live when every part is, an
@@ -341,29 +350,58 @@ class TermTable:
             elif kind == _REP:
                 known = args[1] == 0 or self.is_live(args[0])
             else:
-                known = self._explore_for_acceptance(term)
+                known = self._intersection_is_live(term)
             self._live[term] = known
         return known
 
-    def _explore_for_acceptance(self, term: int) -> bool:
-        """Breadth-first over the derivatives of an intersection until a nullable one appears."""
-        seen, frontier = {term}, deque([term])
+    def _intersection_is_live(self, term: int) -> bool:
+        """Liveness of an intersection, with a shortcut for a counted member ``X{lo,hi}`` (a string's length
+        bounds beside its pattern): a witness of ``d`` bytes found for ``X{lo,hi} & rest`` has at most ``d`` units
+        of ``X`` (units are not empty) and at least ``lo``, so it also witnesses ``X{lo',hi'} & rest`` whenever
+        ``lo' <= lo`` and ``hi' >= d``. Generating a long string under ``maxLength`` and a pattern meets the same
+        ``rest`` at every remaining length; one search serves them all instead of one search per position."""
+        key, low, high = self._counted_member(term)
+        if key is not None:
+            for known_low, depth in self._live_boxes.get(key, ()):
+                if low <= known_low and (high is None or high >= depth):
+                    return True
+        live, depth = self._explore_for_acceptance(term)
+        if live and key is not None and depth is not None:
+            self._live_boxes.setdefault(key, []).append((low, depth))
+        return live
+
+    def _counted_member(self, term: int) -> tuple[tuple | None, int, int | None]:
+        """(key, lo, hi) of an intersection's first member ``X{lo,hi}`` with ``X`` not nullable, the key being
+        ``X`` and the other members; ``(None, 0, None)`` when it has none."""
+        members = self.args[term]
+        for index, member in enumerate(members):
+            if self.kind[member] == _REP and not self.nullable[self.args[member][0]]:
+                unit, low, high = self.args[member]
+                return (unit, members[:index] + members[index + 1:]), low, high
+        return None, 0, None
+
+    def _explore_for_acceptance(self, term: int) -> tuple[bool, int | None]:
+        """Breadth-first over the derivatives of an intersection until a nullable one appears: (live, the byte
+        length of the witness found, or None when liveness was inherited from a term already known live)."""
+        seen, frontier = {term}, deque([(term, 0)])
         while frontier and len(seen) < _LIVENESS_STEP_LIMIT:
-            current = frontier.popleft()
-            if self.nullable[current] or self._live.get(current):
-                return True
+            current, depth = frontier.popleft()
+            if self.nullable[current]:
+                return True, depth
+            if self._live.get(current):
+                return True, None
             for cls in self.byte_classes(current):
                 following = self.derivative(current, (cls & -cls).bit_length() - 1)
                 if following != EMPTYSET and following not in seen and self._live.get(following) is not False:
                     seen.add(following)
-                    frontier.append(following)
+                    frontier.append((following, depth + 1))
         if not frontier:  # exhausted: every term reached is empty as well
             for dead in seen:
                 self._live[dead] = False
-            return False
+            return False, None
         # subtle: past the step limit the term is treated as empty. Assuming it live (as this once did) let walks
         # reach states whose every continuation was empty: a mask with no token, mid-generation. Treating it as
         # empty can only forbid strings the language has (an intersection too big to explore), never allow one
         # it lacks, and every state made stays one from which acceptance was seen to be reachable.
         self.num_undecided += 1
-        return False
+        return False, None

@@ -151,3 +151,21 @@ def test_liveness_of_a_long_concatenation_ending_in_an_intersection_does_not_rec
     node = Concat(tuple(literal(c) for c in "ab" * 3000) + (digits,))
     dfa = LazyDFA(node, Budget())
     assert not dfa.is_empty and dfa.step(0, ord("a")) != DEAD
+
+
+def test_a_length_bound_beside_a_pattern_reuses_one_witness_for_every_remaining_length(monkeypatch):
+    """``X{lo,hi} & P``: a witness of d bytes found once serves every ``hi' >= d`` (and ``lo' <= lo``) without a
+    new search; below d the search runs again and still finds the language empty where it is."""
+    table = derivatives.TermTable()
+    unit = table.from_node(parse_regex("[a-z]"))
+    pattern = table.from_node(parse_regex("abcd"))  # exactly 4 letters
+    assert table.is_live(table.intersect([table.repeat(unit, 0, 100), pattern]))
+    searches = []
+    explore = table._explore_for_acceptance
+    monkeypatch.setattr(table, "_explore_for_acceptance", lambda term: searches.append(term) or explore(term))
+    for high in (99, 50, 4):
+        assert table.is_live(table.intersect([table.repeat(unit, 0, high), pattern]))
+    assert searches == []
+    assert not table.is_live(table.intersect([table.repeat(unit, 0, 3), pattern]))
+    assert not table.is_live(table.intersect([table.repeat(unit, 5, 9), pattern]))
+    assert len(searches) == 2
