@@ -1,13 +1,13 @@
 """The token-trie walk in C++: a state's mask at native speed, with the lazy DFA still derived in Python.
 
-The walk is a depth-first pass over the vocabulary trie (``token_trie.py``) from one DFA state: an edge of the
-trie (a child byte under a node, in the state its parent reached) looks its transition up in the lazy DFA's
-``trans`` table; a dead move drops the subtree, a live one sets the bits of the tokens that end at the child and
-goes on below it. The lazy DFA has not derived every transition yet, and some states need Python's judgement
-(repeat pieces, ``token_pieces.py``), so the pass does not stop there: it hands such edges and nodes back, Python
-derives the transitions (or resolves the pieces) and the pass resumes from exactly those edges. Each resumption
+The walk is one pass over the vocabulary trie (``token_trie.py``, nodes numbered in preorder) from one DFA state:
+each node looks the move on its byte up in the lazy DFA's ``trans`` table, from the state its parent reached; a
+dead move skips the node's whole subtree, a live one lists the tokens that end at the node and goes on below it.
+The lazy DFA has not derived every move yet, and some states need Python's judgement (repeat pieces,
+``token_pieces.py``), so the pass does not stop there: it hands such nodes back, Python derives the moves (or
+fills the subtrees from the pieces' shared masks) and the pass resumes from exactly those nodes. Each resumption
 only goes deeper, so a walk costs one native pass over the live part of the trie plus one Python derivation per
-new transition, the same derivations the Python walk made.
+new move, the same derivations the Python walk made.
 
 Why: the trie walk in numpy costs a few µs per numpy call and per trie level; the first mask of a wide state (a
 string body under a pattern, the start of any JSON value) took milliseconds that way, and those first masks are
@@ -148,12 +148,8 @@ class NativeTrie:
         return held
 
     def children(self, nodes: np.ndarray) -> np.ndarray:
-        """The child nodes of ``nodes`` (int32, concatenated in node order)."""
-        trie = self.trie
-        starts, ends = trie.child_start[nodes], trie.child_start[nodes + 1]
-        counts = ends - starts
-        edges = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-        return trie.child_node[edges].astype(np.int32)
+        """The child nodes of ``nodes`` (int32, the walk's input type)."""
+        return self.trie.children(nodes).astype(np.int32)
 
 
 class NativeWalk:
@@ -205,7 +201,7 @@ class NativeWalk:
                 pairs = np.unique((ss.astype(np.int64) << 8) | native.node_byte[ns])  # many nodes, few moves
                 for pair in pairs.tolist():
                     following = dfa.next_state(pair >> 8, pair & 255)
-                    if following >= 0 and (following >= len(self.flags) or not self.flags[following]):
+                    if following >= 0:
                         self._flag(following)
                 next_nodes.append(ns)
                 next_states.append(ss)

@@ -263,16 +263,10 @@ class TokenIndex:
     def piece_subtree_ids(self, piece: Piece, offset: int, token_ids: np.ndarray) -> np.ndarray | None:
         """Of ``token_ids`` (tokens whose first ``offset`` bytes led to a state holding ``piece``), those the
         piece allows; ``None`` when its facts at this offset are not exact."""
-        tokens = piece.facts.at(offset)
-        if tokens is None:
+        words = self.piece_words(piece, offset)
+        if words is None:
             return None
-        inside = tokens.never_exits[token_ids]
-        if piece.high is not None:
-            inside &= tokens.units[token_ids] <= piece.high
-        among = np.zeros(len(tokens.never_exits), dtype=bool)
-        among[token_ids] = True
-        crossing = self._crossing_ok(piece, tokens) & among[tokens.cross_ids]
-        return np.concatenate([token_ids[inside], tokens.cross_ids[crossing]])
+        return token_ids[(words.view(np.uint32)[token_ids >> 5] >> (token_ids & 31).astype(np.uint32)) & 1 == 1]
 
     def _crossing_ok(self, piece: Piece, tokens: PieceTokens) -> np.ndarray:
         """Over ``tokens.cross_ids``: the piece's count bounds hold where the token leaves it, and the bytes after

@@ -50,9 +50,10 @@ class TokenTrie:
         self._child_start_list = self.child_start.tolist()
         self._child_byte_list = self.child_byte.tolist()
         self._child_node_list = self.child_node.tolist()
-        self._index_subtrees(parents, node_token, duplicates, bytes_)
+        self.node_byte = np.asarray(bytes_, dtype=np.int64)  # the byte on the edge into each node (0 at the root)
+        self._index_subtrees(parents, node_token, duplicates)
 
-    def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict, bytes_: list[int]) -> None:
+    def _index_subtrees(self, parents: list[int], node_token: list[int], duplicates: dict) -> None:
         """``subtree_ids[subtree_start[n]:subtree_end[n]]`` are the token ids at or below node ``n``. Nodes were
         numbered in preorder (tokens inserted in byte order), so every subtree is one run."""
         num_nodes = self.num_nodes
@@ -75,12 +76,13 @@ class TokenTrie:
         self.subtree_end = starts[end_node]
         self.subtree_end_node = end_node  # node ids at or below n are n .. subtree_end_node[n] - 1
         self.depth = np.asarray(depth, dtype=np.int64)
-        self.node_byte = np.asarray(bytes_, dtype=np.int64)  # the byte on the edge into each node (0 at the root)
 
     def subtree_token_ids(self, nodes: np.ndarray) -> np.ndarray:
-        starts, ends = self.subtree_start[nodes], self.subtree_end[nodes]
-        counts = ends - starts
-        return self.subtree_ids[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())]
+        return self.subtree_ids[_runs(self.subtree_start[nodes], self.subtree_end[nodes])]
+
+    def children(self, nodes: np.ndarray) -> np.ndarray:
+        """The child nodes of ``nodes``, concatenated in node order."""
+        return self.child_node[_runs(self.child_start[nodes], self.child_start[nodes + 1])]
 
     def walk(self, state: int, dfa, pieces=None) -> np.ndarray:
         """Token ids whose bytes, walked from ``state`` of the lazy DFA ``dfa``, never hit a dead move.
@@ -148,14 +150,11 @@ class TokenTrie:
         while len(nodes):
             if pieces is not None:
                 nodes, states = self._resolve_pieces(nodes, states, pieces, resolved)
-            starts = self.child_start[nodes]
-            counts = self.child_start[nodes + 1] - starts
-            total = int(counts.sum())
-            if total == 0:
+            starts, ends = self.child_start[nodes], self.child_start[nodes + 1]
+            offsets = _runs(starts, ends)  # every frontier node's children
+            if not len(offsets):
                 break
-            # children of every frontier node, flattened: index = start of its parent's run + rank in the run
-            offsets = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
-            parent_states = np.repeat(states, counts)
+            parent_states = np.repeat(states, ends - starts)
             next_states = gather(parent_states, self.child_byte[offsets])
             alive = next_states >= 0
             children, states = self.child_node[offsets[alive]], next_states[alive]
@@ -202,3 +201,10 @@ class TokenTrie:
             else:
                 states[in_state] = split[1]
         return nodes[keep], states[keep]
+
+
+def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] .. ends[i] - 1`` of every run, concatenated: each index is the start of its run
+    plus its rank in the run."""
+    counts = ends - starts
+    return np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))

@@ -39,8 +39,7 @@ class ValueBuilders:
                 self.b.count_all(shared[2])  # what building it here would have counted
                 self._any[depth] = shared[1]
                 return shared[1]
-            self._any[depth] = self.build_any_value(depth)
-        return self._any[depth]
+        return self.build_any_value(depth)
 
     def build_any_value(self, depth: int) -> Node:
         if depth not in self._any:
