@@ -3,17 +3,24 @@
 The walk is one pass over the vocabulary trie (``token_trie.py``, nodes numbered in preorder) from one DFA state:
 each node looks the move on its byte up in the lazy DFA's ``trans`` table, from the state its parent reached; a
 dead move skips the node's whole subtree, a live one lists the tokens that end at the node and goes on below it.
-The lazy DFA has not derived every move yet, and some states need Python's judgement (repeat pieces,
-``token_pieces.py``), so the pass does not stop there: it hands such nodes back, Python derives the moves (or
-fills the subtrees from the pieces' shared masks) and the pass resumes from exactly those nodes. Each resumption
-only goes deeper, so a walk costs one native pass over the live part of the trie plus one Python derivation per
-new move, the same derivations the Python walk made.
+Two things need Python, and the pass calls back into it where they come up, then goes on:
+
+- a move the lazy DFA has not derived yet, or one into a state not yet looked at: Python derives the move's byte
+  class and settles whether the state it leads to holds repeat pieces (``token_pieces.py``);
+- a node reached in a state that holds pieces: Python answers, for that state and depth, the pieces' shared mask
+  and the state of the other members; the node's subtree takes its tokens from the mask and the pass goes on
+  below it in the other members' state. Answers are kept for the rest of the pass (by state and depth).
+
+So a walk costs one native pass over the live part of the trie, one Python derivation per new move (the same
+derivations the Python walk makes) and one call per piece met; no node is visited twice.
 
 Why: the trie walk in numpy costs a few µs per numpy call and per trie level; the first mask of a wide state (a
 string body under a pattern, the start of any JSON value) took milliseconds that way, and those first masks are
-the slow tail of time-between-masks. Without a C++ compiler (``CORRAL_CPU_KERNELS=0``) the Python walk is used.
+the slow tail of time-between-masks. An earlier form of this walk handed unknown moves back in batches and
+resumed from them; its Python bookkeeping between rounds cost more than the pass. Without a C++ compiler
+(``CORRAL_CPU_KERNELS=0``) the Python walk is used.
 
-State flags (``int8`` per DFA state): 0 not yet asked, 1 plain, 2 holds repeat pieces (the walk stops there).
+State flags (``int8`` per DFA state): 0 not yet asked, 1 plain, 2 holds repeat pieces.
 """
 
 import ctypes
@@ -24,48 +31,52 @@ import numpy as np
 from corral.kernels.cpu_build import CompiledLibrary
 
 FLAG_UNKNOWN, FLAG_PLAIN, FLAG_PIECES = 0, 1, 2
+_FAILED = -4  # a callback raised: the pass stops and Python re-raises
 
 _SOURCE = r"""
 #include <cstdint>
+#include <unordered_map>
+#include <utility>
+
+typedef int32_t (*move_fn)(int32_t state, int32_t byte);
+typedef int32_t (*piece_fn)(int32_t state, int32_t depth);
 
 // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
 // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
-// trans is [rows, 256], flags [rows]; UNBUILT is -3, DEAD -1. node_token: the id ending at the node, -1 none,
-// -2 several (then own_ids[own_start[n]:own_end[n]]). Input: (node, state of its parent) pairs, one subtree each.
+// ctx: [0] trans [rows, 256] (UNBUILT -3, DEAD -1), [1] flags [rows], [2] the mask of the last piece answer (0
+// when the pieces are not exact there); the callbacks may reallocate trans and flags, so both are read again
+// after each. node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
+// own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
 extern "C" void walk_trie(
-    const int32_t* trans, const int8_t* flags,
-    const int32_t* node_byte, const int32_t* node_depth, const int32_t* node_end, const int32_t* node_token,
-    const int64_t* own_start, const int64_t* own_end, const int32_t* own_ids,
-    const int32_t* in_node, const int32_t* in_state, int64_t n_in,
-    uint32_t* words, int32_t* found,
-    int32_t* pend_node, int32_t* pend_state, int32_t* special_node, int32_t* special_state, int64_t* counts) {
+    int64_t* ctx, const int32_t* node_byte, const int32_t* node_depth, const int32_t* node_end,
+    const int32_t* node_token, const int64_t* own_start, const int64_t* own_end, const int64_t* subtree_end,
+    const int32_t* own_ids, const int32_t* roots, int64_t n_roots, int32_t state,
+    uint32_t* words, int32_t* found, int64_t* status, move_fn move, piece_fn piece) {
+    const int32_t* trans = reinterpret_cast<const int32_t*>(ctx[0]);
+    const int8_t* flags = reinterpret_cast<const int8_t*>(ctx[1]);
+    std::unordered_map<int64_t, std::pair<const uint32_t*, int32_t>> answers;
     int32_t stack[1024];
-    int64_t n_pend = 0, n_special = 0, n_found = 0;
-    for (int64_t p = 0; p < n_in; ++p) {
-        const int32_t top = in_node[p], end = node_end[top], base = node_depth[top] - 1;
-        stack[0] = in_state[p];
+    int64_t n_found = 0;
+    status[0] = 0;
+    for (int64_t p = 0; p < n_roots; ++p) {
+        const int32_t top = roots[p], end = node_end[top], base = node_depth[top] - 1;
+        stack[0] = state;
         int32_t i = top;
         while (i < end) {
             const int32_t level = node_depth[i] - base;  // 1 at top
             const int32_t parent = stack[level - 1];
-            const int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
-            stack[level] = t;
-            if (t == -1) {
+            int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
+            int8_t flag = t >= 0 ? flags[t] : 0;
+            if (__builtin_expect(t == -3 || (t >= 0 && flag == 0), 0)) {
+                t = move(parent, node_byte[i]);
+                if (t == -4) { status[0] = -4; return; }
+                trans = reinterpret_cast<const int32_t*>(ctx[0]);
+                flags = reinterpret_cast<const int8_t*>(ctx[1]);
+                flag = t >= 0 ? flags[t] : 0;
+            }
+            if (t < 0) {
                 i = node_end[i];
                 continue;
-            }
-            const int8_t flag = t < 0 ? 0 : flags[t];
-            if (__builtin_expect(flag != 1, 0)) {
-                if (flag == 0) {  // not derived yet, or a state Python has not looked at: hand it back
-                    pend_node[n_pend] = i;
-                    pend_state[n_pend] = parent;
-                    ++n_pend;
-                    i = node_end[i];
-                    continue;
-                }
-                special_node[n_special] = i;  // holds repeat pieces: Python fills the subtree
-                special_state[n_special] = t;
-                ++n_special;
             }
             const int32_t id = node_token[i];
             found[n_found] = id;  // listed now, set below: bits or-ed in here, in trie order, stalled the walk
@@ -73,32 +84,42 @@ extern "C" void walk_trie(
             if (__builtin_expect(id == -2, 0)) {
                 for (int64_t j = own_start[i]; j < own_end[i]; ++j) found[n_found++] = own_ids[j];
             }
-            i = flag == 1 ? i + 1 : node_end[i];
+            stack[level] = t;
+            if (__builtin_expect(flag == 2, 0)) {
+                const int64_t key = (int64_t(t) << 16) | node_depth[i];
+                auto known = answers.find(key);
+                if (known == answers.end()) {
+                    const int32_t other = piece(t, node_depth[i]);
+                    if (other == -4) { status[0] = -4; return; }
+                    trans = reinterpret_cast<const int32_t*>(ctx[0]);
+                    flags = reinterpret_cast<const int8_t*>(ctx[1]);
+                    known = answers.emplace(key, std::make_pair(reinterpret_cast<const uint32_t*>(ctx[2]), other)).first;
+                }
+                const uint32_t* allowed = known->second.first;
+                if (allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the other members
+                    for (int64_t j = own_start[i]; j < subtree_end[i]; ++j) {
+                        const int32_t below = own_ids[j];
+                        words[below >> 5] |= allowed[below >> 5] & (1u << (below & 31));
+                    }
+                    if (known->second.second < 0) {
+                        i = node_end[i];
+                        continue;
+                    }
+                    stack[level] = known->second.second;
+                }
+            }
+            ++i;
         }
     }
     for (int64_t j = 0; j < n_found; ++j) words[found[j] >> 5] |= 1u << (found[j] & 31);
-    counts[0] = n_pend;
-    counts[1] = n_special;
-}
-
-// For each node: the tokens at or below it (one preorder run of ids) that ``allowed`` holds.
-extern "C" void set_subtree_bits(uint32_t* words, const uint32_t* allowed, const int64_t* subtree_start,
-                                 const int64_t* subtree_end, const int32_t* subtree_ids, const int32_t* nodes,
-                                 int64_t n) {
-    for (int64_t p = 0; p < n; ++p) {
-        for (int64_t j = subtree_start[nodes[p]]; j < subtree_end[nodes[p]]; ++j) {
-            const int32_t id = subtree_ids[j];
-            words[id >> 5] |= allowed[id >> 5] & (1u << (id & 31));
-        }
-    }
 }
 """
 
 _P = ctypes.c_void_p
-_I = ctypes.c_int64
+MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
+PIECE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
-    "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P],
-    "set_subtree_bits": [_P, _P, _P, _P, _P, _P, _I],
+    "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, MOVE, PIECE],
 })
 
 
@@ -129,35 +150,35 @@ class NativeTrie:
         self.own_ids = np.ascontiguousarray(trie.subtree_ids, dtype=np.int32)
         self.node_token = np.where(own_counts > 1, -2, trie.node_token).astype(np.int32)
         self.subtree_end = np.ascontiguousarray(trie.subtree_end, dtype=np.int64)
-        self.num_nodes = trie.num_nodes
+        self.roots = trie.children(np.zeros(1, dtype=np.int64)).astype(np.int32)
         self._local = threading.local()
-        self.root_children = self.children(np.zeros(1, dtype=np.int64))
         self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.node_token,
-                                           self.own_start, self.own_end, self.own_ids)]
-        self.subtree_pointers = [_ptr(a) for a in (self.own_start, self.subtree_end, self.own_ids)]
+                                           self.own_start, self.own_end, self.subtree_end, self.own_ids,
+                                           self.roots)]
 
-    def buffers(self) -> tuple[tuple[np.ndarray, ...], list[int]]:
-        """This thread's buffers of the walk (tokens found, nodes handed back, counts; nodes and states in) and
-        their addresses. A walk's inputs are disjoint subtrees and it hands back at most one entry per node."""
+    def buffers(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """This thread's buffers of the walk: tokens found (every token at most once, and one spare), the status;
+        and their addresses."""
         held = getattr(self._local, "buffers", None)
         if held is None:
-            arrays = (np.empty(len(self.own_ids) + 1, dtype=np.int32),  # every token at most once, and one spare
-                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(4)), np.zeros(2, dtype=np.int64),
-                      *(np.empty(self.num_nodes, dtype=np.int32) for _ in range(2)))  # the walk's input
-            held = self._local.buffers = (arrays, [_ptr(a) for a in arrays])
+            found, status = np.empty(len(self.own_ids) + 1, dtype=np.int32), np.zeros(1, dtype=np.int64)
+            held = self._local.buffers = (found, status, _ptr(found), _ptr(status))
         return held
-
-    def children(self, nodes: np.ndarray) -> np.ndarray:
-        """The child nodes of ``nodes`` (int32, the walk's input type)."""
-        return self.trie.children(nodes).astype(np.int32)
 
 
 class NativeWalk:
-    """One DFA's walks (per TokenIndex): the state flags it has settled so far."""
+    """One DFA's walks (per TokenIndex): the state flags it has settled so far, and the callbacks of a pass."""
 
     def __init__(self, lib, native: NativeTrie, index):
         self.lib, self.native, self.index = lib, native, index
         self.flags = np.zeros(64, dtype=np.int8)
+        self._context = np.zeros(3, dtype=np.int64)
+        self._trans: np.ndarray | None = None  # the arrays the context points at, held while a pass reads them
+        self._flags: np.ndarray | None = None
+        self._answers: list[np.ndarray] = []  # piece masks a pass points at
+        self._error: BaseException | None = None
+        self._move = MOVE(self._on_move)  # kept: C holds only the pointers
+        self._piece = PIECE(self._on_piece)
 
     def _grow_flags(self, size: int) -> None:
         grown = np.zeros(max(2 * len(self.flags), size), dtype=np.int8)
@@ -172,78 +193,67 @@ class NativeWalk:
             flag = self.flags[state] = FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
         return int(flag)
 
+    def _point(self) -> None:
+        """Point the pass at the current ``trans`` and flags (either may have been reallocated); the flags
+        cover every row, since the pass reads the flag of any state a move leads to."""
+        trans = self.index.dfa.trans
+        if len(self.flags) < len(trans):
+            self._grow_flags(len(trans))
+        if trans is not self._trans:
+            self._trans = trans
+            self._context[0] = _ptr(trans)
+        if self.flags is not self._flags:
+            self._flags = self.flags
+            self._context[1] = _ptr(self.flags)
+
     def walk(self, state: int, words: np.ndarray) -> None:
         """OR into ``words`` (uint32 bitmask) the tokens whose bytes, walked from ``state``, never hit a dead
         move; pieces met below the root resolve from their shared facts, as the Python walk does."""
-        native, dfa, lib = self.native, self.index.dfa, self.lib
-        buffers, pointers = native.buffers()
-        _, pend_node, pend_state, special_node, special_state, counts, in_node, in_state = buffers
-        outputs = [_ptr(words), *pointers[:6]]
-        in_pointers = pointers[6:]
-        n_in = len(native.root_children)
-        in_node[:n_in] = native.root_children
-        in_state[:n_in] = state
-        trans = trans_pointer = flags = flags_pointer = None
-        while n_in:
-            if dfa.trans is not trans:  # reallocated as the DFA grew
-                trans = dfa.trans
-                trans_pointer = _ptr(trans)
-                if len(self.flags) < len(trans):  # the walk reads a flag for every row
-                    self._grow_flags(len(trans))
-            if self.flags is not flags:
-                flags = self.flags
-                flags_pointer = _ptr(flags)
-            lib.walk_trie(trans_pointer, flags_pointer, *native.pointers, *in_pointers, n_in, *outputs)
-            n_pend, n_special = int(counts[0]), int(counts[1])
-            next_nodes, next_states = [], []
-            if n_pend:
-                ns, ss = pend_node[:n_pend].copy(), pend_state[:n_pend].copy()
-                pairs = np.unique((ss.astype(np.int64) << 8) | native.node_byte[ns])  # many nodes, few moves
-                for pair in pairs.tolist():
-                    following = dfa.next_state(pair >> 8, pair & 255)
-                    if following >= 0:
-                        self._flag(following)
-                next_nodes.append(ns)
-                next_states.append(ss)
-            if n_special:
-                self._resolve(special_node[:n_special].copy(), special_state[:n_special].copy(), words,
-                              next_nodes, next_states)
-            n_in = 0
-            for nodes_part, states_part in zip(next_nodes, next_states):  # disjoint subtrees: at most one per node
-                in_node[n_in:n_in + len(nodes_part)] = nodes_part
-                in_state[n_in:n_in + len(nodes_part)] = states_part
-                n_in += len(nodes_part)
+        native = self.native
+        found, status, found_pointer, status_pointer = native.buffers()
+        self._point()
+        try:
+            self.lib.walk_trie(_ptr(self._context), *native.pointers, len(native.roots), state, _ptr(words),
+                               found_pointer, status_pointer, self._move, self._piece)
+        finally:
+            self._answers.clear()
+        if status[0] == _FAILED:
+            error, self._error = self._error, None
+            raise error
 
-    def _resolve(self, nodes: np.ndarray, states: np.ndarray, words: np.ndarray, next_nodes: list,
-                 next_states: list) -> None:
-        """Nodes reached in states that hold repeat pieces: the pieces' tokens below them come from the shared
-        facts; the walk goes on below them in the state of the other members (or, when the facts are not exact
-        at that depth, plainly in the state itself)."""
-        index, native = self.index, self.native
-        for state in np.unique(states).tolist():
-            split = index.piece_split(state)
-            in_state = nodes[states == state]
-            depths = native.node_depth[in_state]
-            exact, found = True, []
-            for depth in np.unique(depths).tolist():
-                at = np.ascontiguousarray(in_state[depths == depth])
-                for piece in split[0]:
-                    allowed = index.piece_words(piece, depth)
-                    if allowed is None:
-                        exact = False
-                        break
-                    found.append((allowed, at))
-                if not exact:
+    def _on_move(self, state: int, byte: int) -> int:
+        """The pass met an underived move, or one into a state it has no flag for: derive it and flag its end."""
+        try:
+            following = self.index.dfa.next_state(state, byte)
+            if following >= 0:
+                self._flag(following)
+            self._point()
+            return following
+        except BaseException as error:  # noqa: BLE001 - must not unwind through C; re-raised by walk()
+            self._error = error
+            return _FAILED
+
+    def _on_piece(self, state: int, depth: int) -> int:
+        """The pass reached a state holding repeat pieces after ``depth`` bytes: point it at the pieces' mask at
+        that depth (0 when a piece's facts are not exact there: then it walks on plainly) and return the state
+        of the other members (``DEAD`` when none)."""
+        try:
+            index = self.index
+            pieces, other_state = index.piece_split(state)
+            allowed = None
+            for piece in pieces:
+                piece_words = index.piece_words(piece, depth)
+                if piece_words is None:
+                    allowed = None
                     break
-            if exact:
-                for allowed, at in found:
-                    self.lib.set_subtree_bits(_ptr(words), _ptr(allowed), *native.subtree_pointers, _ptr(at), len(at))
-                continue_state = split[1]
+                allowed = piece_words if allowed is None else allowed | piece_words
+            if allowed is None:
+                self._context[2] = 0
             else:
-                continue_state = state  # walk below these nodes plainly, as if the state held no piece
-            if continue_state < 0:
-                continue
-            below = native.children(in_state.astype(np.int64))
-            if len(below):
-                next_nodes.append(below)
-                next_states.append(np.full(len(below), continue_state, dtype=np.int32))
+                self._answers.append(allowed)  # piece_words' cache may drop it before the pass ends
+                self._context[2] = _ptr(allowed)
+            self._point()
+            return other_state
+        except BaseException as error:  # noqa: BLE001 - must not unwind through C; re-raised by walk()
+            self._error = error
+            return _FAILED

@@ -73,3 +73,21 @@ def test_without_the_library_masks_come_from_the_python_walk(monkeypatch):
     for token_id in [VOCAB.token_bytes.index(b"{")] + [VOCAB.token_bytes.index(b'"')] * 2:
         assert np.array_equal(plain.mask(state_plain), native.mask(state_native))
         state_plain, state_native = plain.next_state(state_plain, token_id), native.next_state(state_native, token_id)
+
+
+def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
+    from corral.errors import GrammarTooComplexError
+
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index
+
+    def refuse(state, byte):
+        raise GrammarTooComplexError("state budget")
+
+    monkeypatch.setattr(index.dfa, "next_state", refuse)
+    words = np.zeros(index.tables.num_words, dtype=np.uint32)
+    with pytest.raises(GrammarTooComplexError, match="state budget"):
+        index._native.walk(0, words)
+    monkeypatch.undo()
+    index._native.walk(0, words)  # the walk is usable again afterwards
+    assert np.array_equal(words.view(np.int32) | (index.tables.eos_words if index.dfa.accepting[0] else 0),
+                          _python_mask(index, 0))
