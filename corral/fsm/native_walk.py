@@ -38,7 +38,7 @@ _SOURCE = r"""
 #include <unordered_map>
 #include <utility>
 
-typedef int32_t (*move_fn)(int32_t state, int32_t byte);
+typedef int32_t (*move_fn)(int32_t state, int32_t byte, int32_t flag_it);
 typedef int32_t (*piece_fn)(int32_t state, int32_t depth);
 
 // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
@@ -67,8 +67,9 @@ extern "C" void walk_trie(
             const int32_t parent = stack[level - 1];
             int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
             int8_t flag = t >= 0 ? flags[t] : 0;
-            if (__builtin_expect(t == -3 || (t >= 0 && flag == 0), 0)) {
-                t = move(parent, node_byte[i]);
+            const bool leaf = node_end[i] == i + 1;  // only a node with children needs its state's flag
+            if (__builtin_expect(t == -3 || (t >= 0 && flag == 0 && !leaf), 0)) {
+                t = move(parent, node_byte[i], !leaf);
                 if (t == -4) { status[0] = -4; return; }
                 trans = reinterpret_cast<const int32_t*>(ctx[0]);
                 flags = reinterpret_cast<const int8_t*>(ctx[1]);
@@ -116,7 +117,7 @@ extern "C" void walk_trie(
 """
 
 _P = ctypes.c_void_p
-MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
+MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 PIECE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
     "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, MOVE, PIECE],
@@ -221,11 +222,13 @@ class NativeWalk:
             error, self._error = self._error, None
             raise error
 
-    def _on_move(self, state: int, byte: int) -> int:
-        """The pass met an underived move, or one into a state it has no flag for: derive it and flag its end."""
+    def _on_move(self, state: int, byte: int, flag_it: int) -> int:
+        """The pass met an underived move, or one into a state it has no flag for: derive it and, when the pass
+        goes on below (``flag_it``), flag the state it leads to. A token's last byte needs no flag: whether a
+        state holds pieces only changes how the subtree below is walked."""
         try:
             following = self.index.dfa.next_state(state, byte)
-            if following >= 0:
+            if following >= 0 and flag_it:
                 self._flag(following)
             self._point()
             return following
