@@ -70,6 +70,7 @@ class TermTable:
         self._ids: dict[tuple, int] = {}
         self._derivatives: dict[tuple[int, int], int] = {}
         self._firsts: dict[int, frozenset[int]] = {}
+        self._first_masks: dict[int, int] = {}
         self._from_nodes: dict[int, tuple[Node, int]] = {}
         self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
@@ -256,10 +257,13 @@ class TermTable:
         return known
 
     def first_mask(self, term: int) -> int:
-        """The 256-bit mask of every byte that can start ``term``."""
-        mask = 0
-        for part in self.first_bytes(term):
-            mask |= part
+        """The 256-bit mask of every byte that can start ``term`` (memoized)."""
+        mask = self._first_masks.get(term)
+        if mask is None:
+            mask = 0
+            for part in self.first_bytes(term):
+                mask |= part
+            self._first_masks[term] = mask
         return mask
 
     # ---- derivatives -----------------------------------------------------------------------------------------
@@ -283,8 +287,9 @@ class TermTable:
             else:
                 options.append(self.derivative(current, byte))
             result = self.alt(options)
-        elif kind == _ALT:
-            result = self.alt([self.derivative(member, byte) for member in args])
+        elif kind == _ALT:  # members that cannot start with the byte derive to ∅: skip them unexplored
+            first_mask = self.first_mask
+            result = self.alt([self.derivative(member, byte) for member in args if first_mask(member) >> byte & 1])
         elif kind == _REP:
             inner, low, high = args
             rest = self.repeat(inner, max(low - 1, 0), None if high is None else high - 1)
