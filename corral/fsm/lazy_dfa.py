@@ -95,6 +95,10 @@ class LazyDFA:
             following = int(self.trans[state, byte])
         return following
 
+    def states_left(self) -> np.ndarray:
+        """The states some move has been derived out of (int64, ascending)."""
+        return np.asarray(sorted(self._classes), dtype=np.int64)
+
     def row(self, state: int) -> np.ndarray:
         if not self.built[state]:
             self.ensure(np.asarray([state], dtype=np.int32))

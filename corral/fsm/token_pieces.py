@@ -30,6 +30,7 @@ import threading
 
 import numpy as np
 
+from corral.fsm import native_walk
 from corral.fsm.budget import Budget
 from corral.fsm.derivatives import _ALT, _CAT, _REP, EPSILON, TermTable
 from corral.fsm.lazy_dfa import LazyDFA
@@ -94,6 +95,26 @@ class PieceFacts:
         exits = np.full(size, -1, dtype=np.int32)
         at_boundary = np.zeros(size, dtype=bool)
         ids = self.grammar_ids[lengths[self.grammar_ids] > offset]
+        library = native_walk.library()
+        if library is not None:
+            native_walk.walk_tokens(library, dfa, self.vocab.byte_matrix, lengths, ids, offset, units, exits,
+                                    at_boundary)
+            # whole rows of the states the tokens passed through, as the numpy walk's steps build them: the
+            # check below looks for accepting states among their successors
+            dfa.ensure(dfa.states_left())
+        else:
+            self._walk_numpy(ids, offset, units, exits, at_boundary)
+        if dfa.accepting[1:dfa.num_states].any():
+            return None
+        never_exits = np.zeros(size, dtype=bool)
+        never_exits[self.grammar_ids] = True
+        never_exits[exits >= 0] = False
+        return PieceTokens(never_exits, units, exits, at_boundary, self.vocab.byte_matrix)
+
+    def _walk_numpy(self, ids: np.ndarray, offset: int, units: np.ndarray, exits: np.ndarray,
+                    at_boundary: np.ndarray) -> None:
+        """``native_walk.walk_tokens`` level by level in numpy (without a C++ compiler)."""
+        dfa, lengths = self.dfa, self.vocab.lengths
         states = np.zeros(len(ids), dtype=np.int32)
         for depth in range(offset, len(self.columns)):
             running = lengths[ids] > depth
@@ -108,12 +129,6 @@ class PieceFacts:
             alive = ~dead
             units[ids[alive]] += at_start[alive]
             ids, states = ids[alive], next_states[alive]
-        if dfa.accepting[1:dfa.num_states].any():
-            return None
-        never_exits = np.zeros(size, dtype=bool)
-        never_exits[self.grammar_ids] = True
-        never_exits[exits >= 0] = False
-        return PieceTokens(never_exits, units, exits, at_boundary, self.vocab.byte_matrix)
 
 
 class Piece:

@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 
+from corral.fsm import native_walk
 from corral.fsm.budget import Budget
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.derivatives import TermTable
@@ -12,6 +13,7 @@ from corral.fsm.token_index import vocab_tables
 from corral.fsm.token_pieces import PieceFacts, split_pieces
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
+from corral.grammar.regex_parser import parse_regex
 
 _ALPHABET = [b"a", b"b", b"x", b" ", b'"', b"\\", b",", b":", b"{", b"}", b"[", b"]", b"0", b"7", b"u", b"n",
              "é".encode(), b"\xc3", b"\xa9", b"\n"]
@@ -103,3 +105,18 @@ def test_a_unit_that_is_a_prefix_of_another_is_refused():
     a = table.byte_set(1 << ord("a"))
     unit = table.alt([a, table.cat(a, a)])  # "a" and "aa": units cannot be counted from the DFA of unit*
     assert _facts(table, unit) is None
+
+
+@pytest.mark.skipif(native_walk.library() is None, reason="no C++ compiler for the native walk")
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_native_and_numpy_piece_walks_agree(monkeypatch, offset):
+    table = TermTable(Budget())
+    unit = table.from_node(parse_regex(r'[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}'))  # a JSON string's char
+    tables = vocab_tables(VOCAB)
+    native = PieceFacts(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns).at(offset)
+    monkeypatch.setattr(native_walk, "library", lambda: None)
+    numpy = PieceFacts(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns).at(offset)
+    assert native is not None and numpy is not None
+    for field in ("never_exits", "units", "cross_ids", "cross_offsets", "cross_units", "cross_bytes"):
+        assert np.array_equal(getattr(native, field), getattr(numpy, field)), field
+    assert len(native.cross_ids) and native.units.max() >= 2
