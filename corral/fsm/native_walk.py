@@ -115,19 +115,21 @@ extern "C" void walk_trie(
     for (int64_t j = 0; j < n_found; ++j) words[found[j] >> 5] |= 1u << (found[j] & 31);
 }
 
-// Each token's bytes from `offset` on, walked from state 0 until a dead move: units[k] counts the bytes taken
-// at state 0, exits[k] is where it died (-1 never), at_start[k] whether it died at state 0. tokens is the
-// [*, width] byte matrix; ctx as walk_trie's ([0] trans), move as well (the flag argument unused).
+// Each token's bytes from offsets[k] on, walked from state `start` until a dead move: units[k] counts the bytes
+// taken at `start`, exits[k] is where it died (-1 never), at_start[k] whether it died at `start`. tokens is the
+// [*, width] byte matrix; ctx as walk_trie's ([0] trans), move as well (its flag argument unused).
 extern "C" void walk_tokens(int64_t* ctx, const uint8_t* tokens, int64_t width, const int32_t* lengths,
-                            const int64_t* ids, int64_t n, int32_t offset, int32_t* units, int32_t* exits,
-                            uint8_t* at_start, int64_t* status, move_fn move) {
+                            const int64_t* ids, const int64_t* offsets, int64_t n, int32_t start, int32_t* units,
+                            int32_t* exits, uint8_t* at_start, int64_t* status, move_fn move) {
     const int32_t* trans = reinterpret_cast<const int32_t*>(ctx[0]);
     status[0] = 0;
     for (int64_t k = 0; k < n; ++k) {
         const int64_t id = ids[k];
         const uint8_t* bytes = tokens + id * width;
-        int32_t state = 0, count = 0;
-        for (int32_t depth = offset; depth < lengths[id]; ++depth) {
+        int32_t state = start, count = 0;
+        exits[k] = -1;
+        at_start[k] = 0;
+        for (int32_t depth = int32_t(offsets[k]); depth < lengths[id]; ++depth) {
             int32_t next = trans[int64_t(state) * 256 + bytes[depth]];
             if (next == -3) {
                 next = move(state, bytes[depth], 0);
@@ -135,14 +137,14 @@ extern "C" void walk_tokens(int64_t* ctx, const uint8_t* tokens, int64_t width, 
                 trans = reinterpret_cast<const int32_t*>(ctx[0]);
             }
             if (next < 0) {
-                exits[id] = depth;
-                at_start[id] = state == 0;
+                exits[k] = depth;
+                at_start[k] = state == start;
                 break;
             }
-            count += state == 0;
+            count += state == start;
             state = next;
         }
-        units[id] = count;
+        units[k] = count;
     }
 }
 """
@@ -152,7 +154,7 @@ MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c
 PIECE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
     "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, MOVE, PIECE],
-    "walk_tokens": [_P, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, _P, MOVE],
+    "walk_tokens": [_P, _P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, _P, MOVE],
 })
 
 
@@ -294,11 +296,11 @@ class NativeWalk:
             return _FAILED
 
 
-def walk_tokens(lib, dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.ndarray, offset: int,
-                units: np.ndarray, exits: np.ndarray, at_start: np.ndarray) -> None:
-    """Walk each token of ``ids`` from byte ``offset`` on through ``dfa`` from its start state, deriving moves as
-    they are met; per token id: ``units`` (int32) the bytes taken at the start state, ``exits`` (int32, left as
-    is when it never dies) where a dead move came, ``at_start`` (bool) whether that was at the start state."""
+def walk_tokens(lib, dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
+                start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Walk each token of ``ids`` from its byte ``offsets[k]`` on through ``dfa`` from state ``start``, deriving
+    moves as they are met. Per token: the bytes taken at ``start`` (int32), where a dead move came (int32, -1
+    never), and whether that was at ``start`` (bool)."""
     context, held, error = np.zeros(1, dtype=np.int64), [dfa.trans], []
 
     def on_move(state: int, byte: int, _flag_it: int) -> int:
@@ -313,11 +315,15 @@ def walk_tokens(lib, dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.
 
     callback = MOVE(on_move)
     context[0] = _ptr(held[0])
+    n = len(ids)
+    units, exits, at_start = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.bool_)
     status = np.zeros(1, dtype=np.int64)
     matrix = np.ascontiguousarray(byte_matrix)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     lib.walk_tokens(_ptr(context), _ptr(matrix), matrix.shape[1], _ptr(np.ascontiguousarray(lengths, np.int32)),
-                    _ptr(ids), len(ids), offset, _ptr(units), _ptr(exits), _ptr(at_start.view(np.uint8)), _ptr(status),
-                    callback)
+                    _ptr(ids), _ptr(offsets), n, start, _ptr(units), _ptr(exits), _ptr(at_start.view(np.uint8)),
+                    _ptr(status), callback)
     if error:
         raise error[0]
+    return units, exits, at_start

@@ -292,6 +292,9 @@ class TokenIndex:
     def _walk_suffixes(self, state: int, token_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Whether each token's bytes from its offset on, walked from ``state``, never hit a dead move."""
         lengths, matrix, gather = self.tables.lengths, self.vocab.byte_matrix, self.dfa.gather
+        if self._native is not None:
+            _, exits, _ = native_walk.walk_tokens(self._native.lib, self.dfa, matrix, lengths, token_ids, offsets, state)
+            return exits < 0
         allowed = np.zeros(len(token_ids), dtype=bool)
         at = np.arange(len(token_ids))
         states = np.full(len(token_ids), state, dtype=np.int32)
