@@ -202,18 +202,13 @@ class NativeTrie:
 
 
 class NativeWalk:
-    """One DFA's walks (per TokenIndex): the state flags it has settled so far, and the callbacks of a pass."""
+    """One DFA's walks (per TokenIndex): the state flags it has settled so far. Each thread has its own pass
+    state (:class:`_Pass`), so walks of one grammar may run in several threads at once."""
 
     def __init__(self, lib, native: NativeTrie, index):
         self.lib, self.native, self.index = lib, native, index
         self.flags = np.zeros(64, dtype=np.int8)
-        self._context = np.zeros(3, dtype=np.int64)
-        self._trans: np.ndarray | None = None  # the arrays the context points at, held while a pass reads them
-        self._flags: np.ndarray | None = None
-        self._answers: list[np.ndarray] = []  # piece masks a pass points at
-        self._error: BaseException | None = None
-        self._move = MOVE(self._on_move)  # kept: C holds only the pointers
-        self._piece = PIECE(self._on_piece)
+        self._local = threading.local()
 
     def _grow_flags(self, size: int) -> None:
         grown = np.zeros(max(2 * len(self.flags), size), dtype=np.int8)
@@ -228,54 +223,75 @@ class NativeWalk:
             flag = self.flags[state] = FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
         return int(flag)
 
-    def _point(self) -> None:
-        """Point the pass at the current ``trans`` and flags (either may have been reallocated); the flags
-        cover every row, since the pass reads the flag of any state a move leads to."""
-        trans = self.index.dfa.trans
-        if len(self.flags) < len(trans):
-            self._grow_flags(len(trans))
-        if trans is not self._trans:
-            self._trans = trans
-            self._context[0] = _ptr(trans)
-        if self.flags is not self._flags:
-            self._flags = self.flags
-            self._context[1] = _ptr(self.flags)
-
     def walk(self, state: int, words: np.ndarray) -> None:
         """OR into ``words`` (uint32 bitmask) the tokens whose bytes, walked from ``state``, never hit a dead
         move; pieces met below the root resolve from their shared facts, as the Python walk does."""
         native = self.native
         found, status, found_pointer, status_pointer = native.buffers()
-        self._point()
+        run = getattr(self._local, "run", None)
+        if run is None:
+            run = self._local.run = _Pass(self)
+        run.point()
         try:
-            self.lib.walk_trie(_ptr(self._context), *native.pointers, len(native.roots), state, _ptr(words),
-                               found_pointer, status_pointer, self._move, self._piece)
+            self.lib.walk_trie(run.context_pointer, *native.pointers, len(native.roots), state, _ptr(words),
+                               found_pointer, status_pointer, run.move, run.piece)
         finally:
-            self._answers.clear()
+            run.answers.clear()
         if status[0] == _FAILED:
-            error, self._error = self._error, None
+            error, run.error = run.error, None
             raise error
 
-    def _on_move(self, state: int, byte: int, flag_it: int) -> int:
+
+class _Pass:
+    """One thread's state for the passes of a :class:`NativeWalk`: the context the C++ side reads, the arrays it
+    points at (held while a pass may read them), the piece masks handed to it, an error a callback caught, and
+    the callbacks themselves (kept alive here: C holds only their addresses)."""
+
+    def __init__(self, walk: NativeWalk):
+        self.walk = walk
+        self.context = np.zeros(3, dtype=np.int64)
+        self.context_pointer = _ptr(self.context)
+        self.trans: np.ndarray | None = None
+        self.flags: np.ndarray | None = None
+        self.answers: list[np.ndarray] = []
+        self.error: BaseException | None = None
+        self.move = MOVE(self.on_move)
+        self.piece = PIECE(self.on_piece)
+
+    def point(self) -> None:
+        """Point the pass at the current ``trans`` and flags (either may have been reallocated); the flags
+        cover every row, since the pass reads the flag of any state a move leads to."""
+        walk = self.walk
+        trans = walk.index.dfa.trans
+        if len(walk.flags) < len(trans):
+            walk._grow_flags(len(trans))
+        if trans is not self.trans:
+            self.trans = trans
+            self.context[0] = _ptr(trans)
+        if walk.flags is not self.flags:
+            self.flags = walk.flags
+            self.context[1] = _ptr(self.flags)
+
+    def on_move(self, state: int, byte: int, flag_it: int) -> int:
         """The pass met an underived move, or one into a state it has no flag for: derive it and, when the pass
         goes on below (``flag_it``), flag the state it leads to. A token's last byte needs no flag: whether a
         state holds pieces only changes how the subtree below is walked."""
         try:
-            following = self.index.dfa.next_state(state, byte)
+            following = self.walk.index.dfa.next_state(state, byte)
             if following >= 0 and flag_it:
-                self._flag(following)
-            self._point()
+                self.walk._flag(following)
+            self.point()
             return following
         except BaseException as error:  # noqa: BLE001 - must not unwind through C; re-raised by walk()
-            self._error = error
+            self.error = error
             return _FAILED
 
-    def _on_piece(self, state: int, depth: int) -> int:
+    def on_piece(self, state: int, depth: int) -> int:
         """The pass reached a state holding repeat pieces after ``depth`` bytes: point it at the pieces' mask at
         that depth (0 when a piece's facts are not exact there: then it walks on plainly) and return the state
         of the other members (``DEAD`` when none)."""
         try:
-            index = self.index
+            index = self.walk.index
             pieces, other_state = index.piece_split(state)
             allowed = None
             for piece in pieces:
@@ -285,14 +301,14 @@ class NativeWalk:
                     break
                 allowed = piece_words if allowed is None else allowed | piece_words
             if allowed is None:
-                self._context[2] = 0
+                self.context[2] = 0
             else:
-                self._answers.append(allowed)  # piece_words' cache may drop it before the pass ends
-                self._context[2] = _ptr(allowed)
-            self._point()
+                self.answers.append(allowed)  # piece_words' cache may drop it before the pass ends
+                self.context[2] = _ptr(allowed)
+            self.point()
             return other_state
         except BaseException as error:  # noqa: BLE001 - must not unwind through C; re-raised by walk()
-            self._error = error
+            self.error = error
             return _FAILED
 
 

@@ -91,3 +91,50 @@ def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
     index._native.walk(0, words)  # the walk is usable again afterwards
     assert np.array_equal(words.view(np.int32) | (index.tables.eos_words if index.dfa.accepting[0] else 0),
                           _python_mask(index, 0))
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS[:3], ids=lambda c: str(c.value)[:40])
+def test_walks_of_one_grammar_in_several_threads_at_once(constraint):
+    import threading
+
+    # token paths to many states, found on one index; replayed on a fresh one, whose moves are then derived by
+    # several threads' walks at once (the C++ pass runs without the GIL between callbacks)
+    explored = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+    paths, rng = [], random.Random(3)
+    for _ in range(40):
+        path, state = [], 0
+        for _ in range(rng.randint(1, 12)):
+            allowed = np.flatnonzero(np.unpackbits(explored.mask(state).view(np.uint8), bitorder="little"))
+            allowed = [int(t) for t in allowed if t < VOCAB.size and t not in VOCAB.eos_token_ids]
+            if not allowed:
+                break
+            token = rng.choice(allowed)
+            path.append(token)
+            state = explored.next_state(state, token)
+        paths.append(path)
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+    states = set()
+    for path in paths:
+        state = 0
+        for token in path:
+            states.add(state)
+            state = index.next_state(state, token)
+        states.add(state)
+    states = sorted(states)
+    results: dict[int, list] = {}
+    start = threading.Barrier(4)
+
+    def work(worker: int) -> None:
+        start.wait()
+        order = states[worker::2] + states[(worker + 1)::2]  # every state, in two different orders
+        results[worker] = [(state, _native_mask(index, state)) for state in order]
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and len(states) >= 10
+    for worker_results in results.values():
+        for state, mask in worker_results:
+            assert np.array_equal(mask, _python_mask(index, state)), state
