@@ -21,6 +21,9 @@ resumed from them; its Python bookkeeping between rounds cost more than the pass
 (``CORRAL_CPU_KERNELS=0``) the Python walk is used.
 
 State flags (``int8`` per DFA state): 0 not yet asked, 1 plain, 2 holds repeat pieces.
+
+The same library walks tokens one by one (:func:`walk_tokens`) for the walks that are per token rather than per
+trie node: a piece's facts over the whole vocabulary, and the tokens that cross a piece's end into its rest.
 """
 
 import ctypes
@@ -334,12 +337,12 @@ def walk_tokens(lib, dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.
     n = len(ids)
     units, exits, at_start = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.bool_)
     status = np.zeros(1, dtype=np.int64)
-    matrix = np.ascontiguousarray(byte_matrix)
+    matrix = np.ascontiguousarray(byte_matrix)  # held in locals: C reads them only through their addresses
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    lib.walk_tokens(_ptr(context), _ptr(matrix), matrix.shape[1], _ptr(np.ascontiguousarray(lengths, np.int32)),
-                    _ptr(ids), _ptr(offsets), n, start, _ptr(units), _ptr(exits), _ptr(at_start.view(np.uint8)),
-                    _ptr(status), callback)
+    lib.walk_tokens(_ptr(context), _ptr(matrix), matrix.shape[1], _ptr(lengths), _ptr(ids), _ptr(offsets), n, start,
+                    _ptr(units), _ptr(exits), _ptr(at_start.view(np.uint8)), _ptr(status), callback)
     if error:
         raise error[0]
     return units, exits, at_start
