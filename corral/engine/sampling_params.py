@@ -27,11 +27,16 @@ def make_logit_bias(bias: Mapping[int | str, float] | None) -> tuple[tuple[int, 
         raise InvalidRequestError(f"logit_bias must map token ids to numbers: {err}", param="logit_bias") from err
 
 
+# Temperatures below this decode greedily, as vLLM's do: dividing logits by them overflows float32 (a request at
+# 1e-300 made every logit infinite), and a draw that sharp is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of one request.
 
-    ``temperature`` 0 means greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 turn those filters off.
+    ``temperature`` 0 (or anything below ``GREEDY_BELOW``) means greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 turn those filters off.
     ``logprobs``: None returns none; 0 the chosen token's logprob; k also the k most likely tokens. Logprobs are
     those of the model's raw distribution, before any mask, bias, penalty or temperature.
     ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many output tokens (unless the
@@ -105,7 +110,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -121,6 +121,17 @@ def test_greedy_takes_the_processed_argmax_and_reports_raw_logprobs():
     assert result.token_ids == [5] and result.top_logprobs is None
 
 
+@pytest.mark.parametrize("temperature", [2.554378748105324e-304, 1e-30, 9e-6])
+def test_a_vanishing_temperature_decodes_greedily(temperature):
+    # dividing by such a temperature overflows float32 (every logit infinite, then NaN probabilities)
+    raw = torch.tensor([[0.0, 5.0, 4.0, 3.0, -1.0, 2.0, 1.0, 0.5]])
+    bitmask = torch.tensor([[0b11101100]], dtype=torch.int32)  # token 1 masked: the allowed argmax is 2
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    rows = [SamplingRow(params, (), (), make_generator(seed)) for seed in range(4)]
+    assert Sampler()(raw.repeat(4, 1), rows, bitmask.repeat(4, 1)).token_ids == [2] * 4
+
+
 def test_padded_columns_are_never_sampled():
     logits = torch.zeros(400, 16)
     logits[:, 10:] = 100.0
