@@ -36,7 +36,8 @@ GREEDY_BELOW = 1e-5
 class SamplingParams:
     """How to pick each next token of one request.
 
-    ``temperature`` 0 (or anything below ``GREEDY_BELOW``) means greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 turn those filters off.
+    ``temperature`` 0 (or anything below ``GREEDY_BELOW``) means greedy. ``top_k`` 0 and ``top_p`` 1 and
+    ``min_p`` 0 turn those filters off.
     ``logprobs``: None returns none; 0 the chosen token's logprob; k also the k most likely tokens. Logprobs are
     those of the model's raw distribution, before any mask, bias, penalty or temperature.
     ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many output tokens (unless the

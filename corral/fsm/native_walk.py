@@ -97,7 +97,8 @@ extern "C" void walk_trie(
                     if (other == -4) { status[0] = -4; return; }
                     trans = reinterpret_cast<const int32_t*>(ctx[0]);
                     flags = reinterpret_cast<const int8_t*>(ctx[1]);
-                    known = answers.emplace(key, std::make_pair(reinterpret_cast<const uint32_t*>(ctx[2]), other)).first;
+                    const uint32_t* mask = reinterpret_cast<const uint32_t*>(ctx[2]);
+                    known = answers.emplace(key, std::make_pair(mask, other)).first;
                 }
                 const uint32_t* allowed = known->second.first;
                 if (allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the other members

@@ -293,7 +293,8 @@ class TokenIndex:
         """Whether each token's bytes from its offset on, walked from ``state``, never hit a dead move."""
         lengths, matrix, gather = self.tables.lengths, self.vocab.byte_matrix, self.dfa.gather
         if self._native is not None:
-            _, exits, _ = native_walk.walk_tokens(self._native.lib, self.dfa, matrix, lengths, token_ids, offsets, state)
+            _, exits, _ = native_walk.walk_tokens(self._native.lib, self.dfa, matrix, lengths, token_ids, offsets,
+                                                  state)
             return exits < 0
         allowed = np.zeros(len(token_ids), dtype=bool)
         at = np.arange(len(token_ids))
