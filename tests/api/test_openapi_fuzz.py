@@ -58,7 +58,9 @@ def test_openapi_operations_hold_their_contract(base_url, path, method, examples
     operation = schema[path][method]
     seen_statuses = []
 
-    @settings(max_examples=examples, deadline=None, database=None,
+    # derandomize: the cases are a fixed function of the test, so CI sees the same ones every run (an unseeded
+    # run once drew 40 completions that all failed validation, and the 200 check below failed by chance)
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy())
     def check(case):
