@@ -286,7 +286,7 @@ class TermTable:
                 current = tail
             else:
                 options.append(self.derivative(current, byte))
-            result = self.alt(options)
+            result = options[0] if len(options) == 1 else self.alt(options)  # alt of one term is that term
         elif kind == _ALT:  # members that cannot start with the byte derive to ∅: skip them unexplored
             first_mask = self.first_mask
             result = self.alt([self.derivative(member, byte) for member in args if first_mask(member) >> byte & 1])
@@ -309,6 +309,8 @@ class TermTable:
         kind, args = self.kind[term], self.args[term]
         if kind == _BYTES:
             result = frozenset((args,))
+        elif kind == _CAT and not self.nullable[args[0]]:  # the head's own set: shared, hash already known
+            result = self.first_bytes(args[0])
         elif kind == _CAT:
             masks, current = set(), term
             while self.kind[current] == _CAT:

@@ -26,10 +26,23 @@ _ALL_BYTES = (1 << 256) - 1
 
 
 @functools.lru_cache(maxsize=4096)
-def _bytes_of(mask: int) -> np.ndarray:
-    """The bytes in a 256-bit mask. Cached: the same classes (string characters, digits) recur in every schema."""
+def _bytes_of(mask: int) -> np.ndarray | int:
+    """The bytes in a 256-bit mask, as an index into a row: the byte itself when there is one (a scalar store is
+    several times cheaper than a fancy-indexed one). Cached: the same classes (string characters, digits) recur
+    in every schema."""
+    if mask & (mask - 1) == 0:
+        return mask.bit_length() - 1
     return np.flatnonzero(np.unpackbits(np.frombuffer(mask.to_bytes(32, "little"), dtype=np.uint8),
                                         bitorder="little"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fresh_row(covered: int) -> np.ndarray:
+    """A row before any move is derived: ``DEAD`` on the bytes outside ``covered``, unbuilt on the others."""
+    row = np.full(256, _UNBUILT, dtype=np.int32)
+    row[_bytes_of(_ALL_BYTES ^ covered)] = DEAD
+    row.setflags(write=False)
+    return row
 
 
 class LazyDFA:
@@ -101,7 +114,9 @@ class LazyDFA:
 
     def row(self, state: int) -> np.ndarray:
         if not self.built[state]:
-            self.ensure(np.asarray([state], dtype=np.int32))
+            with self.lock:
+                if not self.built[state]:
+                    self._build_row(state)
         return self.trans[state]
 
     def live_bytes(self, state: int) -> list[int]:
@@ -159,8 +174,8 @@ class LazyDFA:
             covered = 0
             for cls in classes:
                 covered |= cls
-            if covered != _ALL_BYTES:
-                self.trans[state, _bytes_of(_ALL_BYTES ^ covered)] = DEAD
+            if covered != _ALL_BYTES:  # no move of the row is derived before its classes are known
+                self.trans[state] = _fresh_row(covered)
         return classes
 
     def _build_class(self, state: int, cls: int) -> None:

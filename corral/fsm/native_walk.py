@@ -120,13 +120,18 @@ extern "C" void walk_trie(
 }
 
 // Each token's bytes from offsets[k] on, walked from state `start` until a dead move: units[k] counts the bytes
-// taken at `start`, exits[k] is where it died (-1 never), at_start[k] whether it died at `start`. tokens is the
-// [*, width] byte matrix; ctx as walk_trie's ([0] trans), move as well (its flag argument unused).
+// taken at `start`, exits[k] is where it died (-1 never), at_start[k] (0/1) whether it died at `start`. tokens is
+// the [*, width] byte matrix; ids_offsets is ids[n] then offsets[n]; out is units[n], exits[n], at_start[n].
+// ctx: [0] trans as walk_trie's, [1] the status; move as walk_trie's (its flag argument unused).
 extern "C" void walk_tokens(int64_t* ctx, const uint8_t* tokens, int64_t width, const int32_t* lengths,
-                            const int64_t* ids, const int64_t* offsets, int64_t n, int32_t start, int32_t* units,
-                            int32_t* exits, uint8_t* at_start, int64_t* status, move_fn move) {
+                            const int64_t* ids_offsets, int64_t n, int32_t start, int32_t* out, move_fn move) {
     const int32_t* trans = reinterpret_cast<const int32_t*>(ctx[0]);
-    status[0] = 0;
+    const int64_t* ids = ids_offsets;
+    const int64_t* offsets = ids_offsets + n;
+    int32_t* units = out;
+    int32_t* exits = out + n;
+    int32_t* at_start = out + 2 * n;
+    ctx[1] = 0;
     for (int64_t k = 0; k < n; ++k) {
         const int64_t id = ids[k];
         const uint8_t* bytes = tokens + id * width;
@@ -137,7 +142,7 @@ extern "C" void walk_tokens(int64_t* ctx, const uint8_t* tokens, int64_t width, 
             int32_t next = trans[int64_t(state) * 256 + bytes[depth]];
             if (next == -3) {
                 next = move(state, bytes[depth], 0);
-                if (next == -4) { status[0] = -4; return; }
+                if (next == -4) { ctx[1] = -4; return; }
                 trans = reinterpret_cast<const int32_t*>(ctx[0]);
             }
             if (next < 0) {
@@ -158,7 +163,7 @@ MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c
 PIECE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
     "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, MOVE, PIECE],
-    "walk_tokens": [_P, _P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, _P, MOVE],
+    "walk_tokens": [_P, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, MOVE],
 })
 
 
@@ -174,7 +179,8 @@ def _ptr(array: np.ndarray) -> int:
 class NativeTrie:
     """The trie's arrays in the layout the C++ walk reads (built once per vocabulary)."""
 
-    def __init__(self, trie):
+    def __init__(self, trie, num_words: int):
+        """``num_words``: the int32 words of a bitmask row over the whole vocabulary."""
         assert int(trie.depth.max()) < 1000, "a token longer than the walk's depth stack"
         self.trie = trie
         self.node_byte = np.ascontiguousarray(trie.node_byte, dtype=np.int32)
@@ -190,6 +196,7 @@ class NativeTrie:
         self.node_token = np.where(own_counts > 1, -2, trie.node_token).astype(np.int32)
         self.subtree_end = np.ascontiguousarray(trie.subtree_end, dtype=np.int64)
         self.roots = trie.children(np.zeros(1, dtype=np.int64)).astype(np.int32)
+        self.num_words = num_words
         self._local = threading.local()
         self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.node_token,
                                            self.own_start, self.own_end, self.subtree_end, self.own_ids,
@@ -227,23 +234,26 @@ class NativeWalk:
             flag = self.flags[state] = FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
         return int(flag)
 
-    def walk(self, state: int, words: np.ndarray) -> None:
-        """OR into ``words`` (uint32 bitmask) the tokens whose bytes, walked from ``state``, never hit a dead
-        move; pieces met below the root resolve from their shared facts, as the Python walk does."""
+    def walk(self, state: int) -> np.ndarray:
+        """The uint32 bitmask words of the tokens whose bytes, walked from ``state``, never hit a dead move;
+        pieces met below the root resolve from their shared facts, as the Python walk does."""
         native = self.native
         found, status, found_pointer, status_pointer = native.buffers()
         run = getattr(self._local, "run", None)
         if run is None:
             run = self._local.run = _Pass(self)
         run.point()
+        words = run.words
+        words.fill(0)
         try:
-            self.lib.walk_trie(run.context_pointer, *native.pointers, len(native.roots), state, _ptr(words),
+            self.lib.walk_trie(run.context_pointer, *native.pointers, len(native.roots), state, run.words_pointer,
                                found_pointer, status_pointer, run.move, run.piece)
         finally:
             run.answers.clear()
         if status[0] == _FAILED:
             error, run.error = run.error, None
             raise error
+        return words.copy()
 
 
 class _Pass:
@@ -261,6 +271,8 @@ class _Pass:
         self.error: BaseException | None = None
         self.move = MOVE(self.on_move)
         self.piece = PIECE(self.on_piece)
+        self.words = np.zeros(walk.native.num_words, dtype=np.uint32)  # the pass's output, copied out after it
+        self.words_pointer = _ptr(self.words)
 
     def point(self) -> None:
         """Point the pass at the current ``trans`` and flags (either may have been reallocated); the flags
@@ -320,30 +332,44 @@ def walk_tokens(lib, dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.
                 start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Walk each token of ``ids`` from its byte ``offsets[k]`` on through ``dfa`` from state ``start``, deriving
     moves as they are met. Per token: the bytes taken at ``start`` (int32), where a dead move came (int32, -1
-    never), and whether that was at ``start`` (bool)."""
-    context, held, error = np.zeros(1, dtype=np.int64), [dfa.trans], []
+    never), and whether that was at ``start`` (bool). ``byte_matrix`` (uint8) and ``lengths`` (int32) are the
+    vocabulary's, C-contiguous; they are long-lived, so their addresses are looked up once."""
+    held = [dfa.trans]  # what C reads: kept alive here, and swapped when a derivation reallocates it
+    context = np.asarray([_ptr(held[0]), 0], dtype=np.int64)
+    error = []
 
     def on_move(state: int, byte: int, _flag_it: int) -> int:
         try:
             following = dfa.next_state(state, byte)
-            held[0] = dfa.trans  # may have been reallocated
-            context[0] = _ptr(held[0])
+            if dfa.trans is not held[0]:
+                held[0] = dfa.trans
+                context[0] = _ptr(held[0])
             return following
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C; re-raised below
             error.append(exc)
             return _FAILED
 
     callback = MOVE(on_move)
-    context[0] = _ptr(held[0])
     n = len(ids)
-    units, exits, at_start = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.bool_)
-    status = np.zeros(1, dtype=np.int64)
-    matrix = np.ascontiguousarray(byte_matrix)  # held in locals: C reads them only through their addresses
-    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    lib.walk_tokens(_ptr(context), _ptr(matrix), matrix.shape[1], _ptr(lengths), _ptr(ids), _ptr(offsets), n, start,
-                    _ptr(units), _ptr(exits), _ptr(at_start.view(np.uint8)), _ptr(status), callback)
+    ids_offsets = np.empty((2, n), dtype=np.int64)
+    ids_offsets[0], ids_offsets[1] = ids, offsets
+    out = np.empty((3, n), dtype=np.int32)
+    lib.walk_tokens(_ptr(context), _vocab_pointer(byte_matrix, np.uint8), byte_matrix.shape[1],
+                    _vocab_pointer(lengths, np.int32), _ptr(ids_offsets), n, start, _ptr(out), callback)
     if error:
         raise error[0]
-    return units, exits, at_start
+    return out[0], out[1], out[2].astype(bool)
+
+
+_VOCAB_ARRAYS: dict[int, tuple[np.ndarray, int]] = {}
+
+
+def _vocab_pointer(array: np.ndarray, dtype) -> int:
+    """The address of a long-lived vocabulary array (held here, so its id is never reused while cached)."""
+    known = _VOCAB_ARRAYS.get(id(array))
+    if known is None or known[0] is not array:
+        assert array.dtype == dtype and array.flags.c_contiguous, "a vocabulary array in the walk's layout"
+        if len(_VOCAB_ARRAYS) >= 16:
+            _VOCAB_ARRAYS.clear()
+        known = _VOCAB_ARRAYS[id(array)] = (array, _ptr(array))
+    return known[1]

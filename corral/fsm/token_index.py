@@ -89,7 +89,7 @@ class VocabTables:
             trie = self.trie
             with self._lock:
                 if self._native_trie is None:
-                    self._native_trie = native_walk.NativeTrie(trie)
+                    self._native_trie = native_walk.NativeTrie(trie, self.num_words)
         return self._native_trie
 
     def loop_split(self, loop_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -197,13 +197,11 @@ class TokenIndex:
         if words is None:
             row = self.dfa.row(state)
             loop = row == state
-            if int(loop.sum()) >= _LOOP_SHORTCUT_MIN_BYTES:
+            if np.count_nonzero(loop) >= _LOOP_SHORTCUT_MIN_BYTES:
                 inside_words, outside_ids = tables.loop_split(loop)
                 words = inside_words | tables.words_of(self._walk(state, outside_ids))
             elif self._native is not None:
-                words = np.zeros(tables.num_words, dtype=np.uint32)
-                self._native.walk(state, words)
-                words = words.view(np.int32)
+                words = self._native.walk(state).view(np.int32)
             else:
                 words = tables.words_of(tables.trie.walk(state, self.dfa, self))
         if self.dfa.accepting[state]:

@@ -40,9 +40,7 @@ def _python_mask(index: TokenIndex, state: int) -> np.ndarray:
 
 
 def _native_mask(index: TokenIndex, state: int) -> np.ndarray:
-    words = np.zeros(index.tables.num_words, dtype=np.uint32)
-    index._native.walk(state, words)
-    words = words.view(np.int32)
+    words = index._native.walk(state).view(np.int32)
     return words | index.tables.eos_words if index.dfa.accepting[state] else words
 
 
@@ -84,11 +82,10 @@ def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
         raise GrammarTooComplexError("state budget")
 
     monkeypatch.setattr(index.dfa, "next_state", refuse)
-    words = np.zeros(index.tables.num_words, dtype=np.uint32)
     with pytest.raises(GrammarTooComplexError, match="state budget"):
-        index._native.walk(0, words)
+        index._native.walk(0)
     monkeypatch.undo()
-    index._native.walk(0, words)  # the walk is usable again afterwards
+    words = index._native.walk(0)  # the walk is usable again afterwards
     assert np.array_equal(words.view(np.int32) | (index.tables.eos_words if index.dfa.accepting[0] else 0),
                           _python_mask(index, 0))
 
