@@ -112,10 +112,28 @@ class TermTable:
         if tail == EPSILON:
             return head
         if self.kind[head] == _CAT:  # keep concatenation right-nested: (a b) c = a (b c)
-            first, rest = self.args[head]
-            return self.cat(first, self.cat(rest, tail))
+            return self._relink(head, tail)
         return self._intern((_CAT, head, tail), _CAT, (head, tail), self.nullable[head] and self.nullable[tail],
                             self.has_and[head] or self.has_and[tail])
+
+    def _relink(self, chain: int, tail: int) -> int:
+        """``chain tail`` for a right-nested concatenation ``chain``: its elements linked onto ``tail`` from the
+        last one back. Iterative and inlined: a derivative through an optional property or an array's items
+        re-links the rest of that part onto what follows it, and those chains run to hundreds of terms."""
+        kind, args, nullable, has_and, ids = self.kind, self.args, self.nullable, self.has_and, self._ids
+        heads = []
+        while kind[chain] == _CAT:
+            head, chain = args[chain]
+            heads.append(head)
+        result = self.cat(chain, tail)  # the chain's last element is not a concatenation
+        for head in reversed(heads):  # heads of a chain are never concatenations, EPSILON or EMPTYSET
+            key = (_CAT, head, result)
+            term = ids.get(key)
+            if term is None:
+                term = self._intern(key, _CAT, (head, result), nullable[head] and nullable[result],
+                                    has_and[head] or has_and[result])
+            result = term
+        return result
 
     def alt(self, terms) -> int:
         members, mask = set(), 0
@@ -275,6 +293,8 @@ class TermTable:
         kind, args = self.kind[term], self.args[term]
         if kind == _BYTES:
             result = EPSILON if (args >> byte) & 1 else EMPTYSET
+        elif kind == _CAT and self.kind[args[0]] == _BYTES:  # the common case (a literal, a spelled character)
+            result = args[1] if (self.args[args[0]] >> byte) & 1 else EMPTYSET
         elif kind == _CAT:
             # walk the right-nested chain: d(a b) = d(a) b | (a nullable) d(b), iteratively
             options, current = [], term

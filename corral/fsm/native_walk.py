@@ -47,14 +47,27 @@ typedef int32_t (*piece_fn)(int32_t state, int32_t depth);
 // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
 // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
 // ctx: [0] trans [rows, 256] (UNBUILT -3, DEAD -1), [1] flags [rows], [2] the mask of the last piece answer (0
-// when the pieces are not exact there); the callbacks may reallocate trans and flags, so both are read again
+// when the pieces are not exact there), [3] the status; the callbacks may reallocate trans and flags, so both are read again
 // after each. node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
 // own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
-extern "C" void walk_trie(
-    int64_t* ctx, const int32_t* node_byte, const int32_t* node_depth, const int32_t* node_end,
-    const int32_t* node_token, const int64_t* own_start, const int64_t* own_end, const int64_t* subtree_end,
-    const int32_t* own_ids, const int32_t* roots, int64_t n_roots, int32_t state,
-    uint32_t* words, int32_t* found, int64_t* status, move_fn move, piece_fn piece) {
+// setup: the addresses of node_byte, node_depth, node_end, node_token (int32), own_start, own_end, subtree_end
+// (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32 scratch);
+// ctx[3] is the status (0, or -4 when a callback failed). One array instead of seventeen arguments: ctypes
+// converts each argument of each call.
+extern "C" void walk_trie(const int64_t* setup, int64_t* ctx, int32_t state, move_fn move, piece_fn piece) {
+    const int32_t* node_byte = reinterpret_cast<const int32_t*>(setup[0]);
+    const int32_t* node_depth = reinterpret_cast<const int32_t*>(setup[1]);
+    const int32_t* node_end = reinterpret_cast<const int32_t*>(setup[2]);
+    const int32_t* node_token = reinterpret_cast<const int32_t*>(setup[3]);
+    const int64_t* own_start = reinterpret_cast<const int64_t*>(setup[4]);
+    const int64_t* own_end = reinterpret_cast<const int64_t*>(setup[5]);
+    const int64_t* subtree_end = reinterpret_cast<const int64_t*>(setup[6]);
+    const int32_t* own_ids = reinterpret_cast<const int32_t*>(setup[7]);
+    const int32_t* roots = reinterpret_cast<const int32_t*>(setup[8]);
+    const int64_t n_roots = setup[9];
+    uint32_t* words = reinterpret_cast<uint32_t*>(setup[10]);
+    int32_t* found = reinterpret_cast<int32_t*>(setup[11]);
+    int64_t* status = ctx + 3;
     const int32_t* trans = reinterpret_cast<const int32_t*>(ctx[0]);
     const int8_t* flags = reinterpret_cast<const int8_t*>(ctx[1]);
     std::unordered_map<int64_t, std::pair<const uint32_t*, int32_t>> answers;
@@ -162,7 +175,7 @@ _P = ctypes.c_void_p
 MOVE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 PIECE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
 _LIBRARY = CompiledLibrary("trie_walk", _SOURCE, {
-    "walk_trie": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, _P, _P, MOVE, PIECE],
+    "walk_trie": [_P, _P, ctypes.c_int32, MOVE, PIECE],
     "walk_tokens": [_P, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, ctypes.c_int32, _P, MOVE],
 })
 
@@ -197,18 +210,18 @@ class NativeTrie:
         self.subtree_end = np.ascontiguousarray(trie.subtree_end, dtype=np.int64)
         self.roots = trie.children(np.zeros(1, dtype=np.int64)).astype(np.int32)
         self.num_words = num_words
-        self._local = threading.local()
         self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.node_token,
                                            self.own_start, self.own_end, self.subtree_end, self.own_ids,
                                            self.roots)]
+        self._local = threading.local()
 
-    def buffers(self) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """This thread's buffers of the walk: tokens found (every token at most once, and one spare), the status;
-        and their addresses."""
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's scratch of the walk, shared by every grammar's: the output words and the tokens found
+        (every token at most once, and one spare)."""
         held = getattr(self._local, "buffers", None)
         if held is None:
-            found, status = np.empty(len(self.own_ids) + 1, dtype=np.int32), np.zeros(1, dtype=np.int64)
-            held = self._local.buffers = (found, status, _ptr(found), _ptr(status))
+            held = self._local.buffers = (np.zeros(self.num_words, dtype=np.uint32),
+                                          np.empty(len(self.own_ids) + 1, dtype=np.int32))
         return held
 
 
@@ -237,8 +250,6 @@ class NativeWalk:
     def walk(self, state: int) -> np.ndarray:
         """The uint32 bitmask words of the tokens whose bytes, walked from ``state``, never hit a dead move;
         pieces met below the root resolve from their shared facts, as the Python walk does."""
-        native = self.native
-        found, status, found_pointer, status_pointer = native.buffers()
         run = getattr(self._local, "run", None)
         if run is None:
             run = self._local.run = _Pass(self)
@@ -246,11 +257,10 @@ class NativeWalk:
         words = run.words
         words.fill(0)
         try:
-            self.lib.walk_trie(run.context_pointer, *native.pointers, len(native.roots), state, run.words_pointer,
-                               found_pointer, status_pointer, run.move, run.piece)
+            self.lib.walk_trie(run.setup_pointer, run.context_pointer, state, run.move, run.piece)
         finally:
             run.answers.clear()
-        if status[0] == _FAILED:
+        if run.context[3] == _FAILED:
             error, run.error = run.error, None
             raise error
         return words.copy()
@@ -263,7 +273,7 @@ class _Pass:
 
     def __init__(self, walk: NativeWalk):
         self.walk = walk
-        self.context = np.zeros(3, dtype=np.int64)
+        self.context = np.zeros(4, dtype=np.int64)
         self.context_pointer = _ptr(self.context)
         self.trans: np.ndarray | None = None
         self.flags: np.ndarray | None = None
@@ -271,8 +281,11 @@ class _Pass:
         self.error: BaseException | None = None
         self.move = MOVE(self.on_move)
         self.piece = PIECE(self.on_piece)
-        self.words = np.zeros(walk.native.num_words, dtype=np.uint32)  # the pass's output, copied out after it
-        self.words_pointer = _ptr(self.words)
+        native = walk.native
+        self.words, found = native.buffers()  # the pass's output (copied out after it), and its scratch
+        self.setup = np.asarray(native.pointers + [len(native.roots), _ptr(self.words), _ptr(found)],
+                                dtype=np.int64)
+        self.setup_pointer = _ptr(self.setup)
 
     def point(self) -> None:
         """Point the pass at the current ``trans`` and flags (either may have been reallocated); the flags

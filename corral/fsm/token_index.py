@@ -247,11 +247,8 @@ class TokenIndex:
         key = (id(tokens), self.dfa.state_of_term(piece.rest), piece.low, piece.high)
         words = self._piece_words.pop(key, None)
         if words is None:
-            if piece.high is None:
-                words = tokens.unbounded_words.copy()
-            else:
-                words = np.packbits(tokens.never_exits & (tokens.units <= piece.high), bitorder="little").view(np.int32)
-            words |= self.tables.words_of(tokens.cross_ids[self._crossing_ok(piece, tokens)])
+            inside = tokens.unbounded_words if piece.high is None else tokens.bounded_words(piece.high)
+            words = inside | self.tables.words_of(tokens.cross_ids[self._crossing_ok(piece, tokens)])
             words.setflags(write=False)
             while len(self._piece_words) >= _PIECE_WORDS_CACHED:
                 del self._piece_words[next(iter(self._piece_words))]

@@ -55,6 +55,20 @@ class PieceTokens:
         self.cross_units = units[self.cross_ids]
         self.cross_bytes = byte_matrix[self.cross_ids, self.cross_offsets]  # the first byte after the piece
         self.unbounded_words = np.packbits(never_exits, bitorder="little").view(np.int32)
+        self.max_units = int(units[never_exits].max(initial=0))
+        self._bounded_words: dict[int, np.ndarray] = {}
+
+    def bounded_words(self, high: int) -> np.ndarray:
+        """Bitmask words of the tokens that never exit and start at most ``high`` units (read-only, cached: every
+        position of a counted repeat asks for its own bound, and the bounds recur in every schema)."""
+        if high >= self.max_units:
+            return self.unbounded_words
+        words = self._bounded_words.get(high)
+        if words is None:
+            words = np.packbits(self.never_exits & (self.units <= high), bitorder="little").view(np.int32)
+            words.setflags(write=False)
+            self._bounded_words[high] = words
+        return words
 
 
 class PieceFacts:
@@ -144,7 +158,7 @@ def split_pieces(terms: TermTable, term: int, facts_of) -> tuple[list[Piece], li
     """The members of ``term`` that are wide repeat pieces, and the other members (their union is ``term``).
     Members are an alternation's, one level of ``(a|b) R = a R | b R`` included. ``facts_of(structure)``
     returns the shared :class:`PieceFacts` of a piece."""
-    if bin(terms.first_mask(term)).count("1") <= MIN_PIECE_BYTES:
+    if terms.first_mask(term).bit_count() <= MIN_PIECE_BYTES:
         return [], [term]
     pieces, others = [], []
     for member in terms.args[term] if terms.kind[term] == _ALT else (term,):
@@ -193,7 +207,7 @@ def _as_piece(terms: TermTable, member: int, facts_of):
     if terms.has_and[unit] or terms.nullable[unit]:
         return None
     unit_first = terms.first_mask(unit)
-    if bin(unit_first).count("1") <= MIN_PIECE_BYTES or unit_first & terms.first_mask(rest):
+    if unit_first.bit_count() <= MIN_PIECE_BYTES or unit_first & terms.first_mask(rest):
         return None
     if not terms.is_live(rest):
         return False
