@@ -69,6 +69,7 @@ class TermTable:
         self.nullable, self.has_and = [False, True], [False, False]
         self._ids: dict[tuple, int] = {}
         self._derivatives: dict[tuple[int, int], int] = {}
+        self._relinked: dict[tuple[int, int], int] = {}  # (chain, tail) -> chain re-linked onto tail
         self._firsts: dict[int, frozenset[int]] = {}
         self._first_masks: dict[int, int] = {}
         self._from_nodes: dict[int, tuple[Node, int]] = {}
@@ -86,7 +87,7 @@ class TermTable:
         """An upper-side estimate of the Python objects held (tracemalloc on ten dev schemas measured 0.75-0.85 of
         600 bytes per term plus 150 per memoized derivative). It keeps the compile cache's byte bound honest, and
         with it the size of the heap the garbage collector scans."""
-        return 600 * len(self.kind) + 150 * len(self._derivatives)
+        return 600 * len(self.kind) + 150 * (len(self._derivatives) + len(self._relinked))
 
     def _intern(self, key: tuple, kind: int, args, nullable: bool, has_and: bool) -> int:
         term = self._ids.get(key)
@@ -120,8 +121,11 @@ class TermTable:
         """``chain tail`` for a right-nested concatenation ``chain``: its elements linked onto ``tail`` from the
         last one back. Iterative and inlined: a derivative through an optional property or an array's items
         re-links the rest of that part onto what follows it, and those chains run to hundreds of terms."""
+        known = self._relinked.get((chain, tail))
+        if known is not None:  # half of them recur: the same part meets the same tail from another state
+            return known
         kind, args, nullable, has_and, ids = self.kind, self.args, self.nullable, self.has_and, self._ids
-        heads = []
+        key_in, heads = (chain, tail), []
         while kind[chain] == _CAT:
             head, chain = args[chain]
             heads.append(head)
@@ -133,6 +137,7 @@ class TermTable:
                 term = self._intern(key, _CAT, (head, result), nullable[head] and nullable[result],
                                     has_and[head] or has_and[result])
             result = term
+        self._relinked[key_in] = result
         return result
 
     def alt(self, terms) -> int:
@@ -343,7 +348,10 @@ class TermTable:
                 masks |= self.first_bytes(current)
             result = frozenset(masks)
         elif kind in (_ALT, _AND):
-            result = frozenset().union(*(self.first_bytes(member) for member in args))
+            masks = set()
+            for member in args:
+                masks.update(self.first_bytes(member))
+            result = frozenset(masks)
         elif kind == _REP:
             result = self.first_bytes(args[0])
         else:
