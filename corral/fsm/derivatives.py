@@ -26,6 +26,10 @@ EMPTYSET, EPSILON = 0, 1
 _BYTES, _CAT, _ALT, _REP, _AND, _CONST = range(6)
 ALL_BYTES = (1 << 256) - 1
 _LIVENESS_STEP_LIMIT = 5000
+# Alternations of at least this many members are derived through an index of their members by first byte; a
+# member starting with more than this many bytes is tested by its mask instead of listed under each.
+_INDEXED_ALT_MEMBERS = 8
+_INDEXED_MEMBER_BYTES = 16
 
 
 _CANONICAL: dict[tuple, int] = {}  # structure key -> process-wide id (see TermTable.structure)
@@ -70,6 +74,7 @@ class TermTable:
         self._ids: dict[tuple, int] = {}
         self._derivatives: dict[tuple[int, int], int] = {}
         self._relinked: dict[tuple[int, int], int] = {}  # (chain, tail) -> chain re-linked onto tail
+        self._starts: dict[int, tuple[dict[int, list[int]], list[tuple[int, int]]]] = {}  # see _starts_of
         self._firsts: dict[int, frozenset[int]] = {}
         self._first_masks: dict[int, int] = {}
         self._from_nodes: dict[int, tuple[Node, int]] = {}
@@ -313,8 +318,14 @@ class TermTable:
                 options.append(self.derivative(current, byte))
             result = options[0] if len(options) == 1 else self.alt(options)  # alt of one term is that term
         elif kind == _ALT:  # members that cannot start with the byte derive to ∅: skip them unexplored
-            first_mask = self.first_mask
-            result = self.alt([self.derivative(member, byte) for member in args if first_mask(member) >> byte & 1])
+            derivative = self.derivative
+            if len(args) < _INDEXED_ALT_MEMBERS:
+                first_mask = self.first_mask
+                result = self.alt([derivative(member, byte) for member in args if first_mask(member) >> byte & 1])
+            else:
+                by_byte, wide = self._starts_of(term)
+                result = self.alt([derivative(member, byte) for member in by_byte.get(byte, ())] +
+                                  [derivative(member, byte) for member, mask in wide if mask >> byte & 1])
         elif kind == _REP:
             inner, low, high = args
             rest = self.repeat(inner, max(low - 1, 0), None if high is None else high - 1)
@@ -325,6 +336,26 @@ class TermTable:
             result = EMPTYSET
         self._derivatives[key] = result
         return result
+
+    def _starts_of(self, term: int) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+        """An alternation's members by the bytes they can start with (memoized): members starting with a few
+        bytes (a property name's first letter) listed under each, the others with their first-byte masks. The
+        walk derives a wide alternation by every byte class it has, and testing every member for every class
+        was quadratic in its size."""
+        known = self._starts.get(term)
+        if known is None:
+            by_byte, wide = {}, []
+            for member in self.args[term]:
+                mask = self.first_mask(member)
+                if mask.bit_count() > _INDEXED_MEMBER_BYTES:
+                    wide.append((member, mask))
+                    continue
+                while mask:
+                    low = mask & -mask
+                    by_byte.setdefault(low.bit_length() - 1, []).append(member)
+                    mask ^= low
+            known = self._starts[term] = (by_byte, wide)
+        return known
 
     def first_bytes(self, term: int) -> frozenset[int]:
         """Byte-set masks that can start a string of ``term``; bytes outside them all lead to ∅."""

@@ -57,6 +57,22 @@ def test_acceptance_agrees_with_re_fullmatch(pattern, texts):
         assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
 
 
+def _wide_alternations():
+    """Alternations of 8 to 14 members (derived through the first-byte index of ``derivatives.py``), members
+    starting with one byte or with most of them."""
+    piece = st.sampled_from(ATOMS + ["[^x]", "[a-z]", "[^xy]*b"])
+    member = st.lists(piece, min_size=2, max_size=3).map("".join)
+    return st.lists(member, min_size=8, max_size=14).map("|".join)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_wide_alternations(), st.lists(_texts(), min_size=1, max_size=8))
+def test_wide_alternations_agree_with_re_fullmatch(pattern, texts):
+    dfa = LazyDFA(parse_regex(pattern), Budget())
+    for data in texts:
+        assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
+
+
 @settings(max_examples=150, deadline=None)
 @given(_regexes(), _regexes(), st.lists(_texts(), min_size=1, max_size=8))
 def test_intersection_is_the_product(left, right, texts):
