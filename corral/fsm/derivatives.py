@@ -72,8 +72,10 @@ class TermTable:
         self.kind, self.args = [_CONST, _CONST], [None, None]
         self.nullable, self.has_and = [False, True], [False, False]
         self._ids: dict[tuple, int] = {}
-        self._derivatives: dict[tuple[int, int], int] = {}
-        self._relinked: dict[tuple[int, int], int] = {}  # (chain, tail) -> chain re-linked onto tail
+        # Memo keys are ints, not tuples: no tuple is made per lookup, and a dict of ints is not tracked by the
+        # garbage collector, so full collections never walk these (the largest maps of a compiled grammar).
+        self._derivatives: dict[int, int] = {}  # term << 8 | byte -> derivative
+        self._relinked: dict[int, int] = {}  # chain << 32 | tail -> chain re-linked onto tail
         self._starts: dict[int, tuple[dict[int, list[int]], list[tuple[int, int]]]] = {}  # see _starts_of
         self._firsts: dict[int, frozenset[int]] = {}
         self._first_masks: dict[int, int] = {}
@@ -126,11 +128,12 @@ class TermTable:
         """``chain tail`` for a right-nested concatenation ``chain``: its elements linked onto ``tail`` from the
         last one back. Iterative and inlined: a derivative through an optional property or an array's items
         re-links the rest of that part onto what follows it, and those chains run to hundreds of terms."""
-        known = self._relinked.get((chain, tail))
+        key_in = chain << 32 | tail
+        known = self._relinked.get(key_in)
         if known is not None:  # half of them recur: the same part meets the same tail from another state
             return known
         kind, args, nullable, has_and, ids = self.kind, self.args, self.nullable, self.has_and, self._ids
-        key_in, heads = (chain, tail), []
+        heads = []
         while kind[chain] == _CAT:
             head, chain = args[chain]
             heads.append(head)
@@ -296,7 +299,7 @@ class TermTable:
 
     # ---- derivatives -----------------------------------------------------------------------------------------
     def derivative(self, term: int, byte: int) -> int:
-        key = (term, byte)
+        key = term << 8 | byte
         known = self._derivatives.get(key)
         if known is not None:
             return known

@@ -52,6 +52,10 @@ def _texts():
 @settings(max_examples=300, deadline=None)
 @given(_regexes(), st.lists(_texts(), min_size=1, max_size=8))
 def test_acceptance_agrees_with_re_fullmatch(pattern, texts):
+    _assert_agrees_with_re_fullmatch(pattern, texts)
+
+
+def _assert_agrees_with_re_fullmatch(pattern: str, texts: list[bytes]) -> None:
     dfa = LazyDFA(parse_regex(pattern), Budget())
     for data in texts:
         assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
@@ -68,9 +72,7 @@ def _wide_alternations():
 @settings(max_examples=100, deadline=None)
 @given(_wide_alternations(), st.lists(_texts(), min_size=1, max_size=8))
 def test_wide_alternations_agree_with_re_fullmatch(pattern, texts):
-    dfa = LazyDFA(parse_regex(pattern), Budget())
-    for data in texts:
-        assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
+    _assert_agrees_with_re_fullmatch(pattern, texts)
 
 
 @settings(max_examples=150, deadline=None)
