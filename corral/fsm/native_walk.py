@@ -47,13 +47,13 @@ typedef int32_t (*piece_fn)(int32_t state, int32_t depth);
 // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
 // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
 // ctx: [0] trans [rows, 256] (UNBUILT -3, DEAD -1), [1] flags [rows], [2] the mask of the last piece answer (0
-// when the pieces are not exact there), [3] the status; the callbacks may reallocate trans and flags, so both are read again
-// after each. node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
-// own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
+// when the pieces are not exact there), [3] the status (0, or -4 when a callback failed); the callbacks may
+// reallocate trans and flags, so both are read again after each. node_token: the id ending at the node, -1
+// none, -2 several (then own_ids[own_start[n]:own_end[n]]); own_ids[own_start[n]:subtree_end[n]] are all the
+// ids at or below n.
 // setup: the addresses of node_byte, node_depth, node_end, node_token (int32), own_start, own_end, subtree_end
-// (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32 scratch);
-// ctx[3] is the status (0, or -4 when a callback failed). One array instead of seventeen arguments: ctypes
-// converts each argument of each call.
+// (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32 scratch).
+// One array instead of seventeen arguments: ctypes converts each argument of each call.
 extern "C" void walk_trie(const int64_t* setup, int64_t* ctx, int32_t state, move_fn move, piece_fn piece) {
     const int32_t* node_byte = reinterpret_cast<const int32_t*>(setup[0]);
     const int32_t* node_depth = reinterpret_cast<const int32_t*>(setup[1]);

@@ -1,6 +1,7 @@
 """The C++ trie walk: the same masks as the Python walk, state by state, pieces and lazy derivation included."""
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -92,8 +93,6 @@ def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
 
 @pytest.mark.parametrize("constraint", CONSTRAINTS[:3], ids=lambda c: str(c.value)[:40])
 def test_walks_of_one_grammar_in_several_threads_at_once(constraint):
-    import threading
-
     # token paths to many states, found on one index; replayed on a fresh one, whose moves are then derived by
     # several threads' walks at once (the C++ pass runs without the GIL between callbacks)
     explored = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
