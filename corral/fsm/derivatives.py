@@ -14,10 +14,12 @@ still undecided at the limit is treated as empty (sound: it can only forbid stri
 """
 
 import functools
+import os
 import threading
 from collections import deque
 
 from corral.fsm.budget import Budget
+from corral.kernels.cpu_build import CompiledExtension
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.node_builder import SHARED_NODES
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
@@ -64,8 +66,119 @@ def _partition(masks: frozenset[int]) -> list[int]:
     return classes
 
 
-class TermTable:
-    """Interned terms: ``kind[t]``, ``args[t]``, ``nullable[t]``; derivatives and first-byte sets memoized."""
+class _Conversions:
+    """Terms from the code-point AST, and between tables by structure: shared by the pure-Python table and the
+    native one (``term_table.cpp``), which give the constructors and the ``kind``/``args`` views they use."""
+
+    def _init_conversions(self) -> None:
+        self._from_nodes: dict[int, tuple[Node, int]] = {}
+        self._charsets: dict[CharSet, int] = {}
+        self._structures: dict[int, int] = {}
+        self._from_structures: dict[int, int] = {}
+
+    # ---- from the code-point AST ---------------------------------------------------------------------------
+    def from_node(self, node: Node) -> int:
+        """The term of ``node``. Schema ASTs share node objects, so the memo is by identity."""
+        known = self._from_nodes.get(id(node))
+        if known is not None:
+            return known[1]
+        if len(self._from_nodes) % 1024 == 0:
+            self.budget.check_time()
+        term = self._from_shared(node) if id(node) in SHARED_NODES else self._from_ast(node)
+        self._from_nodes[id(node)] = (node, term)
+        return term
+
+    def _from_ast(self, node: Node) -> int:
+        if isinstance(node, CharSet):
+            term = self._from_charset(node)
+        elif isinstance(node, Concat):
+            term = EPSILON
+            for part in reversed(node.parts):
+                term = self.cat(self.from_node(part), term)
+        elif isinstance(node, Alt):
+            term = self.alt([self.from_node(option) for option in node.options])
+        elif isinstance(node, Repeat):
+            term = self.repeat(self.from_node(node.node), node.min, node.max)
+        elif isinstance(node, Intersect):
+            term = self.intersect([self.from_node(part) for part in node.parts])
+        else:
+            raise TypeError(f"not a regex node: {node!r}")
+        return term
+
+    def _from_shared(self, node: Node) -> int:
+        """A node the grammar layer shares between grammars (string spellings, any-value): converted once per
+        process, then rebuilt in each table from its structure id, about three times faster than from the AST."""
+        structure = _SHARED_STRUCTURES.get(id(node))
+        if structure is not None:
+            return self.from_structure(structure[1])
+        term = self._from_ast(node)
+        _SHARED_STRUCTURES[id(node)] = (node, self.structure(term))
+        return term
+
+    def _from_charset(self, chars: CharSet) -> int:
+        term = self._charsets.get(chars)
+        if term is None and chars.ranges and chars.ranges[0][0] < 0x80 < chars.ranges[-1][1]:
+            # ASCII and beyond apart: classes that differ in a few ASCII characters (the escape hatch at each
+            # node of a property-name trie) share the multi-byte part, most of the conversion
+            low = CharSet(tuple((lo, min(hi, 0x7F)) for lo, hi in chars.ranges if lo < 0x80))
+            high = CharSet(tuple((max(lo, 0x80), hi) for lo, hi in chars.ranges if hi >= 0x80))
+            term = self._charsets[chars] = self.alt([self._from_charset(low), self._from_charset(high)])
+        if term is None:
+            tails: dict[tuple, int] = {}  # sequences that end alike share their tail terms
+
+            def sequence_term(seq) -> int:
+                if seq not in tails:
+                    (lo, hi), rest = seq[0], seq[1:]
+                    head = self.byte_set(((1 << (hi + 1)) - 1) ^ ((1 << lo) - 1))
+                    tails[seq] = self.cat(head, sequence_term(rest) if rest else EPSILON)
+                return tails[seq]
+
+            term = self.alt([sequence_term(seq) for lo, hi in chars.ranges for seq in utf8_sequences(lo, hi)])
+            self._charsets[chars] = term
+        return term
+
+    # ---- structure: the same language in another table -------------------------------------------------------
+    def structure(self, term: int) -> int:
+        """A table-independent id of ``term``: equal for the same term built in any table (memoized). Ids are
+        hash-consed process-wide, so a key is a small int however large and shared the term is."""
+        known = self._structures.get(term)
+        if known is None:
+            kind, args = self.kind[term], self.args[term]
+            if kind in (_BYTES, _CONST):
+                key = (kind, args if kind == _BYTES else term)
+            elif kind == _CAT:
+                key = (kind, self.structure(args[0]), self.structure(args[1]))
+            elif kind == _REP:
+                key = (kind, self.structure(args[0]), args[1], args[2])
+            else:  # members are sorted by id, which differs between tables
+                key = (kind, frozenset(self.structure(member) for member in args))
+            known = self._structures[term] = _canonical_id(key)
+        return known
+
+    def from_structure(self, structure: int) -> int:
+        """The term of a :meth:`structure` id, built in this table."""
+        known = self._from_structures.get(structure)
+        if known is None:
+            key = _CANONICAL_KEYS[structure]
+            kind = key[0]
+            if kind == _CONST:
+                known = key[1]
+            elif kind == _BYTES:
+                known = self.byte_set(key[1])
+            elif kind == _CAT:
+                known = self.cat(self.from_structure(key[1]), self.from_structure(key[2]))
+            elif kind == _REP:
+                known = self.repeat(self.from_structure(key[1]), key[2], key[3])
+            else:
+                members = [self.from_structure(member) for member in key[1]]
+                known = self.alt(members) if kind == _ALT else self.intersect(members)
+            self._from_structures[structure] = known
+        return known
+
+
+class TermTable(_Conversions):
+    """Interned terms: ``kind[t]``, ``args[t]``, ``nullable[t]``; derivatives and first-byte sets memoized. The
+    pure-Python table; :func:`new_table` gives the native one where it can be built."""
 
     def __init__(self, budget: Budget | None = None):
         self.budget = budget or Budget()
@@ -79,13 +192,10 @@ class TermTable:
         self._starts: dict[int, tuple[dict[int, list[int]], list[tuple[int, int]]]] = {}  # see _starts_of
         self._firsts: dict[int, frozenset[int]] = {}
         self._first_masks: dict[int, int] = {}
-        self._from_nodes: dict[int, tuple[Node, int]] = {}
-        self._charsets: dict[CharSet, int] = {}
         self._live: dict[int, bool] = {}
         self._live_boxes: dict[tuple, list[tuple[int, int]]] = {}  # see _intersection_is_live
         self.num_undecided = 0  # intersections whose emptiness the step limit left open (treated as empty)
-        self._structures: dict[int, int] = {}
-        self._from_structures: dict[int, int] = {}
+        self._init_conversions()
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -187,105 +297,6 @@ class TermTable:
             return members.pop()
         ordered = tuple(sorted(members))
         return self._intern((_AND, ordered), _AND, ordered, all(self.nullable[m] for m in ordered), True)
-
-    # ---- from the code-point AST ---------------------------------------------------------------------------
-    def from_node(self, node: Node) -> int:
-        """The term of ``node``. Schema ASTs share node objects, so the memo is by identity."""
-        known = self._from_nodes.get(id(node))
-        if known is not None:
-            return known[1]
-        if len(self._from_nodes) % 1024 == 0:
-            self.budget.check_time()
-        term = self._from_shared(node) if id(node) in SHARED_NODES else self._from_ast(node)
-        self._from_nodes[id(node)] = (node, term)
-        return term
-
-    def _from_ast(self, node: Node) -> int:
-        if isinstance(node, CharSet):
-            term = self._from_charset(node)
-        elif isinstance(node, Concat):
-            term = EPSILON
-            for part in reversed(node.parts):
-                term = self.cat(self.from_node(part), term)
-        elif isinstance(node, Alt):
-            term = self.alt([self.from_node(option) for option in node.options])
-        elif isinstance(node, Repeat):
-            term = self.repeat(self.from_node(node.node), node.min, node.max)
-        elif isinstance(node, Intersect):
-            term = self.intersect([self.from_node(part) for part in node.parts])
-        else:
-            raise TypeError(f"not a regex node: {node!r}")
-        return term
-
-    def _from_shared(self, node: Node) -> int:
-        """A node the grammar layer shares between grammars (string spellings, any-value): converted once per
-        process, then rebuilt in each table from its structure id, about three times faster than from the AST."""
-        structure = _SHARED_STRUCTURES.get(id(node))
-        if structure is not None:
-            return self.from_structure(structure[1])
-        term = self._from_ast(node)
-        _SHARED_STRUCTURES[id(node)] = (node, self.structure(term))
-        return term
-
-    def _from_charset(self, chars: CharSet) -> int:
-        term = self._charsets.get(chars)
-        if term is None and chars.ranges and chars.ranges[0][0] < 0x80 < chars.ranges[-1][1]:
-            # ASCII and beyond apart: classes that differ in a few ASCII characters (the escape hatch at each
-            # node of a property-name trie) share the multi-byte part, most of the conversion
-            low = CharSet(tuple((lo, min(hi, 0x7F)) for lo, hi in chars.ranges if lo < 0x80))
-            high = CharSet(tuple((max(lo, 0x80), hi) for lo, hi in chars.ranges if hi >= 0x80))
-            term = self._charsets[chars] = self.alt([self._from_charset(low), self._from_charset(high)])
-        if term is None:
-            tails: dict[tuple, int] = {}  # sequences that end alike share their tail terms
-
-            def sequence_term(seq) -> int:
-                if seq not in tails:
-                    (lo, hi), rest = seq[0], seq[1:]
-                    head = self.byte_set(((1 << (hi + 1)) - 1) ^ ((1 << lo) - 1))
-                    tails[seq] = self.cat(head, sequence_term(rest) if rest else EPSILON)
-                return tails[seq]
-
-            term = self.alt([sequence_term(seq) for lo, hi in chars.ranges for seq in utf8_sequences(lo, hi)])
-            self._charsets[chars] = term
-        return term
-
-    # ---- structure: the same language in another table -------------------------------------------------------
-    def structure(self, term: int) -> int:
-        """A table-independent id of ``term``: equal for the same term built in any table (memoized). Ids are
-        hash-consed process-wide, so a key is a small int however large and shared the term is."""
-        known = self._structures.get(term)
-        if known is None:
-            kind, args = self.kind[term], self.args[term]
-            if kind in (_BYTES, _CONST):
-                key = (kind, args if kind == _BYTES else term)
-            elif kind == _CAT:
-                key = (kind, self.structure(args[0]), self.structure(args[1]))
-            elif kind == _REP:
-                key = (kind, self.structure(args[0]), args[1], args[2])
-            else:  # members are sorted by id, which differs between tables
-                key = (kind, frozenset(self.structure(member) for member in args))
-            known = self._structures[term] = _canonical_id(key)
-        return known
-
-    def from_structure(self, structure: int) -> int:
-        """The term of a :meth:`structure` id, built in this table."""
-        known = self._from_structures.get(structure)
-        if known is None:
-            key = _CANONICAL_KEYS[structure]
-            kind = key[0]
-            if kind == _CONST:
-                known = key[1]
-            elif kind == _BYTES:
-                known = self.byte_set(key[1])
-            elif kind == _CAT:
-                known = self.cat(self.from_structure(key[1]), self.from_structure(key[2]))
-            elif kind == _REP:
-                known = self.repeat(self.from_structure(key[1]), key[2], key[3])
-            else:
-                members = [self.from_structure(member) for member in key[1]]
-                known = self.alt(members) if kind == _ALT else self.intersect(members)
-            self._from_structures[structure] = known
-        return known
 
     def first_mask(self, term: int) -> int:
         """The 256-bit mask of every byte that can start ``term`` (memoized)."""
@@ -474,3 +485,33 @@ class TermTable:
         # it lacks, and every state made stays one from which acceptance was seen to be reachable.
         self.num_undecided += 1
         return False, None
+
+
+_EXTENSION = CompiledExtension("_corral_terms", open(os.path.join(os.path.dirname(__file__), "term_table.cpp")).read())
+_NATIVE_CLASS: list = []
+
+
+def _native_class():
+    """The native table class (the extension's ``Table`` with the conversions), or None when it cannot be built."""
+    if not _NATIVE_CLASS:
+        module = _EXTENSION.load()
+        if module is None:
+            _NATIVE_CLASS.append(None)
+        else:
+            class NativeTermTable(module.Table, _Conversions):
+                """:class:`TermTable` in native memory (``term_table.cpp``): the same terms and derivatives."""
+
+                def __init__(self, budget: Budget | None = None):
+                    self.budget = budget or Budget()
+                    self.liveness_step_limit = _LIVENESS_STEP_LIMIT
+                    self._init_conversions()
+
+            _NATIVE_CLASS.append(NativeTermTable)
+    return _NATIVE_CLASS[0]
+
+
+def new_table(budget: Budget | None = None):
+    """A term table: the native one when the extension builds (``CORRAL_CPU_KERNELS=0`` turns it off), else
+    :class:`TermTable`. Both hold the same terms with the same normal forms; ids may differ."""
+    native = _native_class()
+    return native(budget) if native is not None else TermTable(budget)

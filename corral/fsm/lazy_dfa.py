@@ -17,7 +17,7 @@ import numpy as np
 
 from corral.errors import GrammarTooComplexError
 from corral.fsm.budget import Budget
-from corral.fsm.derivatives import TermTable
+from corral.fsm.derivatives import TermTable, new_table
 from corral.grammar.regex_ast import Node
 
 DEAD = -1
@@ -50,7 +50,7 @@ class LazyDFA:
 
     def __init__(self, node: Node | None, budget: Budget, *, terms: TermTable | None = None, root: int = 0):
         """The DFA of ``node``, or (``terms`` and ``root`` given) of a term already in ``terms``."""
-        self.terms = terms if terms is not None else TermTable(budget)
+        self.terms = terms if terms is not None else new_table(budget)
         if node is not None:
             root = self.terms.from_node(node)
         budget.check_time()

@@ -32,7 +32,7 @@ import numpy as np
 
 from corral.fsm import native_walk
 from corral.fsm.budget import Budget
-from corral.fsm.derivatives import _ALT, _CAT, _REP, EPSILON, TermTable
+from corral.fsm.derivatives import _ALT, _CAT, _REP, EPSILON, TermTable, new_table
 from corral.fsm.lazy_dfa import LazyDFA
 
 # A piece whose first bytes are at most this many is narrow: the trie walk visits few nodes there anyway.
@@ -76,7 +76,7 @@ class PieceFacts:
     that meets the piece ``d`` bytes into a token), computed on first use and shared by every grammar."""
 
     def __init__(self, structure, vocab, grammar_ids: np.ndarray, columns: list[np.ndarray]):
-        table = TermTable(Budget(time_s=float("inf")))
+        table = new_table(Budget(time_s=float("inf")))
         star = table.repeat(table.from_structure(structure), 0, None)
         self.dfa = LazyDFA(None, Budget(time_s=float("inf")), terms=table, root=star)
         self.vocab, self.grammar_ids, self.columns = vocab, grammar_ids, columns

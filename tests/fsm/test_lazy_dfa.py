@@ -16,6 +16,13 @@ from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Concat, Inter
 from corral.grammar.regex_parser import parse_regex
 
 
+# Both term tables: the native one (``term_table.cpp``, what LazyDFA uses where it builds) and the pure-Python one
+# (the fallback without a compiler); the properties below hold for each.
+TABLES = [pytest.param(derivatives.TermTable, id="python"),
+          pytest.param(derivatives._native_class(), id="native",
+                       marks=pytest.mark.skipif(derivatives._native_class() is None, reason="no C++ compiler"))]
+
+
 def accepts(dfa: LazyDFA, data: bytes) -> bool:
     state = 0
     for byte in data:
@@ -49,14 +56,15 @@ def _texts():
     return st.builds(lambda data, n: data[:len(data) - n] if n < len(data) else data, chars, cut)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @settings(max_examples=300, deadline=None)
 @given(_regexes(), st.lists(_texts(), min_size=1, max_size=8))
-def test_acceptance_agrees_with_re_fullmatch(pattern, texts):
-    _assert_agrees_with_re_fullmatch(pattern, texts)
+def test_acceptance_agrees_with_re_fullmatch(table, pattern, texts):
+    _assert_agrees_with_re_fullmatch(table, pattern, texts)
 
 
-def _assert_agrees_with_re_fullmatch(pattern: str, texts: list[bytes]) -> None:
-    dfa = LazyDFA(parse_regex(pattern), Budget())
+def _assert_agrees_with_re_fullmatch(table, pattern: str, texts: list[bytes]) -> None:
+    dfa = LazyDFA(parse_regex(pattern), Budget(), terms=table())
     for data in texts:
         assert accepts(dfa, data) == fullmatch(pattern, data), (pattern, data)
 
@@ -69,28 +77,31 @@ def _wide_alternations():
     return st.lists(member, min_size=8, max_size=14).map("|".join)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @settings(max_examples=100, deadline=None)
 @given(_wide_alternations(), st.lists(_texts(), min_size=1, max_size=8))
-def test_wide_alternations_agree_with_re_fullmatch(pattern, texts):
-    _assert_agrees_with_re_fullmatch(pattern, texts)
+def test_wide_alternations_agree_with_re_fullmatch(table, pattern, texts):
+    _assert_agrees_with_re_fullmatch(table, pattern, texts)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @settings(max_examples=150, deadline=None)
 @given(_regexes(), _regexes(), st.lists(_texts(), min_size=1, max_size=8))
-def test_intersection_is_the_product(left, right, texts):
+def test_intersection_is_the_product(table, left, right, texts):
     dfa_node = Intersect((parse_regex(left), parse_regex(right)))
-    if LazyDFA(dfa_node, Budget()).is_empty:
+    dfa = LazyDFA(dfa_node, Budget(), terms=table())
+    if dfa.is_empty:
         return
-    dfa = LazyDFA(dfa_node, Budget())
     for data in texts:
         assert accepts(dfa, data) == (fullmatch(left, data) and fullmatch(right, data)), (left, right, data)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @settings(max_examples=100, deadline=None)
 @given(_regexes(), st.lists(_texts(), min_size=1, max_size=6))
-def test_every_built_state_can_still_accept(pattern, texts):
+def test_every_built_state_can_still_accept(table, pattern, texts):
     """Trimming: walking any accepted prefix never lands in a state from which acceptance is unreachable."""
-    dfa = LazyDFA(parse_regex(pattern), Budget())
+    dfa = LazyDFA(parse_regex(pattern), Budget(), terms=table())
     for data in texts:
         state = 0
         for byte in data:
@@ -130,10 +141,12 @@ def test_utf8_sequences_cover_exactly_the_range(lo, hi):
         assert covered == (lo <= cp <= hi and not 0xD800 <= cp <= 0xDFFF), hex(cp)
 
 
-def test_time_budget_raises_instead_of_hanging():
+@pytest.mark.parametrize("table", TABLES)
+def test_time_budget_raises_instead_of_hanging(table):
     many_words = Alt(tuple(literal(f"word{i}") for i in range(20000)))
     with pytest.raises(GrammarTooComplexError, match="time budget of 0.001 s"):
-        LazyDFA(many_words, Budget(time_s=0.001))
+        budget = Budget(time_s=0.001)
+        LazyDFA(many_words, budget, terms=table(budget))
 
 
 def test_rows_built_after_compilation_never_hit_the_compile_budget():
@@ -143,31 +156,35 @@ def test_rows_built_after_compilation_never_hit_the_compile_budget():
     assert accepts(dfa, b"abc-def-" * 40 + b"x" * 9000)  # thousands of new terms, past the clock checks
 
 
-def test_an_intersection_too_large_to_decide_is_treated_as_empty(monkeypatch):
+@pytest.mark.parametrize("table", TABLES)
+def test_an_intersection_too_large_to_decide_is_treated_as_empty(monkeypatch, table):
     """Past the liveness step limit an intersection counts as empty: the byte leading into it is dead, so no walk
     can reach a state whose continuations are all empty (a mask without tokens)."""
     monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 10)
     slow = Intersect((parse_regex("[a-z]{30}"), parse_regex("[a-y]*")))  # non-empty, but 30 steps deep
-    dfa = LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget())
+    dfa = LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget(), terms=table())
     assert dfa.step(0, ord("b")) != DEAD and dfa.step(0, ord("c")) == DEAD
     assert dfa.terms.num_undecided == 1
     monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 5000)
-    assert LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget()).step(0, ord("c")) != DEAD
+    dfa = LazyDFA(Alt((parse_regex("b"), Concat((parse_regex("c"), slow)))), Budget(), terms=table())
+    assert dfa.step(0, ord("c")) != DEAD
 
 
-def test_a_root_too_large_to_decide_is_refused_not_called_empty(monkeypatch):
+@pytest.mark.parametrize("table", TABLES)
+def test_a_root_too_large_to_decide_is_refused_not_called_empty(monkeypatch, table):
     monkeypatch.setattr(derivatives, "_LIVENESS_STEP_LIMIT", 10)
     slow = Intersect((parse_regex("[a-z]{30}"), parse_regex("[a-y]*")))
     with pytest.raises(GrammarTooComplexError, match="too large to decide"):
-        LazyDFA(slow, Budget())
+        LazyDFA(slow, Budget(), terms=table())
 
 
-def test_liveness_of_a_long_concatenation_ending_in_an_intersection_does_not_recurse_per_part():
+@pytest.mark.parametrize("table", TABLES)
+def test_liveness_of_a_long_concatenation_ending_in_an_intersection_does_not_recurse_per_part(table):
     """Thousands of parts before an intersection (a long literal, then a pattern with a length): the chain is
     walked iteratively, not one Python frame per part."""
     digits = Intersect((parse_regex("[0-9]+"), parse_regex("[0-5]{2}")))
     node = Concat(tuple(literal(c) for c in "ab" * 3000) + (digits,))
-    dfa = LazyDFA(node, Budget())
+    dfa = LazyDFA(node, Budget(), terms=table())
     assert not dfa.is_empty and dfa.step(0, ord("a")) != DEAD
 
 

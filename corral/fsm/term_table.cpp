@@ -1,0 +1,899 @@
+// The derivative term table of derivatives.py in C++: the same terms, normalization, derivatives, first-byte
+// sets, byte classes and liveness, kept in native memory. A CPython extension (not ctypes): the lazy DFA calls
+// it once per derived move and a ctypes call costs microseconds, about what a derivative costs here.
+//
+// Terms are ids into parallel arrays. kind: BYTES (a = index into masks), CAT (a head, b tail; right-nested),
+// ALT and AND (a = offset into pool, b = member count; members sorted by id, deduplicated), REP (a inner, b low,
+// c high or -1 for none), CONST (0 the empty set, 1 epsilon). Python sees them through the table's methods and
+// through the views kind/args/nullable/has_and, indexed like the pure table's lists.
+//
+// Errors: a Python exception raised inside (the budget's check_time) or a bad argument unwinds as PyFailure and
+// the entry point returns NULL with the exception set. Every memo is written after its value is complete, so an
+// unwind leaves the table consistent.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int32_t EMPTYSET = 0, EPSILON = 1;
+enum : uint8_t { K_BYTES, K_CAT, K_ALT, K_REP, K_AND, K_CONST };
+constexpr size_t INDEXED_ALT_MEMBERS = 8;
+constexpr int INDEXED_MEMBER_BYTES = 16;
+
+struct PyFailure {};  // a Python exception is set
+
+struct Mask {
+    uint64_t w[4] = {0, 0, 0, 0};
+    bool operator==(const Mask& o) const { return w[0] == o.w[0] && w[1] == o.w[1] && w[2] == o.w[2] && w[3] == o.w[3]; }
+    bool operator<(const Mask& o) const {
+        for (int k = 3; k >= 0; --k)
+            if (w[k] != o.w[k]) return w[k] < o.w[k];
+        return false;
+    }
+    bool test(int byte) const { return (w[byte >> 6] >> (byte & 63)) & 1; }
+    bool empty() const { return (w[0] | w[1] | w[2] | w[3]) == 0; }
+    int count() const {
+        return __builtin_popcountll(w[0]) + __builtin_popcountll(w[1]) + __builtin_popcountll(w[2]) +
+               __builtin_popcountll(w[3]);
+    }
+    int lowest() const {
+        for (int k = 0; k < 4; ++k)
+            if (w[k]) return k * 64 + __builtin_ctzll(w[k]);
+        return -1;
+    }
+    Mask operator&(const Mask& o) const { Mask r; for (int k = 0; k < 4; ++k) r.w[k] = w[k] & o.w[k]; return r; }
+    Mask operator|(const Mask& o) const { Mask r; for (int k = 0; k < 4; ++k) r.w[k] = w[k] | o.w[k]; return r; }
+    Mask without(const Mask& o) const { Mask r; for (int k = 0; k < 4; ++k) r.w[k] = w[k] & ~o.w[k]; return r; }
+};
+
+struct MaskHash {
+    size_t operator()(const Mask& m) const {
+        uint64_t h = m.w[0] * 0x9E3779B97F4A7C15ull;
+        h ^= m.w[1] + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+        h ^= m.w[2] * 0xC2B2AE3D27D4EB4Full + (h << 6) + (h >> 2);
+        h ^= m.w[3] + 0x165667B19E3779F9ull + (h << 6) + (h >> 2);
+        return size_t(h);
+    }
+};
+
+template <typename T>
+struct VectorHash {
+    size_t operator()(const std::vector<T>& v) const {
+        uint64_t h = 0xCBF29CE484222325ull ^ v.size();
+        for (const T& x : v) {
+            uint64_t y;
+            if constexpr (std::is_same_v<T, Mask>) y = MaskHash()(x); else y = uint64_t(uint32_t(x));
+            h = (h ^ y) * 0x100000001B3ull;
+            h ^= h >> 29;
+        }
+        return size_t(h);
+    }
+};
+
+struct RepKey {
+    int32_t inner, low, high;
+    bool operator==(const RepKey& o) const { return inner == o.inner && low == o.low && high == o.high; }
+};
+struct RepHash {
+    size_t operator()(const RepKey& k) const {
+        return size_t((uint64_t(uint32_t(k.inner)) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(uint32_t(k.low)) << 32) ^
+                      uint64_t(uint32_t(k.high)) * 0xC2B2AE3D27D4EB4Full);
+    }
+};
+
+// An alternation's members by first byte (see derivatives.py, _starts_of): members starting with at most
+// INDEXED_MEMBER_BYTES bytes listed under each byte, the others tested by their first-byte mask.
+struct Starts {
+    int32_t offsets[257];
+    std::vector<int32_t> members;
+    std::vector<std::pair<int32_t, Mask>> wide;
+};
+
+struct Table {
+    std::vector<uint8_t> kind, nullable, has_and;
+    std::vector<int32_t> a, b, c;
+    std::vector<int8_t> live;         // -1 unknown, 0 empty, 1 live (kept for intersections only)
+    std::vector<int32_t> first_set;   // id of the term's first-byte mask set, -1 not computed
+    std::vector<int32_t> pool;        // members of alternations and intersections
+    std::vector<Mask> masks;          // byte sets
+    std::unordered_map<Mask, int32_t, MaskHash> bytes_ids;
+    std::unordered_map<uint64_t, int32_t> cat_ids;
+    std::unordered_map<RepKey, int32_t, RepHash> rep_ids;
+    std::unordered_map<std::vector<int32_t>, int32_t, VectorHash<int32_t>> alt_ids, and_ids;
+    std::unordered_map<int64_t, int32_t> derivatives;  // term << 8 | byte
+    std::unordered_map<int64_t, int32_t> relinked;     // chain << 32 | tail
+    std::vector<std::vector<Mask>> sets;               // interned first-byte mask sets (sorted, unique)
+    std::unordered_map<std::vector<Mask>, int32_t, VectorHash<Mask>> set_ids;
+    std::vector<Mask> set_union;                       // per set: the union of its masks
+    std::unordered_map<int32_t, std::vector<Mask>> partitions;  // set id -> byte classes
+    std::unordered_map<int32_t, Starts> starts;
+    std::unordered_map<std::vector<int32_t>, std::vector<std::pair<int32_t, int32_t>>, VectorHash<int32_t>> live_boxes;
+    int64_t num_undecided = 0;
+    int64_t step_limit = 5000;  // liveness search steps before an intersection is treated as empty
+    PyObject* budget = nullptr;  // owned; check_time() every 4096 new terms
+
+    Table() {
+        for (int k = 0; k < 2; ++k) push(K_CONST, 0, 0, 0, k == 1, false);
+        intern_set({});  // set 0: no first bytes
+    }
+
+    int32_t size() const { return int32_t(kind.size()); }
+
+    int32_t push(uint8_t k, int32_t x, int32_t y, int32_t z, bool null, bool with_and) {
+        const int32_t term = size();
+        kind.push_back(k);
+        a.push_back(x);
+        b.push_back(y);
+        c.push_back(z);
+        nullable.push_back(null);
+        has_and.push_back(with_and);
+        live.push_back(-1);
+        first_set.push_back(-1);
+        if (term % 4096 == 0 && budget != nullptr) {
+            PyObject* result = PyObject_CallMethod(budget, "check_time", nullptr);
+            if (result == nullptr) throw PyFailure();
+            Py_DECREF(result);
+        }
+        return term;
+    }
+
+    // ---- constructors (normalizing), as derivatives.py's ----------------------------------------------------
+    int32_t byte_set(const Mask& mask) {
+        if (mask.empty()) return EMPTYSET;
+        auto known = bytes_ids.find(mask);
+        if (known != bytes_ids.end()) return known->second;
+        masks.push_back(mask);
+        const int32_t term = push(K_BYTES, int32_t(masks.size() - 1), 0, 0, false, false);
+        bytes_ids.emplace(mask, term);
+        return term;
+    }
+
+    int32_t cat(int32_t head, int32_t tail) {
+        if (head == EMPTYSET || tail == EMPTYSET) return EMPTYSET;
+        if (head == EPSILON) return tail;
+        if (tail == EPSILON) return head;
+        if (kind[head] == K_CAT) return relink(head, tail);
+        return cat_node(head, tail);
+    }
+
+    int32_t cat_node(int32_t head, int32_t tail) {  // head is not a concatenation, EPSILON or EMPTYSET
+        const uint64_t key = (uint64_t(uint32_t(head)) << 32) | uint32_t(tail);
+        auto known = cat_ids.find(key);
+        if (known != cat_ids.end()) return known->second;
+        const int32_t term = push(K_CAT, head, tail, 0, nullable[head] && nullable[tail], has_and[head] || has_and[tail]);
+        cat_ids.emplace(key, term);
+        return term;
+    }
+
+    int32_t relink(int32_t chain, int32_t tail) {
+        const int64_t key = (int64_t(chain) << 32) | uint32_t(tail);
+        auto known = relinked.find(key);
+        if (known != relinked.end()) return known->second;
+        std::vector<int32_t> heads;
+        int32_t current = chain;
+        while (kind[current] == K_CAT) {
+            heads.push_back(a[current]);
+            current = b[current];
+        }
+        int32_t result = cat(current, tail);
+        for (auto head = heads.rbegin(); head != heads.rend(); ++head) result = cat_node(*head, result);
+        relinked.emplace(key, result);
+        return result;
+    }
+
+    int32_t alt(const std::vector<int32_t>& terms) {
+        std::vector<int32_t> members;
+        members.reserve(terms.size() + 4);
+        Mask mask;
+        bool any_mask = false;
+        auto add = [&](int32_t member) {
+            if (kind[member] == K_BYTES) {
+                mask = mask | masks[a[member]];
+                any_mask = true;
+            } else if (member != EMPTYSET) {
+                members.push_back(member);
+            }
+        };
+        for (int32_t term : terms) {
+            if (kind[term] == K_ALT) {
+                for (int32_t k = 0; k < b[term]; ++k) add(pool[a[term] + k]);
+            } else {
+                add(term);
+            }
+        }
+        if (any_mask) members.push_back(byte_set(mask));
+        std::sort(members.begin(), members.end());
+        members.erase(std::unique(members.begin(), members.end()), members.end());
+        if (members.empty()) return EMPTYSET;
+        if (members.size() == 1) return members[0];
+        auto known = alt_ids.find(members);
+        if (known != alt_ids.end()) return known->second;
+        bool null = false, with_and = false;
+        for (int32_t m : members) {
+            null = null || nullable[m];
+            with_and = with_and || has_and[m];
+        }
+        const int32_t offset = int32_t(pool.size());
+        pool.insert(pool.end(), members.begin(), members.end());
+        const int32_t term = push(K_ALT, offset, int32_t(members.size()), 0, null, with_and);
+        alt_ids.emplace(std::move(members), term);
+        return term;
+    }
+
+    int32_t repeat(int32_t term, int32_t low, int32_t high) {  // high -1: unbounded
+        if (high == 0 || term == EPSILON) return EPSILON;
+        if (term == EMPTYSET) return low == 0 ? EPSILON : EMPTYSET;
+        if (nullable[term]) low = 0;
+        if (low == 1 && high == 1) return term;
+        const RepKey key{term, low, high};
+        auto known = rep_ids.find(key);
+        if (known != rep_ids.end()) return known->second;
+        const int32_t id = push(K_REP, term, low, high, low == 0, has_and[term]);
+        rep_ids.emplace(key, id);
+        return id;
+    }
+
+    int32_t intersect(const std::vector<int32_t>& terms) {
+        std::vector<int32_t> members;
+        for (int32_t term : terms) {
+            if (term == EMPTYSET) return EMPTYSET;
+            if (kind[term] == K_AND) {
+                for (int32_t k = 0; k < b[term]; ++k) members.push_back(pool[a[term] + k]);
+            } else {
+                members.push_back(term);
+            }
+        }
+        std::sort(members.begin(), members.end());
+        members.erase(std::unique(members.begin(), members.end()), members.end());
+        if (members.size() == 1) return members[0];
+        auto known = and_ids.find(members);
+        if (known != and_ids.end()) return known->second;
+        bool null = true;
+        for (int32_t m : members) null = null && nullable[m];
+        const int32_t offset = int32_t(pool.size());
+        pool.insert(pool.end(), members.begin(), members.end());
+        const int32_t term = push(K_AND, offset, int32_t(members.size()), 0, null, true);
+        and_ids.emplace(std::move(members), term);
+        return term;
+    }
+
+    // ---- first bytes and byte classes -------------------------------------------------------------------------
+    int32_t intern_set(std::vector<Mask> set) {
+        std::sort(set.begin(), set.end());
+        set.erase(std::unique(set.begin(), set.end()), set.end());
+        auto known = set_ids.find(set);
+        if (known != set_ids.end()) return known->second;
+        Mask all;
+        for (const Mask& m : set) all = all | m;
+        const int32_t id = int32_t(sets.size());
+        sets.push_back(set);
+        set_union.push_back(all);
+        set_ids.emplace(std::move(set), id);
+        return id;
+    }
+
+    int32_t first_bytes(int32_t term) {
+        if (first_set[term] >= 0) return first_set[term];
+        int32_t result;
+        const uint8_t k = kind[term];
+        if (k == K_BYTES) {
+            result = intern_set({masks[a[term]]});
+        } else if (k == K_CAT && !nullable[a[term]]) {
+            result = first_bytes(a[term]);
+        } else if (k == K_CAT) {
+            std::vector<Mask> found;
+            int32_t current = term;
+            bool ended = false;
+            while (kind[current] == K_CAT) {
+                const int32_t head = a[current], tail = b[current];
+                const std::vector<Mask>& part = sets[first_bytes(head)];
+                found.insert(found.end(), part.begin(), part.end());
+                if (!nullable[head]) { ended = true; break; }
+                current = tail;
+            }
+            if (!ended) {
+                const std::vector<Mask>& part = sets[first_bytes(current)];
+                found.insert(found.end(), part.begin(), part.end());
+            }
+            result = intern_set(std::move(found));
+        } else if (k == K_ALT || k == K_AND) {
+            std::vector<Mask> found;
+            const int32_t offset = a[term], count = b[term];
+            for (int32_t j = 0; j < count; ++j) {
+                const int32_t set = first_bytes(pool[offset + j]);
+                found.insert(found.end(), sets[set].begin(), sets[set].end());
+            }
+            result = intern_set(std::move(found));
+        } else if (k == K_REP) {
+            result = first_bytes(a[term]);
+        } else {
+            result = 0;
+        }
+        first_set[term] = result;
+        return result;
+    }
+
+    const Mask& first_mask(int32_t term) { return set_union[first_bytes(term)]; }
+
+    const std::vector<Mask>& byte_classes(int32_t term) {
+        const int32_t set = first_bytes(term);
+        auto known = partitions.find(set);
+        if (known != partitions.end()) return known->second;
+        std::vector<Mask> classes;
+        for (const Mask& mask : sets[set]) {  // the coarsest partition each mask is a union of
+            Mask remaining = mask;
+            std::vector<Mask> refined;
+            for (const Mask& cls : classes) {
+                const Mask inside = cls & mask, outside = cls.without(mask);
+                if (!inside.empty()) refined.push_back(inside);
+                if (!outside.empty()) refined.push_back(outside);
+                remaining = remaining.without(cls);
+            }
+            if (!remaining.empty()) refined.push_back(remaining);
+            classes.swap(refined);
+        }
+        return partitions.emplace(set, std::move(classes)).first->second;
+    }
+
+    // ---- derivatives ------------------------------------------------------------------------------------------
+    int32_t derivative(int32_t term, int byte) {
+        const int64_t key = (int64_t(term) << 8) | byte;
+        auto known = derivatives.find(key);
+        if (known != derivatives.end()) return known->second;
+        int32_t result = EMPTYSET;
+        const uint8_t k = kind[term];
+        if (k == K_BYTES) {
+            result = masks[a[term]].test(byte) ? EPSILON : EMPTYSET;
+        } else if (k == K_CAT && kind[a[term]] == K_BYTES) {  // a literal, a spelled character
+            result = masks[a[a[term]]].test(byte) ? b[term] : EMPTYSET;
+        } else if (k == K_CAT) {  // d(a b) = d(a) b | (a nullable) d(b), along the right-nested chain
+            std::vector<int32_t> options;
+            int32_t current = term;
+            bool ended = false;
+            while (kind[current] == K_CAT) {
+                const int32_t head = a[current], tail = b[current];
+                options.push_back(cat(derivative(head, byte), tail));
+                if (!nullable[head]) { ended = true; break; }
+                current = tail;
+            }
+            if (!ended) options.push_back(derivative(current, byte));
+            result = options.size() == 1 ? options[0] : alt(options);
+        } else if (k == K_ALT) {  // members that cannot start with the byte derive to the empty set: skipped
+            std::vector<int32_t> options;
+            const int32_t offset = a[term], count = b[term];
+            if (size_t(count) < INDEXED_ALT_MEMBERS) {
+                for (int32_t j = 0; j < count; ++j) {
+                    const int32_t member = pool[offset + j];
+                    if (first_mask(member).test(byte)) options.push_back(derivative(member, byte));
+                }
+            } else {
+                const Starts& index = starts_of(term);
+                std::vector<int32_t> listed(index.members.begin() + index.offsets[byte],
+                                            index.members.begin() + index.offsets[byte + 1]);
+                std::vector<int32_t> wide;
+                for (const auto& [member, mask] : index.wide)
+                    if (mask.test(byte)) wide.push_back(member);
+                for (int32_t member : listed) options.push_back(derivative(member, byte));
+                for (int32_t member : wide) options.push_back(derivative(member, byte));
+            }
+            result = alt(options);
+        } else if (k == K_REP) {
+            const int32_t inner = a[term], low = b[term], high = c[term];
+            const int32_t rest = repeat(inner, std::max(low - 1, 0), high < 0 ? -1 : high - 1);
+            result = cat(derivative(inner, byte), rest);
+        } else if (k == K_AND) {
+            std::vector<int32_t> options;
+            const int32_t offset = a[term], count = b[term];
+            for (int32_t j = 0; j < count; ++j) options.push_back(derivative(pool[offset + j], byte));
+            result = intersect(options);
+        }
+        derivatives.emplace(key, result);
+        return result;
+    }
+
+    const Starts& starts_of(int32_t term) {
+        auto known = starts.find(term);
+        if (known != starts.end()) return known->second;
+        Starts index;
+        std::vector<std::pair<int, int32_t>> listed;  // (byte, member)
+        const int32_t offset = a[term], count = b[term];
+        for (int32_t j = 0; j < count; ++j) {
+            const int32_t member = pool[offset + j];
+            const Mask mask = first_mask(member);
+            if (mask.count() > INDEXED_MEMBER_BYTES) {
+                index.wide.emplace_back(member, mask);
+                continue;
+            }
+            for (int byte = 0; byte < 256; ++byte)
+                if (mask.test(byte)) listed.emplace_back(byte, member);
+        }
+        std::stable_sort(listed.begin(), listed.end(),
+                         [](const auto& x, const auto& y) { return x.first < y.first; });
+        size_t at = 0;
+        for (int byte = 0; byte <= 256; ++byte) {
+            index.offsets[byte] = int32_t(at);
+            while (at < listed.size() && listed[at].first == byte) index.members.push_back(listed[at++].second);
+        }
+        return starts.emplace(term, std::move(index)).first->second;
+    }
+
+    // ---- liveness ---------------------------------------------------------------------------------------------
+    bool is_live(int32_t term) {
+        if (term == EMPTYSET) return false;
+        if (!has_and[term]) return true;
+        if (live[term] >= 0) return live[term] == 1;
+        bool known;
+        const uint8_t k = kind[term];
+        if (k == K_CAT) {
+            known = true;
+            int32_t current = term;
+            while (known && kind[current] == K_CAT && has_and[current]) {
+                const int32_t head = a[current];
+                current = b[current];
+                known = is_live(head);
+            }
+            known = known && is_live(current);
+        } else if (k == K_ALT) {
+            known = false;
+            const int32_t offset = a[term], count = b[term];
+            for (int32_t j = 0; j < count && !known; ++j) known = is_live(pool[offset + j]);
+        } else if (k == K_REP) {
+            known = b[term] == 0 || is_live(a[term]);
+        } else {
+            known = intersection_is_live(term);
+        }
+        live[term] = known;
+        return known;
+    }
+
+    bool intersection_is_live(int32_t term) {
+        std::vector<int32_t> key;
+        int32_t low = 0, high = -1;
+        const int32_t offset = a[term], count = b[term];
+        for (int32_t j = 0; j < count; ++j) {  // the first counted member X{lo,hi}, X not nullable
+            const int32_t member = pool[offset + j];
+            if (kind[member] == K_REP && !nullable[a[member]]) {
+                key.push_back(a[member]);
+                for (int32_t i = 0; i < count; ++i)
+                    if (i != j) key.push_back(pool[offset + i]);
+                low = b[member];
+                high = c[member];
+                break;
+            }
+        }
+        if (!key.empty()) {
+            auto boxes = live_boxes.find(key);
+            if (boxes != live_boxes.end())
+                for (const auto& [known_low, depth] : boxes->second)
+                    if (low <= known_low && (high < 0 || high >= depth)) return true;
+        }
+        const auto [found, depth] = explore_for_acceptance(term);
+        if (found && !key.empty() && depth >= 0) live_boxes[key].emplace_back(low, depth);
+        return found;
+    }
+
+    // Breadth-first over the derivatives of an intersection until a nullable one: (live, the witness's length,
+    // or -1 when liveness came from a term already known live). Past the step limit: treated as empty.
+    std::pair<bool, int32_t> explore_for_acceptance(int32_t term) {
+        std::unordered_set<int32_t> seen{term};
+        std::deque<std::pair<int32_t, int32_t>> frontier{{term, 0}};
+        while (!frontier.empty() && int64_t(seen.size()) < step_limit) {
+            const auto [current, depth] = frontier.front();
+            frontier.pop_front();
+            if (nullable[current]) return {true, depth};
+            if (live[current] == 1) return {true, -1};
+            const std::vector<Mask> classes = byte_classes(current);
+            for (const Mask& cls : classes) {
+                const int32_t following = derivative(current, cls.lowest());
+                if (following != EMPTYSET && !seen.count(following) && live[following] != 0) {
+                    seen.insert(following);
+                    frontier.emplace_back(following, depth + 1);
+                }
+            }
+        }
+        if (frontier.empty()) {
+            for (int32_t dead : seen) live[dead] = 0;
+            return {false, -1};
+        }
+        ++num_undecided;
+        return {false, -1};
+    }
+
+    size_t nbytes() const {  // an estimate of the native memory held
+        const size_t terms = kind.size() * (3 + 4 * 3 + 1 + 4);
+        const size_t maps = (bytes_ids.size() + cat_ids.size() + rep_ids.size() + alt_ids.size() + and_ids.size() +
+                             derivatives.size() + relinked.size()) * 40;
+        size_t sets_bytes = 0;
+        for (const auto& set : sets) sets_bytes += 2 * 32 * set.size() + 96;
+        return terms + maps + pool.size() * 8 + masks.size() * 72 + sets_bytes + partitions.size() * 96 +
+               starts.size() * 1200;
+    }
+};
+
+// ---- Python glue --------------------------------------------------------------------------------------------
+
+PyObject* mask_to_int(const Mask& mask) {
+    return _PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(mask.w), 32, 1, 0);
+}
+
+Mask int_to_mask(PyObject* value) {
+    if (!PyLong_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "a byte set is a non-negative int below 2**256");
+        throw PyFailure();
+    }
+    Mask mask;
+#if PY_VERSION_HEX >= 0x030D0000
+    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value),
+                                           reinterpret_cast<unsigned char*>(mask.w), 32, 1, 0, 1);
+#else
+    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value),
+                                           reinterpret_cast<unsigned char*>(mask.w), 32, 1, 0);
+#endif
+    if (failed) throw PyFailure();
+    return mask;
+}
+
+struct TableObject {
+    PyObject_HEAD
+    Table* table;
+};
+
+int32_t term_arg(TableObject* self, PyObject* value) {
+    const long term = PyLong_AsLong(value);
+    if (term == -1 && PyErr_Occurred()) throw PyFailure();
+    if (term < 0 || term >= self->table->size()) {
+        PyErr_Format(PyExc_IndexError, "no term %ld in a table of %d", term, self->table->size());
+        throw PyFailure();
+    }
+    return int32_t(term);
+}
+
+int32_t int_arg(PyObject* value) {
+    const long number = PyLong_AsLong(value);
+    if (number == -1 && PyErr_Occurred()) throw PyFailure();
+    if (number < -1 || number > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a count out of range");
+        throw PyFailure();
+    }
+    return int32_t(number);
+}
+
+std::vector<int32_t> terms_arg(TableObject* self, PyObject* iterable) {
+    PyObject* sequence = PySequence_Fast(iterable, "terms must be iterable");
+    if (sequence == nullptr) throw PyFailure();
+    std::vector<int32_t> terms;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
+    PyObject** items = PySequence_Fast_ITEMS(sequence);
+    terms.reserve(n);
+    try {
+        for (Py_ssize_t k = 0; k < n; ++k) terms.push_back(term_arg(self, items[k]));
+    } catch (PyFailure&) {
+        Py_DECREF(sequence);
+        throw;
+    }
+    Py_DECREF(sequence);
+    return terms;
+}
+
+bool check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
+    if (nargs == expected) return true;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
+    return false;
+}
+
+#define GUARDED(...)                  \
+    try {                             \
+        __VA_ARGS__                   \
+    } catch (PyFailure&) {            \
+        return nullptr;               \
+    } catch (std::bad_alloc&) {       \
+        return PyErr_NoMemory();      \
+    }
+
+PyObject* table_byte_set(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "byte_set")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->table->byte_set(int_to_mask(args[0])));)
+}
+
+PyObject* table_cat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "cat")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->table->cat(term_arg(self, args[0]), term_arg(self, args[1])));)
+}
+
+PyObject* table_alt(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "alt")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->table->alt(terms_arg(self, args[0])));)
+}
+
+PyObject* table_intersect(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "intersect")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->table->intersect(terms_arg(self, args[0])));)
+}
+
+PyObject* table_repeat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "repeat")) return nullptr;
+    GUARDED(
+        const int32_t term = term_arg(self, args[0]);
+        const int32_t low = int_arg(args[1]);
+        const int32_t high = args[2] == Py_None ? -1 : int_arg(args[2]);
+        if (low < 0 || (args[2] != Py_None && high < 0)) {
+            PyErr_SetString(PyExc_ValueError, "repeat bounds must be non-negative");
+            return nullptr;
+        }
+        return PyLong_FromLong(self->table->repeat(term, low, high));
+    )
+}
+
+PyObject* table_derivative(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "derivative")) return nullptr;
+    GUARDED(
+        const int32_t term = term_arg(self, args[0]);
+        const int32_t byte = int_arg(args[1]);
+        if (byte < 0 || byte > 255) {
+            PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
+            return nullptr;
+        }
+        return PyLong_FromLong(self->table->derivative(term, byte));
+    )
+}
+
+PyObject* table_first_mask(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "first_mask")) return nullptr;
+    GUARDED(return mask_to_int(self->table->first_mask(term_arg(self, args[0])));)
+}
+
+PyObject* mask_list(const std::vector<Mask>& found) {
+    PyObject* list = PyList_New(Py_ssize_t(found.size()));
+    if (list == nullptr) return nullptr;
+    for (size_t k = 0; k < found.size(); ++k) {
+        PyObject* item = mask_to_int(found[k]);
+        if (item == nullptr) {
+            Py_DECREF(list);
+            return nullptr;
+        }
+        PyList_SET_ITEM(list, Py_ssize_t(k), item);
+    }
+    return list;
+}
+
+PyObject* table_first_bytes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "first_bytes")) return nullptr;
+    GUARDED(
+        PyObject* list = mask_list(self->table->sets[self->table->first_bytes(term_arg(self, args[0]))]);
+        if (list == nullptr) return nullptr;
+        PyObject* result = PyFrozenSet_New(list);
+        Py_DECREF(list);
+        return result;
+    )
+}
+
+PyObject* table_byte_classes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "byte_classes")) return nullptr;
+    GUARDED(return mask_list(self->table->byte_classes(term_arg(self, args[0])));)
+}
+
+PyObject* table_is_live(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "is_live")) return nullptr;
+    GUARDED(return PyBool_FromLong(self->table->is_live(term_arg(self, args[0])));)
+}
+
+PyObject* table_explore(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "_explore_for_acceptance")) return nullptr;
+    GUARDED(
+        const auto [found, depth] = self->table->explore_for_acceptance(term_arg(self, args[0]));
+        if (depth < 0) return Py_BuildValue("(OO)", found ? Py_True : Py_False, Py_None);
+        return Py_BuildValue("(Oi)", found ? Py_True : Py_False, depth);
+    )
+}
+
+PyObject* table_nbytes(TableObject* self, PyObject*) { return PyLong_FromSize_t(self->table->nbytes()); }
+
+Py_ssize_t table_length(TableObject* self) { return self->table->size(); }
+
+PyObject* table_args_of(Table* table, int32_t term) {
+    switch (table->kind[term]) {
+        case K_BYTES:
+            return mask_to_int(table->masks[table->a[term]]);
+        case K_CAT:
+            return Py_BuildValue("(ii)", table->a[term], table->b[term]);
+        case K_REP:
+            if (table->c[term] < 0) return Py_BuildValue("(iiO)", table->a[term], table->b[term], Py_None);
+            return Py_BuildValue("(iii)", table->a[term], table->b[term], table->c[term]);
+        case K_ALT:
+        case K_AND: {
+            const int32_t offset = table->a[term], count = table->b[term];
+            PyObject* members = PyTuple_New(count);
+            if (members == nullptr) return nullptr;
+            for (int32_t j = 0; j < count; ++j) {
+                PyObject* member = PyLong_FromLong(table->pool[offset + j]);
+                if (member == nullptr) {
+                    Py_DECREF(members);
+                    return nullptr;
+                }
+                PyTuple_SET_ITEM(members, j, member);
+            }
+            return members;
+        }
+        default:
+            Py_RETURN_NONE;
+    }
+}
+
+// A read-only view of one per-term field, indexed like the pure table's lists (table.kind[t], table.args[t]).
+struct ViewObject {
+    PyObject_HEAD
+    TableObject* owner;  // owned reference
+    int field;           // 0 kind, 1 args, 2 nullable, 3 has_and
+};
+
+extern PyTypeObject ViewType;
+
+void view_dealloc(ViewObject* self) {
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+Py_ssize_t view_length(ViewObject* self) { return self->owner->table->size(); }
+
+PyObject* view_item(ViewObject* self, Py_ssize_t index) {
+    Table* table = self->owner->table;
+    if (index < 0) index += table->size();
+    if (index < 0 || index >= table->size()) {
+        PyErr_SetString(PyExc_IndexError, "term index out of range");
+        return nullptr;
+    }
+    const int32_t term = int32_t(index);
+    switch (self->field) {
+        case 0: return PyLong_FromLong(table->kind[term]);
+        case 1: return table_args_of(table, term);
+        case 2: return PyBool_FromLong(table->nullable[term]);
+        default: return PyBool_FromLong(table->has_and[term]);
+    }
+}
+
+PySequenceMethods view_sequence = {
+    reinterpret_cast<lenfunc>(view_length), nullptr, nullptr, reinterpret_cast<ssizeargfunc>(view_item),
+};
+
+PyTypeObject ViewType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* make_view(TableObject* self, int field) {
+    ViewObject* view = PyObject_New(ViewObject, &ViewType);
+    if (view == nullptr) return nullptr;
+    Py_INCREF(self);
+    view->owner = self;
+    view->field = field;
+    return reinterpret_cast<PyObject*>(view);
+}
+
+PyObject* get_kind(TableObject* self, void*) { return make_view(self, 0); }
+PyObject* get_args(TableObject* self, void*) { return make_view(self, 1); }
+PyObject* get_nullable(TableObject* self, void*) { return make_view(self, 2); }
+PyObject* get_has_and(TableObject* self, void*) { return make_view(self, 3); }
+PyObject* get_undecided(TableObject* self, void*) { return PyLong_FromLongLong(self->table->num_undecided); }
+
+PyObject* get_step_limit(TableObject* self, void*) { return PyLong_FromLongLong(self->table->step_limit); }
+
+int set_step_limit(TableObject* self, PyObject* value, void*) {
+    const long long limit = value ? PyLong_AsLongLong(value) : -1;
+    if (limit < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the step limit is a non-negative int");
+        return -1;
+    }
+    self->table->step_limit = limit;
+    return 0;
+}
+
+PyObject* get_budget(TableObject* self, void*) {
+    PyObject* budget = self->table->budget ? self->table->budget : Py_None;
+    Py_INCREF(budget);
+    return budget;
+}
+
+int set_budget(TableObject* self, PyObject* value, void*) {
+    if (value == nullptr) {
+        PyErr_SetString(PyExc_AttributeError, "the budget cannot be deleted");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_XSETREF(self->table->budget, value);
+    return 0;
+}
+
+PyObject* table_new(PyTypeObject* type, PyObject*, PyObject*) {
+    TableObject* self = reinterpret_cast<TableObject*>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    try {
+        self->table = new Table();
+    } catch (std::bad_alloc&) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void table_dealloc(TableObject* self) {
+    if (self->table != nullptr) {
+        Py_XDECREF(self->table->budget);
+        delete self->table;
+        self->table = nullptr;
+    }
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+#define FAST(name, fn) {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL, nullptr}
+
+PyMethodDef table_methods[] = {
+    FAST("byte_set", table_byte_set),
+    FAST("cat", table_cat),
+    FAST("alt", table_alt),
+    FAST("intersect", table_intersect),
+    FAST("repeat", table_repeat),
+    FAST("derivative", table_derivative),
+    FAST("first_mask", table_first_mask),
+    FAST("first_bytes", table_first_bytes),
+    FAST("byte_classes", table_byte_classes),
+    FAST("is_live", table_is_live),
+    FAST("_explore_for_acceptance", table_explore),
+    {"nbytes", reinterpret_cast<PyCFunction>(table_nbytes), METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef table_getset[] = {
+    {"kind", reinterpret_cast<getter>(get_kind), nullptr, nullptr, nullptr},
+    {"args", reinterpret_cast<getter>(get_args), nullptr, nullptr, nullptr},
+    {"nullable", reinterpret_cast<getter>(get_nullable), nullptr, nullptr, nullptr},
+    {"has_and", reinterpret_cast<getter>(get_has_and), nullptr, nullptr, nullptr},
+    {"num_undecided", reinterpret_cast<getter>(get_undecided), nullptr, nullptr, nullptr},
+    {"liveness_step_limit", reinterpret_cast<getter>(get_step_limit), reinterpret_cast<setter>(set_step_limit),
+     nullptr, nullptr},
+    {"budget", reinterpret_cast<getter>(get_budget), reinterpret_cast<setter>(set_budget), nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PySequenceMethods table_sequence = {reinterpret_cast<lenfunc>(table_length)};
+
+PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_corral_terms", nullptr, -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__corral_terms() {
+    ViewType.tp_name = "_corral_terms.View";
+    ViewType.tp_basicsize = sizeof(ViewObject);
+    ViewType.tp_dealloc = reinterpret_cast<destructor>(view_dealloc);
+    ViewType.tp_as_sequence = &view_sequence;
+    ViewType.tp_flags = Py_TPFLAGS_DEFAULT;
+    if (PyType_Ready(&ViewType) < 0) return nullptr;
+
+    TableType.tp_name = "_corral_terms.Table";
+    TableType.tp_basicsize = sizeof(TableObject);
+    TableType.tp_dealloc = reinterpret_cast<destructor>(table_dealloc);
+    TableType.tp_as_sequence = &table_sequence;
+    TableType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE;
+    TableType.tp_methods = table_methods;
+    TableType.tp_getset = table_getset;
+    TableType.tp_new = table_new;
+    if (PyType_Ready(&TableType) < 0) return nullptr;
+
+    PyObject* module = PyModule_Create(&module_def);
+    if (module == nullptr) return nullptr;
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(module, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
+        Py_DECREF(&TableType);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    return module;
+}
