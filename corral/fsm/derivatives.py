@@ -491,10 +491,15 @@ _EXTENSION = CompiledExtension("_corral_terms", open(os.path.join(os.path.dirnam
 _NATIVE_CLASS: list = []
 
 
+def native_module():
+    """The extension module of ``term_table.cpp``, or None when it cannot be built."""
+    return _EXTENSION.load()
+
+
 def _native_class():
     """The native table class (the extension's ``Table`` with the conversions), or None when it cannot be built."""
     if not _NATIVE_CLASS:
-        module = _EXTENSION.load()
+        module = native_module()
         if module is None:
             _NATIVE_CLASS.append(None)
         else:

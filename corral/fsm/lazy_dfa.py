@@ -17,7 +17,7 @@ import numpy as np
 
 from corral.errors import GrammarTooComplexError
 from corral.fsm.budget import Budget
-from corral.fsm.derivatives import TermTable, new_table
+from corral.fsm.derivatives import TermTable, _native_class, native_module, new_table
 from corral.grammar.regex_ast import Node
 
 DEAD = -1
@@ -48,29 +48,40 @@ def _fresh_row(covered: int) -> np.ndarray:
 class LazyDFA:
     """State 0 is the start. ``trans`` int32 [capacity, 256]; ``accepting`` bool; rows filled by :meth:`ensure`."""
 
+    def __new__(cls, node: Node | None = None, budget: Budget | None = None, *, terms=None, root: int = 0):
+        """A :class:`NativeLazyDFA` when the term table is the native one (``term_table.cpp``)."""
+        if cls is LazyDFA:
+            native = _native_class()
+            if native is not None and (terms is None or isinstance(terms, native)):
+                cls = NativeLazyDFA
+        return super().__new__(cls)
+
     def __init__(self, node: Node | None, budget: Budget, *, terms: TermTable | None = None, root: int = 0):
         """The DFA of ``node``, or (``terms`` and ``root`` given) of a term already in ``terms``."""
         self.terms = terms if terms is not None else new_table(budget)
         if node is not None:
             root = self.terms.from_node(node)
         budget.check_time()
-        self._state_ids: dict[int, int] = {}
-        self._state_terms: list[int] = []
-        self.trans = np.full((16, 256), _UNBUILT, dtype=np.int32)
-        self.accepting = np.zeros(16, dtype=bool)
-        self.built = np.zeros(16, dtype=bool)
         self.lock = threading.RLock()  # held while the term table or the rows grow
         self._live_bytes: dict[int, list[int]] = {}
-        self._classes: dict[int, list[int]] = {}
+        self._setup()
         self.is_empty = not self.terms.is_live(root)
         if self.is_empty and self.terms.num_undecided:
             raise GrammarTooComplexError("the constraint's intersections (allOf, not, pattern with length bounds) are "
                                          "too large to decide whether any value satisfies them")
         if not self.is_empty:
-            self._state_of(root)
-            self._build_row(0)
+            self.state_of_term(root)
+            self.row(0)
         # subtle: the compile budget ends with compilation; rows built later, while decoding, must never raise
         self.terms.budget = Budget(time_s=float("inf"), max_states=budget.max_states)
+
+    def _setup(self) -> None:
+        self._state_ids: dict[int, int] = {}
+        self._state_terms: list[int] = []
+        self.trans = np.full((16, 256), _UNBUILT, dtype=np.int32)
+        self.accepting = np.zeros(16, dtype=bool)
+        self.built = np.zeros(16, dtype=bool)
+        self._classes: dict[int, list[int]] = {}
 
     @property
     def num_states(self) -> int:
@@ -190,3 +201,78 @@ class LazyDFA:
             if (cls >> byte) & 1:
                 self._build_class(state, cls)
                 return
+
+
+class NativeLazyDFA(LazyDFA):
+    """The same automaton with its states, rows and moves in native code (``term_table.cpp``, over the native term
+    table): deriving a move is one call, and the token walks derive the moves they meet without leaving C++.
+    ``trans``, ``accepting`` and ``built`` are numpy views of the native buffers, renewed when those grow (read
+    them after a call that may derive)."""
+
+    def _setup(self) -> None:
+        self.native = native_module().Dfa(self.terms)
+        self._generation = -1
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Renew the views after the native buffers grew."""
+        if self.native.generation != self._generation:
+            trans, accepting, built, capacity = self.native.buffers()
+            self.trans = np.frombuffer(trans, dtype=np.int32).reshape(capacity, 256)
+            self.accepting = np.frombuffer(accepting, dtype=bool)
+            self.built = np.frombuffer(built, dtype=bool)
+            self._generation = self.native.generation
+
+    @property
+    def num_states(self) -> int:
+        return self.native.num_states
+
+    def ensure(self, states: np.ndarray) -> np.ndarray:
+        missing = states[~self.built[states]]
+        if len(missing):
+            with self.lock:
+                for state in np.unique(missing).tolist():
+                    self.native.build_row(state)
+                self.refresh()
+        return self.trans
+
+    def gather(self, states: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
+        out = self.trans[states, bytes_]
+        missing = out == _UNBUILT
+        if missing.any():
+            with self.lock:
+                pairs = np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing])
+                for pair in pairs.tolist():
+                    self.native.next_state(pair >> 8, pair & 255)
+                self.refresh()
+            out = self.trans[states, bytes_]
+        return out
+
+    def next_state(self, state: int, byte: int) -> int:
+        with self.lock:
+            following = self.native.next_state(state, byte)
+            if self.native.generation != self._generation:
+                self.refresh()
+        return following
+
+    step = next_state
+
+    def states_left(self) -> np.ndarray:
+        return np.asarray(self.native.states_left(), dtype=np.int64)
+
+    def row(self, state: int) -> np.ndarray:
+        if not self.built[state]:
+            with self.lock:
+                self.native.build_row(state)
+                self.refresh()
+        return self.trans[state]
+
+    def state_of_term(self, term: int) -> int:
+        with self.lock:
+            state = self.native.state_of(term)
+            self.refresh()
+        return state
+
+    def term_of(self, state: int) -> int:
+        return self.native.term_of(state)
+

@@ -865,6 +865,437 @@ PySequenceMethods table_sequence = {reinterpret_cast<lenfunc>(table_length)};
 
 PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// ---- the lazy DFA over a table's terms (lazy_dfa.py's storage and moves, in native code) ---------------------
+//
+// A state is a live term; its row holds, per byte, the state of the derivative (DEAD -1 when empty, UNBUILT -3
+// not derived yet). Rows, accepting and built flags live in bytearrays that Python views with numpy: growing
+// makes new ones (the generation counts them) and old views stay valid, holding their own buffer.
+// The token walks (a state's mask over the vocabulary trie, tokens one by one) run here too: a move they meet
+// unbuilt is derived in place; Python is called only to flag a wide state (whether it holds repeat pieces) and to
+// answer for a state that does.
+
+constexpr int32_t DEAD = -1, UNBUILT = -3;
+constexpr uint8_t FLAG_UNKNOWN = 0, FLAG_PLAIN = 1, FLAG_PIECES = 2;
+
+struct Dfa {
+    Table* table;
+    std::vector<int32_t> state_terms;
+    std::unordered_map<int32_t, int32_t> state_ids;
+    std::vector<const std::vector<Mask>*> classes;  // per state, into the table's partitions; null: not yet
+    PyObject* buffers[3] = {nullptr, nullptr, nullptr};  // trans, accepting, built
+    int32_t* trans = nullptr;
+    uint8_t* accepting = nullptr;
+    uint8_t* built = nullptr;
+    int64_t capacity = 0, generation = 0;
+    std::vector<std::vector<uint8_t>> flag_sets;  // per token index: FLAG_* of each state
+    int narrow_bytes = 32;  // a state whose first bytes are at most this many holds no repeat piece
+
+    explicit Dfa(Table* t) : table(t) { grow(16); }
+    ~Dfa() {
+        for (PyObject* buffer : buffers) Py_XDECREF(buffer);
+    }
+
+    void grow(int64_t size) {
+        if (size <= capacity) return;
+        const int64_t grown = std::max<int64_t>(size, 2 * capacity);
+        const int64_t widths[3] = {256 * 4, 1, 1};
+        PyObject* fresh[3];
+        for (int k = 0; k < 3; ++k) {
+            fresh[k] = PyByteArray_FromStringAndSize(nullptr, grown * widths[k]);
+            if (fresh[k] == nullptr) {
+                for (int j = 0; j < k; ++j) Py_DECREF(fresh[j]);
+                throw PyFailure();
+            }
+            char* data = PyByteArray_AS_STRING(fresh[k]);
+            const int64_t kept = capacity * widths[k];
+            if (kept) std::memcpy(data, PyByteArray_AS_STRING(buffers[k]), kept);
+            if (k == 0) {
+                int32_t* rows = reinterpret_cast<int32_t*>(data);
+                std::fill(rows + capacity * 256, rows + grown * 256, UNBUILT);
+            } else {
+                std::memset(data + kept, 0, grown * widths[k] - kept);
+            }
+        }
+        for (int k = 0; k < 3; ++k) Py_XSETREF(buffers[k], fresh[k]);
+        trans = reinterpret_cast<int32_t*>(PyByteArray_AS_STRING(buffers[0]));
+        accepting = reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(buffers[1]));
+        built = reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(buffers[2]));
+        capacity = grown;
+        ++generation;
+    }
+
+    int32_t num_states() const { return int32_t(state_terms.size()); }
+
+    int32_t state_of(int32_t term) {
+        auto known = state_ids.find(term);
+        if (known != state_ids.end()) return known->second;
+        if (!table->is_live(term)) return DEAD;
+        const int32_t state = num_states();
+        grow(int64_t(state) + 1);
+        state_terms.push_back(term);
+        classes.push_back(nullptr);
+        state_ids.emplace(term, state);
+        accepting[state] = table->nullable[term];
+        return state;
+    }
+
+    // The byte classes of a state (cached); the first call marks the bytes outside them all dead.
+    const std::vector<Mask>& classes_of(int32_t state) {
+        if (classes[state] != nullptr) return *classes[state];
+        const std::vector<Mask>& found = table->byte_classes(state_terms[state]);
+        classes[state] = &found;  // partitions are map nodes: the address is stable
+        Mask covered;
+        for (const Mask& cls : found) covered = covered | cls;
+        if (covered.count() != 256) {
+            int32_t* row = trans + int64_t(state) * 256;
+            for (int byte = 0; byte < 256; ++byte) row[byte] = covered.test(byte) ? UNBUILT : DEAD;
+        }
+        return found;
+    }
+
+    void build_class(int32_t state, const Mask& cls) {
+        const int32_t following = state_of(table->derivative(state_terms[state], cls.lowest()));
+        int32_t* row = trans + int64_t(state) * 256;  // after state_of: it may have grown the rows
+        for (int k = 0; k < 4; ++k)
+            for (uint64_t bits = cls.w[k]; bits; bits &= bits - 1) row[k * 64 + __builtin_ctzll(bits)] = following;
+    }
+
+    int32_t next_state(int32_t state, int byte) {
+        const int32_t known = trans[int64_t(state) * 256 + byte];
+        if (known != UNBUILT) return known;
+        for (const Mask& cls : classes_of(state)) {
+            if (cls.test(byte)) {
+                build_class(state, cls);
+                break;
+            }
+        }
+        return trans[int64_t(state) * 256 + byte];
+    }
+
+    void build_row(int32_t state) {
+        for (const Mask& cls : classes_of(state))
+            if (trans[int64_t(state) * 256 + cls.lowest()] == UNBUILT) build_class(state, cls);
+        built[state] = 1;
+    }
+
+    uint8_t flag_of(std::vector<uint8_t>& flags, int32_t state, PyObject* flag_callback) {
+        if (size_t(state) >= flags.size()) flags.resize(std::max<size_t>(size_t(capacity), size_t(state) + 1), 0);
+        if (flags[state] != FLAG_UNKNOWN) return flags[state];
+        uint8_t flag = FLAG_PLAIN;
+        if (table->first_mask(state_terms[state]).count() > narrow_bytes) {
+            PyObject* result = PyObject_CallFunction(flag_callback, "i", state);
+            if (result == nullptr) throw PyFailure();
+            const long value = PyLong_AsLong(result);
+            Py_DECREF(result);
+            if (value == -1 && PyErr_Occurred()) throw PyFailure();
+            flag = uint8_t(value);
+        }
+        if (size_t(state) >= flags.size()) flags.resize(size_t(state) + 1, 0);  // the callback may add states
+        flags[state] = flag;
+        return flag;
+    }
+
+    // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
+    // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
+    // node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
+    // own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
+    // setup: the addresses of node_byte, node_depth, node_end, node_token (int32), own_start, own_end,
+    // subtree_end (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32
+    // scratch, one slot per token and one spare).
+    // A node reached in a state flagged FLAG_PIECES asks piece_callback(state, depth) for (other members' state,
+    // address of the pieces' mask or 0 when not exact there); answers are kept for the pass.
+    void walk_trie(const int64_t* setup, int32_t state, int flag_set, PyObject* flag_callback,
+                   PyObject* piece_callback) {
+        const int32_t* node_byte = reinterpret_cast<const int32_t*>(setup[0]);
+        const int32_t* node_depth = reinterpret_cast<const int32_t*>(setup[1]);
+        const int32_t* node_end = reinterpret_cast<const int32_t*>(setup[2]);
+        const int32_t* node_token = reinterpret_cast<const int32_t*>(setup[3]);
+        const int64_t* own_start = reinterpret_cast<const int64_t*>(setup[4]);
+        const int64_t* own_end = reinterpret_cast<const int64_t*>(setup[5]);
+        const int64_t* subtree_end = reinterpret_cast<const int64_t*>(setup[6]);
+        const int32_t* own_ids = reinterpret_cast<const int32_t*>(setup[7]);
+        const int32_t* roots = reinterpret_cast<const int32_t*>(setup[8]);
+        const int64_t n_roots = setup[9];
+        uint32_t* words = reinterpret_cast<uint32_t*>(setup[10]);
+        int32_t* found = reinterpret_cast<int32_t*>(setup[11]);
+        std::vector<uint8_t>& flags = flag_sets.at(size_t(flag_set));
+        std::unordered_map<int64_t, std::pair<const uint32_t*, int32_t>> answers;
+        int32_t stack[1024];
+        int64_t n_found = 0;
+        for (int64_t p = 0; p < n_roots; ++p) {
+            const int32_t top = roots[p], end = node_end[top], base = node_depth[top] - 1;
+            stack[0] = state;
+            int32_t i = top;
+            while (i < end) {
+                const int32_t level = node_depth[i] - base;  // 1 at top
+                const int32_t parent = stack[level - 1];
+                int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
+                if (__builtin_expect(t == UNBUILT, 0)) t = next_state(parent, node_byte[i]);
+                if (t < 0) {
+                    i = node_end[i];
+                    continue;
+                }
+                const bool leaf = node_end[i] == i + 1;  // only a node with children needs its state's flag
+                const uint8_t flag = leaf ? FLAG_PLAIN : flag_of(flags, t, flag_callback);
+                const int32_t id = node_token[i];
+                found[n_found] = id;  // listed now, set below: bits or-ed in here, in trie order, stalled the walk
+                n_found += id >= 0;
+                if (__builtin_expect(id == -2, 0)) {
+                    for (int64_t j = own_start[i]; j < own_end[i]; ++j) found[n_found++] = own_ids[j];
+                }
+                stack[level] = t;
+                if (__builtin_expect(flag == FLAG_PIECES, 0)) {
+                    const int64_t key = (int64_t(t) << 16) | node_depth[i];
+                    auto known = answers.find(key);
+                    if (known == answers.end()) {
+                        PyObject* result = PyObject_CallFunction(piece_callback, "ii", t, node_depth[i]);
+                        if (result == nullptr) throw PyFailure();
+                        int other = 0;
+                        unsigned long long address = 0;
+                        const int parsed = PyArg_ParseTuple(result, "iK", &other, &address);
+                        Py_DECREF(result);
+                        if (!parsed) throw PyFailure();
+                        known = answers.emplace(key, std::make_pair(reinterpret_cast<const uint32_t*>(address),
+                                                                    int32_t(other))).first;
+                    }
+                    const uint32_t* allowed = known->second.first;
+                    if (allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
+                        for (int64_t j = own_start[i]; j < subtree_end[i]; ++j) {
+                            const int32_t below = own_ids[j];
+                            words[below >> 5] |= allowed[below >> 5] & (1u << (below & 31));
+                        }
+                        if (known->second.second < 0) {
+                            i = node_end[i];
+                            continue;
+                        }
+                        stack[level] = known->second.second;
+                    }
+                }
+                ++i;
+            }
+        }
+        for (int64_t j = 0; j < n_found; ++j) words[found[j] >> 5] |= 1u << (found[j] & 31);
+    }
+
+    // Each token's bytes from offsets[k] on, walked from state `start` until a dead move: units[k] counts the
+    // bytes taken at `start`, exits[k] is where it died (-1 never), at_start[k] (0/1) whether it died at `start`.
+    // tokens is the [*, width] byte matrix; ids_offsets is ids[n] then offsets[n] (int64); out is units[n],
+    // exits[n], at_start[n] (int32).
+    void walk_tokens(const uint8_t* tokens, int64_t width, const int32_t* lengths, const int64_t* ids_offsets,
+                     int64_t n, int32_t start, int32_t* out) {
+        const int64_t* ids = ids_offsets;
+        const int64_t* offsets = ids_offsets + n;
+        int32_t* units = out;
+        int32_t* exits = out + n;
+        int32_t* at_start = out + 2 * n;
+        for (int64_t k = 0; k < n; ++k) {
+            const int64_t id = ids[k];
+            const uint8_t* bytes = tokens + id * width;
+            int32_t state = start, count = 0;
+            exits[k] = -1;
+            at_start[k] = 0;
+            for (int32_t depth = int32_t(offsets[k]); depth < lengths[id]; ++depth) {
+                int32_t next = trans[int64_t(state) * 256 + bytes[depth]];
+                if (next == UNBUILT) next = next_state(state, bytes[depth]);
+                if (next < 0) {
+                    exits[k] = depth;
+                    at_start[k] = state == start;
+                    break;
+                }
+                count += state == start;
+                state = next;
+            }
+            units[k] = count;
+        }
+    }
+};
+
+struct DfaObject {
+    PyObject_HEAD
+    TableObject* owner;  // owned reference: the table outlives the automaton
+    Dfa* dfa;
+};
+
+extern PyTypeObject TableType;
+
+int32_t state_arg(DfaObject* self, PyObject* value) {
+    const long state = PyLong_AsLong(value);
+    if (state == -1 && PyErr_Occurred()) throw PyFailure();
+    if (state < 0 || state >= self->dfa->num_states()) {
+        PyErr_Format(PyExc_IndexError, "no state %ld in an automaton of %d", state, self->dfa->num_states());
+        throw PyFailure();
+    }
+    return int32_t(state);
+}
+
+void* address_arg(PyObject* value) {
+    void* address = PyLong_AsVoidPtr(value);
+    if (address == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null address");
+        throw PyFailure();
+    }
+    return address;
+}
+
+PyObject* dfa_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    PyObject* owner;
+    if (!PyArg_ParseTuple(args, "O!", &TableType, &owner)) return nullptr;
+    DfaObject* self = reinterpret_cast<DfaObject*>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    Py_INCREF(owner);
+    self->owner = reinterpret_cast<TableObject*>(owner);
+    try {
+        self->dfa = new Dfa(self->owner->table);
+    } catch (PyFailure&) {
+        Py_DECREF(self);
+        return nullptr;
+    } catch (std::bad_alloc&) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void dfa_dealloc(DfaObject* self) {
+    delete self->dfa;
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyObject* dfa_state_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "state_of")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->dfa->state_of(term_arg(self->owner, args[0])));)
+}
+
+PyObject* dfa_term_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "term_of")) return nullptr;
+    GUARDED(return PyLong_FromLong(self->dfa->state_terms[state_arg(self, args[0])]);)
+}
+
+PyObject* dfa_next_state(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "next_state")) return nullptr;
+    GUARDED(
+        const int32_t state = state_arg(self, args[0]);
+        const int32_t byte = int_arg(args[1]);
+        if (byte < 0 || byte > 255) {
+            PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
+            return nullptr;
+        }
+        return PyLong_FromLong(self->dfa->next_state(state, byte));
+    )
+}
+
+PyObject* dfa_build_row(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "build_row")) return nullptr;
+    GUARDED(self->dfa->build_row(state_arg(self, args[0])); Py_RETURN_NONE;)
+}
+
+PyObject* dfa_states_left(DfaObject* self, PyObject*) {
+    PyObject* list = PyList_New(0);
+    if (list == nullptr) return nullptr;
+    for (int32_t state = 0; state < self->dfa->num_states(); ++state) {
+        if (self->dfa->classes[state] == nullptr) continue;
+        PyObject* item = PyLong_FromLong(state);
+        if (item == nullptr || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return nullptr;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
+PyObject* dfa_new_flag_set(DfaObject* self, PyObject*) {
+    GUARDED(
+        self->dfa->flag_sets.emplace_back();
+        return PyLong_FromSize_t(self->dfa->flag_sets.size() - 1);
+    )
+}
+
+PyObject* dfa_flags_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "flags_of")) return nullptr;
+    GUARDED(
+        const int32_t flag_set = int_arg(args[0]);
+        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) {
+            PyErr_SetString(PyExc_IndexError, "no such flag set");
+            return nullptr;
+        }
+        std::vector<uint8_t> flags = self->dfa->flag_sets[flag_set];
+        flags.resize(size_t(self->dfa->num_states()), FLAG_UNKNOWN);
+        return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(flags.data()), Py_ssize_t(flags.size()));
+    )
+}
+
+// walk_trie(setup_address, state, flag_set, flag_callback, piece_callback)
+PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 5, "walk_trie")) return nullptr;
+    GUARDED(
+        const int64_t* setup = static_cast<const int64_t*>(address_arg(args[0]));
+        const int32_t state = state_arg(self, args[1]);
+        const int32_t flag_set = int_arg(args[2]);
+        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) {
+            PyErr_SetString(PyExc_IndexError, "no such flag set");
+            return nullptr;
+        }
+        self->dfa->walk_trie(setup, state, flag_set, args[3], args[4]);
+        Py_RETURN_NONE;
+    )
+}
+
+// walk_tokens(tokens_address, width, lengths_address, ids_offsets_address, n, start, out_address)
+PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 7, "walk_tokens")) return nullptr;
+    GUARDED(
+        const uint8_t* tokens = static_cast<const uint8_t*>(address_arg(args[0]));
+        const int64_t width = PyLong_AsLongLong(args[1]);
+        const int32_t* lengths = static_cast<const int32_t*>(address_arg(args[2]));
+        const int64_t* ids_offsets = static_cast<const int64_t*>(address_arg(args[3]));
+        const int64_t n = PyLong_AsLongLong(args[4]);
+        if (PyErr_Occurred()) return nullptr;
+        const int32_t start = state_arg(self, args[5]);
+        int32_t* out = static_cast<int32_t*>(address_arg(args[6]));
+        self->dfa->walk_tokens(tokens, width, lengths, ids_offsets, n, start, out);
+        Py_RETURN_NONE;
+    )
+}
+
+PyObject* dfa_buffers(DfaObject* self, PyObject*) {
+    return Py_BuildValue("(OOOL)", self->dfa->buffers[0], self->dfa->buffers[1], self->dfa->buffers[2],
+                         static_cast<long long>(self->dfa->capacity));
+}
+
+PyObject* dfa_get_num_states(DfaObject* self, void*) { return PyLong_FromLong(self->dfa->num_states()); }
+PyObject* dfa_get_generation(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->generation); }
+
+PyObject* dfa_classes_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "classes_of")) return nullptr;
+    GUARDED(return mask_list(self->dfa->classes_of(state_arg(self, args[0])));)
+}
+
+PyMethodDef dfa_methods[] = {
+    FAST("state_of", dfa_state_of),
+    FAST("term_of", dfa_term_of),
+    FAST("next_state", dfa_next_state),
+    FAST("build_row", dfa_build_row),
+    FAST("classes_of", dfa_classes_of),
+    FAST("walk_trie", dfa_walk_trie),
+    FAST("walk_tokens", dfa_walk_tokens),
+    FAST("flags_of", dfa_flags_of),
+    {"states_left", reinterpret_cast<PyCFunction>(dfa_states_left), METH_NOARGS, nullptr},
+    {"new_flag_set", reinterpret_cast<PyCFunction>(dfa_new_flag_set), METH_NOARGS, nullptr},
+    {"buffers", reinterpret_cast<PyCFunction>(dfa_buffers), METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef dfa_getset[] = {
+    {"num_states", reinterpret_cast<getter>(dfa_get_num_states), nullptr, nullptr, nullptr},
+    {"generation", reinterpret_cast<getter>(dfa_get_generation), nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyTypeObject DfaType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_corral_terms", nullptr, -1, nullptr};
 
 }  // namespace
@@ -887,11 +1318,26 @@ PyMODINIT_FUNC PyInit__corral_terms() {
     TableType.tp_new = table_new;
     if (PyType_Ready(&TableType) < 0) return nullptr;
 
+    DfaType.tp_name = "_corral_terms.Dfa";
+    DfaType.tp_basicsize = sizeof(DfaObject);
+    DfaType.tp_dealloc = reinterpret_cast<destructor>(dfa_dealloc);
+    DfaType.tp_flags = Py_TPFLAGS_DEFAULT;
+    DfaType.tp_methods = dfa_methods;
+    DfaType.tp_getset = dfa_getset;
+    DfaType.tp_new = dfa_new;
+    if (PyType_Ready(&DfaType) < 0) return nullptr;
+
     PyObject* module = PyModule_Create(&module_def);
     if (module == nullptr) return nullptr;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(module, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
         Py_DECREF(&TableType);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    Py_INCREF(&DfaType);
+    if (PyModule_AddObject(module, "Dfa", reinterpret_cast<PyObject*>(&DfaType)) < 0) {
+        Py_DECREF(&DfaType);
         Py_DECREF(module);
         return nullptr;
     }

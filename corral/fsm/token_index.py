@@ -83,9 +83,9 @@ class VocabTables:
         return self._trie
 
     @property
-    def native_trie(self) -> "native_walk.NativeTrie | None":
-        """The trie in the C++ walk's layout, or None when the walk library cannot be built."""
-        if self._native_trie is None and native_walk.library() is not None:
+    def native_trie(self) -> native_walk.NativeTrie:
+        """The trie in the native walk's layout."""
+        if self._native_trie is None:
             trie = self.trie
             with self._lock:
                 if self._native_trie is None:
@@ -153,9 +153,7 @@ class TokenIndex:
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
-        library = native_walk.library()
-        native = self.tables.native_trie if library is not None else None
-        self._native = native_walk.NativeWalk(library, native, self) if native is not None else None
+        self._native = native_walk.NativeWalk(self.tables.native_trie, self) if native_walk.available(dfa) else None
 
     @property
     def num_states(self) -> int:
@@ -288,8 +286,7 @@ class TokenIndex:
         """Whether each token's bytes from its offset on, walked from ``state``, never hit a dead move."""
         lengths, matrix, gather = self.tables.lengths, self.vocab.byte_matrix, self.dfa.gather
         if self._native is not None:
-            _, exits, _ = native_walk.walk_tokens(self._native.lib, self.dfa, matrix, lengths, token_ids, offsets,
-                                                  state)
+            _, exits, _ = native_walk.walk_tokens(self.dfa, matrix, lengths, token_ids, offsets, state)
             return exits < 0
         allowed = np.zeros(len(token_ids), dtype=bool)
         at = np.arange(len(token_ids))

@@ -109,10 +109,9 @@ class PieceFacts:
         exits = np.full(size, -1, dtype=np.int32)
         at_boundary = np.zeros(size, dtype=bool)
         ids = self.grammar_ids[lengths[self.grammar_ids] > offset]
-        library = native_walk.library()
-        if library is not None:
+        if native_walk.available(dfa):
             units[ids], exits[ids], at_boundary[ids] = native_walk.walk_tokens(
-                library, dfa, self.vocab.byte_matrix, lengths, ids, np.full(len(ids), offset), 0)
+                dfa, self.vocab.byte_matrix, lengths, ids, np.full(len(ids), offset), 0)
             # whole rows of the states the tokens passed through, as the numpy walk's steps build them: the
             # check below looks for accepting states among their successors
             dfa.ensure(dfa.states_left())

@@ -108,7 +108,7 @@ def test_every_built_state_can_still_accept(table, pattern, texts):
             state = dfa.step(state, byte)
             if state == DEAD:
                 break
-            assert dfa.terms.is_live(dfa._state_terms[state])
+            assert dfa.terms.is_live(dfa.term_of(state))
             assert (dfa.row(state) >= 0).any() or dfa.accepting[state]
 
 

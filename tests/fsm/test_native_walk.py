@@ -1,4 +1,4 @@
-"""The C++ trie walk: the same masks as the Python walk, state by state, pieces and lazy derivation included."""
+"""The native trie walk: the same masks as the Python walk, state by state, pieces and lazy derivation included."""
 
 import random
 import threading
@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from corral.fsm import native_walk
+from corral.fsm import derivatives, native_walk
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.token_index import TokenIndex
 from corral.grammar.constraint import Constraint
@@ -19,7 +19,7 @@ _EXTRA = [b'"a",', b'x"a",', b'"a"', b'"u\\"ab', b'"ab"!']
 _TOKENS = sorted(set(PIECES_VOCAB.token_bytes[:-1]) | set(_EXTRA))
 VOCAB = Vocabulary.from_token_bytes(_TOKENS + [b"<eos>"], eos_token_ids=[len(_TOKENS)])
 
-pytestmark = pytest.mark.skipif(native_walk.library() is None, reason="no C++ compiler for the native walk")
+pytestmark = pytest.mark.skipif(derivatives.native_module() is None, reason="no C++ compiler for the native walk")
 
 MORE = [
     Constraint("regex", r"(ab|a\d{2,5}|[^a]{0,3}x)+"),
@@ -57,11 +57,12 @@ def test_native_walk_equals_the_plain_walk_on_random_walks(constraint):
         assert np.array_equal(index.mask(state), native)
         checked += 1
     assert checked >= 30
-    assert index._native.flags[:index.num_states].tolist().count(native_walk.FLAG_PIECES) or constraint in MORE[:1]
+    flags = index.dfa.native.flags_of(index._native.flag_set)
+    assert flags.count(native_walk.FLAG_PIECES) or constraint in MORE[:1]
 
 
-def test_without_the_library_masks_come_from_the_python_walk(monkeypatch):
-    monkeypatch.setattr(native_walk, "library", lambda: None)
+def test_without_the_extension_masks_come_from_the_python_walk(monkeypatch):
+    monkeypatch.setattr(derivatives, "_NATIVE_CLASS", [None])
     constraint = CONSTRAINTS[0]
     plain = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
     assert plain._native is None
@@ -77,12 +78,12 @@ def test_without_the_library_masks_come_from_the_python_walk(monkeypatch):
 def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
     from corral.errors import GrammarTooComplexError
 
-    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[3]).index  # one byte in: a wide state
 
-    def refuse(state, byte):
+    def refuse(state):
         raise GrammarTooComplexError("state budget")
 
-    monkeypatch.setattr(index.dfa, "next_state", refuse)
+    monkeypatch.setattr(index, "piece_split", refuse)  # asked for the first wide state the pass meets
     with pytest.raises(GrammarTooComplexError, match="state budget"):
         index._native.walk(0)
     monkeypatch.undo()
@@ -94,7 +95,7 @@ def test_an_error_inside_the_pass_reaches_the_caller(monkeypatch):
 @pytest.mark.parametrize("constraint", CONSTRAINTS[:3], ids=lambda c: str(c.value)[:40])
 def test_walks_of_one_grammar_in_several_threads_at_once(constraint):
     # token paths to many states, found on one index; replayed on a fresh one, whose moves are then derived by
-    # several threads' walks at once (the C++ pass runs without the GIL between callbacks)
+    # several threads' walks at once (each pass holds the automaton's lock; its callbacks run Python)
     explored = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
     paths, rng = [], random.Random(3)
     for _ in range(40):

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from corral.fsm import native_walk
+from corral.fsm import derivatives
 from corral.fsm.budget import Budget
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.derivatives import TermTable
@@ -107,14 +107,14 @@ def test_a_unit_that_is_a_prefix_of_another_is_refused():
     assert _facts(table, unit) is None
 
 
-@pytest.mark.skipif(native_walk.library() is None, reason="no C++ compiler for the native walk")
+@pytest.mark.skipif(derivatives.native_module() is None, reason="no C++ compiler for the native walk")
 @pytest.mark.parametrize("offset", [0, 1, 2])
 def test_native_and_numpy_piece_walks_agree(monkeypatch, offset):
     table = TermTable(Budget())
     unit = table.from_node(parse_regex(r'[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}'))  # a JSON string's char
     tables = vocab_tables(VOCAB)
     native = PieceFacts(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns).at(offset)
-    monkeypatch.setattr(native_walk, "library", lambda: None)
+    monkeypatch.setattr(derivatives, "_NATIVE_CLASS", [None])  # the Python automaton: the numpy walk
     numpy = PieceFacts(table.structure(unit), VOCAB, tables.grammar_ids, tables.columns).at(offset)
     assert native is not None and numpy is not None
     for field in ("never_exits", "units", "cross_ids", "cross_offsets", "cross_units", "cross_bytes"):
