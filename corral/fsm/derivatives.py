@@ -351,6 +351,41 @@ class TermTable(_Conversions):
         self._derivatives[key] = result
         return result
 
+    def piece_shape(self, member: int, narrow_bytes: int):
+        """``member`` read as ``X{lo,hi} R`` (``token_pieces.py``): ``(X, lo, hi, R)``, ``None`` when it is not
+        one by its terms (``X`` nullable, under an intersection, starting with at most ``narrow_bytes`` bytes, or
+        sharing a first byte with ``R``), ``False`` when ``R`` is empty. ``X X ... X{lo,hi} R`` (single units
+        before the repeat, as ``minLength`` writes) is ``X{n+lo,n+hi} R``."""
+        kind, args = self.kind, self.args
+        if kind[member] == _REP:
+            (unit, low, high), rest = args[member], EPSILON
+        elif kind[member] == _CAT:
+            unit, count, rest = args[member][0], 0, member
+            if kind[unit] == _REP:
+                unit = args[unit][0]
+            while kind[rest] == _CAT and args[rest][0] == unit:
+                count, rest = count + 1, args[rest][1]
+            low = high = count
+            if kind[rest] == _CAT and kind[args[rest][0]] == _REP:
+                repeat, tail = args[rest]
+                if args[repeat][0] == unit:
+                    low, high = low + args[repeat][1], None if args[repeat][2] is None else high + args[repeat][2]
+                    rest = tail
+            elif rest == unit:  # the last unit is the whole tail
+                low, high, rest = low + 1, high + 1, EPSILON
+            if (low, high) == (0, 0):
+                return None
+        else:
+            return None
+        if self.has_and[unit] or self.nullable[unit]:
+            return None
+        unit_first = self.first_mask(unit)
+        if unit_first.bit_count() <= narrow_bytes or unit_first & self.first_mask(rest):
+            return None
+        if not self.is_live(rest):
+            return False
+        return unit, low, high, rest
+
     def _starts_of(self, term: int) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
         """An alternation's members by the bytes they can start with (memoized): members starting with a few
         bytes (a property name's first letter) listed under each, the others with their first-byte masks. The

@@ -509,6 +509,51 @@ struct Table {
         return {false, -1};
     }
 
+    // The shape X{lo,hi} R of a member of a state's term, as token_pieces.py's _as_piece reads it (single units
+    // before a repeat count into it): status 0 not a piece (by its terms alone), 1 a piece, 2 R is empty.
+    struct Shape {
+        int status;
+        int32_t unit, low, high, rest;
+    };
+
+    Shape piece_shape(int32_t member, int narrow_bytes) {
+        Shape none{0, 0, 0, 0, 0};
+        int32_t unit, low, high, rest;
+        if (kind[member] == K_REP) {
+            unit = a[member], low = b[member], high = c[member], rest = EPSILON;
+        } else if (kind[member] == K_CAT) {
+            unit = a[member];
+            if (kind[unit] == K_REP) unit = a[unit];
+            int32_t count = 0;
+            rest = member;
+            while (kind[rest] == K_CAT && a[rest] == unit) {
+                ++count;
+                rest = b[rest];
+            }
+            low = high = count;
+            if (kind[rest] == K_CAT && kind[a[rest]] == K_REP) {
+                const int32_t repeat = a[rest], tail = b[rest];
+                if (a[repeat] == unit) {
+                    low += b[repeat];
+                    high = c[repeat] < 0 ? -1 : high + c[repeat];
+                    rest = tail;
+                }
+            } else if (rest == unit) {  // the last unit is the whole tail
+                low += 1, high += 1, rest = EPSILON;
+            }
+            if (low == 0 && high == 0) return none;
+        } else {
+            return none;
+        }
+        if (has_and[unit] || nullable[unit]) return none;
+        const Mask unit_first = first_mask(unit);
+        if (unit_first.count() <= narrow_bytes) return none;
+        const Mask rest_first = first_mask(rest);
+        if (!(unit_first & rest_first).empty()) return none;
+        if (!is_live(rest)) return Shape{2, unit, low, high, rest};
+        return Shape{1, unit, low, high, rest};
+    }
+
     size_t nbytes() const {  // an estimate of the native memory held
         const size_t terms = kind.size() * (3 + 4 * 3 + 1 + 4);
         const size_t maps = (bytes_ids.size() + cat_ids.size() + rep_ids.size() + alt_ids.size() + and_ids.size() +
@@ -696,6 +741,18 @@ PyObject* table_explore(TableObject* self, PyObject* const* args, Py_ssize_t nar
     )
 }
 
+// piece_shape(member, narrow_bytes): None, False (the rest is empty), or (unit, low, high or None, rest)
+PyObject* table_piece_shape(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "piece_shape")) return nullptr;
+    GUARDED(
+        const Table::Shape shape = self->table->piece_shape(term_arg(self, args[0]), int_arg(args[1]));
+        if (shape.status == 0) Py_RETURN_NONE;
+        if (shape.status == 2) Py_RETURN_FALSE;
+        if (shape.high < 0) return Py_BuildValue("(iiOi)", shape.unit, shape.low, Py_None, shape.rest);
+        return Py_BuildValue("(iiii)", shape.unit, shape.low, shape.high, shape.rest);
+    )
+}
+
 PyObject* table_nbytes(TableObject* self, PyObject*) { return PyLong_FromSize_t(self->table->nbytes()); }
 
 Py_ssize_t table_length(TableObject* self) { return self->table->size(); }
@@ -845,6 +902,7 @@ PyMethodDef table_methods[] = {
     FAST("byte_classes", table_byte_classes),
     FAST("is_live", table_is_live),
     FAST("_explore_for_acceptance", table_explore),
+    FAST("piece_shape", table_piece_shape),
     {"nbytes", reinterpret_cast<PyCFunction>(table_nbytes), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -32,7 +32,7 @@ import numpy as np
 
 from corral.fsm import native_walk
 from corral.fsm.budget import Budget
-from corral.fsm.derivatives import _ALT, _CAT, _REP, EPSILON, TermTable, new_table
+from corral.fsm.derivatives import _ALT, _CAT, TermTable, new_table
 from corral.fsm.lazy_dfa import LazyDFA
 
 # A piece whose first bytes are at most this many is narrow: the trie walk visits few nodes there anyway.
@@ -180,36 +180,11 @@ def split_pieces(terms: TermTable, term: int, facts_of) -> tuple[list[Piece], li
 
 
 def _as_piece(terms: TermTable, member: int, facts_of):
-    """A :class:`Piece`, ``None`` when ``member`` is not one, ``False`` when its language is empty.
-    ``X X ... X{lo,hi} R`` (single units before the repeat, as ``minLength`` writes) is ``X{n+lo,n+hi} R``."""
-    kind, args = terms.kind[member], terms.args[member]
-    if kind == _REP:
-        (unit, low, high), rest = args, EPSILON
-    elif kind == _CAT:
-        unit, count, rest = args[0], 0, member
-        if terms.kind[unit] == _REP:
-            unit = terms.args[unit][0]
-        while terms.kind[rest] == _CAT and terms.args[rest][0] == unit:
-            count, rest = count + 1, terms.args[rest][1]
-        low = high = count
-        if terms.kind[rest] == _CAT and terms.kind[terms.args[rest][0]] == _REP:
-            repeat, tail = terms.args[rest]
-            if terms.args[repeat][0] == unit:
-                low, high = low + terms.args[repeat][1], None if terms.args[repeat][2] is None else high + terms.args[repeat][2]
-                rest = tail
-        elif rest == unit:  # the last unit is the whole tail
-            low, high, rest = low + 1, high + 1, EPSILON
-        if (low, high) == (0, 0):
-            return None
-    else:
-        return None
-    if terms.has_and[unit] or terms.nullable[unit]:
-        return None
-    unit_first = terms.first_mask(unit)
-    if unit_first.bit_count() <= MIN_PIECE_BYTES or unit_first & terms.first_mask(rest):
-        return None
-    if not terms.is_live(rest):
-        return False
+    """A :class:`Piece`, ``None`` when ``member`` is not one, ``False`` when its language is empty."""
+    shape = terms.piece_shape(member, MIN_PIECE_BYTES)
+    if not shape:
+        return shape
+    unit, low, high, rest = shape
     facts = facts_of(terms.structure(unit))
     if facts.at(0) is None or facts.num_crossing(terms.first_mask(rest)) > MAX_CROSSING_TOKENS:
         return None
