@@ -8,15 +8,20 @@ distinct derivatives finite (Brzozowski). Why derivatives rather than Thompson +
 repeats (``maxLength: 5000``) and recurring pieces (any-value, string bodies) cost nothing until explored, and
 ``Intersect`` is just the intersection of the parts' derivatives.
 
+The table exists twice with the same normal forms: this pure-Python one, and a native one (``term_table.cpp``, a
+CPython extension compiled on first use) that :func:`new_table` gives wherever it builds; deriving in Python was
+most of the cost of a mask met for the first time. The conversions from the AST and between tables by structure
+(:class:`_Conversions`) are shared Python code over either.
+
 Left out: complement. Emptiness is syntactic (a normalized term other than ∅ is non-empty) except under
 ``Intersect``, where it is decided by exploring the product's derivatives, under a step limit; an intersection
 still undecided at the limit is treated as empty (sound: it can only forbid strings, never allow one).
 """
 
 import functools
-import os
 import threading
 from collections import deque
+from pathlib import Path
 
 from corral.fsm.budget import Budget
 from corral.kernels.cpu_build import CompiledExtension
@@ -173,6 +178,9 @@ class _Conversions:
                 members = [self.from_structure(member) for member in key[1]]
                 known = self.alt(members) if kind == _ALT else self.intersect(members)
             self._from_structures[structure] = known
+            # built from normal forms by the normalizing constructors, the term is in the same normal form, so
+            # its structure is this one: kept, a piece's unit then needs no walk of its terms to find its facts
+            self._structures.setdefault(known, structure)
         return known
 
 
@@ -522,8 +530,9 @@ class TermTable(_Conversions):
         return False, None
 
 
-_EXTENSION = CompiledExtension("_corral_terms", open(os.path.join(os.path.dirname(__file__), "term_table.cpp")).read())
+_EXTENSION = CompiledExtension("_corral_terms", (Path(__file__).parent / "term_table.cpp").read_text())
 _NATIVE_CLASS: list = []
+_NATIVE_LOCK = threading.Lock()
 
 
 def native_module():
@@ -531,27 +540,30 @@ def native_module():
     return _EXTENSION.load()
 
 
-def _native_class():
+def native_table_class():
     """The native table class (the extension's ``Table`` with the conversions), or None when it cannot be built."""
     if not _NATIVE_CLASS:
-        module = native_module()
-        if module is None:
-            _NATIVE_CLASS.append(None)
-        else:
-            class NativeTermTable(module.Table, _Conversions):
-                """:class:`TermTable` in native memory (``term_table.cpp``): the same terms and derivatives."""
-
-                def __init__(self, budget: Budget | None = None):
-                    self.budget = budget or Budget()
-                    self.liveness_step_limit = _LIVENESS_STEP_LIMIT
-                    self._init_conversions()
-
-            _NATIVE_CLASS.append(NativeTermTable)
+        with _NATIVE_LOCK:  # one class per process: automata check their table's type against it
+            if not _NATIVE_CLASS:
+                module = native_module()
+                _NATIVE_CLASS.append(None if module is None else _define_native_class(module))
     return _NATIVE_CLASS[0]
+
+
+def _define_native_class(module):
+    class NativeTermTable(module.Table, _Conversions):
+        """:class:`TermTable` in native memory (``term_table.cpp``): the same terms and derivatives."""
+
+        def __init__(self, budget: Budget | None = None):
+            self.budget = budget or Budget()
+            self.liveness_step_limit = _LIVENESS_STEP_LIMIT
+            self._init_conversions()
+
+    return NativeTermTable
 
 
 def new_table(budget: Budget | None = None):
     """A term table: the native one when the extension builds (``CORRAL_CPU_KERNELS=0`` turns it off), else
     :class:`TermTable`. Both hold the same terms with the same normal forms; ids may differ."""
-    native = _native_class()
+    native = native_table_class()
     return native(budget) if native is not None else TermTable(budget)

@@ -8,6 +8,10 @@ language is empty is ``DEAD``, so every state that exists can still reach accept
 
 Rows are built under a lock; ``trans`` may be reallocated as it grows, so read it after :meth:`ensure` (whole
 rows) or through :meth:`gather` / :meth:`next_state` (one byte class at a time; other entries stay unbuilt).
+
+Where the C++ extension builds, ``LazyDFA(...)`` gives a :class:`NativeLazyDFA`: the same automaton with states,
+rows and moves in native code over the native term table, which the token walks (``native_walk.py``) extend
+without calling back into Python per move. This class is then the fallback and the reference it is tested against.
 """
 
 import functools
@@ -17,7 +21,7 @@ import numpy as np
 
 from corral.errors import GrammarTooComplexError
 from corral.fsm.budget import Budget
-from corral.fsm.derivatives import TermTable, _native_class, native_module, new_table
+from corral.fsm.derivatives import TermTable, native_table_class, native_module, new_table
 from corral.grammar.regex_ast import Node
 
 DEAD = -1
@@ -51,7 +55,7 @@ class LazyDFA:
     def __new__(cls, node: Node | None = None, budget: Budget | None = None, *, terms=None, root: int = 0):
         """A :class:`NativeLazyDFA` when the term table is the native one (``term_table.cpp``)."""
         if cls is LazyDFA:
-            native = _native_class()
+            native = native_table_class()
             if native is not None and (terms is None or isinstance(terms, native)):
                 cls = NativeLazyDFA
         return super().__new__(cls)

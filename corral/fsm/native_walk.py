@@ -94,32 +94,27 @@ class NativeWalk:
             run = self._local.run = _Pass(self)
         dfa = self.index.dfa
         run.words.fill(0)
-        try:
-            with dfa.lock:
-                dfa.native.walk_trie(run.setup_pointer, state, self.flag_set, self._flag, run.on_piece)
-                dfa.refresh()
-        finally:
-            run.answers.clear()
+        with dfa.lock:
+            dfa.native.walk_trie(run.setup_pointer, state, self.flag_set, self._flag, run.on_piece)
+            dfa.refresh()
         return run.words.copy()
 
 
 class _Pass:
-    """One thread's state for the passes of a :class:`NativeWalk`: the arrays the native side reads, and the piece
-    masks handed to it (held while the pass may read them)."""
+    """One thread's state for the passes of a :class:`NativeWalk`: the arrays the native side reads."""
 
     def __init__(self, walk: NativeWalk):
         self.walk = walk
-        self.answers: list[np.ndarray] = []
         native = walk.native
         self.words, found = native.buffers()  # the pass's output (copied out after it), and its scratch
         self.setup = np.asarray(native.pointers + [len(native.roots), _ptr(self.words), _ptr(found)],
                                 dtype=np.int64)
         self.setup_pointer = _ptr(self.setup)
 
-    def on_piece(self, state: int, depth: int) -> tuple[int, int]:
+    def on_piece(self, state: int, depth: int) -> tuple[int, np.ndarray | None]:
         """The pass reached a state holding repeat pieces after ``depth`` bytes: the state of the other members
-        (``DEAD`` when none) and the address of the pieces' mask at that depth (0 when a piece's facts are not
-        exact there: then it walks on plainly)."""
+        (``DEAD`` when none) and the pieces' mask words at that depth (None when a piece's facts are not exact
+        there: then it walks on plainly)."""
         index = self.walk.index
         pieces, other_state = index.piece_split(state)
         allowed = None
@@ -129,10 +124,7 @@ class _Pass:
                 allowed = None
                 break
             allowed = piece_words if allowed is None else allowed | piece_words
-        if allowed is None:
-            return other_state, 0
-        self.answers.append(allowed)  # piece_words' cache may drop it before the pass ends
-        return other_state, _ptr(allowed)
+        return other_state, allowed  # the pass holds the mask until it ends
 
 
 def walk_tokens(dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
@@ -140,28 +132,14 @@ def walk_tokens(dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.ndarr
     """Walk each token of ``ids`` from its byte ``offsets[k]`` on through the native ``dfa`` from state ``start``,
     deriving moves as they are met. Per token: the bytes taken at ``start`` (int32), where a dead move came (int32,
     -1 never), and whether that was at ``start`` (bool). ``byte_matrix`` (uint8) and ``lengths`` (int32) are the
-    vocabulary's, C-contiguous; they are long-lived, so their addresses are looked up once."""
+    vocabulary's, C-contiguous."""
     n = len(ids)
     ids_offsets = np.empty((2, n), dtype=np.int64)
     ids_offsets[0], ids_offsets[1] = ids, offsets
     out = np.empty((3, n), dtype=np.int32)
     if n:
         with dfa.lock:
-            dfa.native.walk_tokens(_vocab_pointer(byte_matrix, np.uint8), byte_matrix.shape[1],
-                                   _vocab_pointer(lengths, np.int32), _ptr(ids_offsets), n, start, _ptr(out))
+            dfa.native.walk_tokens(byte_matrix, lengths, ids_offsets, start, out)
             dfa.refresh()
     return out[0], out[1], out[2].astype(bool)
 
-
-_VOCAB_ARRAYS: dict[int, tuple[np.ndarray, int]] = {}
-
-
-def _vocab_pointer(array: np.ndarray, dtype) -> int:
-    """The address of a long-lived vocabulary array (held here, so its id is never reused while cached)."""
-    known = _VOCAB_ARRAYS.get(id(array))
-    if known is None or known[0] is not array:
-        assert array.dtype == dtype and array.flags.c_contiguous, "a vocabulary array in the walk's layout"
-        if len(_VOCAB_ARRAYS) >= 16:
-            _VOCAB_ARRAYS.clear()
-        known = _VOCAB_ARRAYS[id(array)] = (array, _ptr(array))
-    return known[1]

@@ -933,6 +933,30 @@ PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // answer for a state that does.
 
 constexpr int32_t DEAD = -1, UNBUILT = -3;
+
+// A held buffer of a Python object (a numpy array), released when this goes.
+struct HeldBuffer {
+    Py_buffer view{};
+    bool held = false;
+    HeldBuffer() = default;
+    HeldBuffer(PyObject* object, int flags, Py_ssize_t item_size) {
+        if (PyObject_GetBuffer(object, &view, flags) < 0) throw PyFailure();
+        held = true;
+        if (view.itemsize != item_size) {
+            PyErr_SetString(PyExc_TypeError, "an array of the wrong item size");
+            throw PyFailure();
+        }
+    }
+    HeldBuffer(HeldBuffer&& other) noexcept : view(other.view), held(other.held) { other.held = false; }
+    HeldBuffer(const HeldBuffer&) = delete;
+    HeldBuffer& operator=(const HeldBuffer&) = delete;
+    ~HeldBuffer() {
+        if (held) PyBuffer_Release(&view);
+    }
+    template <typename T>
+    T* data() const { return static_cast<T*>(view.buf); }
+    Py_ssize_t count() const { return view.len / view.itemsize; }
+};
 constexpr uint8_t FLAG_UNKNOWN = 0, FLAG_PLAIN = 1, FLAG_PIECES = 2;
 
 struct Dfa {
@@ -1061,7 +1085,7 @@ struct Dfa {
     // subtree_end (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32
     // scratch, one slot per token and one spare).
     // A node reached in a state flagged FLAG_PIECES asks piece_callback(state, depth) for (other members' state,
-    // address of the pieces' mask or 0 when not exact there); answers are kept for the pass.
+    // the pieces' mask words or None when not exact there); answers are kept for the pass.
     void walk_trie(const int64_t* setup, int32_t state, int flag_set, PyObject* flag_callback,
                    PyObject* piece_callback) {
         const int32_t* node_byte = reinterpret_cast<const int32_t*>(setup[0]);
@@ -1078,6 +1102,7 @@ struct Dfa {
         int32_t* found = reinterpret_cast<int32_t*>(setup[11]);
         std::vector<uint8_t>& flags = flag_sets.at(size_t(flag_set));
         std::unordered_map<int64_t, std::pair<const uint32_t*, int32_t>> answers;
+        std::vector<HeldBuffer> held;  // the answers' masks, held until the pass ends
         int32_t stack[1024];
         int64_t n_found = 0;
         for (int64_t p = 0; p < n_roots; ++p) {
@@ -1109,12 +1134,23 @@ struct Dfa {
                         PyObject* result = PyObject_CallFunction(piece_callback, "ii", t, node_depth[i]);
                         if (result == nullptr) throw PyFailure();
                         int other = 0;
-                        unsigned long long address = 0;
-                        const int parsed = PyArg_ParseTuple(result, "iK", &other, &address);
+                        PyObject* mask = nullptr;
+                        if (!PyArg_ParseTuple(result, "iO", &other, &mask)) {
+                            Py_DECREF(result);
+                            throw PyFailure();
+                        }
+                        const uint32_t* allowed = nullptr;
+                        if (mask != Py_None) {
+                            try {
+                                held.emplace_back(mask, PyBUF_C_CONTIGUOUS, 4);
+                            } catch (PyFailure&) {
+                                Py_DECREF(result);
+                                throw;
+                            }
+                            allowed = held.back().data<const uint32_t>();
+                        }
                         Py_DECREF(result);
-                        if (!parsed) throw PyFailure();
-                        known = answers.emplace(key, std::make_pair(reinterpret_cast<const uint32_t*>(address),
-                                                                    int32_t(other))).first;
+                        known = answers.emplace(key, std::make_pair(allowed, int32_t(other))).first;
                     }
                     const uint32_t* allowed = known->second.first;
                     if (allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
@@ -1301,19 +1337,23 @@ PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs
     )
 }
 
-// walk_tokens(tokens_address, width, lengths_address, ids_offsets_address, n, start, out_address)
+// walk_tokens(tokens, lengths, ids_offsets, start, out): tokens uint8 [*, width], lengths int32, ids_offsets
+// int64 [2, n], out int32 [3, n]; all C-contiguous
 PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 7, "walk_tokens")) return nullptr;
+    if (!check_args(nargs, 5, "walk_tokens")) return nullptr;
     GUARDED(
-        const uint8_t* tokens = static_cast<const uint8_t*>(address_arg(args[0]));
-        const int64_t width = PyLong_AsLongLong(args[1]);
-        const int32_t* lengths = static_cast<const int32_t*>(address_arg(args[2]));
-        const int64_t* ids_offsets = static_cast<const int64_t*>(address_arg(args[3]));
-        const int64_t n = PyLong_AsLongLong(args[4]);
-        if (PyErr_Occurred()) return nullptr;
-        const int32_t start = state_arg(self, args[5]);
-        int32_t* out = static_cast<int32_t*>(address_arg(args[6]));
-        self->dfa->walk_tokens(tokens, width, lengths, ids_offsets, n, start, out);
+        const HeldBuffer tokens(args[0], PyBUF_C_CONTIGUOUS, 1);
+        const HeldBuffer lengths(args[1], PyBUF_C_CONTIGUOUS, 4);
+        const HeldBuffer ids_offsets(args[2], PyBUF_C_CONTIGUOUS, 8);
+        const int32_t start = state_arg(self, args[3]);
+        const HeldBuffer out(args[4], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+        if (tokens.view.ndim != 2 || ids_offsets.count() % 2 || out.count() != ids_offsets.count() / 2 * 3) {
+            PyErr_SetString(PyExc_ValueError, "walk_tokens: arrays of mismatched shapes");
+            return nullptr;
+        }
+        self->dfa->walk_tokens(tokens.data<const uint8_t>(), tokens.view.shape[1], lengths.data<const int32_t>(),
+                               ids_offsets.data<const int64_t>(), ids_offsets.count() / 2, start,
+                               out.data<int32_t>());
         Py_RETURN_NONE;
     )
 }

@@ -19,8 +19,8 @@ from corral.grammar.regex_parser import parse_regex
 # Both term tables: the native one (``term_table.cpp``, what LazyDFA uses where it builds) and the pure-Python one
 # (the fallback without a compiler); the properties below hold for each.
 TABLES = [pytest.param(derivatives.TermTable, id="python"),
-          pytest.param(derivatives._native_class(), id="native",
-                       marks=pytest.mark.skipif(derivatives._native_class() is None, reason="no C++ compiler"))]
+          pytest.param(derivatives.native_table_class(), id="native",
+                       marks=pytest.mark.skipif(derivatives.native_table_class() is None, reason="no C++ compiler"))]
 
 
 def accepts(dfa: LazyDFA, data: bytes) -> bool:
