@@ -1394,7 +1394,41 @@ PyGetSetDef dfa_getset[] = {
 
 PyTypeObject DfaType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_corral_terms", nullptr, -1, nullptr};
+// or_bits(words, ids): set the bit of every token id (int32 or int64) in the bitmask words (int32 or uint32)
+PyObject* module_or_bits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "or_bits")) return nullptr;
+    GUARDED(
+        const HeldBuffer words(args[0], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+        Py_buffer ids_view;
+        if (PyObject_GetBuffer(args[1], &ids_view, PyBUF_C_CONTIGUOUS) < 0) return nullptr;
+        HeldBuffer ids;
+        ids.view = ids_view;
+        ids.held = true;
+        uint32_t* out = words.data<uint32_t>();
+        const int64_t limit = int64_t(words.count()) * 32;
+        const Py_ssize_t n = ids.count();
+        if (ids.view.itemsize != 4 && ids.view.itemsize != 8) {
+            PyErr_SetString(PyExc_TypeError, "or_bits: ids must be int32 or int64");
+            return nullptr;
+        }
+        for (Py_ssize_t k = 0; k < n; ++k) {
+            const int64_t id = ids.view.itemsize == 8 ? ids.data<const int64_t>()[k] : ids.data<const int32_t>()[k];
+            if (id < 0 || id >= limit) {
+                PyErr_Format(PyExc_IndexError, "token id %lld outside the mask", static_cast<long long>(id));
+                return nullptr;
+            }
+            out[id >> 5] |= 1u << (id & 31);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+PyMethodDef module_methods[] = {
+    FAST("or_bits", module_or_bits),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_corral_terms", nullptr, -1, module_methods};
 
 }  // namespace
 

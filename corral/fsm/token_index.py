@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from corral.fsm import native_walk
+from corral.fsm.derivatives import native_module
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.token_pieces import Piece, PieceFacts, PieceTokens, split_pieces
 from corral.fsm.token_trie import TokenTrie
@@ -62,6 +63,11 @@ class VocabTables:
 
     def words_of(self, token_ids: np.ndarray) -> np.ndarray:
         """The int32 bitmask row with exactly ``token_ids`` set."""
+        native = native_module()  # its or_bits sets the bits in one pass
+        if native is not None:
+            words = np.zeros(self.num_words, dtype=np.int32)
+            native.or_bits(words, token_ids)
+            return words
         if len(token_ids) <= _FEW_TOKENS:  # most structural masks: skip the full-width bool array and packbits
             by_word: dict[int, int] = {}
             for token_id in token_ids.tolist():
@@ -271,7 +277,9 @@ class TokenIndex:
         crossing = known[1] if known is not None else None
         if crossing is None:
             crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
-            if rest_state != DEAD:
+            if rest_state != DEAD and self._native is not None:  # natively all of them: most die at the first byte
+                crossing = self._walk_suffixes(rest_state, tokens.cross_ids, tokens.cross_offsets)
+            elif rest_state != DEAD:
                 row = self.dfa.row(rest_state)
                 walked = np.flatnonzero(row[tokens.cross_bytes] >= 0)  # most die at the first byte after the piece
                 crossing[walked] = self._walk_suffixes(rest_state, tokens.cross_ids[walked],
