@@ -959,6 +959,44 @@ struct HeldBuffer {
 };
 constexpr uint8_t FLAG_UNKNOWN = 0, FLAG_PLAIN = 1, FLAG_PIECES = 2;
 
+// The answers of one trie pass for states holding pieces, by (state, depth): the pieces' mask words (null when not
+// exact there) and the state of the other members; the masks are held until the pass ends.
+struct PieceAnswer {
+    const uint32_t* allowed;
+    int32_t other;
+};
+
+struct Answers {
+    std::unordered_map<int64_t, PieceAnswer> known;
+    std::vector<HeldBuffer> held;
+
+    __attribute__((noinline)) const PieceAnswer& of(int32_t state, int32_t depth, PyObject* callback) {
+        const int64_t key = (int64_t(state) << 16) | depth;
+        auto found = known.find(key);
+        if (found != known.end()) return found->second;
+        PyObject* result = PyObject_CallFunction(callback, "ii", state, depth);
+        if (result == nullptr) throw PyFailure();
+        int other = 0;
+        PyObject* mask = nullptr;
+        if (!PyArg_ParseTuple(result, "iO", &other, &mask)) {
+            Py_DECREF(result);
+            throw PyFailure();
+        }
+        const uint32_t* allowed = nullptr;
+        if (mask != Py_None) {
+            try {
+                held.emplace_back(mask, PyBUF_C_CONTIGUOUS, 4);
+            } catch (PyFailure&) {
+                Py_DECREF(result);
+                throw;
+            }
+            allowed = held.back().data<const uint32_t>();
+        }
+        Py_DECREF(result);
+        return known.emplace(key, PieceAnswer{allowed, int32_t(other)}).first->second;
+    }
+};
+
 struct Dfa {
     Table* table;
     std::vector<int32_t> state_terms;
@@ -1060,7 +1098,7 @@ struct Dfa {
         built[state] = 1;
     }
 
-    uint8_t flag_of(std::vector<uint8_t>& flags, int32_t state, PyObject* flag_callback) {
+    __attribute__((noinline)) uint8_t flag_of(std::vector<uint8_t>& flags, int32_t state, PyObject* flag_callback) {
         if (size_t(state) >= flags.size()) flags.resize(std::max<size_t>(size_t(capacity), size_t(state) + 1), 0);
         if (flags[state] != FLAG_UNKNOWN) return flags[state];
         uint8_t flag = FLAG_PLAIN;
@@ -1101,10 +1139,14 @@ struct Dfa {
         uint32_t* words = reinterpret_cast<uint32_t*>(setup[10]);
         int32_t* found = reinterpret_cast<int32_t*>(setup[11]);
         std::vector<uint8_t>& flags = flag_sets.at(size_t(flag_set));
-        std::unordered_map<int64_t, std::pair<const uint32_t*, int32_t>> answers;
-        std::vector<HeldBuffer> held;  // the answers' masks, held until the pass ends
+        Answers answers;
         int32_t stack[1024];
         int64_t n_found = 0;
+        // Hot values in locals (the compiler cannot keep members in registers across calls): the rows and the
+        // flags are read again after anything that may derive (a move, a Python callback).
+        const int32_t* rows = trans;
+        const uint8_t* known_flags = flags.data();
+        size_t n_flags = flags.size();
         for (int64_t p = 0; p < n_roots; ++p) {
             const int32_t top = roots[p], end = node_end[top], base = node_depth[top] - 1;
             stack[0] = state;
@@ -1112,14 +1154,26 @@ struct Dfa {
             while (i < end) {
                 const int32_t level = node_depth[i] - base;  // 1 at top
                 const int32_t parent = stack[level - 1];
-                int32_t t = trans[int64_t(parent) * 256 + node_byte[i]];
-                if (__builtin_expect(t == UNBUILT, 0)) t = next_state(parent, node_byte[i]);
+                const int32_t byte = node_byte[i];
+                int32_t t = rows[int64_t(parent) * 256 + byte];
+                if (__builtin_expect(t == UNBUILT, 0)) {
+                    t = next_state(parent, byte);
+                    rows = trans;
+                }
                 if (t < 0) {
                     i = node_end[i];
                     continue;
                 }
-                const bool leaf = node_end[i] == i + 1;  // only a node with children needs its state's flag
-                const uint8_t flag = leaf ? FLAG_PLAIN : flag_of(flags, t, flag_callback);
+                uint8_t flag = FLAG_PLAIN;
+                if (node_end[i] != i + 1) {  // only a node with children needs its state's flag
+                    flag = size_t(t) < n_flags ? known_flags[t] : FLAG_UNKNOWN;
+                    if (__builtin_expect(flag == FLAG_UNKNOWN, 0)) {
+                        flag = flag_of(flags, t, flag_callback);
+                        rows = trans;
+                        known_flags = flags.data();
+                        n_flags = flags.size();
+                    }
+                }
                 const int32_t id = node_token[i];
                 found[n_found] = id;  // listed now, set below: bits or-ed in here, in trie order, stalled the walk
                 n_found += id >= 0;
@@ -1128,41 +1182,18 @@ struct Dfa {
                 }
                 stack[level] = t;
                 if (__builtin_expect(flag == FLAG_PIECES, 0)) {
-                    const int64_t key = (int64_t(t) << 16) | node_depth[i];
-                    auto known = answers.find(key);
-                    if (known == answers.end()) {
-                        PyObject* result = PyObject_CallFunction(piece_callback, "ii", t, node_depth[i]);
-                        if (result == nullptr) throw PyFailure();
-                        int other = 0;
-                        PyObject* mask = nullptr;
-                        if (!PyArg_ParseTuple(result, "iO", &other, &mask)) {
-                            Py_DECREF(result);
-                            throw PyFailure();
-                        }
-                        const uint32_t* allowed = nullptr;
-                        if (mask != Py_None) {
-                            try {
-                                held.emplace_back(mask, PyBUF_C_CONTIGUOUS, 4);
-                            } catch (PyFailure&) {
-                                Py_DECREF(result);
-                                throw;
-                            }
-                            allowed = held.back().data<const uint32_t>();
-                        }
-                        Py_DECREF(result);
-                        known = answers.emplace(key, std::make_pair(allowed, int32_t(other))).first;
-                    }
-                    const uint32_t* allowed = known->second.first;
-                    if (allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
+                    const PieceAnswer& answer = answers.of(t, node_depth[i], piece_callback);
+                    rows = trans;
+                    if (answer.allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
                         for (int64_t j = own_start[i]; j < subtree_end[i]; ++j) {
                             const int32_t below = own_ids[j];
-                            words[below >> 5] |= allowed[below >> 5] & (1u << (below & 31));
+                            words[below >> 5] |= answer.allowed[below >> 5] & (1u << (below & 31));
                         }
-                        if (known->second.second < 0) {
+                        if (answer.other < 0) {
                             i = node_end[i];
                             continue;
                         }
-                        stack[level] = known->second.second;
+                        stack[level] = answer.other;
                     }
                 }
                 ++i;
