@@ -81,6 +81,12 @@ class _Conversions:
         self._structures: dict[int, int] = {}
         self._from_structures: dict[int, int] = {}
 
+    def forget_nodes(self) -> None:
+        """Drop the memos by AST node (done converting): they hold the whole AST, which the garbage collector would
+        otherwise walk in every full collection for as long as the grammar is cached."""
+        self._from_nodes.clear()
+        self._charsets.clear()
+
     # ---- from the code-point AST ---------------------------------------------------------------------------
     def from_node(self, node: Node) -> int:
         """The term of ``node``. Schema ASTs share node objects, so the memo is by identity."""

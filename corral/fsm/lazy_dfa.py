@@ -65,6 +65,8 @@ class LazyDFA:
         self.terms = terms if terms is not None else new_table(budget)
         if node is not None:
             root = self.terms.from_node(node)
+            if terms is None:  # a table of its own: nothing else converts into it
+                self.terms.forget_nodes()
         budget.check_time()
         self.lock = threading.RLock()  # held while the term table or the rows grow
         self._live_bytes: dict[int, list[int]] = {}
