@@ -98,9 +98,7 @@ class LazyDFA:
         missing = states[~self.built[states]]
         if len(missing):
             with self.lock:
-                for state in np.unique(missing):
-                    if not self.built[state]:
-                        self._build_row(int(state))
+                self._build_rows(np.unique(missing).tolist())
         return self.trans
 
     def gather(self, states: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
@@ -110,11 +108,19 @@ class LazyDFA:
         missing = out == _UNBUILT
         if missing.any():
             with self.lock:
-                pairs = np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing])
-                for pair in pairs.tolist():
-                    self._build_byte(pair >> 8, pair & 255)
+                self._derive_moves(np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing]).tolist())
             out = self.trans[states, bytes_]
         return out
+
+    def _build_rows(self, states: list[int]) -> None:
+        for state in states:
+            if not self.built[state]:
+                self._build_row(state)
+
+    def _derive_moves(self, pairs: list[int]) -> None:
+        """Derive the moves ``state << 8 | byte``."""
+        for pair in pairs:
+            self._build_byte(pair >> 8, pair & 255)
 
     def next_state(self, state: int, byte: int) -> int:
         """One transition, deriving only its byte class if needed."""
@@ -233,26 +239,15 @@ class NativeLazyDFA(LazyDFA):
     def num_states(self) -> int:
         return self.native.num_states
 
-    def ensure(self, states: np.ndarray) -> np.ndarray:
-        missing = states[~self.built[states]]
-        if len(missing):
-            with self.lock:
-                for state in np.unique(missing).tolist():
-                    self.native.build_row(state)
-                self.refresh()
-        return self.trans
+    def _build_rows(self, states: list[int]) -> None:
+        for state in states:
+            self.native.build_row(state)
+        self.refresh()
 
-    def gather(self, states: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
-        out = self.trans[states, bytes_]
-        missing = out == _UNBUILT
-        if missing.any():
-            with self.lock:
-                pairs = np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing])
-                for pair in pairs.tolist():
-                    self.native.next_state(pair >> 8, pair & 255)
-                self.refresh()
-            out = self.trans[states, bytes_]
-        return out
+    def _derive_moves(self, pairs: list[int]) -> None:
+        for pair in pairs:
+            self.native.next_state(pair >> 8, pair & 255)
+        self.refresh()
 
     def next_state(self, state: int, byte: int) -> int:
         with self.lock:

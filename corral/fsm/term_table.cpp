@@ -613,6 +613,15 @@ int32_t int_arg(PyObject* value) {
     return int32_t(number);
 }
 
+int32_t byte_arg(PyObject* value) {
+    const int32_t byte = int_arg(value);
+    if (byte < 0 || byte > 255) {
+        PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
+        throw PyFailure();
+    }
+    return byte;
+}
+
 std::vector<int32_t> terms_arg(TableObject* self, PyObject* iterable) {
     PyObject* sequence = PySequence_Fast(iterable, "terms must be iterable");
     if (sequence == nullptr) throw PyFailure();
@@ -683,12 +692,7 @@ PyObject* table_derivative(TableObject* self, PyObject* const* args, Py_ssize_t 
     if (!check_args(nargs, 2, "derivative")) return nullptr;
     GUARDED(
         const int32_t term = term_arg(self, args[0]);
-        const int32_t byte = int_arg(args[1]);
-        if (byte < 0 || byte > 255) {
-            PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
-            return nullptr;
-        }
-        return PyLong_FromLong(self->table->derivative(term, byte));
+        return PyLong_FromLong(self->table->derivative(term, byte_arg(args[1])));
     )
 }
 
@@ -1301,12 +1305,7 @@ PyObject* dfa_next_state(DfaObject* self, PyObject* const* args, Py_ssize_t narg
     if (!check_args(nargs, 2, "next_state")) return nullptr;
     GUARDED(
         const int32_t state = state_arg(self, args[0]);
-        const int32_t byte = int_arg(args[1]);
-        if (byte < 0 || byte > 255) {
-            PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
-            return nullptr;
-        }
-        return PyLong_FromLong(self->dfa->next_state(state, byte));
+        return PyLong_FromLong(self->dfa->next_state(state, byte_arg(args[1])));
     )
 }
 

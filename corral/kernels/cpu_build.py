@@ -100,15 +100,17 @@ class CompiledLibrary:
             if os.environ.get("CORRAL_CPU_KERNELS", "1") == "0":
                 return None
             try:
-                library = ctypes.CDLL(self._build(os.environ.get("CXX", "g++")))
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("CPU kernel library %s unavailable, using the torch path: %s", self.name, exc)
-                return None
-            for entry, argtypes in self.signatures.items():
-                getattr(library, entry).argtypes = argtypes
-                getattr(library, entry).restype = None
-            self._library = library
-            return library
+                self._library = self._open(self._build(os.environ.get("CXX", "g++")))
+            except (OSError, ImportError, subprocess.SubprocessError) as exc:
+                log.warning("CPU kernel library %s unavailable, using the fallback path: %s", self.name, exc)
+            return self._library
+
+    def _open(self, path: str):
+        library = ctypes.CDLL(path)
+        for entry, argtypes in self.signatures.items():
+            getattr(library, entry).argtypes = argtypes
+            getattr(library, entry).restype = None
+        return library
 
     def _build(self, compiler: str) -> str:
         key = hashlib.sha256("|".join([self.source, compiler, *self.flags, _cpu_key(), platform.machine()]).encode())
@@ -136,22 +138,9 @@ class CompiledExtension(CompiledLibrary):
         super().__init__(module_name, source, {}, extra_flags=(f"-I{sysconfig.get_paths()['include']}",))
         self.module_name = module_name
 
-    def load(self):
-        """The module, built on the first call; None when it cannot be built."""
-        with self._lock:
-            if self._tried:
-                return self._library
-            self._tried = True
-            if os.environ.get("CORRAL_CPU_KERNELS", "1") == "0":
-                return None
-            try:
-                path = self._build(os.environ.get("CXX", "g++"))
-                loader = importlib.machinery.ExtensionFileLoader(self.module_name, path)
-                spec = importlib.util.spec_from_file_location(self.module_name, path, loader=loader)
-                module = importlib.util.module_from_spec(spec)
-                loader.exec_module(module)
-            except (OSError, ImportError, subprocess.SubprocessError) as exc:
-                log.warning("CPU extension %s unavailable, using the Python path: %s", self.name, exc)
-                return None
-            self._library = module
-            return module
+    def _open(self, path: str):
+        loader = importlib.machinery.ExtensionFileLoader(self.module_name, path)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(self.module_name, path,
+                                                                                        loader=loader))
+        loader.exec_module(module)
+        return module
