@@ -276,10 +276,12 @@ class TokenIndex:
         known = self._crossings.get(key)
         crossing = known[1] if known is not None else None
         if crossing is None:
-            crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
-            if rest_state != DEAD and self._native is not None:  # natively all of them: most die at the first byte
+            if rest_state == DEAD:
+                crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
+            elif self._native is not None:  # natively all of them: most die at the first byte
                 crossing = self._walk_suffixes(rest_state, tokens.cross_ids, tokens.cross_offsets)
-            elif rest_state != DEAD:
+            else:
+                crossing = np.zeros(len(tokens.cross_ids), dtype=bool)
                 row = self.dfa.row(rest_state)
                 walked = np.flatnonzero(row[tokens.cross_bytes] >= 0)  # most die at the first byte after the piece
                 crossing[walked] = self._walk_suffixes(rest_state, tokens.cross_ids[walked],
