@@ -32,6 +32,10 @@ class UnsupportedSchemaError(InvalidSchemaError):
     """A schema keyword that would change the language is not implemented. Never silently dropped."""
 
 
+class UnknownKeywordError(InvalidSchemaError):
+    """A schema keyword that is no JSON Schema vocabulary, refused because the caller asked for that."""
+
+
 class InvalidRegexError(UserInputError):
     """A regex does not parse."""
 
@@ -50,6 +54,13 @@ class InvalidGrammarError(UserInputError):
 
 class GrammarTooComplexError(UserInputError):
     """Compilation ran past its time or state budget. It fails fast rather than hang a worker."""
+
+
+class CompileCancelledError(CorralError):
+    """A compilation stopped because its request went away (client gone, server shutting down). Never cached."""
+
+    status_code = 503
+    error_type = "service_unavailable"
 
 
 class InvalidRequestError(UserInputError):

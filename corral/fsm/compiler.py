@@ -8,14 +8,22 @@ constraint kind compiles to:
   language cannot nest without bound; see ``json_value.py``);
 - ``regex``: a Python ``re`` pattern with ``fullmatch`` semantics;
 - ``choice``: exactly one of the listed strings;
+- ``tools``: tool calls whose arguments match each function's ``parameters`` (``grammar.tool_calls``), every
+  schema compiled under the one budget of the request;
 - ``grammar`` (Lark): refused with a typed error until the Lark path exists.
+
+A compile ends with the start state's mask, computed under the same budget: a constraint that no token of this
+vocabulary can begin to spell is refused here, as bad input, rather than inside a running batch.
 """
 
+import logging
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
+from corral.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
 from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
-from corral.fsm.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
 from corral.fsm.lazy_dfa import LazyDFA
@@ -24,7 +32,9 @@ from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
 from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node
 from corral.grammar.regex_parser import parse_regex
+from corral.grammar.tool_calls import tool_calls_node
 
+logger = logging.getLogger(__name__)
 JSON_OBJECT_MAX_DEPTH = 6  # the DFA is determinized lazily, so depth costs NFA size only
 
 
@@ -58,19 +68,34 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_hits = self.num_misses = 0
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """The compiled grammar of ``constraint`` (cached). Raises a ``UserInputError`` subclass on bad input."""
-        key = ("constraint", constraint.cache_key(), self.vocab.hash)
-        cached = self._lookup(key)
+    def new_budget(self) -> Budget:
+        """A budget with this compiler's limits, for one request (hand it to :meth:`compile` to cancel it)."""
+        return Budget(self.time_budget_s, self.max_states)
+
+    def lookup(self, constraint: Constraint) -> CompiledGrammar | None:
+        """The cached grammar of ``constraint``, or None: a dictionary lookup once its key is made."""
+        try:
+            return self._lookup(("constraint", constraint.cache_key(), self.vocab.hash))
+        except RecursionError:
+            raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
+
+    def compile(self, constraint: Constraint, budget: Budget | None = None) -> CompiledGrammar:
+        """The compiled grammar of ``constraint`` (cached). Raises a ``UserInputError`` subclass on bad input,
+        ``CompileCancelledError`` once ``budget`` is cancelled."""
+        cached = self.lookup(constraint)
         if cached is not None:
             return cached
+        key = ("constraint", constraint.cache_key(), self.vocab.hash)
         warnings: list[str] = []
-        budget = Budget(self.time_budget_s, self.max_states)
+        budget = budget or self.new_budget()
         try:
             node = self._to_node(constraint, warnings, budget)
             grammar = self._build(node, constraint.kind, tuple(warnings), budget)
         except RecursionError:  # a structure nested past what the recursive passes can walk: refused, not a crash
             raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
+        if warnings:  # logged once per compile; each response that uses the grammar carries them too
+            logger.warning("a %s constraint compiled with %d warnings: %s", constraint.kind, len(warnings),
+                           "; ".join(warnings[:3]) + (" ..." if len(warnings) > 3 else ""))
         return self._store(key, grammar)
 
     def compile_node(self, node: Node) -> CompiledGrammar:
@@ -80,7 +105,7 @@ class GrammarCompiler:
         if cached is not None:
             return cached
         try:
-            grammar = self._build(node, "node", (), Budget(self.time_budget_s, self.max_states))
+            grammar = self._build(node, "node", (), self.new_budget())
         except RecursionError:
             raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
         return self._store(key, grammar)
@@ -117,19 +142,40 @@ class GrammarCompiler:
             if kind == "json_schema":
                 raise InvalidSchemaError("the schema admits no JSON value (its constraints contradict each other)")
             raise InvalidGrammarError(f"the {kind} constraint matches no string")
-        return CompiledGrammar(TokenIndex(dfa, self.vocab), warnings)
+        index = TokenIndex(dfa, self.vocab)
+        self._check_start(index, budget)
+        return CompiledGrammar(index, warnings)
+
+    def _check_start(self, index: TokenIndex, budget: Budget) -> None:
+        """Compute the start mask under ``budget`` (the automaton is not shared yet); refuse an empty one."""
+        terms = index.dfa.terms
+        decoding = terms.budget
+        terms.budget = budget
+        try:
+            start = index.mask(0)
+        finally:
+            terms.budget = decoding
+        if not np.any(start) and not (index.is_accepting(0) and not (index.row(0) >= 0).any()):
+            raise InvalidGrammarError("no sequence of this model's tokens can spell the constraint's language")
 
     def _to_node(self, constraint: Constraint, warnings: list[str], budget: Budget) -> Node:
         kind, value = constraint.kind, constraint.value
         if kind == "json_schema":
-            from corral.grammar.json_schema import schema_to_node
-
-            return schema_to_node(value, whitespace=constraint.whitespace, max_whitespace=constraint.max_whitespace,
-                                  lenient=constraint.lenient, warnings=warnings)
+            return self._schema_node(value, constraint, warnings, budget)
+        if kind == "tools":
+            answer = value.get("answer")
+            answer_node = None if answer is None else self._to_node(
+                Constraint(answer["kind"], answer["value"], whitespace=constraint.whitespace,
+                           max_whitespace=constraint.max_whitespace,
+                           reject_unknown_keywords=constraint.reject_unknown_keywords), warnings, budget)
+            arguments = Constraint("json_schema", None, reject_unknown_keywords=constraint.reject_unknown_keywords)
+            return tool_calls_node(value, lambda schema: self._schema_node(schema, arguments, warnings, budget),
+                                   answer_node)
         if kind == "json_object":
             return json_value_node(JSON_OBJECT_MAX_DEPTH, constraint.whitespace, constraint.max_whitespace,
                                    object_only=True)
         if kind == "regex":
+            budget.check_time()
             return parse_regex(value, flavor="python")
         if kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
@@ -138,6 +184,15 @@ class GrammarCompiler:
         if kind == "grammar":
             raise UnsupportedSchemaError("Lark grammars are not supported yet", keyword="grammar")
         raise InvalidGrammarError(f"unknown constraint kind {kind!r}")
+
+    @staticmethod
+    def _schema_node(schema, options: Constraint, warnings: list[str], budget: Budget) -> Node:
+        from corral.grammar.json_schema import schema_to_node
+
+        return schema_to_node(schema, whitespace=options.whitespace, max_whitespace=options.max_whitespace,
+                              lenient=options.lenient, warnings=warnings,
+                              reject_unknown_keywords=options.reject_unknown_keywords, budget=budget,
+                              json_checked=True)  # by the cache key
 
 
 def _choice_node(values: list[str], budget: Budget) -> Node:

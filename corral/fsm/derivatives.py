@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from corral.fsm.budget import Budget
+from corral.budget import Budget
 from corral.kernels.cpu_build import CompiledExtension
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.node_builder import SHARED_NODES

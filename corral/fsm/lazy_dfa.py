@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from corral.errors import GrammarTooComplexError
-from corral.fsm.budget import Budget
+from corral.budget import Budget
 from corral.fsm.derivatives import TermTable, native_table_class, native_module, new_table
 from corral.grammar.regex_ast import Node
 

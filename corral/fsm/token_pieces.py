@@ -31,7 +31,7 @@ import threading
 import numpy as np
 
 from corral.fsm import native_walk
-from corral.fsm.budget import Budget
+from corral.budget import Budget
 from corral.fsm.derivatives import _ALT, _CAT, TermTable, new_table
 from corral.fsm.lazy_dfa import LazyDFA
 

@@ -96,13 +96,19 @@ STANDARD_FORMATS = frozenset({*FORMAT_REGEXES, "date-time", *_REFERENCES, "idn-e
                               "uri-template"})
 
 
-@functools.cache
 def format_node(name: str) -> Node | None:
-    """The decoded-string language of ``format: name``, or None for a format Corral treats as an annotation."""
+    """The decoded-string language of ``format: name``, or None for a format Corral treats as an annotation
+    (names come from requests: only Corral's own are built and cached)."""
+    if name != "date-time" and name not in _REFERENCES and name not in FORMAT_REGEXES:
+        return None
+    return _format_node(name)
+
+
+@functools.cache
+def _format_node(name: str) -> Node:
     if name == "date-time":  # composed here: the parser would distribute the date's alternation over the tail
         return Concat((format_node("date"), CharSet.chars("Tt"), format_node("time")))
     if name in _REFERENCES:
         absolute, relative = _REFERENCES[name]
         return Alt((parse_regex(absolute, flavor="python"), parse_regex(relative, flavor="python")))
-    pattern = FORMAT_REGEXES.get(name)
-    return None if pattern is None else parse_regex(pattern, flavor="python")
+    return parse_regex(FORMAT_REGEXES[name], flavor="python")

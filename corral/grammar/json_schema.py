@@ -56,35 +56,43 @@ def _flexible_whitespace(max_whitespace: int) -> Node:
 
 
 def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
-                   lenient: bool = False, warnings: list[str] | None = None,
-                   max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S) -> Node:
+                   lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
+                   max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+                   budget=None, json_checked: bool = False) -> Node:
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
     ``max_whitespace`` characters between tokens (not before or after the value). ``lenient``: ignore
-    unsupported keywords, appending a warning to ``warnings`` for each. ``max_nodes`` and ``time_budget_s``: the
-    size and wall-clock budgets of building the AST (:class:`GrammarTooComplexError` past either).
+    unsupported keywords, appending a warning to ``warnings`` for each. Keywords that are no JSON Schema
+    vocabulary (typos) are reported in ``warnings`` too, or refused with ``reject_unknown_keywords``.
+    ``max_nodes`` and ``time_budget_s``: the size and wall-clock budgets of building the AST
+    (:class:`GrammarTooComplexError` past either); ``budget``, a ``corral.budget.Budget``, replaces the clock.
+    ``json_checked``: the caller has already proved ``schema`` is JSON (``Constraint.cache_key`` does), so the
+    serialization that checks it is skipped (about 60 ms, holding the GIL, for a 2 MB schema).
 
     Raises :class:`InvalidSchemaError` (not JSON, wrong keyword types, dangling ``$ref``, no value possible),
-    :class:`UnsupportedSchemaError` and :class:`GrammarTooComplexError`.
+    :class:`UnsupportedSchemaError`, :class:`UnknownKeywordError` and :class:`GrammarTooComplexError`.
     """
     if whitespace not in ("compact", "flexible"):
         raise ValueError(f"whitespace must be 'compact' or 'flexible', not {whitespace!r}")
     if not isinstance(schema, (dict, bool)):
         raise InvalidSchemaError(f"a schema must be a JSON object or a boolean, not {type(schema).__name__}")
     try:
-        json.dumps(schema, allow_nan=False)
+        if not json_checked:
+            json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidSchemaError(f"the schema is not JSON: {error}") from None
     except RecursionError:
         raise GrammarTooComplexError("the schema is nested too deeply") from None
     ws = _compact_whitespace() if whitespace == "compact" else _flexible_whitespace(max_whitespace)
-    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s), ws, lenient=lenient,
-                              warnings=warnings if warnings is not None else [])
+    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), ws, lenient=lenient,
+                              warnings=warnings if warnings is not None else [],
+                              reject_unknown=reject_unknown_keywords)
     try:
         node = compiler.node(schema, "#")
     except RecursionError:
         raise GrammarTooComplexError("the schema is nested too deeply") from None
+    compiler.finish_warnings()
     if node == NOTHING:
         raise InvalidSchemaError("the schema accepts no value at all (its constraints contradict each other)"
                                  + compiler.contradiction_hint())

@@ -38,10 +38,14 @@ def share(node: Node) -> Node:
 
 
 class NodeBuilder:
-    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S):
+    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+                 budget=None):
+        """``budget``: the request's ``corral.budget.Budget`` (its clock and cancellation), instead of a clock of
+        ``time_budget_s`` of its own."""
         self.max_nodes = max_nodes
         self.time_budget_s = time_budget_s
         self.deadline = time.perf_counter() + time_budget_s
+        self.budget = budget
         self.num_nodes = 0
         self._seen: dict[int, Node] = {}  # id -> node (kept alive so the id stays unique)
         self.cache: dict = {}  # shared sub-ASTs of the schema compiler (string units, any-value), by key
@@ -79,6 +83,8 @@ class NodeBuilder:
             self.count(node)
 
     def check_time(self) -> None:
+        if self.budget is not None:
+            return self.budget.check_time()
         if time.perf_counter() > self.deadline:
             raise GrammarTooComplexError(f"building the grammar ran past its time budget of {self.time_budget_s:g} s")
 

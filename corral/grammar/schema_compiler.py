@@ -8,31 +8,39 @@ the atoms merge into one ``MergedSchema``, an ``anyOf``/``oneOf`` group expands 
 
 import math
 
-import jsonschema
-
-from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnsupportedSchemaError
+from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnknownKeywordError, UnsupportedSchemaError
+from corral.grammar.matcher import Fuel, Matcher
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import NOTHING, Node
-from corral.grammar.schema_keywords import TYPES, UNSUPPORTED, check_keywords
+from corral.grammar.schema_check import ValueChecker
+from corral.grammar.schema_keywords import (TYPES, UNSUPPORTED, check_keywords, is_unknown_keyword,
+                                            unknown_keyword_reason)
 from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, property_sources
-from corral.grammar.schema_not import negate
+from corral.grammar.schema_not import EXCLUDE, negate
 from corral.grammar.schema_refs import RefResolver, escape_pointer_token
 from corral.grammar.schema_values import ValueBuilders
 
 MAX_REF_DEPTH = 4
 MAX_BRANCH_EXPANSIONS = 2000  # anyOf/oneOf/not alternatives built per schema: past it, an allOf of anyOfs explodes
+MAX_WARNINGS = 50  # past it, one more line counts the rest
 
 
 class SchemaCompiler(ValueBuilders):
-    def __init__(self, root, builder: NodeBuilder, ws: Node, *, lenient: bool, warnings: list[str]):
+    def __init__(self, root, builder: NodeBuilder, ws: Node, *, lenient: bool, warnings: list[str],
+                 reject_unknown: bool = False):
+        """``warnings`` collects what was ignored (at most ``MAX_WARNINGS`` lines, then a count); ``reject_unknown``
+        refuses keywords that are no JSON Schema vocabulary instead of reporting them."""
         super().__init__(builder, ws)
-        self.root, self.lenient, self.warnings = root, lenient, warnings
+        self.root, self.lenient, self.warnings, self.reject_unknown = root, lenient, warnings, reject_unknown
+        self.num_unshown_warnings = 0
         self.refs = RefResolver(root)
         self.active: dict[str, int] = {}  # $ref target -> expansions on the current path
         self.checked: set[int] = set()
         self.memo: dict[tuple, Node] = {}
         self.contradictions: list[str] = []
-        self._validator = None
+        fuel = Fuel(check_time=builder.check_time)
+        self.matcher = Matcher(fuel)
+        self.checker = ValueChecker(self, self.matcher, fuel, draft4=_is_draft4(root))
         self.num_branches = 0
         self._dependencies: dict[int, tuple[dict, list[Atom]]] = {}  # id -> (schema kept alive, its atoms)
         self._generated: list = []  # schemas made here (negations): kept alive, their ids key the memo
@@ -42,7 +50,17 @@ class SchemaCompiler(ValueBuilders):
         """Refuse, or in lenient mode record a warning and let the caller ignore the keyword."""
         if not self.lenient:
             raise UnsupportedSchemaError(message, keyword=keyword, pointer=pointer)
-        self.warnings.append(f"{message} (keyword '{keyword}' at '{pointer}'): ignored")
+        self.warn(f"{message} (keyword '{keyword}' at '{pointer}'): ignored")
+
+    def warn(self, message: str) -> None:
+        if len(self.warnings) < MAX_WARNINGS:
+            self.warnings.append(message)
+        else:
+            self.num_unshown_warnings += 1
+
+    def finish_warnings(self) -> None:
+        if self.num_unshown_warnings:
+            self.warnings.append(f"... and {self.num_unshown_warnings} more warnings")
 
     def count_branches(self, num: int) -> None:
         self.b.check_time()
@@ -65,9 +83,22 @@ class SchemaCompiler(ValueBuilders):
         check_keywords(schema, pointer)
         if "contains" in schema and (schema.get("minContains", 1) != 1 or "maxContains" in schema):
             self.unsupported("'minContains'/'maxContains' are not supported", "minContains", pointer)
-        for keyword in schema:
+        for i, keyword in enumerate(schema):
             if keyword in UNSUPPORTED:
                 self.unsupported(f"'{keyword}' is not supported", keyword, pointer)
+            elif is_unknown_keyword(keyword) and keyword != EXCLUDE:
+                self.unknown(keyword, pointer)
+            if i & 1023 == 1023:  # a schema object of a hundred thousand keys
+                self.b.check_time()
+
+    def unknown(self, keyword: str, pointer: str) -> None:
+        if self.reject_unknown:
+            raise UnknownKeywordError(f"unknown keyword: {unknown_keyword_reason(keyword)}", keyword=keyword[:64],
+                                      pointer=pointer)
+        if len(self.warnings) < MAX_WARNINGS:  # the hint costs about 0.1 ms: only for warnings that are shown
+            self.warn(f"unknown keyword {keyword[:64]!r} at '{pointer}' ignored: {unknown_keyword_reason(keyword)}")
+        else:
+            self.num_unshown_warnings += 1
 
     # ---- atoms -------------------------------------------------------------------------------------------------
     def atoms(self, schema, pointer: str, refs: list[str], chain: tuple[str, ...] = ()) -> list[Atom] | None:
@@ -134,7 +165,15 @@ class SchemaCompiler(ValueBuilders):
             if inner is None:
                 return None
             atoms += inner
-        return merge_atoms(atoms)
+        return self.merge(atoms)
+
+    def merge(self, atoms: list[Atom]) -> MergedSchema:
+        return merge_atoms(atoms, self.name_matches)
+
+    def name_matches(self, pattern: str, name: str, pointer: str) -> bool:
+        """``name`` holds a match of the ECMA-262 ``pattern`` (``patternProperties``), decided in linear time. A
+        pattern lenient mode ignores names no member, as in :meth:`extra_member`."""
+        return bool(self.checker.pattern_matches(pattern, name, pointer))
 
     def build(self, atoms: list[Atom], refs: list[str]) -> Node:
         if any(self.active.get(ref, 0) >= MAX_REF_DEPTH for ref in refs):
@@ -155,8 +194,8 @@ class SchemaCompiler(ValueBuilders):
     def build_merged(self, atoms: list[Atom]) -> Node:
         if not atoms:
             return self.any_value()
-        merged = merge_atoms(atoms)
-        if merged.enum is not None:  # jsonschema judges each member against every atom: not, anyOf, oneOf exactly
+        merged = self.merge(atoms)
+        if merged.enum is not None:  # the value checker judges each member against every atom: not, anyOf, oneOf exactly
             return self.enum_node(merged, atoms, atoms[0][1])
         if merged.negations:
             return self.build_negation(atoms, merged)
@@ -191,7 +230,7 @@ class SchemaCompiler(ValueBuilders):
     def exclusive(self, alternatives: list, branches: list[Source], pointer: str) -> list:
         """``oneOf``: each branch must also fail every other branch that it may overlap, so the negations of those
         join its atoms. Provably disjoint pairs (see :meth:`disjoint`) need none."""
-        merged = [merge_atoms(a) for _, a, _ in alternatives]
+        merged = [self.merge(a) for _, a, _ in alternatives]
         out = []
         for i, (index, atoms, refs) in enumerate(alternatives):
             negations = []
@@ -220,7 +259,7 @@ class SchemaCompiler(ValueBuilders):
         except UnsupportedSchemaError as error:
             if not self.lenient:
                 raise
-            self.warnings.append(f"{error}: ignored")
+            self.warn(f"{error}: ignored")
             return self.build(base, [])
         self._generated.append(options)
         self.count_branches(len(options))
@@ -251,22 +290,20 @@ class SchemaCompiler(ValueBuilders):
     def _objects_disjoint(self, a: MergedSchema, b: MergedSchema, depth: int) -> bool:
         for name in a.required:
             if name in b.required:
-                if self.disjoint(self.merged_of(property_sources(a, name)),
-                                 self.merged_of(property_sources(b, name)), depth - 1):
+                if self.disjoint(self.merged_of(property_sources(a, name, self.name_matches)),
+                                 self.merged_of(property_sources(b, name, self.name_matches)), depth - 1):
                     return True
-            elif False in [s for s, _ in property_sources(b, name)]:
+            elif False in [s for s, _ in property_sources(b, name, self.name_matches)]:
                 return True  # b forbids the property a requires
         return False
 
-    # ---- reference validation (enum members, property names) ---------------------------------------------------
+    # ---- the schema's own values (enum members, property names) ---------------------------------------------------
     def validates(self, value, atoms: list[Atom]) -> bool:
-        if self._validator is None:
-            cls = jsonschema.validators.validator_for(self.root if isinstance(self.root, dict) else {},
-                                                      default=jsonschema.Draft202012Validator)
-            self._validator = cls(self.root, format_checker=cls.FORMAT_CHECKER)
-        try:
-            return all(self._validator.evolve(schema={k: v for k, v in s.items() if k not in skip}).is_valid(value)
-                       for s, _, skip in atoms)
-        except Exception:  # noqa: BLE001 - a validator failure must only ever drop a candidate (narrower)
-            return False
+        """``value`` satisfies every atom (Corral's own checker: linear-time patterns, bounded work)."""
+        return all(self.checker.satisfies(value, schema, pointer, skip) for schema, pointer, skip in atoms)
 
+
+def _is_draft4(root) -> bool:
+    """Drafts 3 and 4 do not count ``1.0`` as an integer; later drafts do."""
+    uri = root.get("$schema") if isinstance(root, dict) else None
+    return isinstance(uri, str) and ("draft-04" in uri or "draft-03" in uri)

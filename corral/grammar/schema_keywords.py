@@ -2,9 +2,17 @@
 
 Drafts 4, 6, 7, 2019-09 and 2020-12 are read together: a keyword means what its draft says, and where drafts
 disagree the form tells them apart (draft 4's boolean ``exclusiveMinimum`` against later drafts' number, an
-``items`` array against ``prefixItems``). Keywords that are not JSON Schema vocabulary at all (``x-*``,
-``readonly``, typos) are ignored, as every validator ignores them.
+``items`` array against ``prefixItems``).
+
+Keywords that are no JSON Schema vocabulary at all (typos such as ``maxLenght``, draft 3's ``divisibleBy``,
+``readonly``) constrain nothing, as the standard says of unknown keywords, so a misspelt bound would silently
+leave a value unconstrained: each one is reported (:func:`unknown_keyword_reason`, a warning with its JSON
+pointer) or, on request, refused. Not reported: extensions under ``x-``, and OpenAPI's annotations
+(``nullable``, ``discriminator``, ``xml``, ``externalDocs``), which ride along in schemas taken from API
+descriptions; ``nullable: true`` is read as JSON Schema reads it (it allows nothing more than ``type`` does).
 """
+
+import difflib
 
 from corral.errors import InvalidSchemaError
 
@@ -26,6 +34,22 @@ IMPLEMENTED = frozenset({
 # The anchors these refs aim at ($recursiveAnchor, $dynamicAnchor) are harmless without them.
 UNSUPPORTED = frozenset({"unevaluatedProperties", "unevaluatedItems", "$recursiveRef", "$dynamicRef"})
 
+OPENAPI_ANNOTATIONS = frozenset({"nullable", "discriminator", "xml", "externalDocs"})
+_VOCABULARY = ANNOTATIONS | IMPLEMENTED | UNSUPPORTED | {"minContains", "maxContains"}
+_SORTED_VOCABULARY = sorted(_VOCABULARY)
+
+
+def is_unknown_keyword(keyword: str) -> bool:
+    return keyword not in _VOCABULARY and keyword not in OPENAPI_ANNOTATIONS and not keyword.startswith("x-")
+
+
+def unknown_keyword_reason(keyword: str) -> str:
+    """Why a keyword that is no JSON Schema vocabulary matters, with the keyword likely meant."""
+    close = difflib.get_close_matches(keyword, _SORTED_VOCABULARY, n=1, cutoff=0.8) if len(keyword) <= 64 else []
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"not JSON Schema vocabulary, so it constrains nothing{hint}"
+
+
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -35,7 +59,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _NUMBERS = ("minimum", "maximum")
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -64,14 +88,14 @@ def check_keywords(schema: dict, pointer: str) -> None:
         elif keyword == "items" and not (_is_schema(value) or isinstance(value, list)
                                          and all(_is_schema(v) for v in value)):
             raise bad(keyword, "a schema or an array of schemas")
-        elif keyword in _COUNTS and not (_is_number(value) and value >= 0 and float(value).is_integer()):
+        elif keyword in _COUNTS and not (is_number(value) and value >= 0 and float(value).is_integer()):
             raise bad(keyword, "a non-negative integer")
-        elif keyword in _NUMBERS and not _is_number(value):
+        elif keyword in _NUMBERS and not is_number(value):
             raise bad(keyword, "a number")
-        elif keyword in ("exclusiveMinimum", "exclusiveMaximum") and not (_is_number(value)
+        elif keyword in ("exclusiveMinimum", "exclusiveMaximum") and not (is_number(value)
                                                                           or isinstance(value, bool)):
             raise bad(keyword, "a number (or, in draft 4, a boolean)")
-        elif keyword == "multipleOf" and not (_is_number(value) and value > 0):
+        elif keyword == "multipleOf" and not (is_number(value) and value > 0):
             raise bad(keyword, "a number greater than 0")
         elif keyword == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise bad(keyword, "an array of strings")

@@ -13,18 +13,18 @@ that can only narrow the language. ``anyOf``/``oneOf`` groups are kept as choice
 
 import json
 import math
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from corral.grammar.regex_ast import to_python_regex
-from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_not import EXCLUDE
 from corral.grammar.schema_refs import escape_pointer_token
 
 Source = tuple[object, str]  # (schema, JSON pointer)
 Atom = tuple[dict, str, frozenset]  # (schema object, pointer, keywords already expanded elsewhere)
 Bound = tuple[Fraction, bool]  # (value, strict)
+# (ECMA-262 pattern, name, pointer of the pattern's schema) -> whether the name holds a match (in linear time)
+Matches = Callable[[str, str, str], bool]
 
 
 @dataclass
@@ -91,32 +91,20 @@ def _bounds(schema: dict, side: str) -> Bound | None:
     return out
 
 
-def matches_pattern(pattern: str, name: str) -> bool:
-    return _compiled(pattern).fullmatch(name) is not None
-
-
-_PATTERN_CACHE: dict[str, re.Pattern] = {}
-
-
-def _compiled(pattern: str) -> re.Pattern:
-    if pattern not in _PATTERN_CACHE:
-        _PATTERN_CACHE[pattern] = re.compile(to_python_regex(parse_regex(pattern, flavor="ecma", search=True)))
-    return _PATTERN_CACHE[pattern]
-
-
-def property_sources(merged: MergedSchema, name: str) -> list[Source]:
+def property_sources(merged: MergedSchema, name: str, matches: Matches) -> list[Source]:
     """Every schema a member ``name`` must satisfy: its ``properties`` entries and every ``patternProperties``
     entry whose pattern matches it (both apply), or ``additionalProperties`` when neither names it."""
-    by_pattern = [s for p, sources in merged.pattern_properties.items() if matches_pattern(p, name) for s in sources]
+    by_pattern = [s for p, sources in merged.pattern_properties.items() if matches(p, name, sources[-1][1])
+                  for s in sources]
     if name in merged.properties:
         return merged.properties[name] + by_pattern
-    matched = any(matches_pattern(p, name) for p in merged.pattern_properties)
+    matched = any(matches(p, name, sources[-1][1]) for p, sources in merged.pattern_properties.items())
     return by_pattern if matched else list(merged.additional_properties)
 
 
-def _unlisted(patterns, additional: list[Source], name: str) -> list[Source]:
+def _unlisted(patterns, additional: list[Source], name: str, matches: Matches) -> list[Source]:
     """What one schema object demands of a member it does not list, beyond its patterns (added when building)."""
-    return [] if any(matches_pattern(p, name) for p in patterns) else list(additional)
+    return [] if any(matches(p, name, sources[-1][1]) for p, sources in patterns.items()) else list(additional)
 
 
 def _merge_types(merged: MergedSchema, value) -> None:
@@ -129,7 +117,7 @@ def _merge_types(merged: MergedSchema, value) -> None:
         merged.types &= names
 
 
-def _merge_objects(merged: MergedSchema, schema: dict, pointer: str) -> None:
+def _merge_objects(merged: MergedSchema, schema: dict, pointer: str, matches: Matches) -> None:
     props = {k: [(v, f"{pointer}/properties/{escape_pointer_token(k)}")]
              for k, v in schema.get("properties", {}).items()}
     patterns = {k: [(v, f"{pointer}/patternProperties/{escape_pointer_token(k)}")]
@@ -137,11 +125,11 @@ def _merge_objects(merged: MergedSchema, schema: dict, pointer: str) -> None:
     additional = [(schema["additionalProperties"], f"{pointer}/additionalProperties")] \
         if "additionalProperties" in schema else []
     for name in list(merged.properties):
-        merged.properties[name] += props.get(name) or _unlisted(patterns, additional, name)
+        merged.properties[name] += props.get(name) or _unlisted(patterns, additional, name, matches)
     for name, sources in props.items():
         if name not in merged.properties:
-            merged.properties[name] = _unlisted(merged.pattern_properties, merged.additional_properties, name) \
-                + sources
+            merged.properties[name] = _unlisted(merged.pattern_properties, merged.additional_properties, name,
+                                                matches) + sources
     for pattern, sources in patterns.items():
         merged.pattern_properties.setdefault(pattern, list(merged.additional_properties)).extend(sources)
     for pattern in merged.pattern_properties:
@@ -166,7 +154,8 @@ def _merge_arrays(merged: MergedSchema, schema: dict, pointer: str) -> None:
     merged.rest_items += rest
 
 
-def merge_atoms(atoms: list[Atom]) -> MergedSchema:
+def merge_atoms(atoms: list[Atom], matches: Matches) -> MergedSchema:
+    """The conjunction of ``atoms``; ``matches`` decides which declared names fall under which patterns."""
     merged = MergedSchema()
     for index, (schema, pointer, skip) in enumerate(atoms):
         get = lambda k: None if k in skip else schema.get(k)  # noqa: E731
@@ -200,7 +189,7 @@ def merge_atoms(atoms: list[Atom]) -> MergedSchema:
         if "propertyNames" in schema:
             merged.property_names.append((schema["propertyNames"], f"{pointer}/propertyNames"))
         merged.required += [name for name in schema.get("required", []) if name not in merged.required]
-        _merge_objects(merged, schema, pointer)
+        _merge_objects(merged, schema, pointer, matches)
         _merge_arrays(merged, schema, pointer)
         if get("not") is not None:
             merged.negations.append((schema["not"], f"{pointer}/not", index))

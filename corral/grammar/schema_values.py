@@ -7,7 +7,6 @@ containers deep, which is where a ``{}`` property value or an undeclared member'
 
 import json
 import math
-import re
 
 from corral.errors import GrammarTooComplexError, InvalidRegexError, InvalidSchemaError, UnsupportedRegexError
 from corral.grammar.json_containers import array_node, contains_array_node, member_node, object_node
@@ -17,7 +16,7 @@ from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, i
 from corral.grammar.json_strings import (ANY_CHAR, QUOTE, intersect_chars, length_node, loose_string_node,
                                          register_stable, spell, spell_chars, string_literal, string_node)
 from corral.grammar.node_builder import NodeBuilder, share
-from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, to_python_regex
+from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
 
@@ -75,15 +74,12 @@ class ValueBuilders:
         return b.literal(json.dumps(value))
 
     def enum_node(self, merged: MergedSchema, atoms, pointer: str) -> Node:
-        """The ``enum``/``const`` members that also satisfy every other keyword (checked by ``jsonschema``, plus
-        the formats it does not check)."""
+        """The ``enum``/``const`` members that also satisfy every other keyword (``schema_check``)."""
         size = 2 * len(merged.enum) + sum(len(json.dumps(v)) for v in merged.enum[:self.b.max_nodes])
         if size > self.b.max_nodes:  # refuse before validating them one by one
             raise GrammarTooComplexError(f"the enum would need more than {self.b.max_nodes} automaton nodes")
-        formats = [format_node(f) for f, _ in merged.formats if format_node(f) is not None]
         excluded = {json_key(v) for v in merged.excluded}
-        kept = [v for v in merged.enum if json_key(v) not in excluded and self.validates(v, atoms)
-                and not (isinstance(v, str) and any(not _fullmatch(f, v) for f in formats))]
+        kept = [v for v in merged.enum if json_key(v) not in excluded and self.validates(v, atoms)]
         if not kept:
             return self.contradiction("no 'enum'/'const' value satisfies the other keywords", pointer)
         return self.b.alt([self.value_literal(v) for v in kept])
@@ -171,23 +167,25 @@ class ValueBuilders:
             if node is None and name in STANDARD_FORMATS:
                 self.unsupported(f"format {name!r} is not supported", "format", where)
             elif node is None:
-                self.warnings.append(f"format {name!r} at '{where}' is not checked (an annotation)")
+                self.warn(f"format {name!r} at '{where}' is not checked (an annotation)")
             else:
                 parts.append(register_stable(node))
         return b.intersect(*parts) if parts else b.repeat(ANY_CHAR, 0, None)
 
     def pattern(self, pattern: str, pointer: str) -> Node | None:
+        """The AST of a JSON Schema ``pattern`` (the strings holding a match), or None when lenient mode ignores
+        it (an unsupported construct, reported once)."""
         key = ("pattern", pattern)
         if key in self.b.cache:
             return self.b.cache[key]
         try:
             self.b.cache[key] = parse_regex(pattern, flavor="ecma", search=True)
-            return self.b.cache[key]
         except UnsupportedRegexError as error:
             self.unsupported(f"pattern: {error}", "pattern", pointer)
+            self.b.cache[key] = None
         except InvalidRegexError as error:
             raise InvalidSchemaError(f"pattern: {error}", keyword="pattern", pointer=pointer) from None
-        return None
+        return self.b.cache[key]
 
     def string_node(self, merged: MergedSchema, pointer: str) -> Node:
         strings = [v for v in merged.excluded if isinstance(v, str)]
@@ -227,7 +225,7 @@ class ValueBuilders:
         members = []
         for name in declared:
             allowed = not merged.property_names or self.name_allowed(name, merged.property_names)
-            value = self.node_of(property_sources(merged, name)) if allowed else NOTHING
+            value = self.node_of(property_sources(merged, name, self.name_matches)) if allowed else NOTHING
             required = name in merged.required
             if value == NOTHING:
                 if required:
@@ -324,6 +322,3 @@ def share_any_value(ws: Node, depth: int = ANY_VALUE_DEPTH) -> None:
         node = share(values.build_any_value(depth))
         _SHARED_ANY[(ws, depth)] = (ws, node, tuple(values.b._seen.values()))
 
-
-def _fullmatch(node: Node, text: str) -> bool:
-    return re.fullmatch(to_python_regex(node), text) is not None

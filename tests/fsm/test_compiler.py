@@ -155,3 +155,44 @@ def test_hostile_schemas_compile_or_fail_typed_within_the_budget(byte_vocab, sch
 def test_a_structure_nested_past_the_recursion_limit_is_refused_not_a_crash(compiler):
     with pytest.raises(GrammarTooComplexError, match="nests too deeply"):
         compiler.compile(Constraint("regex", "(" * 3000 + "a" + ")" * 3000))
+
+
+def _tool(i: int) -> dict:
+    return {"index": i, "name": f"tool_{i}", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]},
+                                         f"days_{i}": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "when": {"type": "string", "format": "date"},
+                                         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+        "required": ["city", f"days_{i}"], "additionalProperties": False}}
+
+
+def test_128_tools_compile_under_one_budget_and_calls_match_their_own_schema(byte_vocab):
+    """The server's default tool bound, each tool a schema of its own, compiled as one constraint."""
+    compiler = GrammarCompiler(byte_vocab)  # the default 10 s budget covers all 128 together
+    value = {"tools": [_tool(i) for i in range(128)], "mode": "required", "parallel": True, "answer": None}
+    start = time.monotonic()
+    grammar = compiler.compile(Constraint("tools", value))
+    assert time.monotonic() - start < 10
+    call = '<tool_call>{"name": "tool_77", "arguments": {"city":"Oslo","days_77":3}}</tool_call>'
+    assert accepts(grammar, call) and accepts(grammar, call + "\n" + call.replace("77", "5"))
+    assert not accepts(grammar, call.replace("days_77", "days_76"))
+
+
+def test_one_budget_covers_every_tool(byte_vocab):
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": i} for i in range(4000)},
+            "required": [f"p{i}" for i in range(4000)]}
+    value = {"tools": [{"index": i, "name": f"t{i}", "parameters": {**slow, "title": str(i)}} for i in range(40)],
+             "mode": "required", "parallel": False, "answer": None}
+    compiler = GrammarCompiler(byte_vocab, time_budget_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(GrammarTooComplexError, match="time budget of 1 s"):
+        compiler.compile(Constraint("tools", value))
+    assert time.monotonic() - start < 2  # one budget for the request, not 1 s per tool
+
+
+def test_a_language_no_token_can_begin_is_refused_at_compile_time():
+    vocab = Vocabulary.from_token_bytes([b"a", b"b", b"<eos>"], eos_token_ids=[2])
+    with pytest.raises(InvalidGrammarError, match="no sequence of this model's tokens can spell"):
+        GrammarCompiler(vocab).compile(Constraint("regex", "c+"))
+    assert GrammarCompiler(vocab).compile(Constraint("regex", "ab")).new_guide() is not None

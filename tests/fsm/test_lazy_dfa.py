@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from corral.errors import GrammarTooComplexError
 from corral.fsm import derivatives
-from corral.fsm.budget import Budget
+from corral.budget import Budget
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Concat, Intersect, Repeat, literal

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from corral.fsm import derivatives
-from corral.fsm.budget import Budget
+from corral.budget import Budget
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.derivatives import TermTable
 from corral.fsm.token_index import vocab_tables

@@ -7,7 +7,7 @@ import re
 import jsonschema
 import pytest
 
-from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnsupportedSchemaError
+from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnknownKeywordError, UnsupportedSchemaError
 from corral.grammar.json_schema import schema_to_node
 from corral.grammar.regex_ast import Intersect, to_python_regex
 from corral.grammar.regex_match import fullmatch
@@ -347,6 +347,29 @@ def test_lenient_ignores_unsupported_keywords_and_reports_them():
                         "'not' over 'multipleOf' is not supported (keyword 'not' at '#/not'): ignored"]
 
 
+def test_unknown_keywords_are_reported_with_their_pointer_or_refused():
+    schema = {"type": "object", "x-vendor": 1, "nullable": True, "discriminator": {"propertyName": "a"},
+              "properties": {"a": {"type": "string", "maxLenght": 3}, "b": {"type": "integer", "divisibleBy": 2}}}
+    warnings = []
+    node = schema_to_node(schema, warnings=warnings)
+    assert accepts(node, '{"a":"longer than three","b":3}')  # an unknown keyword constrains nothing
+    assert warnings == [
+        "unknown keyword 'maxLenght' at '#/properties/a' ignored: not JSON Schema vocabulary, so it constrains "
+        "nothing (did you mean 'maxLength'?)",
+        "unknown keyword 'divisibleBy' at '#/properties/b' ignored: not JSON Schema vocabulary, so it constrains "
+        "nothing"]
+    with pytest.raises(UnknownKeywordError, match=r"did you mean 'maxLength'.*keyword 'maxLenght' at "
+                                                  r"'#/properties/a'"):
+        schema_to_node(schema, reject_unknown_keywords=True)
+    schema_to_node({"type": "string", "x-order": 1, "nullable": True}, reject_unknown_keywords=True)  # not reported
+
+
+def test_warnings_are_capped_with_a_count():
+    warnings = []
+    schema_to_node({"properties": {f"p{i}": {f"bad{i}": 1} for i in range(80)}}, warnings=warnings)
+    assert len(warnings) == 51 and warnings[-1] == "... and 30 more warnings"
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "strin"}, r"'type' must be one of null, boolean.*keyword 'type' at '#'"),
     ({"properties": {"a": {"minLength": -1}}}, r"'minLength' must be a non-negative integer.*'#/properties/a'"),
@@ -363,6 +386,7 @@ def test_lenient_ignores_unsupported_keywords_and_reports_them():
      r"required property 'a' can have no value"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, r"minLength exceeds maxLength"),
     ({"minimum": float("nan")}, r"the schema is not JSON"),
+    ({"enum": ["a"], "pattern": "("}, r"pattern: .*keyword 'pattern' at '#'"),
     ({"not": {}}, r"accepts no value at all"),
     ({"not": {"anyOf": [{"type": "string"}, {"maxLength": 2}]}}, r"accepts no value at all"),
     ({"const": {1, 2}}, r"the schema is not JSON"),

@@ -10,27 +10,7 @@ from corral.errors import InvalidRegexError, UnsupportedRegexError
 from corral.grammar.regex_ast import to_python_regex
 from corral.grammar.regex_parser import parse_regex
 
-ATOMS = ["a", "b", "-", ".", "[ab]", "[^a]", "[a-c]", "\\d", "\\W", "\\s", "\\x61", "\\u0062", "[\\]a]", "\\.",
-         "[.-]", "é", "\\n"]
-QUANTIFIERS = ["", "", "*", "+", "?", "{2}", "{1,}", "{0,2}", "*?", "{1,3}?", "??"]
-
-
-def _regexes():
-    atom = st.sampled_from(ATOMS)
-
-    def extend(inner):
-        group = st.builds(lambda r, kind: f"({kind}{r})", inner, st.sampled_from(["", "?:"]))
-        piece = st.builds(lambda r, q: r + q, st.one_of(atom, group), st.sampled_from(QUANTIFIERS))
-        seq = st.lists(piece, min_size=1, max_size=4).map("".join)
-        return st.lists(seq, min_size=1, max_size=3).map("|".join)
-
-    body = st.recursive(atom, extend, max_leaves=8)
-    return st.builds(lambda pre, r, post: pre + r + post, st.sampled_from(["", "^"]), body,
-                     st.sampled_from(["", "$"]))
-
-
-TEXTS = st.text(alphabet="ab-.1 \né_", max_size=8)
-
+from regex_strategies import TEXTS, regexes
 
 def _agree_fullmatch(pattern: str, text: str) -> None:
     ours = re.fullmatch(to_python_regex(parse_regex(pattern)), text) is not None
@@ -40,14 +20,14 @@ def _agree_fullmatch(pattern: str, text: str) -> None:
 
 
 @settings(max_examples=400, deadline=None)
-@given(_regexes(), st.lists(TEXTS, min_size=1, max_size=6))
+@given(regexes(), st.lists(TEXTS, min_size=1, max_size=6))
 def test_fullmatch_agrees_with_re(pattern, texts):
     for text in texts:
         _agree_fullmatch(pattern, text)
 
 
 @settings(max_examples=300, deadline=None)
-@given(_regexes(), st.lists(TEXTS, min_size=1, max_size=6))
+@given(regexes(), st.lists(TEXTS, min_size=1, max_size=6))
 def test_search_agrees_with_re_search(pattern, texts):
     node = to_python_regex(parse_regex(pattern, search=True))
     for text in texts:
