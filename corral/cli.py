@@ -6,22 +6,22 @@ import sys
 
 
 def _serve(args) -> int:
-    import uvicorn
-
-    from corral.api.launch import ServeOptions, build_context, build_engine
-    from corral.api.server import build_app
+    from corral.api.launch import GracefulServer, ServeOptions, build_context, build_engine
     from corral.engine import EngineConfig
+    from corral.schemas.limits import RequestLimits
 
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     engine = build_engine(EngineConfig(model=args.model, **overrides))
-    options = ServeOptions(api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
-                           default_max_tokens=args.default_max_tokens, max_in_flight=args.max_in_flight)
+    options = ServeOptions(api_keys=tuple(args.api_key or ()), protect_all=args.protect_all,
+                           max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                           max_in_flight=args.max_in_flight, max_compiling=args.max_compiling,
+                           compile_time_budget_s=args.compile_time_budget_s,
+                           send_timeout_s=args.send_timeout_s, shutdown_grace_s=args.shutdown_grace_s,
+                           reject_unknown_keywords=args.reject_unknown_keywords,
+                           limits=RequestLimits(max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes))
     ctx = build_context(engine, options=options)
     print(f"corral: serving {ctx.config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    try:
-        uvicorn.run(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        ctx.engine.shutdown()
+    GracefulServer(ctx, args.host, args.port, args.shutdown_grace_s, args.log_level).run()
     return 0
 
 
@@ -53,12 +53,26 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: SmolLM2-135M)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' (repeatable)")
+    serve.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' on /v1 (repeatable)")
+    serve.add_argument("--protect-all", action="store_true",
+                       help="with --api-key: /metrics and the API docs need a key too (default: only /v1)")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="output budget of requests without max_tokens (default: the rest of the context)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    serve.add_argument("--max-in-flight", type=int, default=320, help="running + waiting requests before 429")
+    serve.add_argument("--max-in-flight", type=int, default=320,
+                       help="requests from arrival to end (compiling, waiting, running) before 429")
+    serve.add_argument("--max-compiling", type=int, default=64, help="constraints compiling or queued before 429")
+    serve.add_argument("--compile-time-budget-s", type=float, default=10.0,
+                       help="wall-clock budget of one request's constraint, all its tools included")
+    serve.add_argument("--max-tools", type=int, default=128, help="tools per request")
+    serve.add_argument("--max-tools-bytes", type=int, default=1 << 20, help="the JSON of a request's tools, in all")
+    serve.add_argument("--reject-unknown-keywords", action="store_true",
+                       help="refuse schema keywords that are no JSON Schema vocabulary (default: warn)")
+    serve.add_argument("--send-timeout-s", type=float, default=30.0,
+                       help="end a stream whose client takes nothing for this long")
+    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                       help="on SIGTERM, how long requests in flight may still run")
     serve.add_argument("--log-level", default="info")
     gen = sub.add_parser("generate", help="generate one JSON value that matches a schema")
     gen.add_argument("prompt")

@@ -4,10 +4,15 @@ Why a thread: ``LLMEngine.step()`` is blocking CPU/GPU work, and the event loop 
 and streaming meanwhile. The engine is touched by that one thread only: the event loop sends it commands
 (add, abort) through a queue, and it sends each ``RequestOutput`` back to the request's own ``asyncio.Queue``.
 
-Admission is bounded: at most ``max_in_flight`` requests are in flight; one more is refused with
-:class:`EngineOverloadedError` (429) rather than queued without end. A consumer that stops listening (a client
-that disconnected) aborts its request, which frees its KV blocks at once. Grammar compilation runs in a thread
-pool, off the event loop, through the compiler's own cache.
+Admission is bounded from a request's arrival: :meth:`AsyncEngine.admit` hands out at most ``max_in_flight``
+tickets, held while the request waits to compile, compiles, waits for the engine and runs; one more is refused
+with :class:`EngineOverloadedError` (429) rather than queued without end. A consumer that stops listening (a
+client that disconnected) aborts its request, which frees its KV blocks at once.
+
+Grammar compilation runs in a thread pool, off the event loop, through the compiler's own cache: at most
+``max_compiling`` compilations are queued or running (one more is a 429), each under its own budget, which is
+cancelled when its request goes away (the client left, the server shuts down), so an abandoned compile stops
+within milliseconds and nothing of it reaches the engine.
 """
 
 import asyncio
@@ -19,9 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
-from corral.errors import CorralError, EngineOverloadedError, InvalidGrammarError
+from corral.errors import CompileCancelledError, CorralError, EngineOverloadedError
 from corral.schemas.prepare import PreparedRequest
 
 logger = logging.getLogger(__name__)
@@ -41,13 +44,38 @@ class EngineDeadError(CorralError):
     error_type = "service_unavailable"
 
 
+class ShuttingDownError(CorralError):
+    """The server is shutting down: new requests are refused, and those left at the end of the grace period fail."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 @dataclass(frozen=True)
 class AsyncEngineConfig:
-    max_in_flight: int = 320  # running plus waiting requests; one more is a 429 (default: 64 + 256)
+    max_in_flight: int = 320  # requests from arrival to end (compiling, waiting, running); one more is a 429
     compile_workers: int = 2  # compilation threads; GrammarCompiler is thread-safe and shares its cache
+    max_compiling: int = 64  # compilations queued or running; one more is a 429
 
     def __post_init__(self):
-        assert self.max_in_flight >= 1 and self.compile_workers >= 1
+        assert self.max_in_flight >= 1 and self.compile_workers >= 1 and self.max_compiling >= 1
+
+
+class Ticket:
+    """One admitted request's share of ``max_in_flight`` (``num`` engine requests), given back once."""
+
+    def __init__(self, engine: "AsyncEngine", num: int):
+        self.engine, self.num = engine, num
+
+    def grow(self, num: int) -> None:
+        """Hold ``num`` more (a /v1/completions batch, known once its prompts are read); 429 past the bound."""
+        self.engine.check_admission(num)
+        self.engine.num_admitted += num
+        self.num += num
+
+    def release(self) -> None:
+        self.engine.num_admitted -= self.num
+        self.num = 0
 
 
 class _Stream:
@@ -71,6 +99,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._draining = False
+        self._failure: CorralError | None = None  # set when the grace period of a shutdown is over
+        self.num_admitted = 0  # tickets out (event loop only)
+        self._budgets: set = set()  # budgets of compilations queued or running (event loop only)
         self._stats = engine.stats()
         self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="corral-compile")
         self._thread = threading.Thread(target=self._run, name="corral-engine", daemon=True)
@@ -79,7 +111,12 @@ class AsyncEngine:
     # -- the event loop's side ------------------------------------------------------------------------------
 
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        """Requests admitted and not yet ended, whatever they are doing."""
+        return self.num_admitted
+
+    def num_compiling(self) -> int:
+        """Constraints queued or compiling."""
+        return len(self._budgets)
 
     def stats(self):
         """The engine's stats as of its last step (read without touching the engine)."""
@@ -88,39 +125,81 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() & 0xFFFFFF:06x}"
 
-    async def new_guide(self, prepared: PreparedRequest):
-        """A fresh guide for the request's constraint (None when unconstrained), compiled off the event loop."""
-        if prepared.node is None and prepared.constraint is None:
+    async def compile(self, constraint) -> object:
+        """The compiled grammar of ``constraint`` (None when unconstrained). A cache hit is a lookup on the event
+        loop (the key was made while the request was prepared); a miss compiles in the pool, its budget's clock
+        started when a worker takes it. Cancelling the caller cancels the budget."""
+        if constraint is None:
             return None
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._compile_guide, prepared)
+        self._check_failure()
+        grammar = self.compiler.lookup(constraint)
+        if grammar is not None:
+            return grammar
+        if len(self._budgets) >= self.config.max_compiling:
+            raise EngineOverloadedError(f"{len(self._budgets)} constraints are compiling or waiting to; retry later")
+        budget = self.compiler.new_budget()
+        self._budgets.add(budget)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, constraint, budget,
+                                                            time.monotonic())
+        future.add_done_callback(lambda _: self._budgets.discard(budget))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            budget.cancel()  # the worker stops at its next check; its result (an error) is dropped
+            future.add_done_callback(_drop_result)
+            raise
+        except CompileCancelledError:
+            self._check_failure()  # cancelled by a shutdown: say so
+            raise
 
-    def _compile_guide(self, prepared: PreparedRequest):
-        if prepared.node is not None:
-            guide = self.compiler.compile_node(prepared.node).new_guide()
-        else:
-            guide = self.compiler.compile(prepared.constraint).new_guide()
-        vocab = getattr(self.compiler, "vocab", None)
-        if guide is not None and vocab is not None:
-            # A start state that no token can leave would reach the sampler with nothing to choose; refuse it
-            # here, as bad input, rather than fail inside a running batch. (The mask is cached: no extra cost.)
-            row = np.zeros(-(-vocab.size // 32), dtype=np.int32)
-            guide.fill_mask(row)
-            if not row.any() and not guide.is_finished():
-                raise InvalidGrammarError("no sequence of this model's tokens can spell the constraint's language")
-        return guide
+    def _compile(self, constraint, budget, queued_at: float):
+        waited = time.monotonic() - queued_at
+        if waited > budget.time_s:  # the server is behind, not the constraint too large
+            raise EngineOverloadedError(f"the constraint waited {waited:.1f} s to be compiled; retry later")
+        budget.start()
+        return self.compiler.compile(constraint, budget)
+
+    def admit(self, num_requests: int = 1) -> Ticket:
+        """A ticket for a request that has just arrived; 429 when ``max_in_flight`` are admitted, 503 while
+        shutting down or after the engine died."""
+        self.check_admission(num_requests)
+        self.num_admitted += num_requests
+        return Ticket(self, num_requests)
 
     def check_admission(self, num_requests: int = 1) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead!r}")
-        if len(self._streams) + num_requests > self.config.max_in_flight:
-            raise EngineOverloadedError(f"the server is at capacity ({self.config.max_in_flight} requests in flight); retry "
-                                        "later")
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down")
+        if self.num_admitted + num_requests > self.config.max_in_flight:
+            raise EngineOverloadedError(f"the server is at capacity ({self.config.max_in_flight} requests in flight); "
+                                        "retry later")
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (shutdown has begun); those admitted go on."""
+        self._draining = True
+
+    def fail_all(self, error: CorralError) -> None:
+        """End every request still in flight with ``error`` (the grace period is over): compilations are
+        cancelled, each stream hears the error and aborts its engine request, and a request that reaches its
+        compile or the engine later gets the error there."""
+        self._failure = error
+        for budget in list(self._budgets):
+            budget.cancel()
+        for stream in list(self._streams.values()):
+            stream.put(error)
+
+    def _check_failure(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+        if self._failure is not None:
+            raise self._failure
 
     async def generate(self, request_id: str, prepared: PreparedRequest, guide,
                        params=None) -> AsyncIterator:
         """Yield the request's ``RequestOutput`` s until it finishes. Leaving early (client gone, task cancelled)
         aborts it in the engine. Raises what ``add_request`` raised (for example ``PromptTooLongError``)."""
-        self.check_admission()
+        self._check_failure()
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._send(("add", request_id, prepared.prompt_token_ids, params or prepared.params, guide))
@@ -128,8 +207,7 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    stream.finished = True
-                    raise item
+                    raise item  # the finally aborts it: unknown ids are ignored, a failed one is freed
                 stream.finished = item.finished
                 yield item
                 if item.finished:
@@ -144,11 +222,14 @@ class AsyncEngine:
             self._commands.append(command)
             self._wake.notify()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine loop (waiting at most ``timeout_s`` for its step) and cancel every compilation."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        for budget in list(self._budgets):
+            budget.cancel()
+        self._thread.join(timeout=timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread's side ---------------------------------------------------------------------------
@@ -207,3 +288,8 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
+
+
+def _drop_result(future) -> None:
+    if not future.cancelled():
+        future.exception()  # read, so that asyncio does not log an abandoned compile's error as unhandled

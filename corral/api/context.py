@@ -1,21 +1,32 @@
 """ServingContext: what every endpoint needs (engine, tokenizer, limits, metrics) and the run of one request.
 
-A run is: compile the constraint (off the event loop), hand the request to the :class:`AsyncEngine`, and
-either collect its final choices or stream them. Collecting watches the client: when it disconnects, the run is
-cancelled, which aborts the request in the engine and frees its KV blocks.
+A run, from the request's arrival to its end:
+
+1. admission: a ticket of ``max_in_flight`` (429 when none is left), held to the very end;
+2. preparation off the event loop: the chat template, tokenization, the request limits (``prepare_*``);
+3. compilation of the constraint in the compile pool, under one budget for the whole request (a cache hit is a
+   lookup on the event loop);
+4. the engine: the request is added (one engine request per prompt, each with a guide of the one grammar), and
+   its outputs are collected or streamed.
+
+Steps 2 and 3 watch the client: when it disconnects, the run is cancelled (its compile budget too) and nothing of
+it reaches the engine; in step 4 a disconnect aborts the engine request and frees its KV blocks.
 """
 
 import asyncio
+import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from corral.api.async_engine import AsyncEngine
+from corral.api.async_engine import AsyncEngine, Ticket
 from corral.api.metrics import ServerMetrics
 from corral.engine.sampling_params import BeamSearchParams
 from corral.errors import InvalidRequestError
+from corral.schemas.limits import RequestLimits
 from corral.schemas.prepare import PreparedRequest
 
 _DISCONNECT_POLL_S = 0.25
@@ -23,17 +34,25 @@ _DISCONNECT_POLL_S = 0.25
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server-side limits. ``api_keys`` empty: no authentication. ``default_max_tokens`` None: a request without
-    ``max_tokens`` may use the rest of the context window, as with vLLM."""
+    """Server-side limits. ``api_keys`` empty: no authentication; ``protect_all`` also puts ``/metrics`` and the
+    API docs behind the keys (by default only ``/v1/*`` needs one). ``default_max_tokens`` None: a request
+    without ``max_tokens`` may use the rest of the context window, as with vLLM. ``send_timeout_s``: how long a
+    stream may wait for a slow reader to take one event before the request is ended and its blocks freed.
+    ``reject_unknown_keywords``: the default for schema keywords that are no JSON Schema vocabulary (refused,
+    or reported as warnings)."""
 
     model_name: str
     max_model_len: int
     api_keys: tuple[str, ...] = ()
+    protect_all: bool = False
     max_body_bytes: int = 4 << 20
     default_max_tokens: int | None = None
+    send_timeout_s: float = 30.0
+    reject_unknown_keywords: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self):
-        assert self.max_model_len > 0 and self.max_body_bytes > 0
+        assert self.max_model_len > 0 and self.max_body_bytes > 0 and self.send_timeout_s > 0
         assert self.default_max_tokens is None or self.default_max_tokens > 0
 
 
@@ -49,33 +68,49 @@ class ServingContext:
         if name != self.config.model_name:
             raise ModelNotServedError(name)
 
-    async def new_guide(self, prepared: PreparedRequest):
-        start = time.monotonic()
-        guide = await self.engine.new_guide(prepared)
-        if guide is not None:
-            self.metrics.on_compile(time.monotonic() - start)
-        return guide
+    def admit(self) -> Ticket:
+        """Step 1: a ticket for a request that has just arrived (429 or 503 when none can be had)."""
+        return self.engine.admit(1)
 
-    async def start(self, prefix: str, prepared: PreparedRequest, params=None) -> tuple[str, AsyncIterator]:
-        """Compile, admit and submit: the request id and its stream of ``RequestOutput`` s. Errors before the
-        first output (bad constraint, overload, a prompt the engine can never fit) are raised here, so the
-        endpoint can still answer with a status code instead of a broken stream."""
-        self.engine.check_admission()
-        guide = await self.new_guide(prepared)
+    async def prepare(self, raw: Request, prepare, req):
+        """Step 2: ``prepare(req, tokenizer, ...)`` (``prepare_chat``/``prepare_completion``) in a worker thread,
+        with the server's limits, abandoned when the client leaves."""
+        config = self.config
+        work = functools.partial(prepare, req, self.tokenizer, max_model_len=config.max_model_len,
+                                 default_max_tokens=config.default_max_tokens, limits=config.limits,
+                                 reject_unknown_keywords=config.reject_unknown_keywords)
+        return await unless_disconnected(raw, asyncio.to_thread(work))
+
+    async def compile(self, raw: Request, prepared: PreparedRequest):
+        """Step 3: the request's compiled grammar (None when unconstrained), cancelled when the client leaves.
+        Its ``warnings`` go into the response."""
+        start = time.monotonic()
+        grammar = await unless_disconnected(raw, self.engine.compile(prepared.constraint))
+        if grammar is not None:
+            self.metrics.on_compile(time.monotonic() - start)
+        return grammar
+
+    async def start(self, raw: Request, prefix: str, prepared: PreparedRequest, grammar,
+                    params=None) -> tuple[str, AsyncIterator]:
+        """Step 4 up to the first output: the request id and its stream of ``RequestOutput`` s, one guide of
+        ``grammar`` per request. Errors before the first output (a prompt the engine can never fit) are raised
+        here, so the endpoint can still answer with a status code instead of a broken stream."""
         request_id = self.engine.new_request_id(prefix)
         self.metrics.on_arrival(request_id, time.monotonic())
+        guide = None if grammar is None else grammar.new_guide()
         outputs = self.engine.generate(request_id, prepared, guide, params)
         try:
-            first = await anext(outputs)
+            first = await unless_disconnected(raw, anext(outputs))
         except BaseException:
             self.metrics.on_abandoned(request_id)
             await outputs.aclose()
             raise
         return request_id, _chain(first, outputs, lambda: self.metrics.on_abandoned(request_id))
 
-    async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest) -> tuple[str, dict, object]:
+    async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest,
+                      grammar) -> tuple[str, dict, object]:
         """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output)."""
-        request_id, outputs = await self.start(prefix, prepared, _beam_search_params(prepared))
+        request_id, outputs = await self.start(raw, prefix, prepared, grammar, _beam_search_params(prepared))
         latest: dict = {}
         last = None
 
@@ -85,8 +120,14 @@ class ServingContext:
                 last = out
                 latest.update({c.index: c for c in out.outputs})
 
-        await _unless_disconnected(raw, drain())
+        async with contextlib.aclosing(outputs):
+            await unless_disconnected(raw, drain())
         return request_id, latest, last
+
+
+def warnings_of(grammar) -> list[str] | None:
+    """What the compiler ignored, for the response (None when nothing)."""
+    return list(getattr(grammar, "warnings", ())) or None
 
 
 def _beam_search_params(prepared: PreparedRequest):
@@ -114,7 +155,9 @@ async def _chain(first, rest: AsyncIterator, on_abandon) -> AsyncIterator:
             on_abandon()
 
 
-async def _unless_disconnected(raw: Request, work) -> None:
+async def unless_disconnected(raw: Request, work):
+    """The result of ``work`` (an awaitable), or :class:`ClientGoneError` as soon as the client has gone, with
+    ``work`` cancelled (a compile's budget with it)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():
@@ -122,7 +165,7 @@ async def _unless_disconnected(raw: Request, work) -> None:
             if not task.done() and await raw.is_disconnected():
                 task.cancel()
                 raise ClientGoneError()
-        task.result()
+        return task.result()
     finally:
         if not task.done():
             task.cancel()

@@ -85,11 +85,7 @@ def _run_embedded(body: dict, model: str | None, engine) -> dict:
     engine, compiler, max_model_len, lock = _embedded_engine(model) if engine is None else _wrapped(engine)
     req = ChatCompletionRequest(model="embedded", **body)
     prepared = prepare_chat(req, engine.tokenizer, max_model_len=max_model_len)
-    guide = None
-    if prepared.node is not None:
-        guide = compiler.compile_node(prepared.node).new_guide()
-    elif prepared.constraint is not None:
-        guide = compiler.compile(prepared.constraint).new_guide()
+    guide = None if prepared.constraint is None else compiler.compile(prepared.constraint).new_guide()
     with lock:  # the engine is single-threaded; the embedded path serialises its callers
         result = engine.generate([prepared.prompt_token_ids], prepared.params, guides=[guide])[0]
     out = min(result.outputs, key=lambda o: o.index)

@@ -1,14 +1,25 @@
-"""Build the real serving stack: ``LLMEngine`` + ``GrammarCompiler`` → ``AsyncEngine`` → ``ServingContext``."""
+"""Build the real serving stack: ``LLMEngine`` + ``GrammarCompiler`` → ``AsyncEngine`` → ``ServingContext``, and
+serve it with uvicorn, shutting down gracefully.
 
+Shutdown (SIGTERM or Ctrl-C): new requests get a 503 at once and the listening socket closes; requests in flight
+have ``shutdown_grace_s`` to finish; then the rest end with a 503 (an error event, when streaming) and their
+compilations are cancelled. The process is gone within ``shutdown_grace_s + 2`` seconds whatever it is doing:
+a watchdog that needs no GIL (``faulthandler``) ends it if a native call still holds on.
+"""
+
+import asyncio
 import contextlib
+import faulthandler
+import gc
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from corral.api.async_engine import AsyncEngine, AsyncEngineConfig
+from corral.api.async_engine import AsyncEngine, AsyncEngineConfig, ShuttingDownError
 from corral.api.context import ServerConfig, ServingContext
 from corral.api.metrics import ServerMetrics
+from corral.schemas.limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -16,11 +27,17 @@ class ServeOptions:
     """What ``corral serve`` sets beyond the engine's own config."""
 
     api_keys: tuple[str, ...] = ()
+    protect_all: bool = False  # /metrics and the API docs need a key too
     max_body_bytes: int = 4 << 20
     default_max_tokens: int | None = None
     max_in_flight: int = 320
+    max_compiling: int = 64
     compile_cache_bytes: int = 256 << 20
     compile_time_budget_s: float = 10.0
+    send_timeout_s: float = 30.0
+    shutdown_grace_s: float = 5.0
+    reject_unknown_keywords: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_engine(engine_config=None):
@@ -48,10 +65,79 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
     name = model_name or resolve_model(getattr(getattr(engine, "config", None), "model", None)).name
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, compiler or build_compiler(engine, options),
-                               AsyncEngineConfig(max_in_flight=options.max_in_flight), observer=metrics)
+                               AsyncEngineConfig(max_in_flight=options.max_in_flight,
+                                                 max_compiling=options.max_compiling), observer=metrics)
     config = ServerConfig(model_name=name, max_model_len=engine_max_model_len(engine), api_keys=options.api_keys,
-                          max_body_bytes=options.max_body_bytes, default_max_tokens=options.default_max_tokens)
+                          protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
+                          default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
+                          reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits)
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
+
+
+def warm_up(ctx: ServingContext) -> None:
+    """Before the first request: build what every constrained request shares (the vocabulary's token tables and
+    trie, the any-value grammar), so the first one does not pay for it; then move everything alive into the
+    garbage collector's permanent generation. A full collection otherwise walks the model's and tokenizer's half
+    a million objects: 100-200 ms holding the GIL, stalling every other request, at a moment chosen by the
+    allocations of whichever request is compiling (vLLM freezes its heap for the same reason)."""
+    from corral.grammar.constraint import Constraint
+
+    compiler = ctx.engine.compiler
+    if hasattr(compiler, "vocab"):
+        compiler.compile(Constraint("json_schema", {"type": "object", "properties": {"a": {}}}))
+    gc.collect()
+    gc.freeze()
+
+
+class GracefulServer:
+    """uvicorn's server, with the shutdown described above."""
+
+    def __init__(self, ctx: ServingContext, host: str, port: int, grace_s: float, log_level: str = "info"):
+        import uvicorn
+
+        from corral.api.server import build_app
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # a signal handler: hand the work to the event loop at once
+                if not self.should_exit and outer.loop is not None:
+                    outer.loop.call_soon_threadsafe(outer.begin_shutdown)
+                super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                with super().capture_signals():
+                    yield
+                    # subtle: uvicorn re-raises the signals it caught once it has stopped, and the default SIGTERM
+                    # action kills the process before the engine is shut down; the shutdown is handled here
+                    self._captured_signals.clear()
+
+        config = uvicorn.Config(build_app(ctx), host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=grace_s + 0.5)
+        self.ctx, self.grace_s, self.server = ctx, grace_s, _Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self) -> None:
+        """Warm up, serve until shut down, then stop the engine loop."""
+        warm_up(self.ctx)
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        try:
+            await self.server.serve()
+        finally:
+            self.ctx.engine.shutdown(timeout_s=1.0)
+
+    def begin_shutdown(self) -> None:
+        """On the event loop: refuse new requests now, fail the rest after the grace period, and arm the hard
+        deadline (a watchdog thread outside the GIL that ends the process if exiting is still not done)."""
+        faulthandler.dump_traceback_later(self.grace_s + 1.8, exit=True)
+        self.ctx.engine.drain()
+        error = ShuttingDownError(f"the server shut down before this request finished (grace period "
+                                  f"{self.grace_s:g} s)")
+        self.loop.call_later(self.grace_s, self.ctx.engine.fail_all, error)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -4,7 +4,9 @@ Exposed (label ``model_name``): ``vllm:time_to_first_token_seconds``, ``vllm:int
 ``vllm:e2e_request_latency_seconds`` (histograms, vLLM's buckets), ``vllm:num_requests_running`` /
 ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (gauges, 1 = full), ``vllm:prefix_cache_queries`` /
 ``vllm:prefix_cache_hits`` (counters, in tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` and
-``vllm:request_success`` by ``finished_reason`` (counters). Corral's own: ``corral:grammar_compile_seconds``.
+``vllm:request_success`` by ``finished_reason`` (counters). Corral's own: ``corral:grammar_compile_seconds``, and
+the gauges ``corral:num_requests_in_flight`` (admitted, from arrival to end: what ``max_in_flight`` bounds) and
+``corral:num_requests_compiling`` (constraints queued or compiling).
 
 The text format is written here (it is a dozen lines) rather than pulling in ``prometheus_client``. Times are
 taken when the engine thread hands an output over, so they include scheduling but not the network.
@@ -99,15 +101,20 @@ class ServerMetrics:
     def on_stats(self, stats) -> None:
         self.stats = stats
 
-    def render(self) -> str:
+    def render(self, num_in_flight: int = 0, num_compiling: int = 0) -> str:
         with self._lock:
-            return "\n".join(self._lines()) + "\n"
+            return "\n".join(self._lines(num_in_flight, num_compiling)) + "\n"
 
-    def _lines(self) -> list[str]:
+    def _lines(self, num_in_flight: int, num_compiling: int) -> list[str]:
         lab, out = self.labels, []
 
         def metric(name: str, kind: str, help_text: str, rows: list[str]) -> None:
             out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *rows])
+
+        metric("corral:num_requests_in_flight", "gauge", "Requests admitted and not ended (compiling, waiting or "
+               "running).", [f"{{{lab}}} {num_in_flight}"])
+        metric("corral:num_requests_compiling", "gauge", "Constraints queued or compiling.",
+               [f"{{{lab}}} {num_compiling}"])
 
         running, waiting, usage, queries, hits = stats_numbers(self.stats)
         metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])

@@ -6,16 +6,26 @@ ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnect
 and those disconnects are what abort a request and free its KV blocks.
 
 Status codes: 400 for anything the caller got wrong (every ``UserInputError``, and body validation), 401 for a
-missing or wrong API key, 404 for an unknown model, 413 for a body over the limit, 429 when the queue is full,
-503 when the engine loop has died.
+missing or wrong API key, 404 for an unknown model or route, 413 for a body over the limit (declared or sent
+chunked), 429 when ``max_in_flight`` requests are in flight or the compile queue is full, 503 while shutting
+down or when the engine loop has died. Every error body has OpenAI's shape.
+
+Keys are compared in constant time. Without ``protect_all`` only ``/v1/*`` needs a key; with it ``/metrics``
+and the API docs do too. ``/health`` never does (load balancers probe it).
 """
+
+import hmac
+import json
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from corral.api.context import ClientGoneError, ServingContext
+from corral.api.event_stream import EventStream
 from corral.api.serving_chat import chat_completion
 from corral.api.serving_completions import completion
 from corral.errors import CorralError
@@ -35,6 +45,8 @@ def error_body(status: int, message: str, error_type: str, param: str | None = N
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not JSON: {first.get('ctx', {}).get('error', 'invalid')}", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     where = ".".join(loc)
     if first.get("type") == "extra_forbidden":
@@ -43,23 +55,33 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
 
 
 class GuardMiddleware:
-    """API keys (``Authorization: Bearer <key>`` on ``/v1/*``) and the request body size limit."""
+    """API keys (``Authorization: Bearer <key>``) and the request body size limit."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
-        self.app, self.api_keys, self.max_body_bytes = app, frozenset(api_keys), max_body_bytes
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, protect_all: bool = False):
+        self.app, self.max_body_bytes, self.protect_all = app, max_body_bytes, protect_all
+        self.api_keys = tuple(key.encode() for key in api_keys)
+
+    def needs_key(self, path: str) -> bool:
+        return bool(self.api_keys) and (path.startswith("/v1") or (self.protect_all and path != "/health"))
+
+    def key_ok(self, authorization: str) -> bool:
+        given = authorization.removeprefix("Bearer ").strip().encode("latin-1")
+        ok = False
+        for key in self.api_keys:  # every key compared, each in constant time
+            ok |= hmac.compare_digest(given, key)
+        return ok
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_keys and scope["path"].startswith("/v1"):
-            if headers.get("authorization", "").removeprefix("Bearer ").strip() not in self.api_keys:
-                response = error_body(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
-                                      "invalid_request_error", code="invalid_api_key")
-                return await response(scope, receive, send)
+        if self.needs_key(scope["path"]) and not self.key_ok(headers.get("authorization", "")):
+            response = error_body(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                                  "invalid_request_error", code="invalid_api_key")
+            return await response(scope, receive, send)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._too_large(scope, receive, send)
+            return await too_large(self.max_body_bytes)(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -67,23 +89,53 @@ class GuardMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise _BodyTooLarge()
+                if seen > self.max_body_bytes:  # a chunked body past the limit: the route answers 413
+                    raise BodyTooLargeError(self.max_body_bytes)
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._too_large(scope, receive, send)
-
-    async def _too_large(self, scope, receive, send):
-        response = error_body(413, f"The request body is larger than {self.max_body_bytes} bytes.",
-                              "invalid_request_error", code="request_too_large")
-        await response(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+def too_large(limit: int) -> JSONResponse:
+    return error_body(413, f"The request body is larger than {limit} bytes.", "invalid_request_error",
+                      code="request_too_large")
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body must be standard JSON: ``NaN`` and ``Infinity``, which Python's parser takes by
+    default, are refused, so no request value downstream can be a non-finite number. A body nested past the
+    parser's recursion limit is refused with the same error."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = json.loads(body, parse_constant=_refuse_constant)
+            except RecursionError:
+                raise json.JSONDecodeError("nested too deeply", body.decode("utf-8", "replace")[:64], 0) from None
+        return self._json
+
+
+def _refuse_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request):
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
+class BodyTooLargeError(HTTPException):
+    """Raised while the body is read (FastAPI passes HTTP exceptions through its body parsing)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"The request body is larger than {limit} bytes.")
+        self.limit = limit
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -106,18 +158,24 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_gone(_, err):
         return PlainTextResponse("", status_code=499)
 
+    @app.exception_handler(HTTPException)
+    async def on_http(_, err: HTTPException):  # unknown routes, wrong methods, a body past the limit
+        if isinstance(err, BodyTooLargeError):
+            return too_large(err.limit)
+        return error_body(err.status_code, str(err.detail), "invalid_request_error")
+
 
 def _respond(result):
-    if hasattr(result, "model_dump"):
-        return JSONResponse(result.model_dump(mode="json"))
-    return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if isinstance(result, EventStream):
+        return result
+    return JSONResponse(result.model_dump(mode="json", exclude={"warnings"} if result.warnings is None else None))
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
     """The OpenAI-compatible app over ``ctx``. Its OpenAPI schema is served at ``/openapi.json``."""
     app = FastAPI(title="Corral", version="0.1.0", description="Structured-output generation, OpenAI-compatible.")
     app.state.ctx = ctx
+    app.router.route_class = StrictJSONRoute
     _install_error_handlers(app)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion,
@@ -141,10 +199,12 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = ctx.metrics.render(ctx.engine.num_in_flight(), ctx.engine.num_compiling())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     app.openapi = lambda: _openapi_with_stream_events(app)
-    app.add_middleware(GuardMiddleware, api_keys=ctx.config.api_keys, max_body_bytes=ctx.config.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_keys=ctx.config.api_keys, max_body_bytes=ctx.config.max_body_bytes,
+                       protect_all=ctx.config.protect_all)
     return app
 
 

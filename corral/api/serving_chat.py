@@ -5,12 +5,14 @@ Tool-mode outputs are read back into ``tool_calls`` (whole, or as deltas while s
 the stream started is sent as one ``data: {"error": ...}`` event before ``[DONE]``.
 """
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from corral.api.context import ServingContext
+from corral.api.context import ServingContext, warnings_of
+from corral.api.event_stream import EventStream
 from corral.api.outputs import chat_logprobs, logprob_rows, select_choices, usage
 from corral.errors import CorralError
 from corral.schemas.chat import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
@@ -26,14 +28,25 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
 
 
 async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
-    """A ``ChatCompletion``, or an async iterator of SSE lines when ``req.stream``."""
+    """A ``ChatCompletion``, or an :class:`EventStream` of SSE lines when ``req.stream``."""
     ctx.check_model(req.model)
-    prepared = prepare_chat(req, ctx.tokenizer, max_model_len=ctx.config.max_model_len,
-                            default_max_tokens=ctx.config.default_max_tokens)
-    if req.stream:
-        request_id, outputs = await ctx.start("chatcmpl", prepared)
-        return _stream(ctx, req, request_id, prepared, outputs)
-    request_id, latest, last = await ctx.collect(raw, "chatcmpl", prepared)
+    ticket = ctx.admit()
+    try:
+        prepared = await ctx.prepare(raw, prepare_chat, req)
+        grammar = await ctx.compile(raw, prepared)
+        if req.stream:
+            request_id, outputs = await ctx.start(raw, "chatcmpl", prepared, grammar)
+            events = _stream(ctx, req, request_id, prepared, outputs, warnings_of(grammar))
+            response, ticket = EventStream(events, outputs, ticket, ctx.config.send_timeout_s), None  # it releases
+            return response
+        run = await ctx.collect(raw, "chatcmpl", prepared, grammar)
+        return _completion(ctx, req, prepared, *run, warnings_of(grammar))
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+def _completion(ctx, req, prepared, request_id, latest, last, warnings) -> ChatCompletion:
     num_top = req.top_logprobs or 0
     choices = []
     for index, out in enumerate(select_choices(prepared.strategy, list(latest.values()), req.n)):
@@ -46,7 +59,8 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
             logprobs=chat_logprobs(ctx.vocabulary, logprob_rows(out), num_top) if req.logprobs else None))
     num_generated = sum(len(o.token_ids) for o in latest.values())
     return ChatCompletion(id=request_id, model=req.model, choices=choices,
-                          usage=usage(len(prepared.prompt_token_ids), num_generated, last.num_cached_tokens))
+                          usage=usage(len(prepared.prompt_token_ids), num_generated, last.num_cached_tokens),
+                          warnings=warnings)
 
 
 class _ChoiceState:
@@ -76,26 +90,29 @@ def _sse(payload) -> str:
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prepared: PreparedRequest,
-                  outputs: AsyncIterator) -> AsyncIterator[str]:
-    def chunk(choices, usage_=None):
-        return _sse(ChatCompletionChunk(id=request_id, model=req.model, choices=choices, usage=usage_))
+                  outputs: AsyncIterator, warnings: list[str] | None) -> AsyncIterator[str]:
+    def chunk(choices, usage_=None, warnings_=None):
+        return _sse(ChatCompletionChunk(id=request_id, model=req.model, choices=choices, usage=usage_,
+                                        warnings=warnings_))
 
-    states = [_ChoiceState(prepared.tool_mode != "none") for _ in range(req.n)]
-    for index in range(req.n):
-        yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-    num_cached = 0
-    try:
-        async for output in outputs:
-            num_cached = output.num_cached_tokens
-            for out in output.outputs:
-                for line in _choice_chunks(ctx, req, states[out.index], out, chunk):
-                    yield line
-    except CorralError as err:
-        yield _sse({"error": {"message": str(err), "type": getattr(err, "error_type", "server_error"),
-                              "param": None, "code": None}})
-    if req.stream_options is not None and req.stream_options.include_usage:
-        num_generated = sum(s.num_tokens for s in states)
-        yield chunk([], usage(len(prepared.prompt_token_ids), num_generated, num_cached))
+    async with contextlib.aclosing(outputs):  # closed at once when the client goes: the engine request aborts
+        states = [_ChoiceState(prepared.tool_mode != "none") for _ in range(req.n)]
+        for index in range(req.n):  # the compiler's warnings ride on the first chunk
+            yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                        warnings_=warnings if index == 0 else None)
+        num_cached = 0
+        try:
+            async for output in outputs:
+                num_cached = output.num_cached_tokens
+                for out in output.outputs:
+                    for line in _choice_chunks(ctx, req, states[out.index], out, chunk):
+                        yield line
+        except CorralError as err:
+            yield _sse({"error": {"message": str(err), "type": getattr(err, "error_type", "server_error"),
+                                  "param": None, "code": None}})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            num_generated = sum(s.num_tokens for s in states)
+            yield chunk([], usage(len(prepared.prompt_token_ids), num_generated, num_cached))
     yield "data: [DONE]\n\n"
 
 

@@ -115,6 +115,7 @@ class ChatCompletion(Open):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    warnings: list[str] | None = None  # Corral's: what the constraint's compiler ignored (unknown keywords, ...)
 
 
 class FunctionCallDelta(Open):
@@ -149,3 +150,4 @@ class ChatCompletionChunk(Open):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    warnings: list[str] | None = None  # on the first chunk only

@@ -74,6 +74,9 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    # Corral's: refuse (True) or report (False) schema keywords that are no JSON Schema vocabulary; None takes
+    # the server's default (reported, unless started with --reject-unknown-keywords).
+    reject_unknown_keywords: bool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

@@ -44,6 +44,7 @@ class Completion(Open):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    warnings: list[str] | None = None  # Corral's: what the constraint's compiler ignored (unknown keywords, ...)
 
 
 class ModelCard(Open):

@@ -55,8 +55,16 @@ def _whitespace(req: SamplingFields) -> str:
     return "flexible" if so is not None and not so.disable_any_whitespace else "compact"
 
 
-def request_constraint(req: SamplingFields) -> Constraint | None:
-    """The request's one constraint in canonical form, or None when it names none.
+def rejects_unknown_keywords(req: SamplingFields, default: bool) -> bool:
+    """The request's own choice (``structured_outputs.reject_unknown_keywords``), else the server's ``default``."""
+    so = req.structured_outputs
+    return default if so is None or so.reject_unknown_keywords is None else so.reject_unknown_keywords
+
+
+def request_constraint(req: SamplingFields, reject_unknown_keywords: bool = False) -> Constraint | None:
+    """The request's one constraint in canonical form, or None when it names none. A schema's keywords that are
+    no JSON Schema vocabulary are refused when the request (``structured_outputs.reject_unknown_keywords``) or,
+    failing that, ``reject_unknown_keywords`` (the server's default) says so; else they are warnings.
 
     Raises :class:`InvalidRequestError` for two constraints at once and for options Corral cannot honour,
     and :class:`InvalidSchemaError` / :class:`InvalidGrammarError` for a constraint value of the wrong shape.
@@ -72,33 +80,14 @@ def request_constraint(req: SamplingFields) -> Constraint | None:
     if not found:
         return None
     param, kind, value = found[0]
+    reject = False
     if kind == "json_schema":
         value = _json_value(value, param)
+        reject = rejects_unknown_keywords(req, reject_unknown_keywords)
     elif kind == "choice":
         if not value:
             raise InvalidGrammarError(f"'{param}' must list at least one choice")
         value = sorted(set(value))  # canonical: the language does not depend on order or repeats
     elif kind in ("regex", "grammar") and not value:
         raise InvalidGrammarError(f"'{param}' is empty")
-    return Constraint(kind, value, whitespace=_whitespace(req))
-
-
-def constraint_node(constraint: Constraint):
-    """The regex AST of a constraint, for combining it with tool calls. Lark grammars are not regular in
-    general, so they cannot be combined this way."""
-    from corral.grammar.json_schema import schema_to_node
-    from corral.grammar.regex_ast import alt, literal
-    from corral.grammar.regex_parser import parse_regex
-
-    if constraint.kind == "json_schema":
-        return schema_to_node(constraint.value, whitespace=constraint.whitespace,
-                              max_whitespace=constraint.max_whitespace)
-    if constraint.kind == "json_object":
-        return schema_to_node({"type": "object"}, whitespace=constraint.whitespace,
-                              max_whitespace=constraint.max_whitespace)
-    if constraint.kind == "regex":
-        return parse_regex(constraint.value)
-    if constraint.kind == "choice":
-        return alt(*(literal(choice) for choice in constraint.value))
-    raise InvalidRequestError("a Lark grammar cannot be combined with tools; use tool_choice 'none' or drop the "
-                              "grammar", param="tool_choice")
+    return Constraint(kind, value, whitespace=_whitespace(req), reject_unknown_keywords=reject)

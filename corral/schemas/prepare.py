@@ -12,14 +12,14 @@ import jinja2
 from corral.engine.sampling_params import SamplingParams
 from corral.errors import InvalidRequestError
 from corral.grammar.constraint import Constraint
-from corral.grammar.regex_ast import Node
 from corral.models import Tokenizer
 from corral.schemas.chat import ChatCompletionRequest
 from corral.schemas.common import SamplingFields
 from corral.schemas.completions import CompletionRequest
-from corral.schemas.constraints import constraint_node, request_constraint
+from corral.schemas.constraints import rejects_unknown_keywords, request_constraint
+from corral.schemas.limits import RequestLimits
 from corral.schemas.sampling import output_budget, sampling_params
-from corral.schemas.tools import template_messages, tool_choice_mode, tools_node
+from corral.schemas.tools import check_tool_limits, template_messages, tool_choice_mode, tools_constraint
 
 StrategyKind = Literal["sample", "best_of", "self_consistency", "beam_search"]
 
@@ -40,8 +40,7 @@ class Strategy:
 class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
-    constraint: Constraint | None = None  # compiled with GrammarCompiler.compile
-    node: Node | None = None  # tools: compiled with GrammarCompiler.compile_node (wins over ``constraint``)
+    constraint: Constraint | None = None  # compiled with GrammarCompiler.compile (tool calls too)
     tool_mode: str = "none"
     strategy: Strategy = Strategy()
 
@@ -82,10 +81,18 @@ def _num_logprobs(enabled: bool, top: int | None) -> int | None:
 
 
 def _params(req: SamplingFields, num_prompt: int, num_logprobs: int | None, tokenizer: Tokenizer,
-            max_model_len: int, default_max_tokens: int | None, strategy: Strategy) -> SamplingParams:
+            max_model_len: int, default_max_tokens: int | None, strategy: Strategy,
+            limits: RequestLimits) -> SamplingParams:
     budget = output_budget(req, num_prompt, max_model_len, default_max_tokens)
     return sampling_params(req, max_tokens=budget, num_logprobs=num_logprobs, vocab_size=tokenizer.vocab_size,
-                           n=strategy.width)
+                           n=strategy.width, limits=limits)
+
+
+def _check_sequences(strategy: Strategy, num_prompts: int, limits: RequestLimits) -> None:
+    if strategy.width * num_prompts > limits.max_sequences:
+        raise InvalidRequestError(f"this request would run {strategy.width * num_prompts} sequences at once "
+                                  f"({num_prompts} prompts x {strategy.width} per prompt); the limit is "
+                                  f"{limits.max_sequences}", param="n")
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> str:
@@ -99,24 +106,38 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> str:
 
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_len: int,
-                 default_max_tokens: int | None = None) -> PreparedRequest:
+                 default_max_tokens: int | None = None, limits: RequestLimits = RequestLimits(),
+                 reject_unknown_keywords: bool = False) -> PreparedRequest:
+    """What the engine runs for a chat request. Renders the template and tokenizes: call it off the event loop.
+    ``reject_unknown_keywords``: the server's default for schemas (a request may set its own)."""
+    if len(req.messages) > limits.max_messages:
+        raise InvalidRequestError(f"at most {limits.max_messages} messages are allowed, this request has "
+                                  f"{len(req.messages)}", param="messages")
+    check_tool_limits(req.tools, limits)
     strategy = strategy_of(req)
-    constraint = request_constraint(req)
+    _check_sequences(strategy, 1, limits)
+    constraint = request_constraint(req, reject_unknown_keywords)
     _check_pointer(strategy, constraint)
     mode = tool_choice_mode(req.tools, req.tool_choice)
-    node = None
-    # With 'required' or a named tool the output is the call, so a response_format describes a later turn's
-    # answer, not this one; with 'auto' it is the alternative to a call.
-    if mode != "none":
-        answer = constraint_node(constraint) if constraint is not None and mode == "auto" else None
-        node = tools_node(req.tools, req.tool_choice, parallel=req.parallel_tool_calls, answer=answer)
+    constraint = tools_constraint(req.tools, req.tool_choice, parallel=req.parallel_tool_calls, answer=constraint,
+                                  reject_unknown_keywords=rejects_unknown_keywords(req, reject_unknown_keywords))
+    _make_key(constraint)
     prompt_ids = tokenizer.encode(chat_prompt(req, tokenizer))
     params = _params(req, len(prompt_ids), _num_logprobs(req.logprobs, req.top_logprobs), tokenizer,
-                     max_model_len, default_max_tokens, strategy)
-    return PreparedRequest(prompt_ids, params, None if node is not None else constraint, node, mode, strategy)
+                     max_model_len, default_max_tokens, strategy, limits)
+    return PreparedRequest(prompt_ids, params, constraint, mode, strategy)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+def _make_key(constraint: Constraint | None) -> None:
+    """Make the constraint's cache key here, off the event loop (a full serialization of the schema), so that a
+    compile-cache hit is a dictionary lookup on the loop; a value that is not JSON is refused now."""
+    if constraint is not None:
+        constraint.cache_key()
+
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       limits: RequestLimits = RequestLimits()) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         batch = [prompt]
@@ -126,6 +147,9 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[lis
         batch = list(prompt)
     if not batch:
         raise InvalidRequestError("'prompt' is empty", param="prompt")
+    if len(batch) > limits.max_prompts:
+        raise InvalidRequestError(f"at most {limits.max_prompts} prompts are allowed in one request, this one has "
+                                  f"{len(batch)}", param="prompt")
     out = []
     for item in batch:
         ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
@@ -138,12 +162,17 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[lis
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, *, max_model_len: int,
-                       default_max_tokens: int | None = None) -> list[PreparedRequest]:
+                       default_max_tokens: int | None = None, limits: RequestLimits = RequestLimits(),
+                       reject_unknown_keywords: bool = False) -> list[PreparedRequest]:
+    """One engine request per prompt. Tokenizes: call it off the event loop."""
     if req.suffix:
         raise InvalidRequestError("'suffix' is not supported", param="suffix")
     strategy = strategy_of(req)
-    constraint = request_constraint(req)
+    constraint = request_constraint(req, reject_unknown_keywords)
     _check_pointer(strategy, constraint)
+    prompts = completion_prompts(req, tokenizer, limits)
+    _check_sequences(strategy, len(prompts), limits)
+    _make_key(constraint)
     return [PreparedRequest(ids, _params(req, len(ids), req.logprobs, tokenizer, max_model_len,
-                                         default_max_tokens, strategy), constraint, None, "none", strategy)
-            for ids in completion_prompts(req, tokenizer)]
+                                         default_max_tokens, strategy, limits), constraint, "none", strategy)
+            for ids in prompts]

@@ -7,6 +7,7 @@ Defaults follow OpenAI where they differ from ``SamplingParams``: temperature 1,
 from corral.engine.sampling_params import SamplingParams, make_logit_bias
 from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.schemas.common import SamplingFields
+from corral.schemas.limits import RequestLimits
 
 
 def output_budget(req: SamplingFields, num_prompt_tokens: int, max_model_len: int,
@@ -29,19 +30,27 @@ def output_budget(req: SamplingFields, num_prompt_tokens: int, max_model_len: in
     return requested
 
 
-def _stop(req: SamplingFields) -> tuple[str, ...]:
+def _stop(req: SamplingFields, limits: RequestLimits) -> tuple[str, ...]:
     if req.stop is None:
         return ()
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
-    if len(stops) > 16:
-        raise InvalidRequestError("at most 16 stop sequences are allowed", param="stop")
+    if len(stops) > limits.max_stop:
+        raise InvalidRequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise InvalidRequestError(f"a stop sequence may hold at most {limits.max_stop_chars} characters",
+                                  param="stop")
     return tuple(s for s in stops if s)
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, num_logprobs: int | None, vocab_size: int,
-                    n: int | None = None) -> SamplingParams:
+                    n: int | None = None, limits: RequestLimits = RequestLimits()) -> SamplingParams:
     """The request's per-token knobs. ``n`` overrides the request's (Best-of-N and self-consistency draw more
     candidates than they return)."""
+    if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequestError(f"logit_bias may hold at most {limits.max_logit_bias} entries", param="logit_bias")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids",
+                                  param="stop_token_ids")
     bias = make_logit_bias(req.logit_bias)
     for token_id, _ in bias:
         if token_id >= vocab_size:
@@ -60,7 +69,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, num_logprobs: int |
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=min(req.min_tokens, max_tokens),
-        stop=_stop(req),
+        stop=_stop(req, limits),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logit_bias=bias,

@@ -1,12 +1,9 @@
-"""Tools: the constraint a tool call must match, how tools reach the prompt, and how calls are read back.
+"""Tools: the constraint a request with tools compiles to, how tools reach the prompt, and how calls are read back.
 
-A call is written ``<tool_call>{"name": "NAME", "arguments": ARGS}</tool_call>``, where ``ARGS`` is constrained by
-the function's ``parameters`` schema (compact JSON). Parallel calls are separated by one newline. The whole
-output's language is a regex AST, compiled with ``GrammarCompiler.compile_node``:
-
-- ``required`` or a named function: one call (or, with ``parallel_tool_calls``, several) and nothing else;
-- ``auto``: free text that never spells ``<tool_call>``, optionally followed by calls; the call is therefore
-  constrained from its first byte. With a ``response_format`` too, ``auto`` is that format or calls.
+The calls' language (``<tool_call>{"name": "NAME", "arguments": ARGS}</tool_call>``, ``ARGS`` constrained by the
+function's ``parameters``) is ``corral.grammar.tool_calls``; here a request's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` become that constraint's value, checked against the request limits, and compiled like
+any other constraint (in the compile pool, under the request's one budget).
 
 Templates that know tools (they mention ``tools``) get them natively. Others, like SmolLM2's, get the tool list
 written into the system message by :func:`tools_system_text`, and past calls are written back in the exact form
@@ -16,64 +13,13 @@ the model is constrained to produce, so a multi-turn prompt repeats its own pref
 import json
 import re
 
-from corral.errors import InvalidRequestError, UserInputError
-from corral.grammar.regex_ast import CharSet, Node, Repeat, alt, literal, optional, seq
+from corral.errors import InvalidRequestError
+from corral.grammar.constraint import Constraint
+from corral.grammar.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SUFFIX, call_prefix
 from corral.schemas.chat import ChatMessage, NamedToolChoice, Tool
+from corral.schemas.limits import RequestLimits
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
-
-
-def call_prefix(name: str) -> str:
-    return f'{CALL_OPEN}{{"name": "{name}", "arguments": '
-
-
-CALL_SUFFIX = "}" + CALL_CLOSE
-
-
-def text_without(word: str) -> Node:
-    """Any text (Unicode scalar values) in which ``word`` never occurs.
-
-    subtle: this closed form needs ``word[0]`` to occur nowhere else in ``word`` (true of ``<tool_call>``): then a
-    partial match can only restart at that character. With ``B_k = word[:k+1]`` (k < len(word) - 1) the proper
-    prefixes,
-    the language is ``([^w0] | B* Z)* B*`` where ``Z = B_k`` followed by a character that is neither ``w0`` nor
-    the one that would extend it.
-    """
-    first, rest = word[0], word[1:]
-    assert first not in rest, word
-    not_first = _subtract(_SCALARS, first)
-    broken = [literal(first + rest[:k]) for k in range(len(rest))]
-    z = alt(*(seq(b, _subtract(not_first, rest[k])) for k, b in enumerate(broken)))
-    any_broken = Repeat(alt(*broken), 0, None)
-    return seq(Repeat(alt(not_first, seq(any_broken, z)), 0, None), any_broken)
-
-
-_SCALARS = CharSet.of((0, 0xD7FF), (0xE000, 0x10FFFF))  # code points that UTF-8 can spell (no surrogates)
-
-
-def _subtract(chars: CharSet, text: str) -> CharSet:
-    return chars.negate().union(CharSet.chars(text)).negate()
-
-
-def _arguments_node(tool: Tool, index: int) -> Node:
-    from corral.grammar.json_schema import schema_to_node
-
-    schema = tool.function.parameters if tool.function.parameters is not None else _NO_PARAMETERS
-    try:
-        return schema_to_node(schema, whitespace="compact")
-    except UserInputError as err:
-        err.args = (f"tools[{index}] ('{tool.function.name}') parameters: {err}",)
-        err.param = f"tools[{index}].function.parameters"
-        raise
-
-
-def calls_node(tools: list[Tool], *, parallel: bool) -> Node:
-    """One call to any of ``tools`` or, with ``parallel``, one or more separated by newlines."""
-    one = alt(*(seq(literal(call_prefix(t.function.name)), _arguments_node(t, i), literal(CALL_SUFFIX))
-                for i, t in enumerate(tools)))
-    return seq(one, Repeat(seq(literal("\n"), one), 0, None)) if parallel else one
 
 
 def tool_choice_mode(tools: list[Tool] | None, choice) -> str:
@@ -87,23 +33,43 @@ def tool_choice_mode(tools: list[Tool] | None, choice) -> str:
     return "named" if isinstance(choice, NamedToolChoice) else choice
 
 
-def tools_node(tools: list[Tool], choice, *, parallel: bool, answer: Node | None) -> Node | None:
-    """The output language for a request with tools (None for ``tool_choice='none'``)."""
+def check_tool_limits(tools: list[Tool] | None, limits: RequestLimits) -> None:
+    """A 400 naming the limit when a request brings more tools, or more tool text, than the server takes."""
+    if not tools:
+        return
+    if len(tools) > limits.max_tools:
+        raise InvalidRequestError(f"at most {limits.max_tools} tools are allowed, this request has {len(tools)}",
+                                  param="tools")
+    size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False))
+    if size > limits.max_tools_bytes:
+        raise InvalidRequestError(f"the tools take {size} bytes of JSON, past the limit of {limits.max_tools_bytes}",
+                                  param="tools")
+
+
+def tools_constraint(tools: list[Tool] | None, choice, *, parallel: bool, answer: Constraint | None,
+                     reject_unknown_keywords: bool = False) -> Constraint | None:
+    """The output constraint of a request with tools: its calls (and, with 'auto', free text or ``answer``).
+    ``tool_choice='none'`` leaves ``answer`` (or nothing) as the constraint."""
     mode = tool_choice_mode(tools, choice)
     if mode == "none":
         return answer
+    chosen = list(enumerate(tools))
     if mode == "named":
-        chosen = [t for t in tools if t.function.name == choice.function.name]
+        chosen = [(i, t) for i, t in chosen if t.function.name == choice.function.name]
         if not chosen:
             raise InvalidRequestError(f"tool_choice names '{choice.function.name}', which is not in 'tools'",
                                       param="tool_choice")
-        return calls_node(chosen, parallel=parallel)
-    if mode == "required":
-        return calls_node(tools, parallel=parallel)
-    calls = calls_node(tools, parallel=parallel)
-    if answer is not None:
-        return alt(answer, calls)
-    return seq(text_without(CALL_OPEN), optional(calls))
+    # With 'required' or a named tool the output is the call, so a response_format describes a later turn's
+    # answer, not this one; with 'auto' it is the alternative to a call.
+    if answer is not None and answer.kind == "grammar" and mode == "auto":
+        raise InvalidRequestError("a Lark grammar cannot be combined with tools; use tool_choice 'none' or drop the "
+                                  "grammar", param="tool_choice")
+    value = {"tools": [{"index": i, "name": t.function.name, "parameters": t.function.parameters} for i, t in chosen],
+             "mode": "auto" if mode == "auto" else "required", "parallel": parallel,
+             "answer": {"kind": answer.kind, "value": answer.value} if answer is not None and mode == "auto"
+             else None}
+    whitespace = answer.whitespace if value["answer"] is not None else "compact"  # the answer's; calls are compact
+    return Constraint("tools", value, whitespace=whitespace, reject_unknown_keywords=reject_unknown_keywords)
 
 
 def tools_system_text(tools: list[Tool]) -> str:

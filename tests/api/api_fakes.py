@@ -162,6 +162,7 @@ class FakeEngine:
 class FakeCompiled:
     def __init__(self, guide_factory):
         self.new_guide = guide_factory
+        self.warnings = ()
 
 
 class FakeCompiler:
@@ -170,10 +171,14 @@ class FakeCompiler:
     def __init__(self):
         self.compiled = []
 
-    def compile(self, constraint):
-        self.compiled.append(constraint)
-        return FakeCompiled(lambda: None)
+    def new_budget(self):
+        from corral.budget import Budget
 
-    def compile_node(self, node):
-        self.compiled.append(node)
+        return Budget()
+
+    def lookup(self, constraint):
+        return None
+
+    def compile(self, constraint, budget=None):
+        self.compiled.append(constraint)
         return FakeCompiled(lambda: None)

@@ -7,6 +7,7 @@ from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.models import load_tokenizer
 from corral.schemas.chat import ChatCompletionRequest
 from corral.schemas.completions import CompletionRequest
+from corral.schemas.limits import RequestLimits
 from corral.schemas.prepare import Strategy, prepare_chat, prepare_completion, strategy_of
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -27,7 +28,7 @@ def test_chat_prompt_is_the_models_template(tok):
     assert prepared.prompt_token_ids == tok.encode(text)
     assert tok.decode(prepared.prompt_token_ids).endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert prepared.params == SamplingParams(max_tokens=7)
-    assert prepared.constraint is None and prepared.node is None and prepared.strategy == Strategy()
+    assert prepared.constraint is None and prepared.strategy == Strategy()
 
 
 def test_openai_parameters_map_onto_sampling_params(tok):
@@ -103,3 +104,34 @@ def test_completion_prompts_in_every_shape(tok):
         prepare_completion(CompletionRequest(model="m", prompt=[1, 99999]), tok, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="'suffix' is not supported"):
         prepare_completion(CompletionRequest(model="m", prompt="a", suffix="b"), tok, max_model_len=64)
+
+
+LIMITS = RequestLimits(max_messages=2, max_prompts=2, max_sequences=8, max_stop=2, max_stop_chars=4,
+                       max_stop_token_ids=2, max_logit_bias=2)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": MSG * 3}, "messages", "at most 2 messages are allowed, this request has 3"),
+    ({"n": 9}, "n", "would run 9 sequences at once"),
+    ({"use_beam_search": True, "best_of": 9}, "n", "would run 9 sequences at once"),
+    ({"stop": ["a", "b", "c"]}, "stop", "at most 2 stop sequences"),
+    ({"stop": "toolong"}, "stop", "at most 4 characters"),
+    ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids", "at most 2 ids"),
+    ({"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias", "at most 2 entries"),
+])
+def test_chat_limits_name_the_parameter(tok, body, param, message):
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        prepare_chat(ChatCompletionRequest(model="m", **{"messages": MSG, **body}), tok, max_model_len=2048,
+                     limits=LIMITS)
+    assert info.value.param == param
+
+
+def test_completion_limits_count_prompts_and_their_sequences(tok):
+    with pytest.raises(InvalidRequestError, match="at most 2 prompts") as info:
+        prepare_completion(CompletionRequest(model="m", prompt=["a", "b", "c"]), tok, max_model_len=2048,
+                           limits=LIMITS)
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"9 sequences at once \(1 prompts x 9 per prompt\)"):
+        prepare_completion(CompletionRequest(model="m", prompt="a", n=9), tok, max_model_len=2048, limits=LIMITS)
+    assert len(prepare_completion(CompletionRequest(model="m", prompt=["a", "b"], n=4), tok, max_model_len=2048,
+                                  limits=LIMITS)) == 2

@@ -1,34 +1,20 @@
 """Tool calls: the free-text language, prompt rendering, reading calls back, and streaming deltas."""
 
-import itertools
-import re
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.errors import InvalidRequestError
-from corral.grammar.regex_ast import to_python_regex
-from corral.schemas.chat import ChatMessage, Tool
+from corral.grammar.constraint import Constraint
+from corral.schemas.chat import ChatMessage, NamedToolChoice, Tool
+from corral.schemas.limits import RequestLimits
 from corral.schemas.tool_stream import ToolCallStream
-from corral.schemas.tools import split_tool_calls, template_messages, text_without, tools_node, write_call
+from corral.schemas.tools import (check_tool_limits, split_tool_calls, template_messages, tools_constraint,
+                                  write_call)
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
-
-
-@pytest.mark.parametrize("word", ["<ab>", "<tool_call>"])
-def test_text_without_is_exactly_the_texts_that_avoid_the_word(word):
-    pattern = re.compile(to_python_regex(text_without(word)), re.DOTALL)
-    alphabet = sorted(set(word)) + ["x"]
-    for n in range(6):
-        for chars in itertools.product(alphabet, repeat=n):
-            text = "".join(chars)
-            assert bool(pattern.fullmatch(text)) == (word not in text), text
-    near_misses = ["é ✓ " + word[:-1] + " " + word[0] + word[:-1], word[0] * 3 + word[1:-1]]
-    assert all(pattern.fullmatch(t) for t in near_misses)
-    assert not pattern.fullmatch("é" + word[0] + word + "x") and not pattern.fullmatch(word)
 
 
 def test_template_messages_without_native_tools_write_them_into_the_system_message():
@@ -61,10 +47,31 @@ def test_split_tool_calls_reads_back_what_write_call_wrote():
 
 def test_named_tool_choice_must_name_a_given_tool():
     with pytest.raises(InvalidRequestError, match="tool_choice names 'nope', which is not in 'tools'"):
-        from corral.schemas.chat import NamedToolChoice
-        tools_node([WEATHER], NamedToolChoice(function={"name": "nope"}), parallel=False, answer=None)
+        tools_constraint([WEATHER], NamedToolChoice(function={"name": "nope"}), parallel=False, answer=None)
     with pytest.raises(InvalidRequestError, match="'tool_choice' needs 'tools'"):
-        tools_node([], "required", parallel=False, answer=None)
+        tools_constraint([], "required", parallel=False, answer=None)
+
+
+def test_tools_become_one_plain_constraint():
+    answer = Constraint("json_schema", {"type": "integer"}, whitespace="flexible")
+    auto = tools_constraint([WEATHER, WEATHER], None, parallel=True, answer=answer, reject_unknown_keywords=True)
+    assert auto.kind == "tools" and auto.whitespace == "flexible" and auto.reject_unknown_keywords
+    assert auto.value == {"tools": [{"index": i, "name": "get_weather", "parameters": WEATHER.function.parameters}
+                                    for i in (0, 1)],
+                          "mode": "auto", "parallel": True, "answer": {"kind": "json_schema", "value": {"type": "integer"}}}
+    named = tools_constraint([WEATHER], NamedToolChoice(function={"name": "get_weather"}), parallel=False,
+                             answer=answer)
+    assert named.value["mode"] == "required" and named.value["answer"] is None  # the answer is a later turn's
+    assert tools_constraint([WEATHER], "none", parallel=False, answer=answer) is answer
+
+
+def test_tool_limits_name_the_limit():
+    limits = RequestLimits(max_tools=1, max_tools_bytes=100)
+    with pytest.raises(InvalidRequestError, match="at most 1 tools are allowed, this request has 2"):
+        check_tool_limits([WEATHER, WEATHER], limits)
+    with pytest.raises(InvalidRequestError, match="past the limit of 100"):
+        check_tool_limits([WEATHER], limits)
+    check_tool_limits([WEATHER], RequestLimits(max_tools=1))
 
 
 def _replay(text: str, cuts: list[int]):
