@@ -1,12 +1,15 @@
 """The grammar of any JSON value (or object), nested to a bounded depth, for the ``json_object`` constraint.
 
 A regular language cannot nest without bound, so containers nest at most ``max_depth`` levels (default 6:
-``{"a": [{"b": 1}]}`` is depth 3); deeper documents are rejected. Whitespace follows the constraint's policy:
-none ('compact') or runs of at most ``max_whitespace`` JSON whitespace characters between tokens ('flexible').
+``{"a": [{"b": 1}]}`` is depth 3); deeper documents are rejected. Whitespace follows the constraint's policy
+(``grammar.json_schema.spacing``): none ('compact'), runs of at most ``max_whitespace`` JSON whitespace
+characters between tokens ('flexible'), or ``json.dumps``'s separators ('dumps').
 Strings are any JSON strings (all escapes, any code point except the unescaped controls).
 """
 
-from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node, Repeat, literal
+from corral.grammar.json_containers import Spacing
+from corral.grammar.json_schema import spacing
+from corral.grammar.regex_ast import Alt, CharSet, Concat, Node, Repeat, literal
 
 DEFAULT_MAX_DEPTH = 6
 
@@ -25,31 +28,25 @@ JSON_NUMBER = Concat((
 _SCALARS = (JSON_STRING, JSON_NUMBER, literal("true"), literal("false"), literal("null"))
 
 
-def whitespace_node(whitespace: str, max_whitespace: int) -> Node:
-    if whitespace == "compact":
-        return EMPTY
-    return Repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace)
-
-
 def json_value_node(max_depth: int = DEFAULT_MAX_DEPTH, whitespace: str = "compact", max_whitespace: int = 4,
                     *, object_only: bool = False) -> Node:
     """Any JSON value with containers nested at most ``max_depth`` deep (``object_only``: an object at the top)."""
     assert max_depth >= 1, max_depth
-    ws = whitespace_node(whitespace, max_whitespace)
+    sp = spacing(whitespace, max_whitespace)
     value = Alt(_SCALARS)
     for _ in range(max_depth - 1):
-        value = Alt(_SCALARS + (_object(value, ws), _array(value, ws)))
-    return _object(value, ws) if object_only else Alt(_SCALARS + (_object(value, ws), _array(value, ws)))
+        value = Alt(_SCALARS + (_object(value, sp), _array(value, sp)))
+    return _object(value, sp) if object_only else Alt(_SCALARS + (_object(value, sp), _array(value, sp)))
 
 
-def _separated(item: Node, ws: Node) -> Node:
-    return Concat((item, Repeat(Concat((ws, literal(","), ws, item)), 0, None), ws))
+def _separated(item: Node, sp: Spacing) -> Node:
+    return Concat((item, Repeat(Concat((sp.comma, item)), 0, None), sp.inner))
 
 
-def _object(value: Node, ws: Node) -> Node:
-    member = Concat((JSON_STRING, ws, literal(":"), ws, value))
-    return Concat((literal("{"), ws, Repeat(_separated(member, ws), 0, 1), literal("}")))
+def _object(value: Node, sp: Spacing) -> Node:
+    member = Concat((JSON_STRING, sp.colon, value))
+    return Concat((literal("{"), sp.inner, Repeat(_separated(member, sp), 0, 1), literal("}")))
 
 
-def _array(value: Node, ws: Node) -> Node:
-    return Concat((literal("["), ws, Repeat(_separated(value, ws), 0, 1), literal("]")))
+def _array(value: Node, sp: Spacing) -> Node:
+    return Concat((literal("["), sp.inner, Repeat(_separated(value, sp), 0, 1), literal("]")))

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from corral.errors import InvalidSchemaError
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice", "tools"]
-Whitespace = Literal["compact", "flexible"]
+Whitespace = Literal["compact", "flexible", "dumps"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Constraint:
     (json_object: any JSON object).
 
     ``whitespace``: 'compact' writes no whitespace between JSON tokens; 'flexible' allows JSON whitespace runs
-    of at most ``max_whitespace`` characters. ``lenient`` turns unsupported schema keywords into warnings.
+    of at most ``max_whitespace`` characters; 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported schema keywords into warnings.
     ``reject_unknown_keywords`` refuses schema keywords that are no JSON Schema vocabulary (else each is a warning).
     """
 

@@ -1,7 +1,9 @@
 """JSON arrays and objects as regex ASTs, from the nodes of their parts.
 
-Whitespace ``ws`` (EMPTY in the compact policy) stands before each member and before the closing bracket, so an
-empty container is ``{ws}`` and every run between two tokens is one ``ws``: ``{ws m ws , ws m ws}``.
+The whitespace policy is a :class:`Spacing`: what stands inside the brackets (before the first member and
+before the closing bracket), between two members (the comma and its surroundings) and between a key and its
+value. Flexible: one bounded whitespace run ``ws`` at each place, ``{ws m ws , ws m ws}``; compact: none;
+``dumps``: exactly what ``json.dumps`` writes by default, ``", "`` and ``": "`` and nothing else.
 
 Objects list their declared properties in schema order, each optional one may be left out, and the count of
 present members is tracked only when ``minProperties``/``maxProperties`` ask for it. Extra members (keys not
@@ -10,53 +12,73 @@ of them counts towards ``minProperties`` (see ``object_node``).
 """
 
 from functools import cache
+from typing import NamedTuple
 
 from corral.grammar.node_builder import NodeBuilder
-from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
+from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node, literal
 
 COMMA, COLON = CharSet.chars(","), CharSet.chars(":")
 
 
-def member_node(b: NodeBuilder, ws: Node, key: Node, value: Node) -> Node:
-    return b.concat(key, ws, COLON, ws, value)
+class Spacing(NamedTuple):
+    """A whitespace policy: ``inner`` inside brackets, ``comma`` between members, ``colon`` after a key."""
+
+    inner: Node
+    comma: Node
+    colon: Node
+
+    @staticmethod
+    def around(ws: Node) -> "Spacing":
+        """``ws`` at every place between two tokens (EMPTY: compact)."""
+        builder = NodeBuilder(max_nodes=1 << 40)
+        return Spacing(ws, builder.concat(ws, COMMA, ws), builder.concat(ws, COLON, ws))
+
+    @staticmethod
+    def dumps() -> "Spacing":
+        """``json.dumps``'s default separators: ``", "`` and ``": "``, no other whitespace."""
+        return Spacing(EMPTY, literal(", "), literal(": "))
 
 
-def _run(b: NodeBuilder, ws: Node, item: Node, first: bool, low: int, high: int | None) -> Node:
-    """``low..high`` comma-separated items, each preceded by ``ws`` (and a comma unless it opens the list)."""
+def member_node(b: NodeBuilder, sp: Spacing, key: Node, value: Node) -> Node:
+    return b.concat(key, sp.colon, value)
+
+
+def _run(b: NodeBuilder, sp: Spacing, item: Node, first: bool, low: int, high: int | None) -> Node:
+    """``low..high`` comma-separated items, the first preceded by ``sp.inner`` when it opens the list."""
     if high is not None and high < low:
         return NOTHING
-    sep = b.concat(ws, COMMA, ws)
+    sep = sp.comma
     if not first:
         return b.repeat(b.concat(sep, item), low, high)
     if high == 0:
         return EMPTY
     tail = b.repeat(b.concat(sep, item), max(low - 1, 0), None if high is None else high - 1)
-    nonempty = b.concat(ws, item, tail)
+    nonempty = b.concat(sp.inner, item, tail)
     return nonempty if low > 0 else b.alt([EMPTY, nonempty])
 
 
-def array_node(b: NodeBuilder, ws: Node, prefix: list[Node], rest: Node, min_items: int,
+def array_node(b: NodeBuilder, sp: Spacing, prefix: list[Node], rest: Node, min_items: int,
                max_items: int | None) -> Node:
     """``[...]`` whose item ``i`` matches ``prefix[i]`` and later items match ``rest`` (NOTHING: none)."""
-    sep = b.concat(ws, COMMA, ws)
+    sep = sp.comma
 
     def from_position(i: int) -> Node:
         if i == len(prefix):
             count_low = max(min_items - i, 0)
             count_high = None if max_items is None else max_items - i
-            return _run(b, ws, rest, i == 0, count_low, count_high)
+            return _run(b, sp, rest, i == 0, count_low, count_high)
         if max_items is not None and i >= max_items:
             return EMPTY
-        here = b.concat(ws if i == 0 else sep, prefix[i], from_position(i + 1))
+        here = b.concat(sp.inner if i == 0 else sep, prefix[i], from_position(i + 1))
         return here if i < min_items else b.alt([EMPTY, here])
 
-    return b.concat(CharSet.chars("["), from_position(0), ws, CharSet.chars("]"))
+    return b.concat(CharSet.chars("["), from_position(0), sp.inner, CharSet.chars("]"))
 
 
-def object_node(b: NodeBuilder, ws: Node, members: list[tuple[Node, bool]], extra: Node | None,
+def object_node(b: NodeBuilder, sp: Spacing, members: list[tuple[Node, bool]], extra: Node | None,
                 min_properties: int, max_properties: int | None) -> Node:
     """``{...}`` with the declared ``members`` (node, required) in order, then extra members matching ``extra``."""
-    sep = b.concat(ws, COMMA, ws)
+    sep = sp.comma
     cap = max_properties + 1 if max_properties is not None else min_properties  # counts past cap are alike
 
     @cache
@@ -70,18 +92,17 @@ def object_node(b: NodeBuilder, ws: Node, members: list[tuple[Node, bool]], extr
             # extra members may make up at most one missing member of minProperties.
             if extra is None or low > 1:
                 return EMPTY if low == 0 else NOTHING
-            return _run(b, ws, extra, first, low, high)
+            return _run(b, sp, extra, first, low, high)
         node, required = members[i]
-        present = b.concat(ws if first else sep, node, rest(i + 1, False, min(count + 1, cap)))
+        present = b.concat(sp.inner if first else sep, node, rest(i + 1, False, min(count + 1, cap)))
         return present if required else b.alt([present, rest(i + 1, first, count)])
 
-    return b.concat(CharSet.chars("{"), rest(0, True, 0), ws, CharSet.chars("}"))
+    return b.concat(CharSet.chars("{"), rest(0, True, 0), sp.inner, CharSet.chars("}"))
 
 
-def contains_array_node(b: NodeBuilder, ws: Node, item: Node, contained: Node) -> Node:
+def contains_array_node(b: NodeBuilder, sp: Spacing, item: Node, contained: Node) -> Node:
     """``[...]`` of ``item``s of which at least one matches ``contained`` (``contains``; counts are intersected
     by the caller)."""
-    sep = b.concat(ws, COMMA, ws)
-    before = b.repeat(b.concat(item, sep), 0, None)
-    after = b.repeat(b.concat(sep, item), 0, None)
-    return b.concat(CharSet.chars("["), ws, before, contained, after, ws, CharSet.chars("]"))
+    before = b.repeat(b.concat(item, sp.comma), 0, None)
+    after = b.repeat(b.concat(sp.comma, item), 0, None)
+    return b.concat(CharSet.chars("["), sp.inner, before, contained, after, sp.inner, CharSet.chars("]"))

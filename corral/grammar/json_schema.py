@@ -33,6 +33,7 @@ import functools
 import json
 
 from corral.errors import GrammarTooComplexError, InvalidSchemaError
+from corral.grammar.json_containers import Spacing
 from corral.grammar.node_builder import DEFAULT_MAX_NODES, DEFAULT_TIME_BUDGET_S, NodeBuilder
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
 from corral.grammar.schema_compiler import SchemaCompiler
@@ -41,18 +42,21 @@ from corral.grammar.schema_values import share_any_value
 __all__ = ["schema_to_node"]
 
 
-@functools.cache
-def _compact_whitespace() -> Node:
-    share_any_value(EMPTY)
-    return EMPTY
-
-
 @functools.lru_cache(maxsize=64)
-def _flexible_whitespace(max_whitespace: int) -> Node:
-    """One node per whitespace policy, so that every schema shares the any-value AST built for it."""
-    ws = NodeBuilder(max_nodes=1 << 40).repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace)
-    share_any_value(ws)
-    return ws
+def spacing(whitespace: str, max_whitespace: int = 4) -> Spacing:
+    """One :class:`Spacing` object per whitespace policy, so that every schema shares the any-value AST built for
+    it: 'compact' (none), 'flexible' (JSON whitespace runs of at most ``max_whitespace`` characters between
+    tokens) or 'dumps' (``json.dumps``'s default separators ``", "`` and ``": "``, nothing else)."""
+    if whitespace == "compact":
+        sp = Spacing.around(EMPTY)
+    elif whitespace == "flexible":
+        sp = Spacing.around(NodeBuilder(max_nodes=1 << 40).repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace))
+    elif whitespace == "dumps":
+        sp = Spacing.dumps()
+    else:
+        raise ValueError(f"whitespace must be 'compact', 'flexible' or 'dumps', not {whitespace!r}")
+    share_any_value(sp)
+    return sp
 
 
 def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
@@ -62,7 +66,8 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
-    ``max_whitespace`` characters between tokens (not before or after the value). ``lenient``: ignore
+    ``max_whitespace`` characters between tokens (not before or after the value); 'dumps' writes exactly the
+    separators ``json.dumps`` writes by default (``", "``, ``": "``). ``lenient``: ignore
     unsupported keywords, appending a warning to ``warnings`` for each. Keywords that are no JSON Schema
     vocabulary (typos) are reported in ``warnings`` too, or refused with ``reject_unknown_keywords``.
     ``max_nodes`` and ``time_budget_s``: the size and wall-clock budgets of building the AST
@@ -73,8 +78,7 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
     Raises :class:`InvalidSchemaError` (not JSON, wrong keyword types, dangling ``$ref``, no value possible),
     :class:`UnsupportedSchemaError`, :class:`UnknownKeywordError` and :class:`GrammarTooComplexError`.
     """
-    if whitespace not in ("compact", "flexible"):
-        raise ValueError(f"whitespace must be 'compact' or 'flexible', not {whitespace!r}")
+    sp = spacing(whitespace, max_whitespace if whitespace == "flexible" else 4)
     if not isinstance(schema, (dict, bool)):
         raise InvalidSchemaError(f"a schema must be a JSON object or a boolean, not {type(schema).__name__}")
     try:
@@ -84,8 +88,7 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
         raise InvalidSchemaError(f"the schema is not JSON: {error}") from None
     except RecursionError:
         raise GrammarTooComplexError("the schema is nested too deeply") from None
-    ws = _compact_whitespace() if whitespace == "compact" else _flexible_whitespace(max_whitespace)
-    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), ws, lenient=lenient,
+    compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), sp, lenient=lenient,
                               warnings=warnings if warnings is not None else [],
                               reject_unknown=reject_unknown_keywords)
     try:

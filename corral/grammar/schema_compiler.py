@@ -9,6 +9,7 @@ the atoms merge into one ``MergedSchema``, an ``anyOf``/``oneOf`` group expands 
 import math
 
 from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnknownKeywordError, UnsupportedSchemaError
+from corral.grammar.json_containers import Spacing
 from corral.grammar.matcher import Fuel, Matcher
 from corral.grammar.node_builder import NodeBuilder
 from corral.grammar.regex_ast import NOTHING, Node
@@ -26,11 +27,11 @@ MAX_WARNINGS = 50  # past it, one more line counts the rest
 
 
 class SchemaCompiler(ValueBuilders):
-    def __init__(self, root, builder: NodeBuilder, ws: Node, *, lenient: bool, warnings: list[str],
+    def __init__(self, root, builder: NodeBuilder, sp: Spacing, *, lenient: bool, warnings: list[str],
                  reject_unknown: bool = False):
         """``warnings`` collects what was ignored (at most ``MAX_WARNINGS`` lines, then a count); ``reject_unknown``
         refuses keywords that are no JSON Schema vocabulary instead of reporting them."""
-        super().__init__(builder, ws)
+        super().__init__(builder, sp)
         self.root, self.lenient, self.warnings, self.reject_unknown = root, lenient, warnings, reject_unknown
         self.num_unshown_warnings = 0
         self.refs = RefResolver(root)

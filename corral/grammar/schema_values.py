@@ -9,7 +9,7 @@ import json
 import math
 
 from corral.errors import GrammarTooComplexError, InvalidRegexError, InvalidSchemaError, UnsupportedRegexError
-from corral.grammar.json_containers import array_node, contains_array_node, member_node, object_node
+from corral.grammar.json_containers import Spacing, array_node, contains_array_node, member_node, object_node
 from corral.grammar.json_formats import STANDARD_FORMATS, format_node
 from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, integer_range, number_node,
                                          number_range)
@@ -26,15 +26,15 @@ MAX_MULTIPLE_SUFFIXES = 1024
 
 
 class ValueBuilders:
-    def __init__(self, builder: NodeBuilder, ws: Node):
-        self.b, self.ws = builder, ws
+    def __init__(self, builder: NodeBuilder, sp: Spacing):
+        self.b, self.sp = builder, sp
         self._any: dict[int, Node] = {}
 
     # ---- literals ----------------------------------------------------------------------------------------------
     def any_value(self, depth: int = ANY_VALUE_DEPTH) -> Node:
         if depth not in self._any:
-            shared = _SHARED_ANY.get((self.ws, depth))
-            if shared is not None and shared[0] is self.ws:  # the same whitespace node: the same AST
+            shared = _SHARED_ANY.get((self.sp, depth))
+            if shared is not None and shared[0] is self.sp:  # the same whitespace policy object: the same AST
                 self.b.count_all(shared[2])  # what building it here would have counted
                 self._any[depth] = shared[1]
                 return shared[1]
@@ -47,8 +47,8 @@ class ValueBuilders:
                        self.any_string()]
             if depth > 0:
                 inner = self.build_any_value(depth - 1)
-                options.append(array_node(b, self.ws, [], inner, 0, None))
-                options.append(object_node(b, self.ws, [], member_node(b, self.ws, self.any_string(), inner), 0,
+                options.append(array_node(b, self.sp, [], inner, 0, None))
+                options.append(object_node(b, self.sp, [], member_node(b, self.sp, self.any_string(), inner), 0,
                                            None))
             self._any[depth] = b.alt(options)
         return self._any[depth]
@@ -60,15 +60,15 @@ class ValueBuilders:
 
     def value_literal(self, value) -> Node:
         """The JSON text of one value (``enum``/``const``), with the whitespace policy between its tokens."""
-        b, ws = self.b, self.ws
+        b, sp = self.b, self.sp
         if isinstance(value, str):
             return string_literal(b, value)
         if isinstance(value, list):
-            return array_node(b, ws, [self.value_literal(v) for v in value], NOTHING, len(value), len(value))
+            return array_node(b, sp, [self.value_literal(v) for v in value], NOTHING, len(value), len(value))
         if isinstance(value, dict):
-            members = [(member_node(b, ws, string_literal(b, k), self.value_literal(v)), True)
+            members = [(member_node(b, sp, string_literal(b, k), self.value_literal(v)), True)
                        for k, v in value.items()]
-            return object_node(b, ws, members, None, 0, None)
+            return object_node(b, sp, members, None, 0, None)
         if isinstance(value, float) and not math.isfinite(value):
             return NOTHING
         return b.literal(json.dumps(value))
@@ -208,17 +208,17 @@ class ValueBuilders:
         if merged.unique_items is not None and (effective_high is None or effective_high > 1):
             self.unsupported("'uniqueItems: true' is not supported unless at most one item is allowed",
                              "uniqueItems", merged.unique_items)
-        node = array_node(self.b, self.ws, [self.node_of(s) for s in prefix], rest, low, high)
+        node = array_node(self.b, self.sp, [self.node_of(s) for s in prefix], rest, low, high)
         for source in merged.contains:
             if prefix:
                 self.unsupported("'contains' together with tuple items is not supported", "contains", source[1])
                 continue
             contained = self.node_of(merged.rest_items + [source])
-            node = self.b.intersect(node, contains_array_node(self.b, self.ws, rest, contained))
+            node = self.b.intersect(node, contains_array_node(self.b, self.sp, rest, contained))
         return node
 
     def object_node(self, merged: MergedSchema, pointer: str) -> Node:
-        b, ws = self.b, self.ws
+        b, sp = self.b, self.sp
         if merged.max_properties is not None and merged.max_properties < merged.min_properties:
             return self.contradiction("minProperties exceeds maxProperties", pointer)
         declared = list(merged.properties) + [n for n in merged.required if n not in merged.properties]
@@ -231,8 +231,8 @@ class ValueBuilders:
                 if required:
                     return self.contradiction(f"required property {name!r} can have no value", pointer)
                 continue
-            members.append((member_node(b, ws, string_literal(b, name), value), required))
-        return object_node(b, ws, members, self.extra_member(merged, declared), merged.min_properties,
+            members.append((member_node(b, sp, string_literal(b, name), value), required))
+        return object_node(b, sp, members, self.extra_member(merged, declared), merged.min_properties,
                            merged.max_properties)
 
     def extra_member(self, merged: MergedSchema, declared: list[str]) -> Node | None:
@@ -258,11 +258,11 @@ class ValueBuilders:
             return None
         if spelled_trie:
             key_node = b.concat(QUOTE, self.names_except(declared, spelled=True), QUOTE)
-            return member_node(b, self.ws, key_node, value)
+            return member_node(b, self.sp, key_node, value)
         key = b.intersect(*key_parts) if key_parts else keys
         if key == NOTHING:
             return None
-        return member_node(b, self.ws, string_node(b, key), value)
+        return member_node(b, self.sp, string_node(b, key), value)
 
     def names_except(self, names: list[str], spelled: bool = False) -> Node:
         """Decoded strings other than ``names``: a trie with an escape hatch at every node. ``spelled``: the JSON
@@ -310,15 +310,16 @@ class ValueBuilders:
         return self.validates(name, atoms)
 
 
-_SHARED_ANY: dict[tuple[Node, int], tuple[Node, Node, tuple[Node, ...]]] = {}  # (ws, depth) -> (ws, AST, nodes)
+# (spacing, depth) -> (spacing, AST, nodes)
+_SHARED_ANY: dict[tuple[Spacing, int], tuple[Spacing, Node, tuple[Node, ...]]] = {}
 
 
-def share_any_value(ws: Node, depth: int = ANY_VALUE_DEPTH) -> None:
-    """Build the any-value AST for whitespace ``ws`` once per process (about 3 ms per schema otherwise), for every
-    schema compiled with this very ``ws`` object. It keeps every node its builder counted, so that a schema using
-    it counts exactly what building it in place would have."""
-    if (ws, depth) not in _SHARED_ANY:
-        values = ValueBuilders(NodeBuilder(max_nodes=1 << 40), ws)
+def share_any_value(sp: Spacing, depth: int = ANY_VALUE_DEPTH) -> None:
+    """Build the any-value AST for the whitespace policy ``sp`` once per process (about 3 ms per schema
+    otherwise), for every schema compiled with this very ``sp`` object. It keeps every node its builder counted,
+    so that a schema using it counts exactly what building it in place would have."""
+    if (sp, depth) not in _SHARED_ANY:
+        values = ValueBuilders(NodeBuilder(max_nodes=1 << 40), sp)
         node = share(values.build_any_value(depth))
-        _SHARED_ANY[(ws, depth)] = (ws, node, tuple(values.b._seen.values()))
+        _SHARED_ANY[(sp, depth)] = (sp, node, tuple(values.b._seen.values()))
 

@@ -233,6 +233,16 @@ def test_flexible_whitespace_accepts_json_dumps_separators_and_bounded_runs():
     assert accepts(node, '{ "a": [1, 2]}') and not accepts(node, '{  "a": [1]}')
 
 
+def test_dumps_whitespace_is_exactly_json_dumps_separators():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}},
+                                               "b": {"enum": [{"x": [1, 2]}]}}, "additionalProperties": {}}
+    values = [{"a": [1, 2], "b": {"x": [1, 2]}}, {"a": []}, {}, {"a": [3], "z": {"k": [None, {"q": 1}]}}]
+    check(schema, good=values, whitespace="dumps",
+          texts_bad=['{"a":[1, 2]}', '{"a": [1,2]}', '{ "a": [1]}', '{"a": [1] }', '{"a":  [1]}'])
+    node = schema_to_node({"type": "array", "contains": {"const": 2}}, whitespace="dumps")
+    assert accepts(node, json.dumps([1, 2, 3])) and not accepts(node, "[1,2]")
+
+
 # ---- composition and references ------------------------------------------------------------------------------
 
 def test_all_of_merges_exactly():
