@@ -26,7 +26,7 @@ from pathlib import Path
 from corral.budget import Budget
 from corral.kernels.cpu_build import CompiledExtension
 from corral.fsm.utf8 import utf8_sequences
-from corral.grammar.node_builder import SHARED_NODES
+from corral.grammar.node_builder import SHARED_NODES, children_of
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
 
 EMPTYSET, EPSILON = 0, 1
@@ -89,20 +89,36 @@ class _Conversions:
 
     # ---- from the code-point AST ---------------------------------------------------------------------------
     def from_node(self, node: Node) -> int:
-        """The term of ``node``. Schema ASTs share node objects, so the memo is by identity."""
-        known = self._from_nodes.get(id(node))
+        """The term of ``node``. Schema ASTs share node objects, so the memo is by identity. A walk with a stack of
+        its own, not a recursion: a schema's AST may nest thousands deep (an object's optional members)."""
+        memo = self._from_nodes
+        known = memo.get(id(node))
         if known is not None:
             return known[1]
-        if len(self._from_nodes) % 1024 == 0:
-            self.budget.check_time()
-        term = self._from_shared(node) if id(node) in SHARED_NODES else self._from_ast(node)
-        self._from_nodes[id(node)] = (node, term)
-        return term
+        stack: list[tuple[Node, bool]] = [(node, False)]
+        while stack:
+            item, ready = stack.pop()
+            if id(item) in memo:
+                continue
+            if len(memo) % 1024 == 0:
+                self.budget.check_time()
+            if isinstance(item, CharSet) or id(item) in SHARED_NODES:
+                term = self._from_charset(item) if isinstance(item, CharSet) else self._from_shared(item)
+            elif not ready:
+                stack.append((item, True))
+                stack.extend((child, False) for child in children_of(item) if id(child) not in memo)
+                continue
+            else:
+                term = self._combine(item)
+            memo[id(item)] = (item, term)
+        return memo[id(node)][1]
 
     def _from_ast(self, node: Node) -> int:
-        if isinstance(node, CharSet):
-            term = self._from_charset(node)
-        elif isinstance(node, Concat):
+        return self._from_charset(node) if isinstance(node, CharSet) else self._combine(node)
+
+    def _combine(self, node: Node) -> int:
+        """The term of a compound ``node`` whose parts are converted already (or shallow enough to recurse)."""
+        if isinstance(node, Concat):
             term = EPSILON
             for part in reversed(node.parts):
                 term = self.cat(self.from_node(part), term)

@@ -11,7 +11,6 @@ declared, allowed by ``additionalProperties``/``patternProperties``) come after 
 of them counts towards ``minProperties`` (see ``object_node``).
 """
 
-from functools import cache
 from typing import NamedTuple
 
 from corral.grammar.node_builder import NodeBuilder
@@ -81,23 +80,57 @@ def object_node(b: NodeBuilder, sp: Spacing, members: list[tuple[Node, bool]], e
     sep = sp.comma
     cap = max_properties + 1 if max_properties is not None else min_properties  # counts past cap are alike
 
-    @cache
-    def rest(i: int, first: bool, count: int) -> Node:
+    def leaf(i: int, count: int, first: bool) -> Node | None:
+        """The tail at a state that ends the walk, or None when members are still to come."""
         if max_properties is not None and count > max_properties:
             return NOTHING
-        if i == len(members):
-            low = max(min_properties - count, 0)
-            high = None if max_properties is None else max_properties - count
-            # subtle: two extra members may repeat a key, and a validator counts a repeated key once, so
-            # extra members may make up at most one missing member of minProperties.
-            if extra is None or low > 1:
-                return EMPTY if low == 0 else NOTHING
-            return _run(b, sp, extra, first, low, high)
-        node, required = members[i]
-        present = b.concat(sp.inner if first else sep, node, rest(i + 1, False, min(count + 1, cap)))
-        return present if required else b.alt([present, rest(i + 1, first, count)])
+        if i < len(members):
+            return None
+        low = max(min_properties - count, 0)
+        high = None if max_properties is None else max_properties - count
+        # subtle: two extra members may repeat a key, and a validator counts a repeated key once, so
+        # extra members may make up at most one missing member of minProperties.
+        if extra is None or low > 1:
+            return EMPTY if low == 0 else NOTHING
+        return _run(b, sp, extra, first, low, high)
 
-    return b.concat(CharSet.chars("{"), rest(0, True, 0), sp.inner, CharSet.chars("}"))
+    # A run of required members is always written whole, so it is one step: (state at its first member) → (state
+    # after its last). run_end[i]: the index just past the run of required members that starts at i.
+    run_end = list(range(len(members) + 1))
+    for i in reversed(range(len(members))):
+        if members[i][1]:
+            run_end[i] = run_end[i + 1] if i + 1 < len(members) and members[i + 1][1] else i + 1
+
+    def following(i: int, first: bool, count: int) -> list[tuple[int, bool, int]]:
+        if members[i][1]:
+            return [(run_end[i], False, min(count + run_end[i] - i, cap))]
+        return [(i + 1, False, min(count + 1, cap)), (i + 1, first, count)]
+
+    # The states (member index, nothing written yet, members written) reachable from the start, found forwards
+    # and built backwards: loops, not a recursion, and no chain of partial concatenations, so an object may
+    # declare thousands of members in linear time and memory.
+    reachable, frontier = {(0, True, 0)}, [(0, True, 0)]
+    while frontier:
+        state = frontier.pop()
+        if state[0] == len(members) or max_properties is not None and state[2] > max_properties:
+            continue
+        for after in following(*state):
+            if after not in reachable:
+                reachable.add(after)
+                frontier.append(after)
+    rest: dict[tuple[int, bool, int], Node] = {}
+    for i, first, count in sorted(reachable, key=lambda state: -state[0]):
+        tail = leaf(i, count, first)
+        if tail is None and members[i][1]:
+            parts = [sp.inner if first else sep, members[i][0]]
+            for node, _ in members[i + 1:run_end[i]]:
+                parts += [sep, node]
+            tail = b.concat(*parts, rest[following(i, first, count)[0]])
+        elif tail is None:
+            present, absent = following(i, first, count)
+            tail = b.alt([b.concat(sp.inner if first else sep, members[i][0], rest[present]), rest[absent]])
+        rest[i, first, count] = tail
+    return b.concat(CharSet.chars("{"), rest[0, True, 0], sp.inner, CharSet.chars("}"))
 
 
 def contains_array_node(b: NodeBuilder, sp: Spacing, item: Node, contained: Node) -> Node:

@@ -53,7 +53,7 @@ class NodeBuilder:
     def count(self, node: Node) -> None:
         """Count ``node`` and its not-yet-counted descendants; raise past the budget."""
         if id(node) not in self._seen:
-            self._count_new(node, _children(node))
+            self._count_new(node, children_of(node))
 
     def _count_new(self, node: Node, children: tuple[Node, ...]) -> None:
         """Count a node not counted yet (one just made) and its not-yet-counted descendants. The children of a
@@ -69,7 +69,7 @@ class NodeBuilder:
             seen[id(item)] = item
             num_nodes += 1
             if type(item) is not CharSet:
-                stack.extend(child for child in _children(item) if id(child) not in seen)
+                stack.extend(child for child in children_of(item) if id(child) not in seen)
         self.num_nodes = num_nodes
         if num_nodes >> 12 != before >> 12:  # every 4096 nodes
             self.check_time()
@@ -153,7 +153,7 @@ class NodeBuilder:
         return self.concat(*(CharSet(((ord(c), ord(c)),)) for c in text)) if text else EMPTY
 
 
-def _children(node: Node) -> tuple[Node, ...]:
+def children_of(node: Node) -> tuple[Node, ...]:
     if isinstance(node, Repeat):
         return (node.node,)
     if isinstance(node, Alt):
