@@ -11,7 +11,7 @@ def _serve(args) -> int:
     from corral.schemas.limits import RequestLimits
 
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    engine = build_engine(EngineConfig(model=args.model, **overrides))
+    engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, **overrides))
     options = ServeOptions(api_keys=tuple(args.api_key or ()), protect_all=args.protect_all,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            max_in_flight=args.max_in_flight, max_compiling=args.max_compiling,
@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--protect-all", action="store_true",
                        help="with --api-key: /metrics and the API docs need a key too (default: only /v1)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="weights and activations; bf16 is fast only with AMX or AVX-512 bf16")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="output budget of requests without max_tokens (default: the rest of the context)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
