@@ -25,8 +25,8 @@ test: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/corral serve
 
-# llama-cpp-python builds llama.cpp from source; a native build can emit instructions that another machine of
-# the same kind lacks (it died with SIGILL in grammar code), so build for a portable AVX2 baseline.
+# The peers: xgrammar, llguidance, outlines-core from PyPI, and llama.cpp's llama-server and llama-cpp-python built
+# from the pinned sdist's sources for this very CPU (rebuilt when the CPU's flags differ from the build's).
 bench-extras: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
-		$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m pip install -q -e '.[bench]'
+	bash bench/build_llama.sh $(VENV)
