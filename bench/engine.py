@@ -1,160 +1,298 @@
-"""Engine throughput and latency: Corral against HF ``generate`` (static batches, bf16) and llama-cpp-python (the
-same GGUF, 2 threads), in one run, on the same workload.
+"""Engine throughput and latency: Corral's server against llama.cpp's ``llama-server`` (and HF ``generate``, and
+llama-cpp-python for one stream), in one run, cell by cell, on the same requests.
 
-Workload: 64 chat requests with prompts of 50-500 tokens and outputs of 32-256 tokens (seeded). Every engine
-must produce exactly each request's output length (EOS is suppressed), so tokens per second compare like for
-like. Arrivals: all at once, and as a Poisson stream (Corral and llama.cpp; a static batch has no notion of
-arrival). A second workload: 32 requests sharing a 1,000-token system prompt, Corral with the prefix cache on
-and off. Printed per engine: output tok/s, TTFT p50/p99, TPOT p50/p99, and the ratios.
+Every server is driven through its OpenAI-compatible ``/v1/chat/completions`` by the same client (streaming, so
+TTFT is the first content chunk). Free-text requests ask for an exact output length (``max_tokens`` with
+``ignore_eos``); a response whose ``usage.completion_tokens`` differs is counted as a failure, not as tokens.
+Constrained requests (real JSON Schemas from the MaskBench dev set, ``response_format``, flexible whitespace on
+both sides: Corral's ``disable_any_whitespace: false`` and llama.cpp's own JSON grammar, which allows
+whitespace) end where the model ends them: tokens per second are over the tokens produced, and requests/s.
 
-HF runs in two forms, both bf16 (see ``load_hf``): as transformers loads the GGUF (quantized tensors kept packed)
-and as a plain dense model of the same dequantized weights; the ratio is against the fastest HF run.
+Cells: short prompts at 1, 4, 16 and 64 concurrent clients (128 output tokens each), prompts of 50-500 tokens
+at 16 clients (32-256 output tokens), 64 JSON schemas at 16 clients (up to 192 tokens), and 32 requests that
+share a 1,000-token system prompt at 16 clients. Each cell has a fixed request count; the engines take turns
+cell by cell, so a slow minute on this shared machine hits both. A cell's requests are all distinct from the
+warm-up's and from every other cell's (no accidental prefix-cache hits); both engines keep their prompt cache
+on, as they ship.
 
-    .venv/bin/python bench/engine.py                       # everything (about 25 minutes on 2 cores)
-    .venv/bin/python bench/engine.py --engines corral --skip-poisson
+- Corral runs in each dtype that is fast on this CPU (fp32; bf16 too with AMX or AVX-512 bf16).
+- llama-server runs with 1, 4, 16 and 64 parallel slots (those up to the cell's concurrency), each with a
+  2,048-token context, continuous batching on, 2 threads; the best is reported, and the ratio is against it.
 
-HF's TTFT in a static batch is the batch's first decoding step (prefill included) minus the request's
-arrival; its TPOT is the mean step time after that. llama.cpp serves one request at a time, as its Python
-binding does; under a Poisson stream a request waits for the one before it.
+Each row notes a machine check taken just before it (fixed pure-Python work, and a sum over 256 MB): this is a
+shared machine. ``OMP_WAIT_POLICY`` is removed from this process's environment before anything loads OpenMP:
+``PASSIVE`` makes ggml's threads sleep at the barrier after every operation, and llama.cpp (server or in
+process) then decodes 4-5 times slower on two cores. Every engine runs with its default.
+- HF ``generate`` (static batches of 1, 16 and 64, the same dense weights) runs the short-prompt and the long
+  cells, in fp32 (bf16 too where it is fast); its TTFT counts the wait for earlier batches.
+- llama-cpp-python (in process, the same prompt token ids) runs the single-client cell.
+
+    .venv/bin/python bench/engine.py                     # everything, about 30 minutes on 2 cores
+    .venv/bin/python bench/engine.py --cells short-1,json-16 --no-hf
 """
 
 import argparse
+import asyncio
+import collections
+import gzip
+import json
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.pop("OMP_WAIT_POLICY", None)  # each engine's own default (see above); before torch or llama_cpp load
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import httpx  # noqa: E402
 
-from corral.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from corral.models import load_tokenizer, resolve_model  # noqa: E402
+from servers import (LLAMA_SERVER, Server, closed_loop, corral_server, cpu_summary, dropped_kind,  # noqa: E402
+                     has_fast_bf16, llama_server, llama_server_version)
+
+LLAMA_CTX_PER_SLOT = 2048  # servers.llama_server's default
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain engine garden music letter window city "
          "history science money story market water energy language system question answer light night").split()
+DATA = os.path.join(ROOT, "..", "shared", "data", "maskbench-dev.jsonl.gz")
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclass
 class Request:
-    prompt_token_ids: list[int]
-    num_output_tokens: int
-    arrival: float = 0.0  # seconds after the run starts
+    messages: list[dict]
+    max_tokens: int
+    exact: bool = True  # free text: exactly max_tokens (EOS ignored); constrained: the model ends it
+    schema: dict | None = None
+
+
+@dataclass
+class Cell:
+    name: str
+    concurrency: int
+    requests: list[Request]
+    hf_batch: int | None = None  # HF static batch size, None: HF does not run this cell
 
 
 @dataclass
 class Timing:
-    arrival: float
-    first_token: float
-    finished: float
-    num_tokens: int
+    start: float
+    first: float | None = None
+    end: float = 0.0
+    num_tokens: int = 0
+    error: str | None = None
+    dropped: str | None = None  # the connection failed before any response: see servers.closed_loop
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival
+        return (self.first if self.first is not None else self.end) - self.start
 
     @property
     def tpot(self) -> float:
-        return (self.finished - self.first_token) / max(1, self.num_tokens - 1)
+        return (self.end - (self.first or self.end)) / max(1, self.num_tokens - 1)
 
 
 @dataclass
 class Result:
     engine: str
-    scenario: str
+    cell: str
     wall: float
     timings: list[Timing] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ok(self) -> list[Timing]:
+        return [t for t in self.timings if t.error is None]
 
     @property
     def tok_s(self) -> float:
-        return sum(t.num_tokens for t in self.timings) / self.wall
+        return sum(t.num_tokens for t in self.ok) / self.wall
+
+    @property
+    def req_s(self) -> float:
+        return len(self.ok) / self.wall
 
 
 def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def make_workload(tokenizer, num_requests: int, seed: int, system: str | None = None,
-                  prompt_range=(50, 500), output_range=(32, 256)) -> list[Request]:
+# ---- workloads ------------------------------------------------------------------------------------------------
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def free_text(tag: str, num: int, seed: int, prompt_words=(8, 8), outputs=(128, 128),
+              system: str | None = None) -> list[Request]:
+    """Distinct requests (each names its cell and index first, so no two share more than the chat frame)."""
     rng = random.Random(seed)
-    requests = []
-    for i in range(num_requests):
-        target = rng.randint(*prompt_range) if system is None else 0
-        words = " ".join(rng.choice(WORDS) for _ in range(max(target, 12)))
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": f"Request {i}. Summarise these words as a story: {words}"}]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-        if system is None:
-            # trim the user text so the whole chat prompt has the target length; the chat frame stays
-            head, tail = ids[: target - 5], ids[-5:]
-            ids = head + tail
-        requests.append(Request(ids, rng.randint(*output_range)))
-    return requests
-
-
-def poisson_arrivals(requests: list[Request], rate: float, seed: int) -> list[Request]:
-    rng, now, out = random.Random(seed), 0.0, []
-    for r in requests:
-        now += rng.expovariate(rate)
-        out.append(Request(r.prompt_token_ids, r.num_output_tokens, now))
+    out = []
+    for i in range(num):
+        user = f"{tag} request {i}. Tell a story about: {words(rng, rng.randint(*prompt_words))}"
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        out.append(Request(messages, rng.randint(*outputs)))
     return out
 
 
-# -- Corral ---------------------------------------------------------------------------------------------------
-def run_corral(engine: LLMEngine, requests: list[Request], scenario: str) -> Result:
-    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    timings: dict[int, Timing] = {}
+def json_requests(num: int) -> list[Request]:
+    """``num`` dev schemas spread over the file (it is grouped by source), each with its description as prompt."""
+    with gzip.open(DATA, "rt") as f:
+        entries = [json.loads(line) for line in f]
+    out = []
+    for entry in entries[::max(1, len(entries) // num)][:num]:
+        schema = entry["schema"]
+        described = schema.get("description") if isinstance(schema, dict) else None
+        prompt = (described.strip()[:400] if isinstance(described, str) and described.strip()
+                  else "Produce one JSON value of the expected structure.")
+        out.append(Request([{"role": "user", "content": f"{prompt}\nAnswer with JSON."}], 192, False, schema))
+    return out
+
+
+def make_cells(seed: int) -> list[Cell]:
+    system = " ".join(f"Rule {i}: answer politely, briefly and truthfully." for i in range(75))  # ~1,000 tokens
+    return [
+        Cell("short-1", 1, free_text("short-1", 4, seed), hf_batch=1),
+        Cell("short-4", 4, free_text("short-4", 8, seed + 1)),
+        Cell("short-16", 16, free_text("short-16", 32, seed + 2), hf_batch=16),
+        Cell("short-64", 64, free_text("short-64", 64, seed + 3), hf_batch=64),
+        Cell("long-16", 16, free_text("long-16", 32, seed + 4, prompt_words=(40, 450), outputs=(32, 256)),
+             hf_batch=16),
+        Cell("json-16", 16, json_requests(64)),
+        Cell("prefix-16", 16, free_text("prefix-16", 32, seed + 5, prompt_words=(4, 4), outputs=(32, 32),
+                                        system=system)),
+    ]
+
+
+# ---- the HTTP client, the same for every server ---------------------------------------------------------------
+def body_of(request: Request, engine: str) -> dict:
+    body = {"model": MODEL, "messages": request.messages, "max_tokens": request.max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if request.exact:
+        body["ignore_eos"] = True  # both servers take it: exactly max_tokens tokens
+    if request.schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "out", "schema": request.schema}}
+        if engine.startswith("corral"):
+            body["structured_outputs"] = {"disable_any_whitespace": False}  # flexible, as llama.cpp's grammar
+    return body
+
+
+async def one(client: httpx.AsyncClient, url: str, request: Request, engine: str, t0: float) -> Timing:
+    timing = Timing(time.perf_counter() - t0)
+    usage = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body_of(request, engine)) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:120]!r}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        timing.error = str(chunk["error"])[:120]
+                    usage = chunk.get("usage") or usage
+                    if timing.first is None and any((c.get("delta") or {}).get("content")
+                                                    for c in chunk.get("choices") or ()):
+                        timing.first = time.perf_counter() - t0
+    except httpx.HTTPError as err:
+        timing.error = f"{type(err).__name__}: {err}"[:120]
+        timing.dropped = dropped_kind(err) if timing.first is None and usage is None else None
+    timing.end = time.perf_counter() - t0
+    timing.num_tokens = (usage or {}).get("completion_tokens", 0)
+    if timing.error is None and usage is None:
+        timing.error = "no usage in the stream"
+    elif timing.error is None and request.exact and timing.num_tokens != request.max_tokens:
+        timing.error = f"{timing.num_tokens} tokens, asked for exactly {request.max_tokens}"
+    return timing
+
+
+async def drive(url: str, requests: list[Request], concurrency: int, engine: str,
+                server: Server | None = None) -> tuple[float, list[Timing], int]:
+    """The requests through ``concurrency`` closed-loop clients (``servers.closed_loop``: a dropped connection
+    is retried, a dead server restarted off the clock). Returns the wall time, the timings and the restarts."""
+    t0 = time.perf_counter()
+
+    async def send(client, request):
+        timing = await one(client, url, request, engine, t0)
+        return timing, timing.dropped
+
+    def crashed(timing: Timing) -> Timing:
+        timing.error = f"crashed: the server died ({timing.error})"[:120]
+        return timing
+
+    timings, wall, restarts = await closed_loop(server, requests, concurrency, send, crashed)
+    return wall, timings, restarts
+
+
+def run_server(engine: str, url: str, cell: Cell, note: str = "", server: Server | None = None) -> Result:
+    check = machine_check()
+    wall, timings, restarts = asyncio.run(drive(url, cell.requests, cell.concurrency, engine, server))
+    notes = [note] if note else []
+    notes += [f"{restarts} server restart(s) after crashes, not timed"] if restarts else []
+    return Result(engine, cell.name, wall, timings, "; ".join(notes + [check]))
+
+
+_BIG = None
+
+
+def machine_check() -> str:
+    """Two fixed pieces of work, timed before each run so that a slow stretch of this shared machine (other
+    tenants) shows beside the numbers it slowed: pure Python (CPU-bound) and a sum over 256 MB (memory-bound; a
+    decode step that streams its weights is slowed by the same things)."""
+    global _BIG
+    import numpy as np
+
+    if _BIG is None:
+        _BIG = np.ones(64 << 20, dtype=np.float32)
     start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and requests[pending[0]].arrival <= now:
-            i = pending.pop(0)
-            r = requests[i]
-            params = SamplingParams(temperature=0, max_tokens=r.num_output_tokens, ignore_eos=True)
-            engine.add_request(f"bench-{i}", r.prompt_token_ids, params)
-            timings[i] = Timing(r.arrival, 0.0, 0.0, 0)
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, requests[pending[0]].arrival - now))
-            continue
-        for out in engine.step():
-            t = timings[int(out.request_id.split("-")[1])]
-            stamp = time.perf_counter() - start
-            if not t.first_token:
-                t.first_token = stamp
-            if out.finished:
-                t.finished, t.num_tokens = stamp, len(out.outputs[0].token_ids)
-    return Result("corral", scenario, time.perf_counter() - start, [timings[i] for i in sorted(timings)])
+    total = 0
+    for i in range(1_000_000):
+        total += i * i
+    middle = time.perf_counter()
+    float(_BIG.sum())
+    end = time.perf_counter()
+    return f"check: python {(middle - start) * 1e3:.0f} ms, memory {(end - middle) * 1e3:.0f} ms"
 
 
-# -- HF transformers ------------------------------------------------------------------------------------------
-def load_hf(weights: str):
-    """HF's Llama in bf16. ``gguf``: loaded from the GGUF file as transformers does it (its loader warns that it
-    keeps the quantized tensors packed and casts each bf16 matmul's input and output);
-    ``dense``: the same weights dequantized to plain bf16 tensors (Corral's own conversion, HF names and layout)
-    in an ordinary ``nn.Linear`` model. Both run, and the ratio is taken against the faster."""
+def warm_up(engine: str, url: str) -> None:
+    """Two requests unlike any measured one (loads kernels and caches the chat frame, as a running server has)."""
+    cell = Cell("warm-up", 2, free_text("warm-up", 2, 99, outputs=(16, 16)))
+    run_server(engine, url, cell)
+
+
+# ---- HF generate (static batches) and llama-cpp-python (one stream), in this process ---------------------------
+def chat_ids(tokenizer, request: Request) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+
+
+def load_hf(dtype: str):
+    """HF's Llama with the same weights dequantized (Corral's conversion, HF names), a plain dense model."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from corral.engine.weights import load_weights
+    from corral.models import load_model_config, resolve_model
 
     files = resolve_model(None)
     folder, name = os.path.dirname(files.path), os.path.basename(files.path)
-    if weights == "gguf":
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
-    from corral.engine.weights import load_weights
-    from corral.models import load_model_config
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.bfloat16)
-    state = load_weights(files, load_model_config(files), torch.bfloat16)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # a tied head is not stored
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch_dtype)
+    missing, unexpected = model.load_state_dict(load_weights(files, load_model_config(files), torch_dtype),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()
 
 
-def run_hf(model, requests: list[Request], batch_size: int, pad_id: int, weights: str) -> Result:
+def run_hf(model, tokenizer, cell: Cell, label: str) -> Result:
+    import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class StepClock(LogitsProcessor):
@@ -165,125 +303,160 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int, weights
             self.stamps.append(time.perf_counter())
             return scores
 
+    pad = tokenizer.eos_token_ids[0]
+    check = machine_check()
     timings, start = [], time.perf_counter()
-    for b in range(0, len(requests), batch_size):
-        batch = requests[b: b + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r.prompt_token_ids) for r in batch])[:, None])
-        new = max(r.num_output_tokens for r in batch)
+    for b in range(0, len(cell.requests), cell.hf_batch):
+        batch = cell.requests[b: b + cell.hf_batch]
+        prompts = [chat_ids(tokenizer, r) for r in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        new = max(r.max_tokens for r in batch)
         clock = StepClock()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
         stamps = [s - start for s in clock.stamps]
-        for r in batch:
-            timings.append(Timing(r.arrival, stamps[0], stamps[r.num_output_tokens - 1], r.num_output_tokens))
-    return Result(f"hf-{weights}-b{batch_size}", "all at once", time.perf_counter() - start, timings)
+        timings += [Timing(0.0, stamps[0], stamps[r.max_tokens - 1], r.max_tokens) for r in batch]
+    return Result(label, cell.name, time.perf_counter() - start, timings, check)
 
 
-# -- llama.cpp ------------------------------------------------------------------------------------------------
-def load_llama_cpp():
+def run_llama_cpp_python(tokenizer, cell: Cell) -> Result:
     from llama_cpp import Llama
 
-    return Llama(model_path=resolve_model(None).path, n_threads=2, n_threads_batch=2, n_ctx=2048, n_batch=512,
-                 verbose=False)
+    from corral.models import resolve_model
 
-
-def run_llama_cpp(llm, requests: list[Request], eos: int, scenario: str) -> Result:
+    llm = Llama(model_path=resolve_model(None).path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
+    eos = tokenizer.eos_token_ids[0]
+    check = machine_check()
     timings, start = [], time.perf_counter()
-    for r in sorted(requests, key=lambda r: r.arrival):
-        wait = r.arrival - (time.perf_counter() - start)
-        if wait > 0:
-            time.sleep(wait)
-        llm.reset()
-        first, count = None, 0
-        for _ in llm.create_completion(r.prompt_token_ids, max_tokens=r.num_output_tokens, temperature=0.0,
-                                       logit_bias={eos: -1e9}, stream=True):
-            count += 1
-            if first is None:
-                first = time.perf_counter() - start
-        timings.append(Timing(r.arrival, first, time.perf_counter() - start, count))
-    return Result("llama.cpp", scenario, time.perf_counter() - start, timings)
+    for request in cell.requests:
+        llm.reset()  # a fresh context per request, as each HTTP request here is distinct
+        timing = Timing(time.perf_counter() - start)
+        for chunk in llm.create_completion(chat_ids(tokenizer, request), max_tokens=request.max_tokens,
+                                           temperature=0.0, logit_bias={eos: -1e9}, stream=True):
+            if chunk["choices"][0]["finish_reason"] is not None:
+                continue  # the closing chunk carries no token
+            timing.num_tokens += 1
+            if timing.first is None:
+                timing.first = time.perf_counter() - start
+        timing.end = time.perf_counter() - start
+        if timing.num_tokens != request.max_tokens:
+            timing.error = f"{timing.num_tokens} tokens, asked for exactly {request.max_tokens}"
+        timings.append(timing)
+    return Result("llama-cpp-python", cell.name, time.perf_counter() - start, timings, f"in process; {check}")
 
 
-# -- report ---------------------------------------------------------------------------------------------------
-def report(results: list[Result]) -> None:
-    print(f"\n{'engine':<18} {'scenario':<22} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-          f"{'TPOT p99':>9}  (seconds)")
-    for r in results:
-        ttft, tpot = [t.ttft for t in r.timings], [t.tpot for t in r.timings]
-        print(f"{r.engine:<18} {r.scenario:<22} {r.tok_s:>9.1f} {percentile(ttft, 50):>9.3f} {percentile(ttft, 99):>9.3f}"
-              f" {percentile(tpot, 50):>9.4f} {percentile(tpot, 99):>9.4f}")
-    corral = next((r for r in results if r.engine == "corral" and r.scenario == "all at once"), None)
-    hf = [r for r in results if r.engine.startswith("hf")]
-    llama = next((r for r in results if r.engine == "llama.cpp" and r.scenario == "all at once"), None)
-    if corral and hf:
-        best = max(hf, key=lambda r: r.tok_s)
-        print(f"corral / HF best batch ({best.engine}) output tok/s: {corral.tok_s / best.tok_s:.2f}x (target >= 2x)")
-    if corral and llama:
-        print(f"corral / llama.cpp output tok/s: {corral.tok_s / llama.tok_s:.2f}x (target >= 3x)")
-    on = next((r for r in results if r.scenario == "shared prefix, cache on"), None)
-    off = next((r for r in results if r.scenario == "shared prefix, cache off"), None)
-    if on and off:
-        ratio = percentile([t.ttft for t in off.timings], 50) / percentile([t.ttft for t in on.timings], 50)
-        print(f"shared 1,000-token system prompt: TTFT p50 without / with prefix cache: {ratio:.1f}x (target >= 5x)")
+# ---- report ---------------------------------------------------------------------------------------------------
+def row(r: Result) -> str:
+    ttft, tpot = [t.ttft for t in r.ok], [t.tpot for t in r.ok]
+    failed = len(r.timings) - len(r.ok)
+    return (f"| {r.engine} | {r.cell} | {r.tok_s:.1f} | {r.req_s:.2f} | {percentile(ttft, 50):.3f} / "
+            f"{percentile(ttft, 99):.3f} | {percentile(tpot, 50) * 1e3:.1f} / {percentile(tpot, 99) * 1e3:.1f} | "
+            f"{failed}/{len(r.timings)} | {r.note} |")
+
+
+def header() -> str:
+    return ("| engine | cell | output tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | failed | note |\n"
+            "|---|---|---|---|---|---|---|---|")
+
+
+def summary(results: list[Result]) -> None:
+    print("\n## Summary: each cell's best Corral run against the best llama-server slot count\n")
+    print("| cell | Corral | tok/s | llama-server | tok/s | Corral / llama-server | HF best | Corral / HF |")
+    print("|---|---|---|---|---|---|---|---|")
+    for cell in dict.fromkeys(r.cell for r in results):
+        here = [r for r in results if r.cell == cell]
+        ours = max((r for r in here if r.engine.startswith("corral")), key=lambda r: r.tok_s, default=None)
+        peer = max((r for r in here if r.engine.startswith("llama-server")), key=lambda r: r.tok_s, default=None)
+        hf = max((r for r in here if r.engine.startswith("hf")), key=lambda r: r.tok_s, default=None)
+        if ours is None:
+            continue
+        cells = [cell, ours.engine, f"{ours.tok_s:.1f}"]
+        cells += [peer.engine, f"{peer.tok_s:.1f}", ratio(ours.tok_s, peer.tok_s, bold=True)] if peer else ["-"] * 3
+        cells += [f"{hf.engine} {hf.tok_s:.1f}", ratio(ours.tok_s, hf.tok_s)] if hf else ["-", "-"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def ratio(ours: float, theirs: float, bold: bool = False) -> str:
+    """``ours / theirs``; a peer that produced nothing (every request failed) has no ratio, and says so."""
+    if theirs <= 0:
+        return "peer produced nothing"
+    text = f"{ours / theirs:.2f}x"
+    return f"**{text}**" if bold else text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="corral,hf,llama.cpp")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--hf-batch-sizes", default="16,32")
-    parser.add_argument("--hf-weights", default="dense,gguf", help="HF model variants (see load_hf), all bf16")
-    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--skip-poisson", action="store_true")
-    parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
+    parser.add_argument("--slots", default="1,4,16,64", help="llama-server slot counts to try")
+    parser.add_argument("--kv-unified", action="store_true", help="llama-server with one KV buffer for all slots")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write every timing as JSON")
     args = parser.parse_args()
-    engines = set(args.engines.split(","))
-    torch.set_num_threads(2)
+    from corral.models import load_tokenizer
+
+    started = time.time()
+    fast_bf16 = has_fast_bf16()
+    dtypes = ["float32", "bfloat16"] if fast_bf16 else ["float32"]
+    print(f"# bench/engine.py, {time.strftime('%Y-%m-%d %H:%M')}\n\nCPU: {cpu_summary()}; fast bf16: {fast_bf16}; "
+          f"Corral and HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}")
+    cells = make_cells(args.seed)
+    if args.cells:
+        wanted = args.cells.split(",")
+        cells = [c for c in cells if c.name in wanted]
     tokenizer = load_tokenizer()
-    workload = make_workload(tokenizer, args.num_requests, args.seed)
-    stream = poisson_arrivals(workload, args.rate, args.seed)
-    print(f"{len(workload)} requests, prompt tokens {sum(len(r.prompt_token_ids) for r in workload)}, "
-          f"output tokens {sum(r.num_output_tokens for r in workload)}; torch threads {torch.get_num_threads()}; "
-          f"load average at the start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    results = []
-    if "corral" in engines:
-        engine = LLMEngine(EngineConfig(dtype=args.dtype))
-        run_corral(engine, workload[:4], "warm-up")
-        results.append(run_corral(engine, workload, "all at once"))
-        engine.block_manager.reset_prefix_cache()
-        if not args.skip_poisson:
-            results.append(run_corral(engine, stream, f"poisson {args.rate:g}/s"))
-        if not args.skip_prefix:
-            system = " ".join(f"Rule {i}: answer politely, briefly and truthfully." for i in range(75))
-            shared = make_workload(tokenizer, 32, args.seed + 1, system=system, output_range=(32, 32))
-            print(f"shared-prefix workload: {len(shared[0].prompt_token_ids)} prompt tokens per request")
-            engine.block_manager.reset_prefix_cache()
-            results.append(run_corral(engine, shared, "shared prefix, cache on"))
-            uncached = LLMEngine(EngineConfig(dtype=args.dtype, enable_prefix_caching=False))
-            results.append(run_corral(uncached, shared, "shared prefix, cache off"))
-        report(results)
-    if "hf" in engines:
-        pad = tokenizer.eos_token_ids[0]
-        for weights in args.hf_weights.split(","):
-            model = load_hf(weights)
-            for size in map(int, args.hf_batch_sizes.split(",")):
-                results.append(run_hf(model, workload, size, pad, weights))
-                report(results[-1:])
-            del model
-    if "llama.cpp" in engines:
-        llm = load_llama_cpp()
-        eos = tokenizer.eos_token_ids[0]
-        results.append(run_llama_cpp(llm, workload, eos, "all at once"))
-        report(results[-1:])
-        if not args.skip_poisson:
-            results.append(run_llama_cpp(llm, stream, eos, f"poisson {args.rate:g}/s"))
-    report(results)
-    print(f"load average at the end (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if not args.no_llama and not os.path.exists(LLAMA_SERVER):
+        print(f"WARNING: {LLAMA_SERVER} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
+    elif not args.no_llama:
+        print(f"llama-server: {llama_server_version()}, {LLAMA_CTX_PER_SLOT}-token context per slot")
+    corrals = {dtype: corral_server(dtype).start() for dtype in dtypes}
+    for dtype, server in corrals.items():
+        warm_up(f"corral-{dtype}", server.url)
+    hf_models = {} if args.no_hf else {dtype: load_hf(dtype) for dtype in dtypes}
+    results: list[Result] = []
+    print(header())
+    try:
+        for cell in cells:
+            for dtype, server in corrals.items():
+                results.append(run_server(f"corral-{dtype}", server.url, cell, server=server))
+                print(row(results[-1]), flush=True)
+            if not args.no_llama and os.path.exists(LLAMA_SERVER):
+                for slots in (int(s) for s in args.slots.split(",")):
+                    if slots > max(cell.concurrency, 1):
+                        continue
+                    with llama_server(slots, kv_unified=args.kv_unified) as peer:
+                        warm_up("llama-server", peer.url)
+                        results.append(run_server(f"llama-server -np {slots}", peer.url, cell, server=peer))
+                    print(row(results[-1]), flush=True)
+            for dtype, model in hf_models.items():
+                if cell.hf_batch:
+                    results.append(run_hf(model, tokenizer, cell, f"hf-{dtype}-b{cell.hf_batch}"))
+                    print(row(results[-1]), flush=True)
+            if cell.name == "short-1" and not args.no_llama:
+                try:
+                    results.append(run_llama_cpp_python(tokenizer, cell))
+                    print(row(results[-1]), flush=True)
+                except ImportError:
+                    print("llama-cpp-python is not installed (make bench-extras): skipped", file=sys.stderr)
+    finally:
+        for server in corrals.values():
+            server.stop()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([{"engine": r.engine, "cell": r.cell, "wall": r.wall, "note": r.note,
+                        "timings": [vars(t) for t in r.timings]} for r in results], f)
+    summary(results)
+    print(f"\nwhole run {(time.time() - started) / 60:.1f} min; load average at the end {os.getloadavg()[0]:.2f}")
+    failures = [(r.engine, r.cell, t.error) for r in results for t in r.timings if t.error]
+    if failures:
+        print(f"failed requests (first 10 of {len(failures)}): {failures[:10]}")
+        for engine in dict.fromkeys(e for e, _, _ in failures):  # every engine's kinds of failure, counted
+            kinds = collections.Counter(error[:60] for e, _, error in failures if e == engine)
+            print(f"  {engine}: {dict(kinds.most_common(5))}")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,23 @@
 Protocol (JSONSchemaBench's MaskBench): each test instance is serialized with ``json.dumps`` (separators ", " and
 ": ") and tokenized with the model's tokenizer; before each token the engine computes the mask, the token must be
 in it, then it is committed; at the end EOS must be allowed. A schema passes when it compiles, every valid
-instance is accepted to the end and every invalid one is rejected. TTFM is compile plus the first mask; TBM is
-every later mask. Each engine runs in its own worker process, one schema at a time, under a wall-clock
-``--timeout`` per schema (a hung or crashed worker is replaced and the schema counted as a timeout/crash).
+instance is accepted to the end and every invalid one is rejected. TTFM is compile plus the first mask; TBM is,
+as MaskBench times it, each later mask plus the commit of the token before it (``tbm``), with the mask alone as
+an extra column (``mask``). Each engine runs in its own worker process, one schema at a time, under a
+wall-clock ``--timeout`` per schema (a hung or crashed worker is replaced and the schema counted as a
+timeout/crash).
 
-Engines: corral, and when installed xgrammar, llguidance, outlines (outlines-core), each configured as MaskBench
-configures it: flexible whitespace (xgrammar ``any_whitespace``, llguidance ``whitespace_flexible``, Corral
-``whitespace="flexible"``), otherwise defaults; outlines-core uses its default whitespace pattern.
+Every engine gets the same cache treatment: none across schemas (XGrammar's compiler cache is off, Corral's
+compile cache is cleared before each schema; the dev set repeats 167 schemas, which would otherwise be hits
+for Corral alone). What every engine keeps across schemas is its per-vocabulary work (XGrammar's tokenizer info,
+llguidance's token trie, Corral's token tables and its string-body token facts).
 
-    python bench/maskbench.py --limit 500 --engines corral,xgrammar,llguidance --out maskbench.json
+Engines, each whitespace policy paired with its peer's: corral (flexible whitespace) with ``xgrammar-flexible``
+(``any_whitespace=True``) and llguidance (``whitespace_flexible``); ``corral-dumps`` (exactly ``json.dumps``'s
+separators) with xgrammar in MaskBench's default configuration (``any_whitespace=False``, the same separators);
+outlines (outlines-core, its default whitespace pattern). The CPU is printed with the table.
+
+    python bench/maskbench.py --limit 500 --engines corral,xgrammar,xgrammar-flexible,llguidance --out maskbench.json
 """
 
 import argparse
@@ -29,12 +37,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "maskbench-dev.jsonl.gz")
-ALL_ENGINES = ("corral", "xgrammar", "llguidance", "outlines")
+ALL_ENGINES = ("corral", "corral-dumps", "xgrammar", "xgrammar-flexible", "llguidance", "outlines")
 
 
 # ---- engines: compile(schema) -> template; start(template) -> matcher; fill/consume/is_accepting -----------
 
 class CorralEngine:
+    whitespace = "flexible"
+
     def __init__(self, tokenizer, vocab, timeout_s):
         from corral.fsm.compiler import GrammarCompiler
 
@@ -44,16 +54,22 @@ class CorralEngine:
         vocab_tables(vocab).native_trie  # per-vocabulary tables (the token trie and the native walk's copy of
         # it), built once per process like the peers' tokenizer info
 
+    def reset(self) -> None:
+        """Before each schema, off the clock: no compiled-grammar hits across schemas, as no peer has them. The
+        process-wide memos of shared pieces (JSON string spellings, format patterns, character-class tables)
+        stay warm, as they are in a running server."""
+        self.compiler.clear()
+
     def compile(self, schema):
         from corral.grammar.constraint import Constraint
 
-        return self.compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+        return self.compiler.compile(Constraint("json_schema", schema, whitespace=self.whitespace))
 
     def cache_hit_s(self, schema) -> float:
         from corral.grammar.constraint import Constraint
 
         start = time.perf_counter()
-        self.compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+        self.compiler.compile(Constraint("json_schema", schema, whitespace=self.whitespace))
         return time.perf_counter() - start
 
     def start(self, grammar):
@@ -66,16 +82,22 @@ class CorralEngine:
         return guide.advance(token_id)
 
 
+class CorralDumpsEngine(CorralEngine):
+    whitespace = "dumps"  # json.dumps's separators exactly: XGrammar's default footing
+
+
 class XGrammarEngine:
+    any_whitespace = False  # MaskBench's configuration: separators as json.dumps writes them
+
     def __init__(self, tokenizer, vocab, timeout_s):
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo(list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.size,
                                  stop_token_ids=list(vocab.eos_token_ids))
-        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)  # its default threads
 
     def compile(self, schema):
-        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=True)
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=self.any_whitespace)
 
     def start(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
@@ -85,6 +107,10 @@ class XGrammarEngine:
 
     def consume(self, matcher, token_id):
         return matcher.accept_token(token_id)
+
+
+class XGrammarFlexibleEngine(XGrammarEngine):
+    any_whitespace = True
 
 
 class LLGuidanceEngine:
@@ -149,8 +175,8 @@ class OutlinesEngine:
             return False
 
 
-ENGINES = {"corral": CorralEngine, "xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine,
-           "outlines": OutlinesEngine}
+ENGINES = {"corral": CorralEngine, "corral-dumps": CorralDumpsEngine, "xgrammar": XGrammarEngine, "xgrammar-flexible": XGrammarFlexibleEngine,
+           "llguidance": LLGuidanceEngine, "outlines": OutlinesEngine}
 
 
 # ---- one schema under the protocol ----------------------------------------------------------------------------
@@ -160,6 +186,8 @@ def _bit(row: np.ndarray, token_id: int) -> bool:
 
 
 def run_schema(engine, entry, encoded_tests, eos_id: int, num_words: int) -> dict:
+    if hasattr(engine, "reset"):
+        engine.reset()
     start = time.perf_counter()
     try:
         template = engine.compile(entry["schema"])
@@ -167,29 +195,34 @@ def run_schema(engine, entry, encoded_tests, eos_id: int, num_words: int) -> dic
         return {"id": entry["id"], "status": "compile_error", "error": f"{type(error).__name__}: {error}"[:300]}
     compile_s = time.perf_counter() - start
     row = np.zeros(num_words, dtype=np.int32)
-    ttfm, tbm, accept_failures, reject_failures = None, [], 0, 0
+    ttfm, tbm, masks, accept_failures, reject_failures = None, [], [], 0, 0
     for valid, token_ids in encoded_tests:
         matcher = engine.start(template)
-        accepted = True
+        accepted, commit_s = True, None
         for position in range(len(token_ids) + 1):
             tick = time.perf_counter()
             engine.fill(matcher, row)
             elapsed = time.perf_counter() - tick
             if ttfm is None:
                 ttfm = compile_s + elapsed
-            else:
-                tbm.append(elapsed)
+            else:  # every later mask with the commit before it (none before an instance's first mask)
+                masks.append(elapsed)
+                tbm.append((commit_s or 0.0) + elapsed)
             token_id = token_ids[position] if position < len(token_ids) else eos_id
             if not _bit(row, token_id):
                 accepted = False
                 break
-            if position < len(token_ids) and not engine.consume(matcher, token_id):
-                accepted = False
-                break
+            if position < len(token_ids):
+                tick = time.perf_counter()
+                committed = engine.consume(matcher, token_id)
+                commit_s = time.perf_counter() - tick
+                if not committed:
+                    accepted = False
+                    break
         accept_failures += valid and not accepted
         reject_failures += (not valid) and accepted
     result = {"id": entry["id"], "status": "passed" if accept_failures + reject_failures == 0 else "failed",
-              "ttfm_s": ttfm if ttfm is not None else compile_s, "tbm_s": tbm,
+              "ttfm_s": ttfm if ttfm is not None else compile_s, "tbm_s": tbm, "mask_s": masks,
               "should_accept_failures": accept_failures, "should_reject_failures": reject_failures}
     if hasattr(engine, "cache_hit_s"):
         result["cache_hit_s"] = engine.cache_hit_s(entry["schema"])
@@ -197,6 +230,9 @@ def run_schema(engine, entry, encoded_tests, eos_id: int, num_words: int) -> dic
 
 
 def _worker(name, args, entries, connection):
+    import logging
+
+    logging.getLogger("corral").setLevel(logging.ERROR)  # the compiler's per-schema warnings are not results
     tokenizer, vocab = load_vocabulary(args.vocab)
     engine = ENGINES[name](tokenizer, vocab, args.timeout)
     num_words = (vocab.size + 31) // 32
@@ -294,6 +330,7 @@ def load_entries(path: str, split: str | None, limit: int | None, every: int = 1
 def summarize(results: list[dict]) -> dict:
     ttfm = np.array([r["ttfm_s"] for r in results if "ttfm_s" in r]) * 1e3
     tbm = np.array([t for r in results for t in r.get("tbm_s", ())]) * 1e6
+    mask = np.array([t for r in results for t in r.get("mask_s", ())]) * 1e6
     hits = np.array([r["cache_hit_s"] for r in results if "cache_hit_s" in r]) * 1e3
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
     count = lambda status: sum(r["status"] == status for r in results)  # noqa: E731
@@ -304,31 +341,46 @@ def summarize(results: list[dict]) -> dict:
         "crashes_timeouts": count("crash") + count("timeout"),
         "tbm_us": {"p50": pct(tbm, 50), "p90": pct(tbm, 90), "p99": pct(tbm, 99), "max": pct(tbm, 100),
                    "count": int(len(tbm))},
+        "mask_us": {"p50": pct(mask, 50), "p99": pct(mask, 99), "max": pct(mask, 100)},
         "ttfm_ms": {"p50": pct(ttfm, 50), "p90": pct(ttfm, 90), "p99": pct(ttfm, 99)},
         **({"cache_hit_ms": {"p50": pct(hits, 50), "p99": pct(hits, 99), "max": pct(hits, 100)}} if len(hits) else {}),
     }
 
 
+PAIRS = (("corral", "xgrammar-flexible"), ("corral", "llguidance"), ("corral", "outlines"),
+         ("corral-dumps", "xgrammar"))
+
+
+def cpu_summary() -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from servers import cpu_summary as summary
+
+    return summary()
+
+
 def print_table(summaries: dict[str, dict]) -> None:
+    print(f"CPU: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M')}\n")
     print("| engine | passed | compile errors | should accept, didn't | should reject, didn't | crash/timeout "
-          "| TBM p50 / p90 / p99 / max (µs) | TTFM p50 / p90 / p99 (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| TBM (mask + commit) p50 / p90 / p99 / max (µs) | mask alone p50 / p99 / max (µs) "
+          "| TTFM p50 / p90 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, s in summaries.items():
-        tbm, ttfm = s["tbm_us"], s["ttfm_ms"]
+        tbm, mask, ttfm = s["tbm_us"], s["mask_us"], s["ttfm_ms"]
         print(f"| {name} | {s['passed']}/{s['schemas']} | {s['compile_errors']} | {s['should_accept_failures']} "
               f"| {s['should_reject_failures']} | {s['crashes_timeouts']} "
               f"| {tbm['p50']:.1f} / {tbm['p90']:.1f} / {tbm['p99']:.1f} / {tbm['max']:.0f} "
+              f"| {mask['p50']:.1f} / {mask['p99']:.1f} / {mask['max']:.0f} "
               f"| {ttfm['p50']:.2f} / {ttfm['p90']:.2f} / {ttfm['p99']:.2f} |")
     if "corral" in summaries and "cache_hit_ms" in summaries["corral"]:
         hit = summaries["corral"]["cache_hit_ms"]
         print(f"\ncorral cache hit: p50 {hit['p50'] * 1e3:.1f} µs, p99 {hit['p99'] * 1e3:.1f} µs, "
               f"max {hit['max'] * 1e3:.1f} µs")
-    ours = summaries.get("corral")
-    for name, s in summaries.items():
-        if ours is None or name == "corral":
+    ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    for mine, name in PAIRS:  # each Corral policy against the peers on the same whitespace footing
+        ours, s = summaries.get(mine), summaries.get(name)
+        if ours is None or s is None:
             continue
-        ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
-        print(f"corral/{name}: passed {ours['passed']} vs {s['passed']}; "
+        print(f"{mine}/{name}: passed {ours['passed']} vs {s['passed']}; "
               f"TBM p50 {ratio(ours['tbm_us']['p50'], s['tbm_us']['p50']):.2f}x, "
               f"p99 {ratio(ours['tbm_us']['p99'], s['tbm_us']['p99']):.2f}x; "
               f"TTFM p50 {ratio(ours['ttfm_ms']['p50'], s['ttfm_ms']['p50']):.2f}x, "
@@ -350,7 +402,7 @@ def main(argv=None) -> None:
     entries = load_entries(args.data, args.split, args.limit, args.every)
     summaries, details = {}, {}
     for name in args.engines.split(","):
-        module = {"corral": "corral", "outlines": "outlines_core"}.get(name, name)
+        module = {"corral-dumps": "corral", "outlines": "outlines_core", "xgrammar-flexible": "xgrammar"}.get(name, name)
         try:
             __import__(module)
         except ImportError:
