@@ -22,6 +22,10 @@ from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_ke
 
 ANY_VALUE_DEPTH = 5
 MAX_ENUMERATED_MULTIPLES = 256
+# Declared properties of one object: beyond this a schema would not compile inside the default budget anyway
+# (3,000 required take about 3 s on a slow core, optional ones cost more), so it is refused at once instead of
+# spending the whole budget and leaving millions of nodes for the collector.
+MAX_DECLARED_PROPERTIES = 5_000
 MAX_MULTIPLE_SUFFIXES = 1024
 
 
@@ -222,6 +226,9 @@ class ValueBuilders:
         if merged.max_properties is not None and merged.max_properties < merged.min_properties:
             return self.contradiction("minProperties exceeds maxProperties", pointer)
         declared = list(merged.properties) + [n for n in merged.required if n not in merged.properties]
+        if len(declared) > MAX_DECLARED_PROPERTIES:
+            raise GrammarTooComplexError(f"the object at '{pointer or '#'}' declares {len(declared)} properties; "
+                                         f"at most {MAX_DECLARED_PROPERTIES} are supported")
         members = []
         for name in declared:
             allowed = not merged.property_names or self.name_allowed(name, merged.property_names)

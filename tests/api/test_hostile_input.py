@@ -166,6 +166,11 @@ def _big_props(n: int) -> dict:
             "required": [f"p{i}" for i in range(0, n, 2)]}
 
 
+def _slow_props(n: int) -> dict:
+    """Optional members only, under the declared-property cap: seconds to build (quadratic), then refused."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": i} for i in range(n)}}
+
+
 def _nested(depth: int) -> RawSchema:
     return RawSchema('{"type":"object","required":["a"],"properties":{"a":' * depth + '{"type":"integer"}'
                      + "}}" * depth)
@@ -299,7 +304,7 @@ def test_sigterm_during_a_hostile_compile_exits_within_the_grace_period():
     proc, url = _start("--compile-time-budget-s", "60", "--shutdown-grace-s", "1")
     answers = []
     try:
-        compiling = threading.Thread(target=lambda: answers.append(_chat(url, _schema(_big_props(30_000)),
+        compiling = threading.Thread(target=lambda: answers.append(_chat(url, _schema(_slow_props(4_000)),
                                                                          timeout=120)[0]), daemon=True)
         compiling.start()
         deadline = time.monotonic() + 30
