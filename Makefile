@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine: `make test` and `make serve`.
 # Each creates .venv when it is missing. torch goes in first, pinned to the CPU build on this machine's disk,
 # so that nothing later pulls a CUDA build; then the default model (its declared dependencies are not needed,
-# one of them compiles llama.cpp); then Corral itself, editable, with its test extras.
+# one of them compiles llama.cpp); then Corral itself, editable, with its test extras. Installing Corral builds its
+# native module (corral/csrc, through setup.py), so a change to the C++ sources reinstalls it.
 
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -11,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: test serve bench-extras
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard corral/csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

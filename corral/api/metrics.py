@@ -15,6 +15,8 @@ taken when the engine thread hands an output over, so they include scheduling bu
 import threading
 from bisect import bisect_left
 
+from corral import native
+
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -115,6 +117,10 @@ class ServerMetrics:
                "running).", [f"{{{lab}}} {num_in_flight}"])
         metric("corral:num_requests_compiling", "gauge", "Constraints queued or compiling.",
                [f"{{{lab}}} {num_compiling}"])
+        paths = native.status()
+        metric("corral:native_info", "gauge", "Which paths run: the CORRAL_NATIVE mode, the mask path and the CPU "
+               "kernels (always 1).", [f'{{{lab},mode="{paths["mode"]}",mask_path="{paths["mask_path"]}",'
+                                       f'kernels="{paths["kernels"]}"}} 1'])
 
         running, waiting, usage, queries, hits = stats_numbers(self.stats)
         metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])

@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from corral import native
 from corral.api.context import ClientGoneError, ServingContext
 from corral.api.event_stream import EventStream
 from corral.api.serving_chat import chat_completion
@@ -31,7 +32,7 @@ from corral.api.serving_completions import completion
 from corral.errors import CorralError
 from corral.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from corral.schemas.common import ErrorResponse
-from corral.schemas.completions import Completion, CompletionRequest, Health, ModelCard, ModelList
+from corral.schemas.completions import Completion, CompletionRequest, Health, ModelCard, ModelList, NativePaths
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 _STREAM_MODELS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": Completion}
@@ -195,7 +196,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}})
     async def health():
         ctx.engine.check_admission(0)
-        return Health()
+        return Health(native=NativePaths(**native.status()))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

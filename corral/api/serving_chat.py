@@ -55,7 +55,7 @@ def _completion(ctx, req, prepared, request_id, latest, last, warnings) -> ChatC
                       for name, args in calls] or None
         choices.append(ChatChoice(
             index=index, message=ResponseMessage(content=content, tool_calls=tool_calls),
-            finish_reason=_finish_reason(out.finish_reason, bool(calls)),
+            finish_reason=_finish_reason(out.finish_reason, bool(calls)), stop_reason=out.stop_reason,
             logprobs=chat_logprobs(ctx.vocabulary, logprob_rows(out), num_top) if req.logprobs else None))
     num_generated = sum(len(o.token_ids) for o in latest.values())
     return ChatCompletion(id=request_id, model=req.model, choices=choices,

@@ -50,7 +50,8 @@ def _completion(ctx: ServingContext, req: CompletionRequest, batch, runs, warnin
             if req.logprobs is not None:
                 logprobs = completion_logprobs(ctx.vocabulary, logprob_rows(out), req.logprobs, len(prefix))
             choices.append(CompletionChoice(index=p * req.n + i, text=prefix + out.text,
-                                            finish_reason=out.finish_reason, logprobs=logprobs))
+                                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                            logprobs=logprobs))
         num_prompt += len(prepared.prompt_token_ids)
         num_generated += sum(len(o.token_ids) for o in latest.values())
         num_cached += last.num_cached_tokens

@@ -299,6 +299,7 @@ class LLMEngine:
     def _process(self, rows, result: SampleResult, stuck: list[Sequence] = ()) -> list[RequestOutput]:
         now, touched = time.monotonic(), {}
         for seq in stuck:
+            seq.stop_reason = getattr(seq.guide, "error", None)  # a limit the grammar reached, by name
             self._finish(seq, "error")
             touched[seq.request_id] = self._requests[seq.request_id]
         for i, (seq, _) in enumerate(rows):
@@ -325,6 +326,7 @@ class LLMEngine:
         """Set ``seq.stop_reason`` and return the finish reason when ``token`` ends the sequence."""
         params = seq.params
         if seq.guide is not None and not seq.guide.advance(token):
+            seq.stop_reason = getattr(seq.guide, "error", None)
             return "error"
         if token in self.vocabulary.eos_token_ids and not params.ignore_eos:
             return "stop"

@@ -8,9 +8,9 @@ distinct derivatives finite (Brzozowski). Why derivatives rather than Thompson +
 repeats (``maxLength: 5000``) and recurring pieces (any-value, string bodies) cost nothing until explored, and
 ``Intersect`` is just the intersection of the parts' derivatives.
 
-The table exists twice with the same normal forms: this pure-Python one, and a native one (``term_table.cpp``, a
-CPython extension compiled on first use) that :func:`new_table` gives wherever it builds; deriving in Python was
-most of the cost of a mask met for the first time. The conversions from the AST and between tables by structure
+The table exists twice with the same normal forms: this pure-Python one (the oracle), and a native one
+(``corral/csrc/terms.cpp``, in the native module built at install time) that :func:`new_table` gives wherever the
+module loads; deriving in Python was most of the cost of a mask met for the first time. The conversions from the AST and between tables by structure
 (:class:`_Conversions`) are shared Python code over either.
 
 Left out: complement. Emptiness is syntactic (a normalized term other than ∅ is non-empty) except under
@@ -21,10 +21,9 @@ still undecided at the limit is treated as empty (sound: it can only forbid stri
 import functools
 import threading
 from collections import deque
-from pathlib import Path
 
+from corral import native
 from corral.budget import Budget
-from corral.kernels.cpu_build import CompiledExtension
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.node_builder import SHARED_NODES, children_of
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
@@ -73,7 +72,7 @@ def _partition(masks: frozenset[int]) -> list[int]:
 
 class _Conversions:
     """Terms from the code-point AST, and between tables by structure: shared by the pure-Python table and the
-    native one (``term_table.cpp``), which give the constructors and the ``kind``/``args`` views they use."""
+    native one (``corral/csrc/terms.cpp``), which give the constructors and the ``kind``/``args`` views they use."""
 
     def _init_conversions(self) -> None:
         self._from_nodes: dict[int, tuple[Node, int]] = {}
@@ -246,6 +245,7 @@ class TermTable(_Conversions):
             self.has_and.append(has_and)
             if term % 4096 == 0:
                 self.budget.check_time()
+                self.budget.check_terms(term)
         return term
 
     # ---- constructors (normalizing) ------------------------------------------------------------------------
@@ -552,14 +552,13 @@ class TermTable(_Conversions):
         return False, None
 
 
-_EXTENSION = CompiledExtension("_corral_terms", (Path(__file__).parent / "term_table.cpp").read_text())
 _NATIVE_CLASS: list = []
 _NATIVE_LOCK = threading.Lock()
 
 
 def native_module():
-    """The extension module of ``term_table.cpp``, or None when it cannot be built."""
-    return _EXTENSION.load()
+    """The native module (``corral/csrc/terms.cpp`` holds the table), or None where it is off or missing."""
+    return native.module()
 
 
 def native_table_class():
@@ -574,7 +573,7 @@ def native_table_class():
 
 def _define_native_class(module):
     class NativeTermTable(module.Table, _Conversions):
-        """:class:`TermTable` in native memory (``term_table.cpp``): the same terms and derivatives."""
+        """:class:`TermTable` in native memory (``corral/csrc/terms.cpp``): the same terms and derivatives."""
 
         def __init__(self, budget: Budget | None = None):
             self.budget = budget or Budget()
@@ -585,7 +584,7 @@ def _define_native_class(module):
 
 
 def new_table(budget: Budget | None = None):
-    """A term table: the native one when the extension builds (``CORRAL_CPU_KERNELS=0`` turns it off), else
+    """A term table: the native one when the extension builds (``CORRAL_NATIVE=off`` turns it off), else
     :class:`TermTable`. Both hold the same terms with the same normal forms; ids may differ."""
     native = native_table_class()
     return native(budget) if native is not None else TermTable(budget)

@@ -1,7 +1,14 @@
-"""FSMGuide: the per-sequence cursor over a :class:`TokenIndex` — a list of states, cheap to copy and roll back."""
+"""FSMGuide: the per-sequence cursor over a :class:`TokenIndex` — a list of states, cheap to copy and roll back.
+
+A grammar grows while it is decoded (rows and masks are built when first needed), under its state cap, memory cap
+and per-mask fuel. A guide whose next row or mask would pass one goes into the error state with the limit's
+message (:attr:`FSMGuide.error`) instead of raising, so its sequence ends with ``finish_reason: "error"`` and the
+rest of the batch goes on.
+"""
 
 import numpy as np
 
+from corral.errors import GrammarTooComplexError
 from corral.fsm.lazy_dfa import DEAD
 from corral.fsm.guide import Guide
 from corral.fsm.token_index import TokenIndex
@@ -13,11 +20,12 @@ _MAX_FORCED_BYTES = 4096
 class FSMGuide(Guide):
     """State history ``[start, after token 1, ...]``; ``DEAD`` marks the error state, ``ENDED`` an EOS."""
 
-    __slots__ = ("index", "states")
+    __slots__ = ("index", "states", "error")
 
-    def __init__(self, index: TokenIndex, states: list[int] | None = None):
+    def __init__(self, index: TokenIndex, states: list[int] | None = None, error: str | None = None):
         self.index = index
         self.states = states if states is not None else [0]
+        self.error = error  # the limit that stopped this guide, when one did
 
     @property
     def state(self) -> int:
@@ -25,12 +33,16 @@ class FSMGuide(Guide):
 
     def fill_mask(self, row: np.ndarray) -> None:
         state = self.state
-        if state == DEAD:
+        if state == DEAD or self.error is not None:
             row[:] = 0
         elif state == ENDED:
             row[:] = self.index.tables.eos_words
         else:
-            row[:] = self.index.mask(state)
+            try:
+                row[:] = self.index.mask(state)
+            except GrammarTooComplexError as exc:
+                self.error = str(exc)
+                row[:] = 0
 
     def advance(self, token_id: int) -> bool:
         state = self.state
@@ -40,7 +52,10 @@ class FSMGuide(Guide):
         if token_id in self.index.vocab.eos_token_ids and self.is_accepting():
             self.states.append(ENDED)
             return True
-        next_state = DEAD if state == ENDED else self.index.next_state(state, token_id)
+        try:
+            next_state = DEAD if state == ENDED else self.index.next_state(state, token_id)
+        except GrammarTooComplexError as exc:
+            self.error, next_state = str(exc), DEAD
         self.states.append(next_state)
         return next_state != DEAD
 
@@ -52,10 +67,16 @@ class FSMGuide(Guide):
         state = self.state
         if state in (DEAD, ENDED):
             return True
-        return self.index.is_accepting(state) and not (self.index.row(state) >= 0).any()
+        if not self.index.is_accepting(state):
+            return False
+        try:
+            return not (self.index.row(state) >= 0).any()
+        except GrammarTooComplexError as exc:
+            self.error = str(exc)  # the next mask is empty: the sequence ends with this error
+            return False
 
     def is_error(self) -> bool:
-        return self.state == DEAD
+        return self.state == DEAD or self.error is not None
 
     def rollback(self, num_tokens: int) -> None:
         assert 0 <= num_tokens < len(self.states), (num_tokens, len(self.states))
@@ -63,7 +84,7 @@ class FSMGuide(Guide):
             del self.states[-num_tokens:]
 
     def copy(self) -> "FSMGuide":
-        return FSMGuide(self.index, list(self.states))
+        return FSMGuide(self.index, list(self.states), self.error)
 
     def forced_bytes(self) -> bytes:
         """Follow the states with exactly one live byte that are not accepting (an accepting state may stop)."""

@@ -53,7 +53,7 @@ class LazyDFA:
     """State 0 is the start. ``trans`` int32 [capacity, 256]; ``accepting`` bool; rows filled by :meth:`ensure`."""
 
     def __new__(cls, node: Node | None = None, budget: Budget | None = None, *, terms=None, root: int = 0):
-        """A :class:`NativeLazyDFA` when the term table is the native one (``term_table.cpp``)."""
+        """A :class:`NativeLazyDFA` when the term table is the native one (``corral/csrc/terms.cpp``)."""
         if cls is LazyDFA:
             native = native_table_class()
             if native is not None and (terms is None or isinstance(terms, native)):
@@ -63,6 +63,9 @@ class LazyDFA:
     def __init__(self, node: Node | None, budget: Budget, *, terms: TermTable | None = None, root: int = 0):
         """The DFA of ``node``, or (``terms`` and ``root`` given) of a term already in ``terms``."""
         self.terms = terms if terms is not None else new_table(budget)
+        self.max_states = budget.max_states
+        if hasattr(self.terms, "max_terms"):  # the native table counts its terms exactly
+            self.terms.max_terms = budget.max_terms
         if node is not None:
             root = self.terms.from_node(node)
             if terms is None:  # a table of its own: nothing else converts into it
@@ -78,8 +81,10 @@ class LazyDFA:
         if not self.is_empty:
             self.state_of_term(root)
             self.row(0)
-        # subtle: the compile budget ends with compilation; rows built later, while decoding, must never raise
-        self.terms.budget = Budget(time_s=float("inf"), max_states=budget.max_states)
+        # subtle: the compile budget's clock ends with compilation; rows built later, while decoding, never fail on
+        # time. The caps hold for the automaton's whole life (a row past one raises GrammarTooComplexError, and
+        # the sequence that needed it ends with that error).
+        self.terms.budget = budget.for_decoding()
 
     def _setup(self) -> None:
         self._state_ids: dict[int, int] = {}
@@ -165,6 +170,8 @@ class LazyDFA:
         if state is None:
             if not self.terms.is_live(term):
                 return DEAD
+            if len(self._state_terms) >= self.max_states:
+                raise GrammarTooComplexError(f"the grammar's automaton reached its cap of {self.max_states} states")
             state = self._state_ids[term] = len(self._state_terms)
             self._state_terms.append(term)
             self._grow(state + 1)
@@ -216,13 +223,14 @@ class LazyDFA:
 
 
 class NativeLazyDFA(LazyDFA):
-    """The same automaton with its states, rows and moves in native code (``term_table.cpp``, over the native term
+    """The same automaton with its states, rows and moves in native code (``corral/csrc/terms.cpp``, over the native term
     table): deriving a move is one call, and the token walks derive the moves they meet without leaving C++.
     ``trans``, ``accepting`` and ``built`` are numpy views of the native buffers, renewed when those grow (read
     them after a call that may derive)."""
 
     def _setup(self) -> None:
         self.native = native_module().Dfa(self.terms)
+        self.native.max_states = self.max_states
         self._generation = -1
         self.refresh()
 

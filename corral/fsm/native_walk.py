@@ -1,7 +1,8 @@
-"""The token-trie walk in native code: a state's mask at native speed, derivations included.
+"""The token-trie walk in native code: a state's mask at native speed, derivations included, with the GIL
+released (it is taken back only for the Python calls below), so a mask is computed while the model runs.
 
 The walk is one pass over the vocabulary trie (``token_trie.py``, nodes numbered in preorder) from one DFA state
-(``term_table.cpp``, ``Dfa::walk_trie``): each node looks the move on its byte up in the automaton's rows, from the
+(``corral/csrc/terms.cpp``, ``Dfa::walk_trie``): each node looks the move on its byte up in the automaton's rows, from the
 state its parent reached, deriving it in place when it is not built yet; a dead move skips the node's whole
 subtree, a live one lists the tokens that end at the node and goes on below it. Python is called only for what
 needs the vocabulary's piece facts:
@@ -13,9 +14,12 @@ needs the vocabulary's piece facts:
   below it in the other members' state. Answers are kept for the rest of the pass (by state and depth).
 
 So a walk costs one native pass over the live part of the trie and one call per wide state and piece met; no
-node is visited twice. Why: the trie walk in numpy costs a few us per numpy call and per trie level, and deriving
+node is visited twice. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the automaton's
+state cap and the table's term cap hold as well; past one, the walk raises :class:`~corral.errors.
+GrammarTooComplexError` (the native ``LimitError``) naming the limit. The trie is copied into the native module
+once per vocabulary and checked there (preorder, depths, id ranges), so a walk never reads out of bounds. Why: the trie walk in numpy costs a few us per numpy call and per trie level, and deriving
 the moves in Python cost about as much again; the first masks of wide states were the slow tail of
-time-between-masks. Without a C++ compiler (``CORRAL_CPU_KERNELS=0``) the automaton is the Python one and the
+time-between-masks. Without a C++ compiler (``CORRAL_NATIVE=off``) the automaton is the Python one and the
 Python walk is used.
 
 The same code walks tokens one by one (:func:`walk_tokens`) for the walks that are per token rather than per
@@ -26,6 +30,8 @@ import threading
 
 import numpy as np
 
+from corral import native
+
 FLAG_PLAIN, FLAG_PIECES = 1, 2
 
 
@@ -34,52 +40,34 @@ def available(dfa) -> bool:
     return hasattr(dfa, "native")
 
 
-def _ptr(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
 class NativeTrie:
     """The trie's arrays in the layout the C++ walk reads (built once per vocabulary)."""
 
     def __init__(self, trie, num_words: int):
         """``num_words``: the int32 words of a bitmask row over the whole vocabulary."""
-        assert int(trie.depth.max()) < 1000, "a token longer than the walk's depth stack"
         self.trie = trie
-        self.node_byte = np.ascontiguousarray(trie.node_byte, dtype=np.int32)
-        self.node_depth = np.ascontiguousarray(trie.depth, dtype=np.int32)
-        self.node_end = np.ascontiguousarray(trie.subtree_end_node, dtype=np.int32)
         # the ids that end exactly at node n lead its preorder run: subtree_ids[subtree_start[n]:own_end[n]]
         own_counts = (trie.node_token >= 0).astype(np.int64)
         for node, extra in trie.duplicate_ids.items():
             own_counts[node] += len(extra)
-        self.own_start = np.ascontiguousarray(trie.subtree_start, dtype=np.int64)
-        self.own_end = self.own_start + own_counts
-        self.own_ids = np.ascontiguousarray(trie.subtree_ids, dtype=np.int32)
-        self.node_token = np.where(own_counts > 1, -2, trie.node_token).astype(np.int32)
-        self.subtree_end = np.ascontiguousarray(trie.subtree_end, dtype=np.int64)
-        self.roots = trie.children(np.zeros(1, dtype=np.int64)).astype(np.int32)
+        own_start = np.ascontiguousarray(trie.subtree_start, dtype=np.int64)
+        self.native = native.module().Trie(
+            np.ascontiguousarray(trie.node_byte, dtype=np.int32), np.ascontiguousarray(trie.depth, dtype=np.int32),
+            np.ascontiguousarray(trie.subtree_end_node, dtype=np.int32),
+            np.where(own_counts > 1, -2, trie.node_token).astype(np.int32), own_start, own_start + own_counts,
+            np.ascontiguousarray(trie.subtree_end, dtype=np.int64),
+            np.ascontiguousarray(trie.subtree_ids, dtype=np.int32),
+            trie.children(np.zeros(1, dtype=np.int64)).astype(np.int32), num_words)
         self.num_words = num_words
-        self.pointers = [_ptr(a) for a in (self.node_byte, self.node_depth, self.node_end, self.node_token,
-                                           self.own_start, self.own_end, self.subtree_end, self.own_ids,
-                                           self.roots)]
-        self._local = threading.local()
-
-    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's scratch of the walk, shared by every grammar's: the output words and the tokens found
-        (every token at most once, and one spare)."""
-        held = getattr(self._local, "buffers", None)
-        if held is None:
-            held = self._local.buffers = (np.zeros(self.num_words, dtype=np.uint32),
-                                          np.empty(len(self.own_ids) + 1, dtype=np.int32))
-        return held
 
 
 class NativeWalk:
     """One token index's walks over its native automaton: the state flags it has settled (a flag set of the
     automaton, since the flags depend on the vocabulary's piece facts), and per thread the pass's buffers."""
 
-    def __init__(self, native: NativeTrie, index):
-        self.native, self.index = native, index
+    def __init__(self, native: NativeTrie, index, fuel: int = -1):
+        """``fuel``: the new terms one walk may derive (-1: no cap)."""
+        self.native, self.index, self.fuel = native, index, fuel
         self.flag_set = index.dfa.native.new_flag_set()
         self._local = threading.local()
 
@@ -93,23 +81,21 @@ class NativeWalk:
         if run is None:
             run = self._local.run = _Pass(self)
         dfa = self.index.dfa
-        run.words.fill(0)
+        words = np.zeros(self.native.num_words, dtype=np.uint32)
         with dfa.lock:
-            dfa.native.walk_trie(run.setup_pointer, state, self.flag_set, self._flag, run.on_piece)
-            dfa.refresh()
-        return run.words.copy()
+            try:
+                dfa.native.walk_trie(self.native.native, state, self.flag_set, self._flag, run.on_piece, words,
+                                     self.fuel)
+            finally:
+                dfa.refresh()
+        return words
 
 
 class _Pass:
-    """One thread's state for the passes of a :class:`NativeWalk`: the arrays the native side reads."""
+    """One thread's callbacks for the passes of a :class:`NativeWalk`."""
 
     def __init__(self, walk: NativeWalk):
         self.walk = walk
-        native = walk.native
-        self.words, found = native.buffers()  # the pass's output (copied out after it), and its scratch
-        self.setup = np.asarray(native.pointers + [len(native.roots), _ptr(self.words), _ptr(found)],
-                                dtype=np.int64)
-        self.setup_pointer = _ptr(self.setup)
 
     def on_piece(self, state: int, depth: int) -> tuple[int, np.ndarray | None]:
         """The pass reached a state holding repeat pieces after ``depth`` bytes: the state of the other members

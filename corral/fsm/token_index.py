@@ -159,7 +159,8 @@ class TokenIndex:
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
-        self._native = native_walk.NativeWalk(self.tables.native_trie, self) if native_walk.available(dfa) else None
+        fuel = dfa.terms.budget.mask_fuel
+        self._native = native_walk.NativeWalk(self.tables.native_trie, self, fuel) if native_walk.available(dfa) else None
 
     @property
     def num_states(self) -> int:

@@ -105,6 +105,8 @@ class ChatChoice(Open):
     message: ResponseMessage
     finish_reason: FinishReason | None
     logprobs: ChoiceLogprobs | None = None
+    # what ended it: the stop string or stop token id for "stop"; for "error", the limit or fault, by name
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(Open):

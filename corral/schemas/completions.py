@@ -35,6 +35,8 @@ class CompletionChoice(Open):
     text: str
     finish_reason: Literal["stop", "length", "abort", "error"] | None
     logprobs: CompletionLogprobs | None = None
+    # what ended it: the stop string or stop token id for "stop"; for "error", the limit or fault, by name
+    stop_reason: int | str | None = None
 
 
 class Completion(Open):
@@ -60,5 +62,17 @@ class ModelList(Open):
     data: list[ModelCard]
 
 
+class NativePaths(Open):
+    """Which implementation runs (``corral.native.status()``): the ``CORRAL_NATIVE`` switch, whether the native
+    module loaded and why not, the mask path (native or python) and the CPU kernels (native-<isa> or torch)."""
+    mode: Literal["auto", "require", "off"]
+    loaded: bool
+    reason: str | None = None
+    mask_path: Literal["native", "python"]
+    kernels: str
+    build: str | None = None
+
+
 class Health(Open):
     status: Literal["ok"] = "ok"
+    native: NativePaths | None = None

@@ -115,7 +115,8 @@ def test_api_key_is_required(server):
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="Incorrect API key provided"):
         bad.models.list()
-    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}  # health is open
+    health = httpx.get(server[0] + "/health").json()  # health is open
+    assert health["status"] == "ok" and health["native"]["mask_path"] in ("native", "python")
     good = openai.OpenAI(base_url=server[0] + "/v1", api_key="sk-test", max_retries=0)
     assert [m.id for m in good.models.list().data] == ["test-model"]
 
@@ -149,6 +150,11 @@ def test_metrics_use_vllm_names(server, client):
     rows = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert int(rows['vllm:request_success_total{model_name="test-model",finished_reason="stop"}']) >= 1
     assert int(rows['vllm:generation_tokens_total{model_name="test-model"}']) >= len('{"a": 1}') // 4
+    from corral import native
+
+    paths = native.status()  # which mask path and kernels run, as /health says too
+    assert rows[f'corral:native_info{{model_name="test-model",mode="{paths["mode"]}",'
+                f'mask_path="{paths["mask_path"]}",kernels="{paths["kernels"]}"}}'] == "1"
 
 
 @pytest.mark.parametrize("suffix", ["", "/v1", "/v1/"])

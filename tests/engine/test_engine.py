@@ -160,6 +160,28 @@ def test_a_guide_that_allows_no_token_ends_only_its_sequence(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_grammar_past_its_state_cap_while_decoding_ends_only_its_sequence(engine):
+    from corral.budget import Budget
+    from corral.fsm.fsm_guide import FSMGuide
+    from corral.fsm.lazy_dfa import LazyDFA
+    from corral.fsm.token_index import TokenIndex
+    from corral.grammar.regex_parser import parse_regex
+
+    # a counted repeat makes one state per letter (and EOS waits for 50): compiling and the first masks stay under
+    # the cap of 60 states,
+    # and the letters the model must write walk past it within the 40 tokens asked for
+    index = TokenIndex(LazyDFA(parse_regex("[a-z]{50,400}"), Budget(max_states=60)), engine.vocabulary)
+    assert index.num_states < 60
+    ids = chat(engine, PROMPTS[0])
+    capped, free = engine.generate([ids, ids], greedy(40), guides=[FSMGuide(index), None])
+    out = capped.outputs[0]
+    assert out.finish_reason == "error" and "cap of 60 states" in out.stop_reason
+    assert 0 < len(out.token_ids) < 40 and out.text.isalpha()
+    assert free.outputs[0].finish_reason in ("stop", "length") and free.outputs[0].token_ids
+    assert free.outputs[0].token_ids == engine.generate([ids], greedy(40))[0].outputs[0].token_ids
+    assert not engine.has_unfinished_requests()
+
+
 def test_abort_frees_everything_at_once(engine):
     ids = chat(engine, PROMPTS[1])
     engine.add_request("to-abort", ids, greedy(200, n=2))

@@ -16,7 +16,7 @@ from corral.grammar.regex_ast import MAX_CODE_POINT, Alt, CharSet, Concat, Inter
 from corral.grammar.regex_parser import parse_regex
 
 
-# Both term tables: the native one (``term_table.cpp``, what LazyDFA uses where it builds) and the pure-Python one
+# Both term tables: the native one (``corral/csrc/terms.cpp``, what LazyDFA uses where it builds) and the pure-Python one
 # (the fallback without a compiler); the properties below hold for each.
 TABLES = [pytest.param(derivatives.TermTable, id="python"),
           pytest.param(derivatives.native_table_class(), id="native",

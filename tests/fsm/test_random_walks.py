@@ -12,7 +12,7 @@ import random
 import jsonschema
 import pytest
 
-from corral.errors import UserInputError
+from corral.errors import GrammarTooComplexError, UserInputError
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.random_walk import random_document, single_byte_tokens
 from corral.fsm.vocabulary import Vocabulary
@@ -35,8 +35,9 @@ SAMPLE = _sample()
 
 # Known failures, kept in the sample so that they show in every run's summary (none at present). The nested
 # not/allOf schemas over patterns (Handwritten---allany14 and allany17), whose liveness searches ran for minutes with
-# the Python term table, run here: with the native one, allany14's walks take about 40 s and allany17 is refused at
-# compile time (too large to decide).
+# the Python term table, run here: allany17 is refused at compile time (too large to decide), and allany14's walks
+# meet a mask that needs more than a mask's fuel (over a million new terms): refused while decoding, as the engine
+# would end that sequence with the limit's error.
 KNOWN_FAILURES: dict = {}
 
 
@@ -67,7 +68,11 @@ def test_random_walks_give_documents_the_schema_validates(setup, entry):
     rng = random.Random(entry["id"])
     completed = 0
     for _ in range(WALKS_PER_SCHEMA):
-        document = random_document(grammar, vocab, byte_tokens, rng)
+        try:
+            document = random_document(grammar, vocab, byte_tokens, rng)
+        except GrammarTooComplexError as exc:
+            assert "fuel" in str(exc) or "cap" in str(exc), exc
+            return  # a limit reached while decoding refuses the schema, as a compile-time refusal does
         if document is None:
             continue
         completed += 1

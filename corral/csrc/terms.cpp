@@ -7,30 +7,37 @@
 // c high or -1 for none), CONST (0 the empty set, 1 epsilon). Python sees them through the table's methods and
 // through the views kind/args/nullable/has_and, indexed like the pure table's lists.
 //
-// Errors: a Python exception raised inside (the budget's check_time) or a bad argument unwinds as PyFailure and
-// the entry point returns NULL with the exception set. Every memo is written after its value is complete, so an
-// unwind leaves the table consistent.
+// Errors: a Python exception raised inside (the budget's check_time), a limit reached (LimitError) or a bad
+// argument unwinds as PyFailure and the entry point returns NULL with the exception set. Every memo is written
+// after its value is complete, so an unwind leaves the table consistent.
+//
+// Limits, which hold while decoding as well as while compiling: max_terms caps a table's terms (its memory),
+// an automaton's max_states its states, and fuel caps the new terms one walk (one mask) may make. They count work,
+// never time, so a mask passes or fails alike on a busy machine.
+//
+// Threads: the walks run with the GIL released (they take it back only to call Python), so every entry point
+// holds the table's mutex; a thread that must wait for it waits without the GIL.
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "common.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+namespace corral_native {
 namespace {
 
 constexpr int32_t EMPTYSET = 0, EPSILON = 1;
 enum : uint8_t { K_BYTES, K_CAT, K_ALT, K_REP, K_AND, K_CONST };
 constexpr size_t INDEXED_ALT_MEMBERS = 8;
 constexpr int INDEXED_MEMBER_BYTES = 16;
-
-struct PyFailure {};  // a Python exception is set
 
 struct Mask {
     uint64_t w[4] = {0, 0, 0, 0};
@@ -121,6 +128,10 @@ struct Table {
     int64_t num_undecided = 0;
     int64_t step_limit = 5000;  // liveness search steps before an intersection is treated as empty
     PyObject* budget = nullptr;  // owned; check_time() every 4096 new terms
+    int64_t max_terms = -1;      // -1: no cap
+    int64_t fuel = -1;           // new terms the current walk may still make; -1: not in a walk
+    int64_t fuel_given = 0;
+    std::recursive_mutex mutex;
 
     Table() {
         for (int k = 0; k < 2; ++k) push(K_CONST, 0, 0, 0, k == 1, false);
@@ -131,6 +142,19 @@ struct Table {
 
     int32_t push(uint8_t k, int32_t x, int32_t y, int32_t z, bool null, bool with_and) {
         const int32_t term = size();
+        if (max_terms >= 0 && term >= max_terms) {
+            WithGil gil;
+            PyErr_Format(LimitError, "the grammar's automaton reached its memory cap of %lld terms",
+                         static_cast<long long>(max_terms));
+            throw PyFailure();
+        }
+        if (fuel == 0) {
+            WithGil gil;
+            PyErr_Format(LimitError, "a token mask ran out of its fuel of %lld new terms",
+                         static_cast<long long>(fuel_given));
+            throw PyFailure();
+        }
+        if (fuel > 0) --fuel;
         kind.push_back(k);
         a.push_back(x);
         b.push_back(y);
@@ -140,6 +164,7 @@ struct Table {
         live.push_back(-1);
         first_set.push_back(-1);
         if (term % 4096 == 0 && budget != nullptr) {
+            WithGil gil;
             PyObject* result = PyObject_CallMethod(budget, "check_time", nullptr);
             if (result == nullptr) throw PyFailure();
             Py_DECREF(result);
@@ -593,6 +618,21 @@ struct TableObject {
     Table* table;
 };
 
+// The table's mutex, for one entry point; a thread that must wait for it waits without the GIL (the holder may
+// need the GIL to finish: a walk calls back into Python).
+struct TableLock {
+    std::recursive_mutex& mutex;
+    explicit TableLock(Table* table) : mutex(table->mutex) {
+        if (!mutex.try_lock()) {
+            NoGil nogil;
+            mutex.lock();
+        }
+    }
+    ~TableLock() { mutex.unlock(); }
+    TableLock(const TableLock&) = delete;
+    TableLock& operator=(const TableLock&) = delete;
+};
+
 int32_t term_arg(TableObject* self, PyObject* value) {
     const long term = PyLong_AsLong(value);
     if (term == -1 && PyErr_Occurred()) throw PyFailure();
@@ -639,42 +679,32 @@ std::vector<int32_t> terms_arg(TableObject* self, PyObject* iterable) {
     return terms;
 }
 
-bool check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
-    if (nargs == expected) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
-    return false;
-}
-
-#define GUARDED(...)                  \
-    try {                             \
-        __VA_ARGS__                   \
-    } catch (PyFailure&) {            \
-        return nullptr;               \
-    } catch (std::bad_alloc&) {       \
-        return PyErr_NoMemory();      \
-    }
-
 PyObject* table_byte_set(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "byte_set")) return nullptr;
     GUARDED(return PyLong_FromLong(self->table->byte_set(int_to_mask(args[0])));)
 }
 
 PyObject* table_cat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 2, "cat")) return nullptr;
     GUARDED(return PyLong_FromLong(self->table->cat(term_arg(self, args[0]), term_arg(self, args[1])));)
 }
 
 PyObject* table_alt(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "alt")) return nullptr;
     GUARDED(return PyLong_FromLong(self->table->alt(terms_arg(self, args[0])));)
 }
 
 PyObject* table_intersect(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "intersect")) return nullptr;
     GUARDED(return PyLong_FromLong(self->table->intersect(terms_arg(self, args[0])));)
 }
 
 PyObject* table_repeat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 3, "repeat")) return nullptr;
     GUARDED(
         const int32_t term = term_arg(self, args[0]);
@@ -689,6 +719,7 @@ PyObject* table_repeat(TableObject* self, PyObject* const* args, Py_ssize_t narg
 }
 
 PyObject* table_derivative(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 2, "derivative")) return nullptr;
     GUARDED(
         const int32_t term = term_arg(self, args[0]);
@@ -697,6 +728,7 @@ PyObject* table_derivative(TableObject* self, PyObject* const* args, Py_ssize_t 
 }
 
 PyObject* table_first_mask(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "first_mask")) return nullptr;
     GUARDED(return mask_to_int(self->table->first_mask(term_arg(self, args[0])));)
 }
@@ -716,6 +748,7 @@ PyObject* mask_list(const std::vector<Mask>& found) {
 }
 
 PyObject* table_first_bytes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "first_bytes")) return nullptr;
     GUARDED(
         PyObject* list = mask_list(self->table->sets[self->table->first_bytes(term_arg(self, args[0]))]);
@@ -727,16 +760,19 @@ PyObject* table_first_bytes(TableObject* self, PyObject* const* args, Py_ssize_t
 }
 
 PyObject* table_byte_classes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "byte_classes")) return nullptr;
     GUARDED(return mask_list(self->table->byte_classes(term_arg(self, args[0])));)
 }
 
 PyObject* table_is_live(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "is_live")) return nullptr;
     GUARDED(return PyBool_FromLong(self->table->is_live(term_arg(self, args[0])));)
 }
 
 PyObject* table_explore(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 1, "_explore_for_acceptance")) return nullptr;
     GUARDED(
         const auto [found, depth] = self->table->explore_for_acceptance(term_arg(self, args[0]));
@@ -747,6 +783,7 @@ PyObject* table_explore(TableObject* self, PyObject* const* args, Py_ssize_t nar
 
 // piece_shape(member, narrow_bytes): None, False (the rest is empty), or (unit, low, high or None, rest)
 PyObject* table_piece_shape(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->table);
     if (!check_args(nargs, 2, "piece_shape")) return nullptr;
     GUARDED(
         const Table::Shape shape = self->table->piece_shape(term_arg(self, args[0]), int_arg(args[1]));
@@ -757,7 +794,10 @@ PyObject* table_piece_shape(TableObject* self, PyObject* const* args, Py_ssize_t
     )
 }
 
-PyObject* table_nbytes(TableObject* self, PyObject*) { return PyLong_FromSize_t(self->table->nbytes()); }
+PyObject* table_nbytes(TableObject* self, PyObject*) {
+    TableLock lock(self->table);
+    return PyLong_FromSize_t(self->table->nbytes());
+}
 
 Py_ssize_t table_length(TableObject* self) { return self->table->size(); }
 
@@ -807,6 +847,7 @@ void view_dealloc(ViewObject* self) {
 Py_ssize_t view_length(ViewObject* self) { return self->owner->table->size(); }
 
 PyObject* view_item(ViewObject* self, Py_ssize_t index) {
+    TableLock lock(self->owner->table);
     Table* table = self->owner->table;
     if (index < 0) index += table->size();
     if (index < 0 || index >= table->size()) {
@@ -855,6 +896,16 @@ int set_step_limit(TableObject* self, PyObject* value, void*) {
     return 0;
 }
 
+PyObject* get_max_terms(TableObject* self, void*) { return PyLong_FromLongLong(self->table->max_terms); }
+
+int set_max_terms(TableObject* self, PyObject* value, void*) {
+    const long long cap = value == nullptr ? -1 : PyLong_AsLongLong(value);
+    if (cap == -1 && PyErr_Occurred()) return -1;
+    TableLock lock(self->table);
+    self->table->max_terms = cap < 0 ? -1 : cap;
+    return 0;
+}
+
 PyObject* get_budget(TableObject* self, void*) {
     PyObject* budget = self->table->budget ? self->table->budget : Py_None;
     Py_INCREF(budget);
@@ -892,8 +943,6 @@ void table_dealloc(TableObject* self) {
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
-#define FAST(name, fn) {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL, nullptr}
-
 PyMethodDef table_methods[] = {
     FAST("byte_set", table_byte_set),
     FAST("cat", table_cat),
@@ -920,6 +969,7 @@ PyGetSetDef table_getset[] = {
     {"liveness_step_limit", reinterpret_cast<getter>(get_step_limit), reinterpret_cast<setter>(set_step_limit),
      nullptr, nullptr},
     {"budget", reinterpret_cast<getter>(get_budget), reinterpret_cast<setter>(set_budget), nullptr, nullptr},
+    {"max_terms", reinterpret_cast<getter>(get_max_terms), reinterpret_cast<setter>(set_max_terms), nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -938,30 +988,18 @@ PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 constexpr int32_t DEAD = -1, UNBUILT = -3;
 
-// A held buffer of a Python object (a numpy array), released when this goes.
-struct HeldBuffer {
-    Py_buffer view{};
-    bool held = false;
-    HeldBuffer() = default;
-    HeldBuffer(PyObject* object, int flags, Py_ssize_t item_size) {
-        if (PyObject_GetBuffer(object, &view, flags) < 0) throw PyFailure();
-        held = true;
-        if (view.itemsize != item_size) {
-            PyErr_SetString(PyExc_TypeError, "an array of the wrong item size");
-            throw PyFailure();
-        }
-    }
-    HeldBuffer(HeldBuffer&& other) noexcept : view(other.view), held(other.held) { other.held = false; }
-    HeldBuffer(const HeldBuffer&) = delete;
-    HeldBuffer& operator=(const HeldBuffer&) = delete;
-    ~HeldBuffer() {
-        if (held) PyBuffer_Release(&view);
-    }
-    template <typename T>
-    T* data() const { return static_cast<T*>(view.buf); }
-    Py_ssize_t count() const { return view.len / view.itemsize; }
-};
 constexpr uint8_t FLAG_UNKNOWN = 0, FLAG_PLAIN = 1, FLAG_PIECES = 2;
+
+// The vocabulary's token trie in the layout the walk reads, copied in and checked once per vocabulary: nodes in
+// preorder, so the subtree of node n is n .. end[n] - 1; a node's depth is at most one more than the node before
+// it (the walk's per-depth stack always holds the parent), below MAX_DEPTH; every id is a token of the mask.
+constexpr int32_t MAX_DEPTH = 1024;
+
+struct Trie {
+    std::vector<int32_t> node_byte, node_depth, node_end, node_token, own_ids, roots;
+    std::vector<int64_t> own_start, own_end, subtree_end;
+    int64_t num_words = 0;
+};
 
 // The answers of one trie pass for states holding pieces, by (state, depth): the pieces' mask words (null when not
 // exact there) and the state of the other members; the masks are held until the pass ends.
@@ -974,10 +1012,12 @@ struct Answers {
     std::unordered_map<int64_t, PieceAnswer> known;
     std::vector<HeldBuffer> held;
 
-    __attribute__((noinline)) const PieceAnswer& of(int32_t state, int32_t depth, PyObject* callback) {
+    __attribute__((noinline)) const PieceAnswer& of(int32_t state, int32_t depth, PyObject* callback,
+                                                    Py_ssize_t num_words, int32_t num_states) {
         const int64_t key = (int64_t(state) << 16) | depth;
         auto found = known.find(key);
         if (found != known.end()) return found->second;
+        WithGil gil;
         PyObject* result = PyObject_CallFunction(callback, "ii", state, depth);
         if (result == nullptr) throw PyFailure();
         int other = 0;
@@ -995,8 +1035,13 @@ struct Answers {
                 throw;
             }
             allowed = held.back().data<const uint32_t>();
+            if (held.back().count() < num_words) {
+                Py_DECREF(result);
+                fail(PyExc_ValueError, "a piece's mask is shorter than the vocabulary's");
+            }
         }
         Py_DECREF(result);
+        if (other >= num_states) fail(PyExc_IndexError, "a piece's other state is not a state of the automaton");
         return known.emplace(key, PieceAnswer{allowed, int32_t(other)}).first->second;
     }
 };
@@ -1012,6 +1057,7 @@ struct Dfa {
     uint8_t* built = nullptr;
     int64_t capacity = 0, generation = 0;
     std::vector<std::vector<uint8_t>> flag_sets;  // per token index: FLAG_* of each state
+    int64_t max_states = -1;                      // -1: no cap
     int narrow_bytes = 32;  // a state whose first bytes are at most this many holds no repeat piece
 
     explicit Dfa(Table* t) : table(t) { grow(16); }
@@ -1021,6 +1067,7 @@ struct Dfa {
 
     void grow(int64_t size) {
         if (size <= capacity) return;
+        WithGil gil;  // the rows are bytearrays, which Python views
         const int64_t grown = std::max<int64_t>(size, 2 * capacity);
         const int64_t widths[3] = {256 * 4, 1, 1};
         PyObject* fresh[3];
@@ -1055,6 +1102,12 @@ struct Dfa {
         if (known != state_ids.end()) return known->second;
         if (!table->is_live(term)) return DEAD;
         const int32_t state = num_states();
+        if (max_states >= 0 && state >= max_states) {
+            WithGil gil;
+            PyErr_Format(LimitError, "the grammar's automaton reached its cap of %lld states",
+                         static_cast<long long>(max_states));
+            throw PyFailure();
+        }
         grow(int64_t(state) + 1);
         state_terms.push_back(term);
         classes.push_back(nullptr);
@@ -1107,6 +1160,7 @@ struct Dfa {
         if (flags[state] != FLAG_UNKNOWN) return flags[state];
         uint8_t flag = FLAG_PLAIN;
         if (table->first_mask(state_terms[state]).count() > narrow_bytes) {
+            WithGil gil;
             PyObject* result = PyObject_CallFunction(flag_callback, "i", state);
             if (result == nullptr) throw PyFailure();
             const long value = PyLong_AsLong(result);
@@ -1123,28 +1177,27 @@ struct Dfa {
     // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
     // node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
     // own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
-    // setup: the addresses of node_byte, node_depth, node_end, node_token (int32), own_start, own_end,
-    // subtree_end (int64), own_ids, roots (int32), then n_roots, then words (uint32, or-ed into) and found (int32
-    // scratch, one slot per token and one spare).
     // A node reached in a state flagged FLAG_PIECES asks piece_callback(state, depth) for (other members' state,
-    // the pieces' mask words or None when not exact there); answers are kept for the pass.
-    void walk_trie(const int64_t* setup, int32_t state, int flag_set, PyObject* flag_callback,
-                   PyObject* piece_callback) {
-        const int32_t* node_byte = reinterpret_cast<const int32_t*>(setup[0]);
-        const int32_t* node_depth = reinterpret_cast<const int32_t*>(setup[1]);
-        const int32_t* node_end = reinterpret_cast<const int32_t*>(setup[2]);
-        const int32_t* node_token = reinterpret_cast<const int32_t*>(setup[3]);
-        const int64_t* own_start = reinterpret_cast<const int64_t*>(setup[4]);
-        const int64_t* own_end = reinterpret_cast<const int64_t*>(setup[5]);
-        const int64_t* subtree_end = reinterpret_cast<const int64_t*>(setup[6]);
-        const int32_t* own_ids = reinterpret_cast<const int32_t*>(setup[7]);
-        const int32_t* roots = reinterpret_cast<const int32_t*>(setup[8]);
-        const int64_t n_roots = setup[9];
-        uint32_t* words = reinterpret_cast<uint32_t*>(setup[10]);
-        int32_t* found = reinterpret_cast<int32_t*>(setup[11]);
+    // the pieces' mask words or None when not exact there); answers are kept for the pass. The tokens found are
+    // or-ed into words (trie.num_words of them).
+    void walk_trie(const Trie& trie, int32_t state, int flag_set, PyObject* flag_callback, PyObject* piece_callback,
+                   uint32_t* words) {
+        const int32_t* node_byte = trie.node_byte.data();
+        const int32_t* node_depth = trie.node_depth.data();
+        const int32_t* node_end = trie.node_end.data();
+        const int32_t* node_token = trie.node_token.data();
+        const int64_t* own_start = trie.own_start.data();
+        const int64_t* own_end = trie.own_end.data();
+        const int64_t* subtree_end = trie.subtree_end.data();
+        const int32_t* own_ids = trie.own_ids.data();
+        const int32_t* roots = trie.roots.data();
+        const int64_t n_roots = int64_t(trie.roots.size());
+        thread_local std::vector<int32_t> found_ids;
+        found_ids.resize(trie.own_ids.size() + 1);
+        int32_t* found = found_ids.data();
         std::vector<uint8_t>& flags = flag_sets.at(size_t(flag_set));
         Answers answers;
-        int32_t stack[1024];
+        int32_t stack[MAX_DEPTH];
         int64_t n_found = 0;
         // Hot values in locals (the compiler cannot keep members in registers across calls): the rows and the
         // flags are read again after anything that may derive (a move, a Python callback).
@@ -1186,7 +1239,8 @@ struct Dfa {
                 }
                 stack[level] = t;
                 if (__builtin_expect(flag == FLAG_PIECES, 0)) {
-                    const PieceAnswer& answer = answers.of(t, node_depth[i], piece_callback);
+                    const PieceAnswer& answer = answers.of(t, node_depth[i], piece_callback, trie.num_words,
+                                                           num_states());
                     rows = trans;
                     if (answer.allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
                         for (int64_t j = own_start[i]; j < subtree_end[i]; ++j) {
@@ -1239,6 +1293,76 @@ struct Dfa {
     }
 };
 
+struct TrieObject {
+    PyObject_HEAD
+    Trie* trie;
+};
+
+template <typename T>
+std::vector<T> copied(PyObject* array, const char* name) {
+    const HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
+    (void)name;
+    return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
+}
+
+// Trie(node_byte, node_depth, node_end, node_token, own_start, own_end, subtree_end, own_ids, roots, num_words):
+// int32 arrays but own_start, own_end, subtree_end (int64); checked here, so that no walk reads out of bounds.
+PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    PyObject* a[9];
+    Py_ssize_t num_words = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOn", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8],
+                          &num_words))
+        return nullptr;
+    GUARDED(
+        auto trie = std::make_unique<Trie>();
+        trie->node_byte = copied<int32_t>(a[0], "node_byte");
+        trie->node_depth = copied<int32_t>(a[1], "node_depth");
+        trie->node_end = copied<int32_t>(a[2], "node_end");
+        trie->node_token = copied<int32_t>(a[3], "node_token");
+        trie->own_start = copied<int64_t>(a[4], "own_start");
+        trie->own_end = copied<int64_t>(a[5], "own_end");
+        trie->subtree_end = copied<int64_t>(a[6], "subtree_end");
+        trie->own_ids = copied<int32_t>(a[7], "own_ids");
+        trie->roots = copied<int32_t>(a[8], "roots");
+        trie->num_words = num_words;
+        const size_t n = trie->node_byte.size();
+        const int64_t ids = int64_t(trie->own_ids.size()), limit = int64_t(num_words) * 32;
+        if (trie->node_depth.size() != n || trie->node_end.size() != n || trie->node_token.size() != n ||
+            trie->own_start.size() != n || trie->own_end.size() != n || trie->subtree_end.size() != n ||
+            num_words < 0)
+            fail(PyExc_ValueError, "Trie: the node arrays differ in length");
+        int64_t listed = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const int32_t depth = trie->node_depth[i];
+            if (trie->node_byte[i] < 0 || trie->node_byte[i] > 255 || depth < 0 || depth >= MAX_DEPTH ||
+                (i > 0 && depth < 1) || (i + 1 < n && trie->node_depth[i + 1] > depth + 1) ||
+                trie->node_end[i] <= int32_t(i) || size_t(trie->node_end[i]) > n ||
+                trie->node_token[i] < -2 || trie->node_token[i] >= limit ||
+                trie->own_start[i] < 0 || trie->own_start[i] > trie->own_end[i] ||
+                trie->own_end[i] > trie->subtree_end[i] || trie->subtree_end[i] > ids)
+                fail(PyExc_ValueError, "Trie: a node out of shape (preorder, depths, ranges, ids)");
+            listed += trie->node_token[i] >= 0 ? 1 : trie->node_token[i] == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
+        }
+        if (listed > ids) fail(PyExc_ValueError, "Trie: more tokens at nodes than ids");
+        for (int32_t id : trie->own_ids)
+            if (id < 0 || id >= limit) fail(PyExc_ValueError, "Trie: a token id outside the mask");
+        for (int32_t root : trie->roots)
+            if (root < 1 || size_t(root) >= n || trie->node_depth[root] != 1)
+                fail(PyExc_ValueError, "Trie: a root that is not a first-level node");
+        TrieObject* self = reinterpret_cast<TrieObject*>(type->tp_alloc(type, 0));
+        if (self == nullptr) return nullptr;
+        self->trie = trie.release();
+        return reinterpret_cast<PyObject*>(self);
+    )
+}
+
+void trie_dealloc(TrieObject* self) {
+    delete self->trie;
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyTypeObject TrieType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 struct DfaObject {
     PyObject_HEAD
     TableObject* owner;  // owned reference: the table outlives the automaton
@@ -1255,15 +1379,6 @@ int32_t state_arg(DfaObject* self, PyObject* value) {
         throw PyFailure();
     }
     return int32_t(state);
-}
-
-void* address_arg(PyObject* value) {
-    void* address = PyLong_AsVoidPtr(value);
-    if (address == nullptr) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null address");
-        throw PyFailure();
-    }
-    return address;
 }
 
 PyObject* dfa_new(PyTypeObject* type, PyObject* args, PyObject*) {
@@ -1292,16 +1407,19 @@ void dfa_dealloc(DfaObject* self) {
 }
 
 PyObject* dfa_state_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 1, "state_of")) return nullptr;
     GUARDED(return PyLong_FromLong(self->dfa->state_of(term_arg(self->owner, args[0])));)
 }
 
 PyObject* dfa_term_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 1, "term_of")) return nullptr;
     GUARDED(return PyLong_FromLong(self->dfa->state_terms[state_arg(self, args[0])]);)
 }
 
 PyObject* dfa_next_state(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 2, "next_state")) return nullptr;
     GUARDED(
         const int32_t state = state_arg(self, args[0]);
@@ -1310,11 +1428,13 @@ PyObject* dfa_next_state(DfaObject* self, PyObject* const* args, Py_ssize_t narg
 }
 
 PyObject* dfa_build_row(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 1, "build_row")) return nullptr;
     GUARDED(self->dfa->build_row(state_arg(self, args[0])); Py_RETURN_NONE;)
 }
 
 PyObject* dfa_states_left(DfaObject* self, PyObject*) {
+    TableLock lock(self->dfa->table);
     PyObject* list = PyList_New(0);
     if (list == nullptr) return nullptr;
     for (int32_t state = 0; state < self->dfa->num_states(); ++state) {
@@ -1331,6 +1451,7 @@ PyObject* dfa_states_left(DfaObject* self, PyObject*) {
 }
 
 PyObject* dfa_new_flag_set(DfaObject* self, PyObject*) {
+    TableLock lock(self->dfa->table);
     GUARDED(
         self->dfa->flag_sets.emplace_back();
         return PyLong_FromSize_t(self->dfa->flag_sets.size() - 1);
@@ -1338,6 +1459,7 @@ PyObject* dfa_new_flag_set(DfaObject* self, PyObject*) {
 }
 
 PyObject* dfa_flags_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 1, "flags_of")) return nullptr;
     GUARDED(
         const int32_t flag_set = int_arg(args[0]);
@@ -1351,18 +1473,33 @@ PyObject* dfa_flags_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs)
     )
 }
 
-// walk_trie(setup_address, state, flag_set, flag_callback, piece_callback)
+// walk_trie(trie, state, flag_set, flag_callback, piece_callback, words, fuel): or the tokens allowed in state
+// into words (uint32, the trie's num_words), with the GIL released but for the callbacks; fuel caps the new
+// terms it may make (-1: none).
 PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 5, "walk_trie")) return nullptr;
+    if (!check_args(nargs, 7, "walk_trie")) return nullptr;
     GUARDED(
-        const int64_t* setup = static_cast<const int64_t*>(address_arg(args[0]));
+        if (!PyObject_TypeCheck(args[0], &TrieType)) fail(PyExc_TypeError, "walk_trie: a Trie expected");
+        const Trie& trie = *reinterpret_cast<TrieObject*>(args[0])->trie;
+        TableLock lock(self->dfa->table);
         const int32_t state = state_arg(self, args[1]);
         const int32_t flag_set = int_arg(args[2]);
-        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) {
-            PyErr_SetString(PyExc_IndexError, "no such flag set");
-            return nullptr;
-        }
-        self->dfa->walk_trie(setup, state, flag_set, args[3], args[4]);
+        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size())
+            fail(PyExc_IndexError, "no such flag set");
+        const HeldBuffer words(args[5], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+        if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
+        const long long fuel = PyLong_AsLongLong(args[6]);
+        if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
+        Table* table = self->dfa->table;
+        struct Fuel {  // the table's fuel is the walk's, and none after it
+            Table* table;
+            ~Fuel() { table->fuel = -1; }
+        } scope{table};
+        table->fuel = fuel < 0 ? -1 : fuel;
+        table->fuel_given = fuel;
+        NoGil nogil;
+        maybe_wait();
+        self->dfa->walk_trie(trie, state, flag_set, args[3], args[4], words.data<uint32_t>());
         Py_RETURN_NONE;
     )
 }
@@ -1372,15 +1509,22 @@ PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs
 PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 5, "walk_tokens")) return nullptr;
     GUARDED(
-        const HeldBuffer tokens(args[0], PyBUF_C_CONTIGUOUS, 1);
+        TableLock lock(self->dfa->table);
+        const HeldBuffer tokens(args[0], PyBUF_C_CONTIGUOUS | PyBUF_ND, 1);
         const HeldBuffer lengths(args[1], PyBUF_C_CONTIGUOUS, 4);
         const HeldBuffer ids_offsets(args[2], PyBUF_C_CONTIGUOUS, 8);
         const int32_t start = state_arg(self, args[3]);
         const HeldBuffer out(args[4], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-        if (tokens.view.ndim != 2 || ids_offsets.count() % 2 || out.count() != ids_offsets.count() / 2 * 3) {
-            PyErr_SetString(PyExc_ValueError, "walk_tokens: arrays of mismatched shapes");
-            return nullptr;
-        }
+        if (tokens.view.ndim != 2 || ids_offsets.count() % 2 || out.count() != ids_offsets.count() / 2 * 3 ||
+            lengths.count() != tokens.view.shape[0])
+            fail(PyExc_ValueError, "walk_tokens: arrays of mismatched shapes");
+        const int64_t n = ids_offsets.count() / 2, rows = tokens.view.shape[0], width = tokens.view.shape[1];
+        const int64_t* ids = ids_offsets.data<const int64_t>();
+        const int32_t* length = lengths.data<const int32_t>();
+        for (int64_t k = 0; k < n; ++k)
+            if (ids[k] < 0 || ids[k] >= rows || ids[n + k] < 0 || length[ids[k]] < 0 || length[ids[k]] > width)
+                fail(PyExc_IndexError, "walk_tokens: a token id, offset or length outside the byte matrix");
+        NoGil nogil;
         self->dfa->walk_tokens(tokens.data<const uint8_t>(), tokens.view.shape[1], lengths.data<const int32_t>(),
                                ids_offsets.data<const int64_t>(), ids_offsets.count() / 2, start,
                                out.data<int32_t>());
@@ -1389,14 +1533,28 @@ PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nar
 }
 
 PyObject* dfa_buffers(DfaObject* self, PyObject*) {
+    TableLock lock(self->dfa->table);
     return Py_BuildValue("(OOOL)", self->dfa->buffers[0], self->dfa->buffers[1], self->dfa->buffers[2],
                          static_cast<long long>(self->dfa->capacity));
 }
 
-PyObject* dfa_get_num_states(DfaObject* self, void*) { return PyLong_FromLong(self->dfa->num_states()); }
+PyObject* dfa_get_num_states(DfaObject* self, void*) {
+    TableLock lock(self->dfa->table);
+    return PyLong_FromLong(self->dfa->num_states());
+}
 PyObject* dfa_get_generation(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->generation); }
+PyObject* dfa_get_max_states(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->max_states); }
+
+int dfa_set_max_states(DfaObject* self, PyObject* value, void*) {
+    const long long cap = value == nullptr ? -1 : PyLong_AsLongLong(value);
+    if (cap == -1 && PyErr_Occurred()) return -1;
+    TableLock lock(self->dfa->table);
+    self->dfa->max_states = cap < 0 ? -1 : cap;
+    return 0;
+}
 
 PyObject* dfa_classes_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
     if (!check_args(nargs, 1, "classes_of")) return nullptr;
     GUARDED(return mask_list(self->dfa->classes_of(state_arg(self, args[0])));)
 }
@@ -1419,6 +1577,8 @@ PyMethodDef dfa_methods[] = {
 PyGetSetDef dfa_getset[] = {
     {"num_states", reinterpret_cast<getter>(dfa_get_num_states), nullptr, nullptr, nullptr},
     {"generation", reinterpret_cast<getter>(dfa_get_generation), nullptr, nullptr, nullptr},
+    {"max_states", reinterpret_cast<getter>(dfa_get_max_states), reinterpret_cast<setter>(dfa_set_max_states), nullptr,
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -1458,19 +1618,17 @@ PyMethodDef module_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_corral_terms", nullptr, -1, module_methods};
-
 }  // namespace
 
-PyMODINIT_FUNC PyInit__corral_terms() {
-    ViewType.tp_name = "_corral_terms.View";
+bool add_terms(PyObject* module) {
+    ViewType.tp_name = "corral._native.View";
     ViewType.tp_basicsize = sizeof(ViewObject);
     ViewType.tp_dealloc = reinterpret_cast<destructor>(view_dealloc);
     ViewType.tp_as_sequence = &view_sequence;
     ViewType.tp_flags = Py_TPFLAGS_DEFAULT;
-    if (PyType_Ready(&ViewType) < 0) return nullptr;
+    if (PyType_Ready(&ViewType) < 0) return false;
 
-    TableType.tp_name = "_corral_terms.Table";
+    TableType.tp_name = "corral._native.Table";
     TableType.tp_basicsize = sizeof(TableObject);
     TableType.tp_dealloc = reinterpret_cast<destructor>(table_dealloc);
     TableType.tp_as_sequence = &table_sequence;
@@ -1478,30 +1636,41 @@ PyMODINIT_FUNC PyInit__corral_terms() {
     TableType.tp_methods = table_methods;
     TableType.tp_getset = table_getset;
     TableType.tp_new = table_new;
-    if (PyType_Ready(&TableType) < 0) return nullptr;
+    if (PyType_Ready(&TableType) < 0) return false;
 
-    DfaType.tp_name = "_corral_terms.Dfa";
+    TrieType.tp_name = "corral._native.Trie";
+    TrieType.tp_basicsize = sizeof(TrieObject);
+    TrieType.tp_dealloc = reinterpret_cast<destructor>(trie_dealloc);
+    TrieType.tp_flags = Py_TPFLAGS_DEFAULT;
+    TrieType.tp_new = trie_new;
+    if (PyType_Ready(&TrieType) < 0) return false;
+
+    DfaType.tp_name = "corral._native.Dfa";
     DfaType.tp_basicsize = sizeof(DfaObject);
     DfaType.tp_dealloc = reinterpret_cast<destructor>(dfa_dealloc);
     DfaType.tp_flags = Py_TPFLAGS_DEFAULT;
     DfaType.tp_methods = dfa_methods;
     DfaType.tp_getset = dfa_getset;
     DfaType.tp_new = dfa_new;
-    if (PyType_Ready(&DfaType) < 0) return nullptr;
+    if (PyType_Ready(&DfaType) < 0) return false;
 
-    PyObject* module = PyModule_Create(&module_def);
-    if (module == nullptr) return nullptr;
+    if (PyModule_AddFunctions(module, module_methods) < 0) return false;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(module, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
         Py_DECREF(&TableType);
-        Py_DECREF(module);
-        return nullptr;
+        return false;
+    }
+    Py_INCREF(&TrieType);
+    if (PyModule_AddObject(module, "Trie", reinterpret_cast<PyObject*>(&TrieType)) < 0) {
+        Py_DECREF(&TrieType);
+        return false;
     }
     Py_INCREF(&DfaType);
     if (PyModule_AddObject(module, "Dfa", reinterpret_cast<PyObject*>(&DfaType)) < 0) {
         Py_DECREF(&DfaType);
-        Py_DECREF(module);
-        return nullptr;
+        return false;
     }
-    return module;
+    return true;
 }
+
+}  // namespace corral_native

@@ -1,0 +1,117 @@
+// What every part of the native module shares: errors that unwind to Python, argument checks, held buffers, and
+// the GIL released around native work and taken back only where Python must be touched.
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <new>
+
+namespace corral_native {
+
+struct PyFailure {};  // a Python exception is set
+
+// A limit of the native side was reached (a state cap, a memory cap, a mask's fuel): LimitError, a subclass of
+// corral.errors.GrammarTooComplexError, whose message names the limit.
+extern PyObject* LimitError;
+
+[[noreturn]] inline void fail(PyObject* type, const char* message) {
+    PyErr_SetString(type, message);
+    throw PyFailure();
+}
+
+inline bool check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
+    if (nargs == expected) return true;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
+    return false;
+}
+
+#define GUARDED(...)                      \
+    try {                                 \
+        __VA_ARGS__                       \
+    } catch (corral_native::PyFailure&) { \
+        return nullptr;                   \
+    } catch (std::bad_alloc&) {           \
+        return PyErr_NoMemory();          \
+    }
+
+#define FAST(name, fn) {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL, nullptr}
+
+// The GIL, released for a stretch of native work (NoGil) and taken back inside it wherever Python must be
+// touched (WithGil: a callback, an allocation of a Python object, an exception). Both are no-ops outside such a
+// stretch, so the same code runs with the GIL held or not. One stretch per thread at a time.
+extern thread_local PyThreadState* released;
+
+struct NoGil {
+    bool active = false;
+    NoGil() {
+        if (released == nullptr) {
+            released = PyEval_SaveThread();
+            active = true;
+        }
+    }
+    ~NoGil() {
+        if (active) {
+            PyThreadState* state = released;
+            released = nullptr;
+            PyEval_RestoreThread(state);
+        }
+    }
+    NoGil(const NoGil&) = delete;
+    NoGil& operator=(const NoGil&) = delete;
+};
+
+struct WithGil {
+    PyThreadState* state;
+    WithGil() : state(released) {
+        if (state != nullptr) {
+            released = nullptr;
+            PyEval_RestoreThread(state);
+        }
+    }
+    ~WithGil() {
+        if (state != nullptr) released = PyEval_SaveThread();
+    }
+    WithGil(const WithGil&) = delete;
+    WithGil& operator=(const WithGil&) = delete;
+};
+
+// A held buffer of a Python object, released when this goes (with the GIL: see WithGil).
+struct HeldBuffer {
+    Py_buffer view{};
+    bool held = false;
+    HeldBuffer() = default;
+    HeldBuffer(PyObject* object, int flags, Py_ssize_t item_size) {
+        if (PyObject_GetBuffer(object, &view, flags) < 0) throw PyFailure();
+        held = true;
+        if (view.itemsize != item_size) {
+            PyErr_Format(PyExc_TypeError, "an array of %zd-byte items where %zd-byte items were expected",
+                         view.itemsize, item_size);
+            throw PyFailure();
+        }
+    }
+    HeldBuffer(HeldBuffer&& other) noexcept : view(other.view), held(other.held) { other.held = false; }
+    HeldBuffer(const HeldBuffer&) = delete;
+    HeldBuffer& operator=(const HeldBuffer&) = delete;
+    ~HeldBuffer() {
+        if (held) {
+            WithGil gil;
+            PyBuffer_Release(&view);
+        }
+    }
+    template <typename T>
+    T* data() const { return static_cast<T*>(view.buf); }
+    Py_ssize_t count() const { return view.len / view.itemsize; }
+};
+
+// Test hook: a native call that passes through maybe_wait() while the hook is armed waits there (GIL released)
+// until a Python thread calls release, or until the hook's timeout; the result says which. Arming it from the
+// test and releasing it from another Python thread proves the GIL is not held at that point.
+void maybe_wait();
+
+bool add_hook(PyObject* module);
+bool add_terms(PyObject* module);
+bool add_kernels(PyObject* module);
+
+}  // namespace corral_native

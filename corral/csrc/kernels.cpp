@@ -1,0 +1,271 @@
+// The CPU kernels' Python entry points: every buffer is checked (item size, shape, strides, writability, index
+// ranges) before a kernel reads it, the GIL is released while it runs, and the kernel table is the one chosen
+// for this CPU when the module loads. 2-byte items are bfloat16 (torch hands them in as int16 views).
+
+#include "common.h"
+#include "kernels.h"
+
+#include <string>
+
+namespace corral_native {
+namespace {
+
+using corral_kernels::Isa;
+using corral_kernels::KernelTable;
+
+const KernelTable* chosen = nullptr;
+
+const KernelTable* choose() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2"))
+        return corral_kernels::variant<Isa::avx2>();
+#endif
+    return corral_kernels::variant<Isa::baseline>();
+}
+
+// A checked view of one argument.
+struct Array {
+    HeldBuffer buffer;
+    const char* name;
+
+    Array(PyObject* object, const char* what, bool writable, bool strided = false)
+        : name(what) {
+        int flags = (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) | PyBUF_FORMAT;
+        if (writable) flags |= PyBUF_WRITABLE;
+        if (PyObject_GetBuffer(object, &buffer.view, flags) < 0) throw PyFailure();
+        buffer.held = true;
+    }
+    Py_ssize_t itemsize() const { return buffer.view.itemsize; }
+    int ndim() const { return buffer.view.ndim; }
+    Py_ssize_t dim(int k) const { return buffer.view.shape[k]; }
+    template <typename T>
+    T* data() const { return static_cast<T*>(buffer.view.buf); }
+
+    void expect_ndim(int n) const {
+        if (ndim() != n) {
+            PyErr_Format(PyExc_ValueError, "%s: %d dimensions where %d were expected", name, ndim(), n);
+            throw PyFailure();
+        }
+    }
+    void expect_shape(std::initializer_list<Py_ssize_t> shape) const {
+        expect_ndim(int(shape.size()));
+        int k = 0;
+        for (Py_ssize_t size : shape) {
+            if (dim(k) != size) {
+                PyErr_Format(PyExc_ValueError, "%s: size %zd in dimension %d where %zd was expected", name, dim(k), k,
+                             size);
+                throw PyFailure();
+            }
+            ++k;
+        }
+    }
+    void expect_like(const Array& other) const {
+        if (itemsize() != other.itemsize()) {
+            PyErr_Format(PyExc_TypeError, "%s and %s differ in dtype", name, other.name);
+            throw PyFailure();
+        }
+    }
+    void expect_int64() const {
+        const char* format = buffer.view.format;
+        if (itemsize() != 8 || format == nullptr || (format[0] != 'q' && format[0] != 'l')) {
+            PyErr_Format(PyExc_TypeError, "%s: int64 expected", name);
+            throw PyFailure();
+        }
+    }
+    // 4: float32, 2: bfloat16
+    int float_kind() const {
+        const char* format = buffer.view.format;
+        const char code = format == nullptr ? 'B' : format[0] == '<' || format[0] == '=' ? format[1] : format[0];
+        if (itemsize() == 4 && code == 'f') return 4;
+        if (itemsize() == 2 && (code == 'h' || code == 'H' || code == 'e')) return 2;
+        PyErr_Format(PyExc_TypeError, "%s: float32 or bfloat16 (as 16-bit items) expected", name);
+        throw PyFailure();
+    }
+};
+
+int threads_arg(PyObject* value) {
+    const long threads = PyLong_AsLong(value);
+    if (threads == -1 && PyErr_Occurred()) throw PyFailure();
+    if (threads < 1 || threads > 1024) fail(PyExc_ValueError, "threads must be 1..1024");
+    return int(threads);
+}
+
+float float_arg(PyObject* value) {
+    const double x = PyFloat_AsDouble(value);
+    if (x == -1.0 && PyErr_Occurred()) throw PyFailure();
+    return float(x);
+}
+
+// add_rms_norm(h, delta or None, weight, out, eps, threads): h += delta, out = RMSNorm(h) * weight; h, delta,
+// out [rows, n], weight [n], all of one dtype.
+PyObject* kernel_add_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 6, "add_rms_norm")) return nullptr;
+    GUARDED(
+        const Array h(args[0], "h", true);
+        h.expect_ndim(2);
+        const Py_ssize_t rows = h.dim(0), n = h.dim(1);
+        const int kind = h.float_kind();
+        const bool with_delta = args[1] != Py_None;
+        const Array delta(with_delta ? args[1] : args[0], "delta", false);
+        if (with_delta) {
+            delta.expect_shape({rows, n});
+            delta.expect_like(h);
+        }
+        const Array weight(args[2], "weight", false);
+        weight.expect_shape({n});
+        weight.expect_like(h);
+        const Array out(args[3], "out", true);
+        out.expect_shape({rows, n});
+        out.expect_like(h);
+        const float eps = float_arg(args[4]);
+        const int threads = threads_arg(args[5]);
+        {
+            NoGil nogil;
+            if (kind == 4)
+                chosen->add_rms_norm_f32(h.data<float>(), with_delta ? delta.data<const float>() : nullptr,
+                                         weight.data<const float>(), out.data<float>(), rows, n, eps, threads);
+            else
+                chosen->add_rms_norm_bf16(h.data<uint16_t>(), with_delta ? delta.data<const uint16_t>() : nullptr,
+                                          weight.data<const uint16_t>(), out.data<uint16_t>(), rows, n, eps, threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+// rope(x, positions, cos, sin, threads): x [rows, heads, dim] rotated in place (rows may be strided; heads and dims
+// contiguous), cos/sin [max_position, dim] of x's dtype, positions int64 [rows], each below max_position.
+PyObject* kernel_rope(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 5, "rope")) return nullptr;
+    GUARDED(
+        const Array x(args[0], "x", true, true);
+        x.expect_ndim(3);
+        const int kind = x.float_kind();
+        const Py_ssize_t rows = x.dim(0), heads = x.dim(1), dim = x.dim(2), item = x.itemsize();
+        const Py_ssize_t* strides = x.buffer.view.strides;
+        if (dim % 2 || strides[2] != item || strides[1] != dim * item || strides[0] % item ||
+            (rows > 1 && strides[0] < heads * dim * item))
+            fail(PyExc_ValueError, "x: heads and dims must be contiguous, rows apart");
+        const Array positions(args[1], "positions", false);
+        positions.expect_shape({rows});
+        positions.expect_int64();
+        const Array cos(args[2], "cos", false), sin(args[3], "sin", false);
+        cos.expect_ndim(2);
+        cos.expect_like(x);
+        if (cos.dim(1) != dim) fail(PyExc_ValueError, "cos: one row of dim entries per position");
+        sin.expect_shape({cos.dim(0), dim});
+        sin.expect_like(x);
+        const int64_t* at = positions.data<const int64_t>();
+        for (Py_ssize_t r = 0; r < rows; ++r)
+            if (at[r] < 0 || at[r] >= cos.dim(0)) fail(PyExc_IndexError, "rope: a position past the cos/sin tables");
+        const int threads = threads_arg(args[4]);
+        {
+            NoGil nogil;
+            if (kind == 4)
+                chosen->rope_f32(x.data<float>(), strides[0] / item, at, cos.data<const float>(),
+                                 sin.data<const float>(), rows, heads, dim, threads);
+            else
+                chosen->rope_bf16(x.data<uint16_t>(), strides[0] / item, at, cos.data<const uint16_t>(),
+                                  sin.data<const uint16_t>(), rows, heads, dim, threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+// silu_mul(gate_up, out, threads): out [rows, n] = silu(gate) * up for gate_up [rows, 2n] = [gate | up].
+PyObject* kernel_silu_mul(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "silu_mul")) return nullptr;
+    GUARDED(
+        const Array gate_up(args[0], "gate_up", false);
+        gate_up.expect_ndim(2);
+        const int kind = gate_up.float_kind();
+        const Py_ssize_t rows = gate_up.dim(0), n = gate_up.dim(1) / 2;
+        if (gate_up.dim(1) % 2) fail(PyExc_ValueError, "gate_up: an even row length");
+        const Array out(args[1], "out", true);
+        out.expect_shape({rows, n});
+        out.expect_like(gate_up);
+        const int threads = threads_arg(args[2]);
+        {
+            NoGil nogil;
+            if (kind == 4)
+                chosen->silu_mul_f32(gate_up.data<const float>(), out.data<float>(), rows, n, threads);
+            else
+                chosen->silu_mul_bf16(gate_up.data<const uint16_t>(), out.data<uint16_t>(), rows, n, threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+// paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads): q [S, H, D]; caches
+// [blocks, block_size, KVH, D]; block_tables int64 [S, width], every entry a sequence reads below blocks;
+// context_lens int64 [S], each in 1 .. width * block_size; out [S, H * D].
+PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 8, "paged_decode")) return nullptr;
+    GUARDED(
+        const Array q(args[0], "q", false);
+        q.expect_ndim(3);
+        const int kind = q.float_kind();
+        const Py_ssize_t seqs = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
+        const Array k(args[1], "k_cache", false), v(args[2], "v_cache", false);
+        k.expect_ndim(4);
+        k.expect_like(q);
+        const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
+        if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
+        if (kv_heads < 1 || heads % kv_heads) fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+        v.expect_shape({blocks, block_size, kv_heads, head_dim});
+        v.expect_like(q);
+        const Array tables(args[3], "block_tables", false);
+        tables.expect_ndim(2);
+        tables.expect_int64();
+        if (tables.dim(0) != seqs) fail(PyExc_ValueError, "block_tables: one row per sequence");
+        const Py_ssize_t width = tables.dim(1);
+        const Array lens(args[4], "context_lens", false);
+        lens.expect_shape({seqs});
+        lens.expect_int64();
+        const Array out(args[5], "out", true);
+        out.expect_shape({seqs, heads * head_dim});
+        out.expect_like(q);
+        const float scale = float_arg(args[6]);
+        const int threads = threads_arg(args[7]);
+        const int64_t* table = tables.data<const int64_t>();
+        const int64_t* len = lens.data<const int64_t>();
+        for (Py_ssize_t s = 0; s < seqs; ++s) {
+            if (len[s] < 1 || len[s] > width * block_size) fail(PyExc_IndexError, "paged_decode: a context length outside its block table");
+            for (int64_t b = 0; b < (len[s] + block_size - 1) / block_size; ++b) {
+                const int64_t block = table[s * width + b];
+                if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");
+            }
+        }
+        {
+            NoGil nogil;
+            if (kind == 4)
+                chosen->paged_decode_f32(q.data<const float>(), k.data<const float>(), v.data<const float>(), table,
+                                         width, len, out.data<float>(), seqs, heads, kv_heads, head_dim, block_size,
+                                         scale, threads);
+            else
+                chosen->paged_decode_bf16(q.data<const uint16_t>(), k.data<const uint16_t>(),
+                                          v.data<const uint16_t>(), table, width, len, out.data<uint16_t>(), seqs,
+                                          heads, kv_heads, head_dim, block_size, scale, threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+PyMethodDef kernel_methods[] = {
+    FAST("add_rms_norm", kernel_add_rms_norm),
+    FAST("rope", kernel_rope),
+    FAST("silu_mul", kernel_silu_mul),
+    FAST("paged_decode", kernel_paged_decode),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+bool add_kernels(PyObject* module) {
+    chosen = choose();
+    if (PyModule_AddStringConstant(module, "kernel_isa", chosen->isa) < 0) return false;
+    return PyModule_AddFunctions(module, kernel_methods) == 0;
+}
+
+}  // namespace corral_native

@@ -1,0 +1,45 @@
+// The CPU kernels of the forward pass (fused RMSNorm, RoPE, SiLU * up; paged decode attention), one table of entry
+// points per instruction set. kernels_impl.h holds the bodies; each kernels_<isa>.cpp compiles them for its
+// target; kernels.cpp checks the buffers Python hands in and calls the table chosen for this CPU.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace corral_kernels {
+
+enum class Isa { baseline, avx2 };
+
+template <typename T>
+using AddRmsNorm = void (*)(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps,
+                            int threads);
+template <typename T>
+using Rope = void (*)(T* x, int64_t stride, const int64_t* positions, const T* cos, const T* sin, int64_t rows,
+                      int64_t heads, int64_t dim, int threads);
+template <typename T>
+using SiluMul = void (*)(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
+template <typename T>
+using PagedDecode = void (*)(const T* q, const T* k, const T* v, const int64_t* tables, int64_t table_stride,
+                             const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, int num_threads);
+
+// uint16_t is bfloat16 throughout.
+struct KernelTable {
+    const char* isa;
+    AddRmsNorm<float> add_rms_norm_f32;
+    AddRmsNorm<uint16_t> add_rms_norm_bf16;
+    Rope<float> rope_f32;
+    Rope<uint16_t> rope_bf16;
+    SiluMul<float> silu_mul_f32;
+    SiluMul<uint16_t> silu_mul_bf16;
+    PagedDecode<float> paged_decode_f32;
+    PagedDecode<uint16_t> paged_decode_bf16;
+};
+
+template <Isa isa>
+const KernelTable* variant();
+
+}  // namespace corral_kernels

@@ -1,0 +1,238 @@
+// The CPU kernels' bodies, compiled once per instruction set: a variant file sets the target (#pragma GCC target),
+// defines CORRAL_VARIANT (the namespace) and includes this header; kernels.cpp picks the variant at run time
+// from the CPU's features. Standard headers come in through kernels.h, before any target pragma.
+//
+// Numerics: the elementwise ops (RMSNorm, RoPE, SiLU) round exactly where the torch expressions they replace
+// round (bf16 after every op HF's modeling code does in bf16) and use no fused multiply-add, since torch rounds
+// each product before the sum that follows it. Attention accumulates in float32 and may contract into FMAs.
+
+#ifndef CORRAL_VARIANT
+#error "a variant file defines CORRAL_VARIANT before including kernels_impl.h"
+#endif
+
+namespace corral_kernels {
+namespace CORRAL_VARIANT {
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// bfloat16 is the high half of a float32, rounded to nearest even as torch rounds.
+static inline float load(float x) { return x; }
+static inline float load(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline void store(float x, float* dst) { *dst = x; }
+static inline void store(float x, uint16_t* dst) {
+    uint32_t u; std::memcpy(&u, &x, 4);
+    *dst = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float round_to(float x, float) { return x; }
+static inline float round_to(float x, uint16_t) {  // through bfloat16 and back
+    uint32_t u; std::memcpy(&u, &x, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    float f; std::memcpy(&f, &u, 4); return f;
+}
+// An exp the compiler vectorizes (std::exp stays a scalar call without -ffast-math): Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2/2, a degree-6 minimax polynomial for exp(r), and 2^n built in the exponent bits;
+// relative error about 2 ulp (-fassociative-math may fold the two-constant reduction into one: a few ulp more
+// for large |x|); x is clamped to [-87, 88].
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float scale; std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+static const int64_t PARALLEL_MIN = 1 << 16;  // elements; below this a thread hand-off costs more than it saves
+
+// h[r] += delta[r] (when delta), then out[r] = w * T(h[r] * rsqrt(mean(h[r]^2) + eps)), as HF's LlamaRMSNorm.
+template <typename T>
+static void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        T* x = h + r * n;
+        float ss = 0.0f;
+        if (delta) {
+            const T* d = delta + r * n;
+            #pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < n; ++i) {
+                const float v = round_to(load(x[i]) + load(d[i]), T());
+                store(v, x + i);
+                ss += v * v;
+            }
+        } else {
+            #pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < n; ++i) { const float v = load(x[i]); ss += v * v; }
+        }
+        const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
+        T* y = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; ++i) store(load(w[i]) * round_to(load(x[i]) * inv, T()), y + i);
+    }
+}
+
+// In place on rows of x (row stride `stride` elements, `heads` heads of `dim` each, contiguous within the row):
+// x = x * cos + rotate_half(x) * sin, with cos/sin rows [dim] picked by each row's position.
+template <typename T>
+static void rope(T* x, int64_t stride, const int64_t* positions, const T* cos, const T* sin, int64_t rows,
+                 int64_t heads, int64_t dim, int threads) {
+    const int64_t half = dim / 2;
+    #pragma omp parallel for num_threads(threads) if (rows * heads * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* c = cos + positions[r] * dim;
+        const T* s = sin + positions[r] * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            T* v = x + r * stride + h * dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = load(v[i]), b = load(v[i + half]);
+                const float lo = round_to(a * load(c[i]), T()) + round_to(-b * load(s[i]), T());
+                const float hi = round_to(b * load(c[i + half]), T()) + round_to(a * load(s[i + half]), T());
+                store(lo, v + i);
+                store(hi, v + i + half);
+            }
+        }
+    }
+}
+
+// out[r] = T(silu(gate[r])) * up[r], where row r of gate_up is [gate (n) | up (n)].
+template <typename T>
+static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int threads) {
+    #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* g = gate_up + r * 2 * n;
+        const T* u = g + n;
+        T* y = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float a = load(g[i]);
+            store(round_to(a / (1.0f + exp_approx(-a)), T()) * load(u[i]), y + i);
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+// The next block sits anywhere in the pool, where no hardware prefetcher looks: while row j of this block is
+// read, row j of the next one is asked for (the loads of K and V rows were most of the kernel's time; asking for
+// a whole block at once stalled on the line-fill buffers instead).
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t D) {
+    for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+}
+
+// Widens row t = 0 .. n-1 of one KV head (at `offset` within each token's slot) into `row`, then calls visit(t):
+// one table lookup per block, none per key, and the next block's row asked for while this one is read.
+template <typename T, int DIM, typename Visit>
+static inline void for_each_row(const T* cache, const int64_t* table, int64_t n, int64_t block_size, int64_t slot,
+                                int64_t offset, int64_t head_dim, float* __restrict row, Visit visit) {
+    const int64_t D = DIM > 0 ? DIM : head_dim;
+    const int64_t num_blocks = (n + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* block = cache + table[b] * block_size * slot + offset;
+        const int64_t first = b * block_size, count = std::min(block_size, n - first);
+        const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_size * slot + offset : nullptr;
+        for (int64_t j = 0; j < count; ++j) {
+            if (next) prefetch_row(next + j * slot, D);
+            const T* src = block + j * slot;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) row[d] = load(src[d]);
+            visit(first + j);
+        }
+    }
+}
+
+// DIM > 0 fixes the head size at compile time (so the inner loops vectorize fully); 0 reads it at run time.
+template <typename T, int DIM>
+static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
+                   const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    const int64_t D = DIM > 0 ? DIM : head_dim;
+    const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * D;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        // per thread, reused by every job it takes: scores [group][keys], scaled queries, accumulators, one row
+        std::vector<float> scores, query(group * D), acc(group * D), row(D);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < num_seqs * num_kv_heads; ++job) {
+            const int64_t s = job / num_kv_heads, g = job % num_kv_heads, n = context_lens[s];
+            const int64_t* table = tables + s * table_stride;
+            if (int64_t(scores.size()) < group * n) scores.resize(group * n);
+            float* __restrict qv = query.data();
+            float* __restrict av = acc.data();
+            float* __restrict rv = row.data();
+            float* __restrict sv = scores.data();
+            for (int64_t i = 0; i < group; ++i) {
+                const T* src = q + (s * num_heads + g * group + i) * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; ++d) qv[i * D + d] = load(src[d]) * scale;
+            }
+            // scores: one pass over the keys
+            for_each_row<T, DIM>(k_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+                for (int64_t i = 0; i < group; ++i) {
+                    float sum = 0.0f;
+                    #pragma omp simd reduction(+ : sum)
+                    for (int64_t d = 0; d < D; ++d) sum += qv[i * D + d] * rv[d];
+                    sv[i * n + t] = sum;
+                }
+            });
+            for (int64_t i = 0; i < group; ++i) {
+                float* sc = sv + i * n;
+                float top = sc[0];
+                #pragma omp simd reduction(max : top)
+                for (int64_t t = 1; t < n; ++t) top = sc[t] > top ? sc[t] : top;
+                float sum = 0.0f;
+                #pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n; ++t) { sc[t] = exp_approx(sc[t] - top); sum += sc[t]; }
+                const float inv = 1.0f / sum;
+                #pragma omp simd
+                for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
+            }
+            std::fill(av, av + group * D, 0.0f);
+            for_each_row<T, DIM>(v_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+                for (int64_t i = 0; i < group; ++i) {
+                    const float p = sv[i * n + t];
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) av[i * D + d] += p * rv[d];
+                }
+            });
+            for (int64_t i = 0; i < group; ++i) {
+                T* dst = out + (s * num_heads + g * group + i) * D;
+                for (int64_t d = 0; d < D; ++d) store(av[i * D + d], dst + d);
+            }
+        }
+    }
+}
+
+template <typename T>
+static void paged_decode(const T* q, const T* k, const T* v, const int64_t* tables, int64_t table_stride,
+                         const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    auto f = head_dim == 64 ? decode<T, 64> : head_dim == 128 ? decode<T, 128> : decode<T, 0>;
+    f(q, k, v, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+      num_threads);
+}
+
+}  // namespace CORRAL_VARIANT
+
+template <>
+const KernelTable* variant<Isa::CORRAL_VARIANT>() {
+    static const KernelTable table = {
+        CORRAL_VARIANT_NAME,
+        CORRAL_VARIANT::add_rms_norm<float>, CORRAL_VARIANT::add_rms_norm<uint16_t>,
+        CORRAL_VARIANT::rope<float>, CORRAL_VARIANT::rope<uint16_t>,
+        CORRAL_VARIANT::silu_mul<float>, CORRAL_VARIANT::silu_mul<uint16_t>,
+        CORRAL_VARIANT::paged_decode<float>, CORRAL_VARIANT::paged_decode<uint16_t>,
+    };
+    return &table;
+}
+
+}  // namespace corral_kernels

@@ -1,0 +1,79 @@
+"""The native module (``corral._native``, built when the package is installed) and the one switch over it.
+
+``CORRAL_NATIVE`` says how Corral may run:
+
+- ``auto`` (the default): the native module when it imports; when it does not, one warning at start-up that
+  names the reason, and the Python mask core and torch kernels run instead (several times slower: MaskBench's
+  TBM p99 is 3-5x the native one, and some schemas then run out of their compile budget);
+- ``require``: a missing or broken native module is an error at start-up (``corral serve`` exits);
+- ``off``: the native module is not loaded; the Python paths run. For tests of the oracle paths.
+
+The module is never compiled at run time: ``pip install .`` (or ``-e .``) builds it through setuptools
+(``setup.py``). :func:`status` is what ``/health`` and ``/metrics`` report.
+"""
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "require", "off")
+
+
+class NativeModuleError(RuntimeError):
+    """``CORRAL_NATIVE=require`` and the native module cannot be imported."""
+
+
+_lock = threading.Lock()
+_loaded: list = []  # [module or None, the reason it is None]
+
+
+def mode() -> str:
+    value = os.environ.get("CORRAL_NATIVE", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise NativeModuleError(f"CORRAL_NATIVE={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def module():
+    """``corral._native``, or None where the switch is off or the module cannot be imported (``require`` raises
+    instead). The first call decides for the life of the process."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _loaded.extend(_load())
+    found, reason = _loaded
+    if found is None and mode() == "require":
+        raise NativeModuleError(f"CORRAL_NATIVE=require, but the native module is unavailable: {reason}")
+    return found
+
+
+def _load() -> tuple:
+    chosen = mode()
+    if chosen == "off":
+        log.info("CORRAL_NATIVE=off: the Python mask core and the torch kernels run")
+        return None, "turned off by CORRAL_NATIVE=off"
+    try:
+        from corral import _native
+    except ImportError as exc:
+        reason = (f"{exc}. The module is built when the package is installed: reinstall with `pip install -e .` "
+                  "(or `make test`, which does it) on a machine with a C++17 compiler and Python's headers")
+        if chosen == "auto":
+            log.warning("native module unavailable, running the Python mask core and the torch kernels, several "
+                        "times slower: %s", reason)
+        return None, reason
+    return _native, None
+
+
+def status() -> dict:
+    """Which paths run: the switch, whether the module loaded (and why not), the mask path, the kernels' ISA."""
+    try:
+        found = module()
+    except NativeModuleError:
+        found = None
+    reason = _loaded[1]
+    return {"mode": mode(), "loaded": found is not None, "reason": reason,
+            "mask_path": "native" if found is not None else "python",
+            "kernels": f"native-{found.kernel_isa}" if found is not None else "torch",
+            "build": found.build_info if found is not None else None}

@@ -1,0 +1,195 @@
+"""The native module: the CORRAL_NATIVE switch, the GIL released during a mask, checked buffers, the limits that
+hold while decoding, and several processes importing it at once."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from corral import native
+from corral.budget import Budget
+from corral.errors import GrammarTooComplexError
+from corral.fsm import derivatives
+from corral.fsm.lazy_dfa import DEAD, LazyDFA
+from corral.grammar.regex_parser import parse_regex
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_native = pytest.mark.skipif(native.mode() == "off" or native.module() is None,
+                                  reason="the native module is off or missing")
+TABLES = [pytest.param(derivatives.TermTable, id="python"),
+          pytest.param(derivatives.native_table_class, id="native", marks=needs_native)]
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, **env})
+
+
+@needs_native
+def test_status_names_the_paths():
+    status = native.status()
+    assert status["loaded"] and status["mask_path"] == "native" and status["reason"] is None
+    assert status["kernels"] in ("native-avx2", "native-baseline") and "kernels" in status["build"]
+
+
+def test_off_runs_the_python_paths_and_says_so():
+    result = _python("from corral import native; from corral.fsm import derivatives, lazy_dfa\n"
+                     "s = native.status(); assert s['mask_path'] == 'python' and s['kernels'] == 'torch', s\n"
+                     "assert derivatives.native_table_class() is None\n"
+                     "from corral.budget import Budget; from corral.grammar.regex_parser import parse_regex\n"
+                     "assert type(lazy_dfa.LazyDFA(parse_regex('ab+'), Budget())) is lazy_dfa.LazyDFA",
+                     CORRAL_NATIVE="off")
+    assert result.returncode == 0, result.stderr
+
+
+def test_require_fails_at_start_up_without_the_module():
+    # the module made unimportable (as on a machine where the package was copied without its build)
+    block = "import sys; sys.modules['corral._native'] = None\n"
+    result = _python(block + "from corral import native\ntry:\n    native.module()\nexcept native.NativeModuleError "
+                     "as e:\n    print('refused:', e)\nelse:\n    raise SystemExit('no error')", CORRAL_NATIVE="require")
+    assert result.returncode == 0 and "refused: CORRAL_NATIVE=require" in result.stdout, result.stderr
+    serve = _python(block + "from corral.cli import main; raise SystemExit(main(['serve', '--port', '1']))",
+                    CORRAL_NATIVE="require")
+    assert serve.returncode == 1 and "CORRAL_NATIVE=require" in serve.stderr  # before any model loads
+
+
+def test_auto_falls_back_with_one_loud_line():
+    result = _python("import sys, logging; sys.modules['corral._native'] = None\nlogging.basicConfig()\n"
+                     "from corral import native\nassert native.module() is None and native.module() is None\n"
+                     "print(native.status()['mask_path'])", CORRAL_NATIVE="auto")
+    assert result.returncode == 0 and result.stdout.strip() == "python", result.stderr
+    assert result.stderr.count("native module unavailable") == 1 and "pip install -e ." in result.stderr
+
+
+def test_a_bad_switch_value_is_an_error():
+    result = _python("from corral import native; native.module()", CORRAL_NATIVE="fast")
+    assert result.returncode != 0 and "expected one of auto, require, off" in result.stderr
+
+
+def test_two_processes_import_at_once_on_an_empty_cache(tmp_path):
+    code = ("from corral import native; from corral.fsm.compiler import GrammarCompiler\n"
+            "assert native.status()['mask_path'] == ('python' if native.mode() == 'off' else 'native')")
+    env = {**os.environ, "CORRAL_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+
+
+@needs_native
+def test_the_gil_is_released_during_a_mask(vocab_index):
+    """A hook inside the native walk waits for a Python thread to release it: only possible without the GIL."""
+    module = native.module()
+    index = vocab_index("[a-z]+")
+    helper_saw_it = threading.Event()
+
+    def helper():
+        while not module._hook_waiting():  # runs only while the walk lets go of the GIL
+            pass
+        helper_saw_it.set()
+        module._hook_release()
+
+    module._hook_arm(10.0)
+    thread = threading.Thread(target=helper)
+    thread.start()
+    index.mask(0)
+    thread.join(timeout=15)
+    assert helper_saw_it.is_set() and module._hook_outcome() == 1
+
+
+@needs_native
+def test_the_hook_times_out_when_nobody_releases_it(vocab_index):
+    module = native.module()
+    module._hook_arm(0.05)
+    vocab_index("[0-9]+").mask(0)
+    assert module._hook_outcome() == 0  # the test above would fail this way if the GIL were held
+
+
+@pytest.fixture(scope="module")
+def vocab_index():
+    from corral.fsm.token_index import TokenIndex
+    from corral.fsm.vocabulary import Vocabulary
+    from corral.models import load_tokenizer
+
+    vocab = Vocabulary.from_tokenizer(load_tokenizer())
+    return lambda pattern, budget=None: TokenIndex(LazyDFA(parse_regex(pattern), budget or Budget()), vocab)
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_the_state_cap_holds_while_decoding(table):
+    """Compiling makes a handful of states; walking on past the cap raises the typed error that names it."""
+    make = table if isinstance(table, type) else table()
+    budget = Budget(max_states=40)
+    dfa = LazyDFA(parse_regex("[a-z]{0,300}"), budget, terms=make(budget))
+    assert dfa.num_states < 40
+    state = 0
+    with pytest.raises(GrammarTooComplexError, match="cap of 40 states"):
+        for _ in range(60):
+            state = dfa.step(state, ord("a"))
+    assert state != DEAD
+
+
+@needs_native
+def test_a_mask_past_its_fuel_raises_and_the_grammar_stays_usable(vocab_index):
+    index = vocab_index("([a-z]{1,40}[0-9]){1,20}", Budget(mask_fuel=5))
+    with pytest.raises(GrammarTooComplexError, match="fuel of 5 new terms"):
+        index.mask(0)
+    assert index.dfa.terms.budget.mask_fuel == 5
+    index._native.fuel = -1  # with fuel again, the same mask completes
+    assert np.asarray(index.mask(0)).any()
+
+
+@needs_native
+def test_the_memory_cap_holds_while_decoding():
+    budget = Budget(max_terms=200)
+    terms = derivatives.native_table_class()(budget)
+    dfa = LazyDFA(parse_regex("([a-z][0-9]){0,100}"), budget, terms=terms)
+    assert terms.max_terms == 200
+    with pytest.raises(GrammarTooComplexError, match="memory cap of 200 terms"):
+        state = 0
+        for byte in b"a1" * 100:
+            state = dfa.step(state, byte)
+
+
+@needs_native
+def test_kernels_check_their_buffers():
+    module = native.module()
+    h, w = np.zeros((2, 8), np.float32), np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="weight"):
+        module.add_rms_norm(h, None, np.ones(7, np.float32), np.zeros_like(h), 1e-5, 1)
+    with pytest.raises(TypeError, match="dtype"):
+        module.add_rms_norm(h, None, w.astype(np.float64), np.zeros_like(h), 1e-5, 1)
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        module.add_rms_norm(h, None, w, np.zeros_like(h)[:, ::2], 1e-5, 1)
+    q = np.zeros((1, 2, 4), np.float32)
+    cache = np.zeros((3, 4, 1, 4), np.float32)
+    out = np.zeros((1, 8), np.float32)
+    lens = np.array([5], np.int64)
+    with pytest.raises(IndexError, match="block id"):
+        module.paged_decode(q, cache, cache, np.array([[0, 7]], np.int64), lens, out, 1.0, 1)
+    with pytest.raises(IndexError, match="context length"):
+        module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), np.array([9], np.int64), out, 1.0, 1)
+    module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), lens, out, 1.0, 1)
+    with pytest.raises(IndexError, match="position"):
+        module.rope(np.zeros((1, 1, 4), np.float32), np.array([3], np.int64), np.zeros((3, 4), np.float32),
+                    np.zeros((3, 4), np.float32), 1)
+
+
+@needs_native
+def test_a_malformed_trie_is_refused():
+    module = native.module()
+    i32 = lambda *v: np.asarray(v, np.int32)  # noqa: E731
+    i64 = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+    good = (i32(0, 97, 98), i32(0, 1, 2), i32(3, 3, 3), i32(-1, -1, 5), i64(0, 0, 0), i64(0, 0, 1), i64(1, 1, 1),
+            i32(5), i32(1), 1)
+    module.Trie(*good)
+    with pytest.raises(ValueError, match="out of shape"):
+        module.Trie(good[0], i32(0, 1, 3), *good[2:])  # a depth jump: the walk's stack would hold no parent
+    with pytest.raises(ValueError, match="outside the mask"):
+        module.Trie(*good[:7], i32(40), *good[8:])
+    with pytest.raises(ValueError, match="root"):
+        module.Trie(*good[:8], i32(2), 1)
