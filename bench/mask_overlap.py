@@ -35,7 +35,6 @@ def _schemas(count: int) -> list[dict]:
 def measure(src: str, batches: list[int], tokens: int) -> dict:
     """In this process: step times for each batch size, unconstrained and constrained (seconds per step)."""
     sys.path.insert(0, src)
-    from corral import native
     from corral.engine import EngineConfig, LLMEngine, SamplingParams
     from corral.errors import UserInputError
     from corral.fsm.compiler import GrammarCompiler
@@ -47,7 +46,11 @@ def measure(src: str, batches: list[int], tokens: int) -> dict:
     prompt = engine.tokenizer.encode("Describe a small red bicycle in JSON.")
     pool = _schemas(max(batches))
     engine.generate([prompt], params)  # warm-up
-    out = {"paths": native.status() if hasattr(native, "status") else None}
+    try:  # a checkout from before the native module's switch has no status to give
+        from corral import native
+        out = {"paths": native.status()}
+    except ImportError:
+        out = {"paths": None}
     for batch in batches:
         prompts = [prompt + [i + 1] for i in range(batch)]  # distinct prompts, no prefix sharing between rows
         steps0 = engine.stats().num_steps

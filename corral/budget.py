@@ -18,8 +18,8 @@ DEFAULT_MAX_STATES = 200_000
 # A grammar's derivative terms, its memory (the native table holds about 100 bytes a term, memos included): the
 # cap holds for the grammar's whole life, since terms are derived lazily while decoding too.
 DEFAULT_MAX_TERMS = 4_000_000
-# The new terms one token mask may derive (the native walk's fuel): work, not time, so a mask passes or fails
-# alike on a busy machine. Over random walks of every 25th MaskBench dev schema the largest first-visit mask
+# The new terms one token mask met while decoding may derive (the native walk's fuel; the start mask is bounded
+# by the compile budget instead): work, not time, so a mask passes or fails alike on a busy machine. Over random walks of every 25th MaskBench dev schema the largest first-visit mask
 # derived 698 new terms; a nested not/allOf schema derived more than 1,000,000 (14 s) for one mask.
 DEFAULT_MASK_FUEL = 100_000
 

@@ -9,11 +9,14 @@
 - ``off``: the native module is not loaded; the Python paths run. For tests of the oracle paths.
 
 The module is never compiled at run time: ``pip install .`` (or ``-e .``) builds it through setuptools
-(``setup.py``). :func:`status` is what ``/health`` and ``/metrics`` report.
+(``setup.py``), on x86 twice: ``corral._native`` for x86-64-v3 and ``corral._native_baseline`` for x86-64-v2; the
+CPU's flags choose which one imports. :func:`status` is what ``/health`` and ``/metrics`` report.
 """
 
+import importlib
 import logging
 import os
+import platform
 import threading
 
 log = logging.getLogger(__name__)
@@ -49,13 +52,33 @@ def module():
     return found
 
 
+# What x86-64-v3 adds to v2, as /proc/cpuinfo spells it (abm: LZCNT).
+_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+
+
+def build_for_this_cpu() -> str:
+    """The module this CPU runs: ``_native`` (x86-64-v3, or any non-x86 build) or ``_native_baseline``.
+    ``CORRAL_NATIVE_BUILD=baseline`` takes the baseline build, with its baseline kernels, on any x86 CPU (tests
+    run it so that the build other machines import is not shipped untried)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "_native"
+    if os.environ.get("CORRAL_NATIVE_BUILD", "").strip().lower() == "baseline":
+        return "_native_baseline"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "_native" if _V3_FLAGS <= set(flags) else "_native_baseline"
+
+
 def _load() -> tuple:
     chosen = mode()
     if chosen == "off":
         log.info("CORRAL_NATIVE=off: the Python mask core and the torch kernels run")
         return None, "turned off by CORRAL_NATIVE=off"
     try:
-        from corral import _native
+        _native = importlib.import_module(f"corral.{build_for_this_cpu()}")
     except ImportError as exc:
         reason = (f"{exc}. The module is built when the package is installed: reinstall with `pip install -e .` "
                   "(or `make test`, which does it) on a machine with a C++17 compiler and Python's headers")
@@ -74,6 +97,7 @@ def status() -> dict:
         found = None
     reason = _loaded[1]
     return {"mode": mode(), "loaded": found is not None, "reason": reason,
+            "module": found.__name__ if found is not None else None,
             "mask_path": "native" if found is not None else "python",
             "kernels": f"native-{found.kernel_isa}" if found is not None else "torch",
             "build": found.build_info if found is not None else None}

@@ -47,7 +47,7 @@ def test_off_runs_the_python_paths_and_says_so():
 
 def test_require_fails_at_start_up_without_the_module():
     # the module made unimportable (as on a machine where the package was copied without its build)
-    block = "import sys; sys.modules['corral._native'] = None\n"
+    block = "import sys; sys.modules['corral._native'] = sys.modules['corral._native_baseline'] = None\n"
     result = _python(block + "from corral import native\ntry:\n    native.module()\nexcept native.NativeModuleError "
                      "as e:\n    print('refused:', e)\nelse:\n    raise SystemExit('no error')", CORRAL_NATIVE="require")
     assert result.returncode == 0 and "refused: CORRAL_NATIVE=require" in result.stdout, result.stderr
@@ -57,7 +57,8 @@ def test_require_fails_at_start_up_without_the_module():
 
 
 def test_auto_falls_back_with_one_loud_line():
-    result = _python("import sys, logging; sys.modules['corral._native'] = None\nlogging.basicConfig()\n"
+    result = _python("import sys, logging; sys.modules['corral._native'] = sys.modules['corral._native_baseline'] = None\n"
+                     "logging.basicConfig()\n"
                      "from corral import native\nassert native.module() is None and native.module() is None\n"
                      "print(native.status()['mask_path'])", CORRAL_NATIVE="auto")
     assert result.returncode == 0 and result.stdout.strip() == "python", result.stderr
@@ -193,3 +194,18 @@ def test_a_malformed_trie_is_refused():
         module.Trie(*good[:7], i32(40), *good[8:])
     with pytest.raises(ValueError, match="root"):
         module.Trie(*good[:8], i32(2), 1)
+
+
+def test_the_process_wide_structure_memo_is_bounded(vocab_index, monkeypatch):
+    """Past its cap a new structure gets no id: its piece walks plainly, and the mask is the same."""
+    pattern = '"[^"\\\\\\x00-\\x1fQ]{0,41}Q"'  # a unit (every character but Q) that no other test repeats
+    held = len(derivatives._CANONICAL_KEYS)
+    monkeypatch.setattr(derivatives, "MAX_STRUCTURES", held)
+    table = derivatives.TermTable()
+    assert table.structure(table.repeat(table.byte_set(1 << 200), 3, 977)) is None  # a structure not seen yet
+    capped = [np.asarray(vocab_index(pattern).mask(0)).copy()]
+    assert len(derivatives._CANONICAL_KEYS) == held
+    monkeypatch.setattr(derivatives, "MAX_STRUCTURES", held + 100_000)
+    uncapped = np.asarray(vocab_index(pattern).mask(0))
+    assert len(derivatives._CANONICAL_KEYS) > held  # with room, its pieces got ids (and took the piece path)
+    assert np.array_equal(capped[0], uncapped) and uncapped.any()

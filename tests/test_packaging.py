@@ -4,6 +4,7 @@ built where there is no compiler fails loudly. Reuses this environment's depende
 
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the term tables, and the native module's own tests.
 SUBSET = ["fsm/test_native_walk.py", "fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py",
           "test_native.py"]
+# Run again on the x86-64-v2 build with its baseline kernels (what a CPU without AVX2 imports).
+BASELINE = ["fsm/test_native_walk.py", "test_native.py", "kernels/test_cpu_ops.py", "kernels/test_paged_attention_cpu.py"]
 # The oracle tests on toy vocabularies, run with the native module off.
 ORACLE = ["fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py"]
 
@@ -63,6 +66,8 @@ def test_the_wheel_holds_the_built_module_for_this_python(installed):
     assert f"-{tag}-{tag}-" in os.path.basename(wheel)  # one wheel per Python version (the full C API, not abi3)
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("corral/_native.") and n.endswith(".so") for n in names)
+    if platform.machine() == "x86_64":  # and the x86-64-v2 build, for CPUs without AVX2
+        assert any(n.startswith("corral/_native_baseline.") and n.endswith(".so") for n in names)
     assert not any(n.endswith((".cpp", ".h")) for n in names)
 
 
@@ -87,6 +92,17 @@ def test_the_oracle_paths_pass_with_the_native_module_off():
                ROOT, env, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:]
     assert " passed" in run.stdout and "skipped" in run.stdout  # the native-only cases skip, the oracle ones run
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline build is x86's")
+def test_the_baseline_build_passes_the_native_tests_and_the_kernels_oracle():
+    env = {**os.environ, "CORRAL_NATIVE_BUILD": "baseline", "CORRAL_NATIVE": "require"}
+    which = _run([sys.executable, "-c", "from corral import native; s = native.status(); print(s['module'], s['kernels'])"],
+                 ROOT, env)
+    assert which.stdout.split() == ["corral._native_baseline", "native-baseline"], which.stdout + which.stderr
+    run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
+               ROOT, env, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:]
 
 
 def test_an_sdist_build_without_a_compiler_fails_loudly(sdist, tmp_path):

@@ -5,6 +5,7 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <cstdlib>
 #include <string>
 
 namespace corral_native {
@@ -15,7 +16,10 @@ using corral_kernels::KernelTable;
 
 const KernelTable* chosen = nullptr;
 
+// The variant for this CPU; CORRAL_NATIVE_BUILD=baseline takes the baseline one anywhere (for its tests).
 const KernelTable* choose() {
+    const char* forced = std::getenv("CORRAL_NATIVE_BUILD");
+    if (forced != nullptr && std::string(forced) == "baseline") return corral_kernels::variant<Isa::baseline>();
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&

@@ -1,4 +1,5 @@
-// corral._native: the one extension module, built by the build backend when the package is installed (setup.py).
+// corral._native: the one extension module, built by the build backend when the package is installed (setup.py;
+// on x86 twice, as corral._native for x86-64-v3 and corral._native_baseline for x86-64-v2).
 // It holds the mask core (terms.cpp: derivative terms, the lazy DFA, the token-trie walk) and the CPU kernels
 // (kernels.cpp, one variant per instruction set chosen at load). corral/native.py loads it and says which paths run.
 
@@ -49,7 +50,15 @@ PyMethodDef hook_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "corral._native", nullptr, -1, nullptr};
+#ifndef CORRAL_MODULE
+#define CORRAL_MODULE _native
+#endif
+#define CORRAL_STR2(x) #x
+#define CORRAL_STR(x) CORRAL_STR2(x)
+#define CORRAL_CAT2(a, b) a##b
+#define CORRAL_CAT(a, b) CORRAL_CAT2(a, b)
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "corral." CORRAL_STR(CORRAL_MODULE), nullptr, -1, nullptr};
 
 }  // namespace
 
@@ -73,7 +82,7 @@ bool add_hook(PyObject* module) { return PyModule_AddFunctions(module, hook_meth
 #define CORRAL_BUILD_INFO "unknown"
 #endif
 
-PyMODINIT_FUNC PyInit__native() {
+PyMODINIT_FUNC CORRAL_CAT(PyInit_, CORRAL_MODULE)() {
     using namespace corral_native;
     PyObject* module = PyModule_Create(&module_def);
     if (module == nullptr) return nullptr;

@@ -566,7 +566,7 @@ struct Table {
             } else if (rest == unit) {  // the last unit is the whole tail
                 low += 1, high += 1, rest = EPSILON;
             }
-            if (low == 0 && high == 0) return none;
+            if (high == low && low <= 1) return none;  // one unit, no repeat: its facts would serve once
         } else {
             return none;
         }

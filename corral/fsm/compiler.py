@@ -44,6 +44,7 @@ class CompiledGrammar:
     def __init__(self, index: TokenIndex, warnings: tuple[str, ...] = ()):
         self.index = index
         self.warnings = warnings
+        self.accounted = 0  # its bytes as the compile cache last counted them (0: not cached)
 
     @property
     def num_states(self) -> int:
@@ -65,6 +66,8 @@ class GrammarCompiler:
         self.vocab, self.cache_bytes = vocab, cache_bytes
         self.time_budget_s, self.max_states = time_budget_s, max_states
         self._cache: OrderedDict[object, CompiledGrammar] = OrderedDict()
+        self._keys: dict[int, object] = {}  # id of a cached grammar -> its key
+        self._total = 0  # the cached grammars' bytes, kept current as they grow
         self._lock = threading.Lock()
         self.num_hits = self.num_misses = 0
 
@@ -113,9 +116,12 @@ class GrammarCompiler:
     def clear(self) -> None:
         """Forget every compiled grammar (benchmarks that give every engine the same, empty, cache)."""
         with self._lock:
+            for grammar in self._cache.values():
+                self._forget(grammar)
             self._cache.clear()
 
     def cache_nbytes(self) -> int:
+        """The cached grammars' bytes, counted afresh (the bound holds for this count too)."""
         with self._lock:
             return sum(grammar.nbytes() for grammar in self._cache.values())
 
@@ -130,16 +136,44 @@ class GrammarCompiler:
             return grammar
 
     def _store(self, key, grammar: CompiledGrammar) -> CompiledGrammar:
+        """Cache ``grammar``, least recently used out first, so that the cached bytes stay within the bound. A
+        grammar grows after compilation (rows and masks are built as decoding meets them): its index reports each
+        new mask, and :meth:`_grew` re-counts it and evicts at once, so the bound holds at every moment. A grammar
+        bigger than the whole bound is returned uncached."""
         with self._lock:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._forget(old)
             self._cache[key] = grammar
-            self._cache.move_to_end(key)
-            # Masks fill in after compilation, so the byte count is re-read at each store (subtle: an entry
-            # can grow while cached; the bound is enforced at the next store).
-            total = sum(g.nbytes() for g in self._cache.values())
-            while total > self.cache_bytes and len(self._cache) > 1:
-                _, evicted = self._cache.popitem(last=False)
-                total -= evicted.nbytes()
+            self._keys[id(grammar)] = key
+            grammar.accounted = grammar.nbytes()
+            self._total += grammar.accounted
+            grammar.index.on_growth = self._grew_callback(grammar)
+            self._evict()
         return grammar
+
+    def _grew_callback(self, grammar: CompiledGrammar):
+        return lambda: self._grew(grammar)
+
+    def _grew(self, grammar: CompiledGrammar) -> None:
+        size = grammar.nbytes()  # outside the lock: lookups on the event loop take it
+        with self._lock:
+            if id(grammar) not in self._keys:
+                return
+            self._total += size - grammar.accounted
+            grammar.accounted = size
+            self._evict()
+
+    def _evict(self) -> None:
+        while self._total > self.cache_bytes and self._cache:
+            _, evicted = self._cache.popitem(last=False)
+            self._forget(evicted)
+
+    def _forget(self, grammar: CompiledGrammar) -> None:
+        self._keys.pop(id(grammar), None)
+        self._total -= grammar.accounted
+        grammar.accounted = 0
+        grammar.index.on_growth = None
 
     def _build(self, node: Node, kind: str, warnings: tuple[str, ...], budget: Budget) -> CompiledGrammar:
         dfa = LazyDFA(node, budget)
@@ -152,14 +186,16 @@ class GrammarCompiler:
         return CompiledGrammar(index, warnings)
 
     def _check_start(self, index: TokenIndex, budget: Budget) -> None:
-        """Compute the start mask under ``budget`` (the automaton is not shared yet); refuse an empty one."""
+        """Compute the start mask under ``budget`` (the automaton is not shared yet); refuse an empty one. The
+        compile's clock bounds this mask, not a mask's fuel: fuel bounds the masks met while decoding, inside an
+        engine step, where no clock may run."""
         terms = index.dfa.terms
-        decoding = terms.budget
-        terms.budget = budget
+        decoding, fuel = terms.budget, index.mask_fuel
+        terms.budget, index.mask_fuel = budget, -1
         try:
             start = index.mask(0)
         finally:
-            terms.budget = decoding
+            terms.budget, index.mask_fuel = decoding, fuel
         if not np.any(start) and not (index.is_accepting(0) and not (index.row(0) >= 0).any()):
             raise InvalidGrammarError("no sequence of this model's tokens can spell the constraint's language")
 

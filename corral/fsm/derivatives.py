@@ -41,15 +41,20 @@ _INDEXED_MEMBER_BYTES = 16
 _CANONICAL: dict[tuple, int] = {}  # structure key -> process-wide id (see TermTable.structure)
 _CANONICAL_KEYS: list[tuple] = []
 _CANONICAL_LOCK = threading.Lock()
+# Structure ids the process holds (each about 200 bytes). Past the cap a new structure gets no id: its piece
+# walks plainly and its shared node converts from the AST, so the memo stays bounded however many schemas come.
+MAX_STRUCTURES = 250_000
 _SHARED_STRUCTURES: dict[int, tuple[Node, int]] = {}  # id of a shared node -> (node, its structure id)
 
 
-def _canonical_id(key: tuple) -> int:
+def _canonical_id(key: tuple) -> int | None:
     known = _CANONICAL.get(key)
     if known is None:
         with _CANONICAL_LOCK:
             known = _CANONICAL.get(key)
             if known is None:
+                if len(_CANONICAL_KEYS) >= MAX_STRUCTURES:
+                    return None
                 known = _CANONICAL[key] = len(_CANONICAL_KEYS)
                 _CANONICAL_KEYS.append(key)
     return known
@@ -138,7 +143,9 @@ class _Conversions:
         if structure is not None:
             return self.from_structure(structure[1])
         term = self._from_ast(node)
-        _SHARED_STRUCTURES[id(node)] = (node, self.structure(term))
+        structure = self.structure(term)
+        if structure is not None:
+            _SHARED_STRUCTURES[id(node)] = (node, structure)
         return term
 
     def _from_charset(self, chars: CharSet) -> int:
@@ -166,7 +173,8 @@ class _Conversions:
     # ---- structure: the same language in another table -------------------------------------------------------
     def structure(self, term: int) -> int:
         """A table-independent id of ``term``: equal for the same term built in any table (memoized). Ids are
-        hash-consed process-wide, so a key is a small int however large and shared the term is."""
+        hash-consed process-wide, so a key is a small int however large and shared the term is. None once the
+        process holds :data:`MAX_STRUCTURES` and ``term`` (or a part of it) is new."""
         known = self._structures.get(term)
         if known is None:
             kind, args = self.kind[term], self.args[term]
@@ -178,8 +186,10 @@ class _Conversions:
                 key = (kind, self.structure(args[0]), args[1], args[2])
             else:  # members are sorted by id, which differs between tables
                 key = (kind, frozenset(self.structure(member) for member in args))
-            known = self._structures[term] = _canonical_id(key)
-        return known
+            parts = key[1] if kind in (_ALT, _AND) else key[1:3] if kind == _CAT else key[1:2] if kind == _REP else ()
+            known = None if None in parts else _canonical_id(key)
+            self._structures[term] = -1 if known is None else known
+        return None if known == -1 else known
 
     def from_structure(self, structure: int) -> int:
         """The term of a :meth:`structure` id, built in this table."""
@@ -403,7 +413,7 @@ class TermTable(_Conversions):
                     rest = tail
             elif rest == unit:  # the last unit is the whole tail
                 low, high, rest = low + 1, high + 1, EPSILON
-            if (low, high) == (0, 0):
+            if high == low <= 1:  # one unit, no repeat: its facts would serve once
                 return None
         else:
             return None

@@ -3,7 +3,9 @@
 A walk picks random allowed tokens for a random number of steps (stopping early at EOS when it is allowed), then
 finishes along a byte path to acceptance (closing bytes first), spelled with single-byte tokens. Every token goes through
 ``fill_mask`` and ``advance``, so a walk checks the guide's own contract as it goes (a live guide never has an
-empty mask; every finishing byte's token is allowed; EOS is allowed exactly at the end). The document it returns
+empty mask; every finishing byte's token is allowed; EOS is allowed exactly at the end). A guide stopped by a
+decoding limit (a state cap, a memory cap, a mask's fuel) raises that limit's ``GrammarTooComplexError``: it
+refuses the schema, as the engine ends the sequence with the limit's error. The document it returns
 must then satisfy the constraint: the tests check that with ``jsonschema`` on a fixed sample of the MaskBench dev
 set, and ``bench/random_walks.py`` over all of it.
 """
@@ -12,6 +14,7 @@ import random
 
 import numpy as np
 
+from corral.errors import GrammarTooComplexError
 from corral.fsm.vocabulary import Vocabulary
 
 MAX_SEARCH_STATES = 20000
@@ -99,8 +102,13 @@ def random_document(grammar, vocab: Vocabulary, byte_tokens: dict[int, int], rng
     def allows(token_id: int) -> bool:
         return bool((row[token_id >> 5] >> (token_id & 31)) & 1)
 
-    for _ in range(rng.randrange(max_random_tokens)):
+    def fill() -> None:
         guide.fill_mask(row)
+        if getattr(guide, "error", None) is not None:
+            raise GrammarTooComplexError(guide.error)
+
+    for _ in range(rng.randrange(max_random_tokens)):
+        fill()
         ids = allowed_ids(row, vocab.size)
         _check(len(ids) > 0, "a live guide has an empty mask")
         if eos in ids and rng.random() < 0.3:
@@ -114,11 +122,11 @@ def random_document(grammar, vocab: Vocabulary, byte_tokens: dict[int, int], rng
     if completion is None:
         return None
     for byte in completion:
-        guide.fill_mask(row)
+        fill()
         token_id = byte_tokens[byte]
         _check(allows(token_id), f"the mask refuses byte {byte:#x} on a path to acceptance")
         _check(guide.advance(token_id), f"the guide refused byte {byte:#x} on a path to acceptance")
-    guide.fill_mask(row)
+    fill()
     _check(allows(eos) and guide.is_accepting(), "EOS is not allowed in an accepting state")
     _check(guide.advance(eos) and guide.is_finished(), "the guide did not finish on EOS")
     return text + completion

@@ -160,7 +160,18 @@ class TokenIndex:
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
         fuel = dfa.terms.budget.mask_fuel
+        self.on_growth = None  # called after each new mask (set by the compile cache while this is cached)
         self._native = native_walk.NativeWalk(self.tables.native_trie, self, fuel) if native_walk.available(dfa) else None
+
+    @property
+    def mask_fuel(self) -> int:
+        """The new terms one mask may derive (-1: no cap; the Python walk has none)."""
+        return self._native.fuel if self._native is not None else -1
+
+    @mask_fuel.setter
+    def mask_fuel(self, fuel: int) -> None:
+        if self._native is not None:
+            self._native.fuel = fuel
 
     @property
     def num_states(self) -> int:
@@ -183,6 +194,9 @@ class TokenIndex:
         mask = self._masks.get(state)
         if mask is None:
             mask = self._masks[state] = self._compute_mask(state)
+            grew = self.on_growth
+            if grew is not None:  # the compile cache re-counts this grammar's bytes (its bound holds throughout)
+                grew()
         return mask
 
     def next_state(self, state: int, token_id: int) -> int:

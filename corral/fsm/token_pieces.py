@@ -185,7 +185,10 @@ def _as_piece(terms: TermTable, member: int, facts_of):
     if not shape:
         return shape
     unit, low, high, rest = shape
-    facts = facts_of(terms.structure(unit))
+    structure = terms.structure(unit)
+    if structure is None:  # the process's structure ids are spent: walk it plainly
+        return None
+    facts = facts_of(structure)
     if facts.at(0) is None or facts.num_crossing(terms.first_mask(rest)) > MAX_CROSSING_TOKENS:
         return None
     return Piece(facts, low, high, rest)

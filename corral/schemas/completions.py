@@ -68,6 +68,7 @@ class NativePaths(Open):
     mode: Literal["auto", "require", "off"]
     loaded: bool
     reason: str | None = None
+    module: str | None = None
     mask_path: Literal["native", "python"]
     kernels: str
     build: str | None = None

@@ -89,7 +89,26 @@ def test_lru_is_bounded_in_bytes(byte_vocab):
     small = GrammarCompiler(byte_vocab, cache_bytes=1)
     first = small.compile(Constraint("regex", "a"))
     small.compile(Constraint("regex", "b"))
-    assert small.compile(Constraint("regex", "a")) is not first  # evicted: the bound holds one entry at most
+    assert small.compile(Constraint("regex", "a")) is not first  # bigger than the bound: never cached
+    assert small.cache_nbytes() == 0
+
+
+def test_the_byte_bound_holds_while_cached_grammars_grow(byte_vocab):
+    """Masks fill in after compilation: each new mask re-counts its grammar, and the cache evicts at once."""
+    pattern = "[a-z]{0,60}"  # one state per letter: every letter walked is a new mask
+    constraints = [Constraint("regex", f"{pattern}{tail}") for tail in "012"]
+    bound = sum(GrammarCompiler(byte_vocab).compile(c).nbytes() for c in constraints)  # all three, as compiled
+    bounded = GrammarCompiler(byte_vocab, cache_bytes=bound)
+    grammars = [bounded.compile(c) for c in constraints]
+    assert bounded.cache_nbytes() <= bound and len(bounded._cache) == 3
+    row = np.zeros(-(-byte_vocab.size // 32), dtype=np.int32)
+    guide = grammars[0].new_guide()
+    for letter in b"abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyz":
+        guide.fill_mask(row)
+        assert guide.advance(letter)
+        assert bounded.cache_nbytes() <= bound  # at every mask, not at the next store
+    assert len(bounded._cache) < 3  # the growth pushed the least recently used grammars out
+    assert bounded.compile(Constraint("regex", f"{pattern}2")) is grammars[2]  # the most recent one stayed
 
 
 @pytest.mark.parametrize("constraint, error, message", [
