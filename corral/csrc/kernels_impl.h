@@ -13,19 +13,20 @@
 namespace corral_kernels {
 namespace CORRAL_VARIANT {
 
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+// The helpers are always inlined: a function under another optimize pragma (the ops below) would otherwise not
+// inline them, and neither would attention inline helpers defined under the ops' pragma (it then ran 4-5x slower).
+#define CORRAL_INLINE static inline __attribute__((always_inline))
 
 // bfloat16 is the high half of a float32, rounded to nearest even as torch rounds.
-static inline float load(float x) { return x; }
-static inline float load(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline void store(float x, float* dst) { *dst = x; }
-static inline void store(float x, uint16_t* dst) {
+CORRAL_INLINE float load(float x) { return x; }
+CORRAL_INLINE float load(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+CORRAL_INLINE void store(float x, float* dst) { *dst = x; }
+CORRAL_INLINE void store(float x, uint16_t* dst) {
     uint32_t u; std::memcpy(&u, &x, 4);
     *dst = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-static inline float round_to(float x, float) { return x; }
-static inline float round_to(float x, uint16_t) {  // through bfloat16 and back
+CORRAL_INLINE float round_to(float x, float) { return x; }
+CORRAL_INLINE float round_to(float x, uint16_t) {  // through bfloat16 and back
     uint32_t u; std::memcpy(&u, &x, 4);
     u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
     float f; std::memcpy(&f, &u, 4); return f;
@@ -34,7 +35,7 @@ static inline float round_to(float x, uint16_t) {  // through bfloat16 and back
 // x = n ln2 + r, |r| <= ln2/2, a degree-6 minimax polynomial for exp(r), and 2^n built in the exponent bits;
 // relative error about 2 ulp (-fassociative-math may fold the two-constant reduction into one: a few ulp more
 // for large |x|); x is clamped to [-87, 88].
-static inline float exp_approx(float x) {
+CORRAL_INLINE float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = std::floor(x * 1.44269504088896341f + 0.5f);
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -49,6 +50,10 @@ static inline float exp_approx(float x) {
     float scale; std::memcpy(&scale, &bits, 4);
     return y * scale;
 }
+
+// The ops: no fused multiply-add (torch rounds each product before the sum that follows it).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 
 static const int64_t PARALLEL_MIN = 1 << 16;  // elements; below this a thread hand-off costs more than it saves
 
@@ -222,6 +227,8 @@ static void paged_decode(const T* q, const T* k, const T* v, const int64_t* tabl
 }
 
 }  // namespace CORRAL_VARIANT
+
+#undef CORRAL_INLINE
 
 template <>
 const KernelTable* variant<Isa::CORRAL_VARIANT>() {

@@ -20,7 +20,10 @@ def buffer(tensor: torch.Tensor):
     16-bit integers, which numpy has)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return tensor.detach().numpy()
+    try:
+        return tensor.numpy()
+    except RuntimeError:  # a tensor that requires grad (never in the engine, which runs under inference mode)
+        return tensor.detach().numpy()
 
 
 def available(dtype: torch.dtype) -> bool:
