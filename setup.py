@@ -20,7 +20,8 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
 # denormals-are-zero for the whole process when the module loads (numpy, torch and every test after it would lose
 # subnormal floats). -fassociative-math, asked for on its own, lets reductions end in a tree of vector adds.
-FLAGS = ["-std=c++17", "-O3", "-g0", "-fno-wrapv", "-fopenmp", "-fvisibility=hidden", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ["-std=c++17", "-O3", "-g0", "-fno-wrapv", "-fopenmp", "-fvisibility=hidden", "-fno-math-errno",
+         "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math"]
 # (module name, target flags): the first is the one a CPU with its features imports
 BUILDS = ([("_native", ["-march=x86-64-v3", "-mtune=generic"]),

@@ -1,13 +1,13 @@
 """Do masks overlap the forward? Decode-step time with constrained rows against the same batch unconstrained.
 
-The engine fills a step's masks on a worker thread while the model's forward runs. The two overlap only where
-the mask computation lets go of the GIL. This bench runs ``--batch`` requests of ``--tokens`` exact tokens
-(greedy), first with no constraint, then each with a different JSON Schema from the MaskBench dev set, compiled
-just before and with an empty compile cache so that its masks are met for the first time (a constrained row ends
-where its document does, so later steps hold fewer rows). It prints the mean step time of each. The comparison
-that counts is between checkouts: the same guides give the same tokens and steps in both. With ``--baseline DIR`` the same
-measurement runs, in the same run, for the checkout in DIR (an earlier commit); the checkouts alternate per
-repeat, and the table gives each one's median.
+The engine fills a step's masks on a worker thread while the model's forward runs. The two overlap only where the
+mask computation lets go of the GIL. This bench runs ``--batch`` requests of ``--tokens`` exact tokens (greedy),
+first with no constraint, then each with a different JSON Schema from the MaskBench dev set, compiled just before
+and with an empty compile cache so that its masks are met for the first time (a constrained row ends where its
+document does, so later steps hold fewer rows). It prints the mean step time of each. The comparison that counts is
+between checkouts: the same guides give the same tokens and steps in both. With ``--baseline DIR`` the same
+measurement runs, in the same run, for the checkout in DIR (an earlier commit); the checkouts alternate per repeat,
+and the table gives each one's median.
 
     .venv/bin/python bench/mask_overlap.py --batch 1,16 --baseline ../corral-before
 """

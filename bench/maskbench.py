@@ -1,15 +1,15 @@
 """MaskBench: JSON Schema mask engines side by side, on the same schemas and the same vocabulary, in one run.
 
-Protocol (JSONSchemaBench's MaskBench): each test instance is serialized with ``json.dumps`` (separators ", " and
-": ") and tokenized with the model's tokenizer; before each token the engine computes the mask, the token must be
-in it, then it is committed; at the end EOS must be allowed. A schema passes when it compiles, every valid
-instance is accepted to the end and every invalid one is rejected. TTFM is compile plus the first mask; TBM is,
-as MaskBench times it, each later mask plus the commit of the token before it (``tbm``), with the mask alone as
-an extra column (``mask``). A TBM over 20 ms is timed again alone (the schema compiled afresh, the instance
-replayed up to that mask), at most five per schema, for every engine alike; the table gives the raw maximum and
-the maximum with those re-timed values in place of the raw ones (a garbage collection or a busy minute on a
-shared machine makes single masks slow; a slow mask stays slow when re-timed). Each engine runs in its own worker process, one schema at a time, under a
-wall-clock ``--timeout`` per schema (a hung or crashed worker is replaced and the schema counted as a
+Protocol (JSONSchemaBench's MaskBench): each test instance is serialized with ``json.dumps`` (separators ", " and ":
+") and tokenized with the model's tokenizer; before each token the engine computes the mask, the token must be in
+it, then it is committed; at the end EOS must be allowed. A schema passes when it compiles, every valid instance is
+accepted to the end and every invalid one is rejected. TTFM is compile plus the first mask; TBM is, as MaskBench
+times it, each later mask plus the commit of the token before it (``tbm``), with the mask alone as an extra column
+(``mask``). A TBM over 20 ms is timed again alone (the schema compiled afresh, the instance replayed up to that
+mask), at most five per schema, for every engine alike; the table gives the raw maximum and the maximum with those
+re-timed values in place of the raw ones (a garbage collection or a busy minute on a shared machine makes single
+masks slow; a slow mask stays slow when re-timed). Each engine runs in its own worker process, one schema at a time,
+under a wall-clock ``--timeout`` per schema (a hung or crashed worker is replaced and the schema counted as a
 timeout/crash).
 
 Every engine gets the same cache treatment: none across schemas (XGrammar's compiler cache is off, Corral's
@@ -404,7 +404,8 @@ def cpu_summary() -> str:
 def print_table(summaries: dict[str, dict]) -> None:
     print(f"CPU: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M')}\n")
     print("| engine | passed | compile errors | should accept, didn't | should reject, didn't | crash/timeout "
-          "| TBM (mask + commit) p50 / p90 / p99 / max (µs) | TBM max, re-timed (µs) | mask alone p50 / p99 / max (µs) "
+          "| TBM (mask + commit) p50 / p90 / p99 / max (µs) | TBM max, re-timed (µs) "
+          "| mask alone p50 / p99 / max (µs) "
           "| TTFM p50 / p90 / p99 (ms) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in summaries.items():

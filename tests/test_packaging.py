@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBSET = ["fsm/test_native_walk.py", "fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py",
           "test_native.py"]
 # Run again on the x86-64-v2 build with its baseline kernels (what a CPU without AVX2 imports).
-BASELINE = ["fsm/test_native_walk.py", "test_native.py", "kernels/test_cpu_ops.py", "kernels/test_paged_attention_cpu.py"]
+BASELINE = ["fsm/test_native_walk.py", "test_native.py", "kernels/test_cpu_ops.py",
+            "kernels/test_paged_attention_cpu.py"]
 # The oracle tests on toy vocabularies, run with the native module off.
 ORACLE = ["fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py"]
 
@@ -97,8 +98,8 @@ def test_the_oracle_paths_pass_with_the_native_module_off():
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline build is x86's")
 def test_the_baseline_build_passes_the_native_tests_and_the_kernels_oracle():
     env = {**os.environ, "CORRAL_NATIVE_BUILD": "baseline", "CORRAL_NATIVE": "require"}
-    which = _run([sys.executable, "-c", "from corral import native; s = native.status(); print(s['module'], s['kernels'])"],
-                 ROOT, env)
+    code = "from corral import native; s = native.status(); print(s['module'], s['kernels'])"
+    which = _run([sys.executable, "-c", code], ROOT, env)
     assert which.stdout.split() == ["corral._native_baseline", "native-baseline"], which.stdout + which.stderr
     run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
                ROOT, env, timeout=900)

@@ -216,7 +216,8 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
         k.expect_like(q);
         const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
         if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
-        if (kv_heads < 1 || heads % kv_heads) fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+        if (kv_heads < 1 || heads % kv_heads)
+            fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
         v.expect_shape({blocks, block_size, kv_heads, head_dim});
         v.expect_like(q);
         const Array tables(args[3], "block_tables", false);
@@ -235,7 +236,8 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
         const int64_t* table = tables.data<const int64_t>();
         const int64_t* len = lens.data<const int64_t>();
         for (Py_ssize_t s = 0; s < seqs; ++s) {
-            if (len[s] < 1 || len[s] > width * block_size) fail(PyExc_IndexError, "paged_decode: a context length outside its block table");
+            if (len[s] < 1 || len[s] > width * block_size)
+                fail(PyExc_IndexError, "paged_decode: a context length outside its block table");
             for (int64_t b = 0; b < (len[s] + block_size - 1) / block_size; ++b) {
                 const int64_t block = table[s * width + b];
                 if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");

@@ -1341,7 +1341,8 @@ PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject*) {
                 trie->own_start[i] < 0 || trie->own_start[i] > trie->own_end[i] ||
                 trie->own_end[i] > trie->subtree_end[i] || trie->subtree_end[i] > ids)
                 fail(PyExc_ValueError, "Trie: a node out of shape (preorder, depths, ranges, ids)");
-            listed += trie->node_token[i] >= 0 ? 1 : trie->node_token[i] == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
+            const int32_t token = trie->node_token[i];
+            listed += token >= 0 ? 1 : token == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
         }
         if (listed > ids) fail(PyExc_ValueError, "Trie: more tokens at nodes than ids");
         for (int32_t id : trie->own_ids)

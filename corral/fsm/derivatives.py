@@ -10,8 +10,8 @@ repeats (``maxLength: 5000``) and recurring pieces (any-value, string bodies) co
 
 The table exists twice with the same normal forms: this pure-Python one (the oracle), and a native one
 (``corral/csrc/terms.cpp``, in the native module built at install time) that :func:`new_table` gives wherever the
-module loads; deriving in Python was most of the cost of a mask met for the first time. The conversions from the AST and between tables by structure
-(:class:`_Conversions`) are shared Python code over either.
+module loads; deriving in Python was most of the cost of a mask met for the first time. The conversions from the AST
+and between tables by structure (:class:`_Conversions`) are shared Python code over either.
 
 Left out: complement. Emptiness is syntactic (a normalized term other than ∅ is non-empty) except under
 ``Intersect``, where it is decided by exploring the product's derivatives, under a step limit; an intersection

@@ -223,7 +223,8 @@ class LazyDFA:
 
 
 class NativeLazyDFA(LazyDFA):
-    """The same automaton with its states, rows and moves in native code (``corral/csrc/terms.cpp``, over the native term
+    """The same automaton with its states, rows and moves in native code (``corral/csrc/terms.cpp``, over the
+    native term
     table): deriving a move is one call, and the token walks derive the moves they meet without leaving C++.
     ``trans``, ``accepting`` and ``built`` are numpy views of the native buffers, renewed when those grow (read
     them after a call that may derive)."""

@@ -2,10 +2,10 @@
 released (it is taken back only for the Python calls below), so a mask is computed while the model runs.
 
 The walk is one pass over the vocabulary trie (``token_trie.py``, nodes numbered in preorder) from one DFA state
-(``corral/csrc/terms.cpp``, ``Dfa::walk_trie``): each node looks the move on its byte up in the automaton's rows, from the
-state its parent reached, deriving it in place when it is not built yet; a dead move skips the node's whole
-subtree, a live one lists the tokens that end at the node and goes on below it. Python is called only for what
-needs the vocabulary's piece facts:
+(``corral/csrc/terms.cpp``, ``Dfa::walk_trie``): each node looks the move on its byte up in the automaton's rows,
+from the state its parent reached, deriving it in place when it is not built yet; a dead move skips the node's whole
+subtree, a live one lists the tokens that end at the node and goes on below it. Python is called only for what needs
+the vocabulary's piece facts:
 
 - a node with children reached in a wide state not yet flagged (a state whose first bytes are few is plain
   without asking): Python settles whether it holds repeat pieces (``token_pieces.py``);
@@ -13,14 +13,14 @@ needs the vocabulary's piece facts:
   and the state of the other members; the node's subtree takes its tokens from the mask and the pass goes on
   below it in the other members' state. Answers are kept for the rest of the pass (by state and depth).
 
-So a walk costs one native pass over the live part of the trie and one call per wide state and piece met; no
-node is visited twice. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the automaton's
-state cap and the table's term cap hold as well; past one, the walk raises :class:`~corral.errors.
-GrammarTooComplexError` (the native ``LimitError``) naming the limit. The trie is copied into the native module
-once per vocabulary and checked there (preorder, depths, id ranges), so a walk never reads out of bounds. Why: the trie walk in numpy costs a few us per numpy call and per trie level, and deriving
-the moves in Python cost about as much again; the first masks of wide states were the slow tail of
-time-between-masks. Without a C++ compiler (``CORRAL_NATIVE=off``) the automaton is the Python one and the
-Python walk is used.
+So a walk costs one native pass over the live part of the trie and one call per wide state and piece met; no node is
+visited twice. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the automaton's state cap
+and the table's term cap hold as well; past one, the walk raises :class:`~corral.errors.GrammarTooComplexError`
+(the native ``LimitError``) naming the limit. The trie is copied into the native module once per vocabulary and
+checked there (preorder, depths, id ranges), so a walk never reads out of bounds. Why: the trie walk in numpy costs
+a few us per numpy call and per trie level, and deriving the moves in Python cost about as much again; the first
+masks of wide states were the slow tail of time-between-masks. Without the native module (``CORRAL_NATIVE=off``) the
+automaton is the Python one and the Python walk is used.
 
 The same code walks tokens one by one (:func:`walk_tokens`) for the walks that are per token rather than per
 trie node: a piece's facts over the whole vocabulary, and the tokens that cross a piece's end into its rest.

@@ -1,13 +1,13 @@
 """Random documents from a compiled grammar, drawn token by token through its guide: a fuzzer for the masks.
 
 A walk picks random allowed tokens for a random number of steps (stopping early at EOS when it is allowed), then
-finishes along a byte path to acceptance (closing bytes first), spelled with single-byte tokens. Every token goes through
-``fill_mask`` and ``advance``, so a walk checks the guide's own contract as it goes (a live guide never has an
-empty mask; every finishing byte's token is allowed; EOS is allowed exactly at the end). A guide stopped by a
-decoding limit (a state cap, a memory cap, a mask's fuel) raises that limit's ``GrammarTooComplexError``: it
-refuses the schema, as the engine ends the sequence with the limit's error. The document it returns
-must then satisfy the constraint: the tests check that with ``jsonschema`` on a fixed sample of the MaskBench dev
-set, and ``bench/random_walks.py`` over all of it.
+finishes along a byte path to acceptance (closing bytes first), spelled with single-byte tokens. Every token goes
+through ``fill_mask`` and ``advance``, so a walk checks the guide's own contract as it goes (a live guide never has
+an empty mask; every finishing byte's token is allowed; EOS is allowed exactly at the end). A guide stopped by a
+decoding limit (a state cap, a memory cap, a mask's fuel) raises that limit's ``GrammarTooComplexError``: it refuses
+the schema, as the engine ends the sequence with the limit's error. The document it returns must then satisfy the
+constraint: the tests check that with ``jsonschema`` on a fixed sample of the MaskBench dev set, and
+``bench/random_walks.py`` over all of it.
 """
 
 import random

@@ -161,7 +161,8 @@ class TokenIndex:
         self._special_ids = vocab.special_ids
         fuel = dfa.terms.budget.mask_fuel
         self.on_growth = None  # called after each new mask (set by the compile cache while this is cached)
-        self._native = native_walk.NativeWalk(self.tables.native_trie, self, fuel) if native_walk.available(dfa) else None
+        self._native = (native_walk.NativeWalk(self.tables.native_trie, self, fuel) if native_walk.available(dfa)
+                        else None)
 
     @property
     def mask_fuel(self) -> int:

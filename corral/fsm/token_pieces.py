@@ -126,7 +126,7 @@ class PieceFacts:
 
     def _walk_numpy(self, ids: np.ndarray, offset: int, units: np.ndarray, exits: np.ndarray,
                     at_boundary: np.ndarray) -> None:
-        """``native_walk.walk_tokens`` level by level in numpy (without a C++ compiler)."""
+        """``native_walk.walk_tokens`` level by level in numpy (without the native module)."""
         dfa, lengths = self.dfa, self.vocab.lengths
         states = np.zeros(len(ids), dtype=np.int32)
         for depth in range(offset, len(self.columns)):

@@ -12,7 +12,7 @@ from corral.kernels import cpu_ops
 from corral.models import load_model_config, load_tokenizer, resolve_model
 from tests.engine.real_model import PROMPTS, prefill_logits
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.float32), reason="no C++ compiler: kernels unavailable")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.float32), reason="native module off or missing: kernels unavailable")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from corral.grammar.regex_parser import parse_regex
 # (the fallback without a compiler); the properties below hold for each.
 TABLES = [pytest.param(derivatives.TermTable, id="python"),
           pytest.param(derivatives.native_table_class(), id="native",
-                       marks=pytest.mark.skipif(derivatives.native_table_class() is None, reason="no C++ compiler"))]
+                       marks=pytest.mark.skipif(derivatives.native_table_class() is None, reason="native module off or missing"))]
 
 
 def accepts(dfa: LazyDFA, data: bytes) -> bool:

@@ -19,7 +19,7 @@ _EXTRA = [b'"a",', b'x"a",', b'"a"', b'"u\\"ab', b'"ab"!']
 _TOKENS = sorted(set(PIECES_VOCAB.token_bytes[:-1]) | set(_EXTRA))
 VOCAB = Vocabulary.from_token_bytes(_TOKENS + [b"<eos>"], eos_token_ids=[len(_TOKENS)])
 
-pytestmark = pytest.mark.skipif(derivatives.native_module() is None, reason="no C++ compiler for the native walk")
+pytestmark = pytest.mark.skipif(derivatives.native_module() is None, reason="native module off or missing")
 
 MORE = [
     Constraint("regex", r"(ab|a\d{2,5}|[^a]{0,3}x)+"),

@@ -109,7 +109,7 @@ def test_a_unit_that_is_a_prefix_of_another_is_refused():
     assert _facts(table, unit) is None
 
 
-@pytest.mark.skipif(derivatives.native_module() is None, reason="no C++ compiler for the native walk")
+@pytest.mark.skipif(derivatives.native_module() is None, reason="native module off or missing")
 @pytest.mark.parametrize("offset", [0, 1, 2])
 def test_native_and_numpy_piece_walks_agree(monkeypatch, offset):
     table = TermTable(Budget())

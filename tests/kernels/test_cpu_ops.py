@@ -8,7 +8,7 @@ import torch
 from corral.engine.model import apply_rope, rms_norm, silu_mul
 from corral.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.float32), reason="no C++ compiler: kernels unavailable")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.float32), reason="native module off or missing: kernels unavailable")
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 64, 300]  # 300 x 576 crosses the size where the kernels go parallel

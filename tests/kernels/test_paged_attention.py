@@ -86,7 +86,7 @@ def test_engine_cpu_path_matches_twin(name, decode_path, grouped):
     through gathered SDPA (a mask given) or the compiled kernel (no mask); prefill spans over their context one
     by one, or padded into groups as the runner does (``group_prefills``)."""
     if decode_path == "kernel" and paged_attention_cpu.load() is None:
-        pytest.skip("no C++ compiler: the CPU kernel is unavailable")
+        pytest.skip("native module off or missing: the CPU kernel is unavailable")
     query_lens, seq_lens = CASES[name]
     q, k_cache, v_cache, tables, lens, qsl = make_case(query_lens, seq_lens, seed=2)
     order = sorted(range(len(query_lens)), key=lambda s: query_lens[s] != 1)  # the engine puts decodes first

@@ -7,7 +7,7 @@ import torch
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention_torch
 
-pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C++ compiler: kernel unavailable")
+pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="native module off or missing: kernel unavailable")
 
 SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size, context lengths)
     "smollm-like": (9, 3, 64, 16, [1, 15, 16, 17, 300]),
@@ -58,7 +58,7 @@ def test_keys_past_the_context_are_never_read():
 def test_loading_the_kernel_keeps_subnormal_floats():
     """A library built with -ffast-math would set flush-to-zero for the whole process when it loads."""
     if paged_attention_cpu.load() is None:
-        pytest.skip("no C++ compiler: the kernel is not built")
+        pytest.skip("native module off or missing: the kernel is unavailable")
     import numpy as np
 
     tiny = np.float32(1e-40)  # subnormal in float32
