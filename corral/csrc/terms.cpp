@@ -1299,9 +1299,8 @@ struct TrieObject {
 };
 
 template <typename T>
-std::vector<T> copied(PyObject* array, const char* name) {
+std::vector<T> copied(PyObject* array) {
     const HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
-    (void)name;
     return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
 }
 
@@ -1315,15 +1314,15 @@ PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject*) {
         return nullptr;
     GUARDED(
         auto trie = std::make_unique<Trie>();
-        trie->node_byte = copied<int32_t>(a[0], "node_byte");
-        trie->node_depth = copied<int32_t>(a[1], "node_depth");
-        trie->node_end = copied<int32_t>(a[2], "node_end");
-        trie->node_token = copied<int32_t>(a[3], "node_token");
-        trie->own_start = copied<int64_t>(a[4], "own_start");
-        trie->own_end = copied<int64_t>(a[5], "own_end");
-        trie->subtree_end = copied<int64_t>(a[6], "subtree_end");
-        trie->own_ids = copied<int32_t>(a[7], "own_ids");
-        trie->roots = copied<int32_t>(a[8], "roots");
+        trie->node_byte = copied<int32_t>(a[0]);
+        trie->node_depth = copied<int32_t>(a[1]);
+        trie->node_end = copied<int32_t>(a[2]);
+        trie->node_token = copied<int32_t>(a[3]);
+        trie->own_start = copied<int64_t>(a[4]);
+        trie->own_end = copied<int64_t>(a[5]);
+        trie->subtree_end = copied<int64_t>(a[6]);
+        trie->own_ids = copied<int32_t>(a[7]);
+        trie->roots = copied<int32_t>(a[8]);
         trie->num_words = num_words;
         const size_t n = trie->node_byte.size();
         const int64_t ids = int64_t(trie->own_ids.size()), limit = int64_t(num_words) * 32;

@@ -16,6 +16,7 @@ A compile ends with the start state's mask, computed under the same budget: a co
 vocabulary can begin to spell is refused here, as bad input, rather than inside a running batch.
 """
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -148,12 +149,9 @@ class GrammarCompiler:
             self._keys[id(grammar)] = key
             grammar.accounted = grammar.nbytes()
             self._total += grammar.accounted
-            grammar.index.on_growth = self._grew_callback(grammar)
+            grammar.index.on_growth = functools.partial(self._grew, grammar)
             self._evict()
         return grammar
-
-    def _grew_callback(self, grammar: CompiledGrammar):
-        return lambda: self._grew(grammar)
 
     def _grew(self, grammar: CompiledGrammar) -> None:
         size = grammar.nbytes()  # outside the lock: lookups on the event loop take it

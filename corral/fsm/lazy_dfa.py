@@ -63,6 +63,7 @@ class LazyDFA:
     def __init__(self, node: Node | None, budget: Budget, *, terms: TermTable | None = None, root: int = 0):
         """The DFA of ``node``, or (``terms`` and ``root`` given) of a term already in ``terms``."""
         self.terms = terms if terms is not None else new_table(budget)
+        self.limits = budget  # its state cap (check_states) holds for the automaton's whole life
         self.max_states = budget.max_states
         if hasattr(self.terms, "max_terms"):  # the native table counts its terms exactly
             self.terms.max_terms = budget.max_terms
@@ -170,8 +171,7 @@ class LazyDFA:
         if state is None:
             if not self.terms.is_live(term):
                 return DEAD
-            if len(self._state_terms) >= self.max_states:
-                raise GrammarTooComplexError(f"the grammar's automaton reached its cap of {self.max_states} states")
+            self.limits.check_states(len(self._state_terms))
             state = self._state_ids[term] = len(self._state_terms)
             self._state_terms.append(term)
             self._grow(state + 1)

@@ -26,8 +26,6 @@ The same code walks tokens one by one (:func:`walk_tokens`) for the walks that a
 trie node: a piece's facts over the whole vocabulary, and the tokens that cross a piece's end into its rest.
 """
 
-import threading
-
 import numpy as np
 
 from corral import native
@@ -62,14 +60,13 @@ class NativeTrie:
 
 
 class NativeWalk:
-    """One token index's walks over its native automaton: the state flags it has settled (a flag set of the
-    automaton, since the flags depend on the vocabulary's piece facts), and per thread the pass's buffers."""
+    """One token index's walks over its native automaton, with the state flags it has settled (a flag set of the
+    automaton, since the flags depend on the vocabulary's piece facts)."""
 
     def __init__(self, native: NativeTrie, index, fuel: int = -1):
         """``fuel``: the new terms one walk may derive (-1: no cap)."""
         self.native, self.index, self.fuel = native, index, fuel
         self.flag_set = index.dfa.native.new_flag_set()
-        self._local = threading.local()
 
     def _flag(self, state: int) -> int:
         return FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
@@ -77,31 +74,21 @@ class NativeWalk:
     def walk(self, state: int) -> np.ndarray:
         """The uint32 bitmask words of the tokens whose bytes, walked from ``state``, never hit a dead move;
         pieces met below the root resolve from their shared facts, as the Python walk does."""
-        run = getattr(self._local, "run", None)
-        if run is None:
-            run = self._local.run = _Pass(self)
         dfa = self.index.dfa
         words = np.zeros(self.native.num_words, dtype=np.uint32)
         with dfa.lock:
             try:
-                dfa.native.walk_trie(self.native.native, state, self.flag_set, self._flag, run.on_piece, words,
+                dfa.native.walk_trie(self.native.native, state, self.flag_set, self._flag, self._on_piece, words,
                                      self.fuel)
             finally:
                 dfa.refresh()
         return words
 
-
-class _Pass:
-    """One thread's callbacks for the passes of a :class:`NativeWalk`."""
-
-    def __init__(self, walk: NativeWalk):
-        self.walk = walk
-
-    def on_piece(self, state: int, depth: int) -> tuple[int, np.ndarray | None]:
+    def _on_piece(self, state: int, depth: int) -> tuple[int, np.ndarray | None]:
         """The pass reached a state holding repeat pieces after ``depth`` bytes: the state of the other members
         (``DEAD`` when none) and the pieces' mask words at that depth (None when a piece's facts are not exact
         there: then it walks on plainly)."""
-        index = self.walk.index
+        index = self.index
         pieces, other_state = index.piece_split(state)
         allowed = None
         for piece in pieces:
