@@ -103,6 +103,7 @@ class AsyncEngine:
         self._failure: CorralError | None = None  # set when the grace period of a shutdown is over
         self.num_admitted = 0  # tickets out (event loop only)
         self._budgets: set = set()  # budgets of compilations queued or running (event loop only)
+        self._compile_waiters: set = set()  # one future per compile being awaited, failed by fail_all
         self._stats = engine.stats()
         self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="corral-compile")
         self._thread = threading.Thread(target=self._run, name="corral-engine", daemon=True)
@@ -142,8 +143,18 @@ class AsyncEngine:
         future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, constraint, budget,
                                                             time.monotonic())
         future.add_done_callback(lambda _: self._budgets.discard(budget))
+        # subtle: at the end of the grace period the caller hears the failure at once, not when the worker next
+        # checks its budget (a long native step may not check for a while, and uvicorn's own deadline follows
+        # soon after, turning the request's 503 into a 500)
+        waiter = asyncio.get_running_loop().create_future()
+        self._compile_waiters.add(waiter)
         try:
-            return await asyncio.shield(future)
+            await asyncio.wait({future, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():
+                budget.cancel()
+                future.add_done_callback(_drop_result)
+                self._check_failure()
+            return future.result()
         except asyncio.CancelledError:
             budget.cancel()  # the worker stops at its next check; its result (an error) is dropped
             future.add_done_callback(_drop_result)
@@ -151,6 +162,8 @@ class AsyncEngine:
         except CompileCancelledError:
             self._check_failure()  # cancelled by a shutdown: say so
             raise
+        finally:
+            self._compile_waiters.discard(waiter)
 
     def _compile(self, constraint, budget, queued_at: float):
         waited = time.monotonic() - queued_at
@@ -186,6 +199,9 @@ class AsyncEngine:
         self._failure = error
         for budget in list(self._budgets):
             budget.cancel()
+        for waiter in list(self._compile_waiters):
+            if not waiter.done():
+                waiter.set_result(None)
         for stream in list(self._streams.values()):
             stream.put(error)
 
