@@ -27,8 +27,15 @@ process) then decodes 4-5 times slower on two cores. Every engine runs with its 
   cells, in fp32 (bf16 too where it is fast); its TTFT counts the wait for earlier batches.
 - llama-cpp-python (in process, the same prompt token ids) runs the single-client cell.
 
+With ``--formats``, Corral runs once per number format instead (fp32, bf16, W8A16, W4A16 from the GGUF's Q4_1
+blocks, each with its activation-dtype KV cache and with an int8 one, and ``auto``: what ``make serve`` picks), on
+the short-prompt cells at 1, 16 and 64 clients by default, beside llama-server at its best slot count. W8A16 and
+W4A16 take bf16 activations in their matmuls whatever the model dtype (torch's int8/int4 CPU kernels are many
+times slower in fp32); their model dtype is ``auto``'s.
+
     .venv/bin/python bench/engine.py                     # everything, about 30 minutes on 2 cores
     .venv/bin/python bench/engine.py --cells short-1,json-16 --no-hf
+    .venv/bin/python bench/engine.py --formats --no-hf --slots 1,16,64   # about 25 minutes
 """
 
 import argparse
@@ -54,6 +61,11 @@ from servers import (LLAMA_SERVER, Server, closed_loop, corral_server, cpu_summa
                      has_fast_bf16, llama_server, llama_server_version)
 
 LLAMA_CTX_PER_SLOT = 2048  # servers.llama_server's default
+# --formats: name -> corral serve's format flags
+FORMATS_ARGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+                "w8a16": {"dtype": "auto", "quantization": "w8a16"}, "w4a16": {"dtype": "auto", "quantization": "gguf"},
+                "auto": {"dtype": "auto", "quantization": "auto"}}
+FORMATS = ("fp32", "bf16", "w8a16", "w4a16")
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain engine garden music letter window city "
@@ -379,6 +391,25 @@ def summary(results: list[Result]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def format_summary(results: list[Result]) -> None:
+    """--formats: every Corral format against the best llama-server slot count, cell by cell."""
+    print("\n## Formats: output tok/s of each Corral format, and its ratio to the best llama-server slot count\n")
+    cells = list(dict.fromkeys(r.cell for r in results))
+    print("| format | " + " | ".join(cells) + " |")
+    print("|---|" + "---|" * len(cells))
+    best = {c: max((r for r in results if r.cell == c and r.engine.startswith("llama-server")),
+                   key=lambda r: r.tok_s, default=None) for c in cells}
+    for engine in dict.fromkeys(r.engine for r in results if r.engine.startswith("corral")):
+        line = []
+        for c in cells:
+            r = next((r for r in results if r.engine == engine and r.cell == c), None)
+            peer = best[c]
+            line.append("-" if r is None else f"{r.tok_s:.1f}" + (f" ({ratio(r.tok_s, peer.tok_s)})" if peer else ""))
+        print(f"| {engine} | " + " | ".join(line) + " |")
+    print("| llama-server (best -np) | " + " | ".join(
+        f"{best[c].tok_s:.1f} ({best[c].engine.split()[-1]})" if best[c] else "-" for c in cells) + " |")
+
+
 def ratio(ours: float, theirs: float, bold: bool = False) -> str:
     """``ours / theirs``; a peer that produced nothing (every request failed) has no ratio, and says so."""
     if theirs <= 0:
@@ -396,6 +427,9 @@ def main() -> None:
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write every timing as JSON")
+    parser.add_argument("--formats", nargs="?", const=",".join(FORMATS), default=None,
+                        help=f"Corral in each number format (default list: {','.join(FORMATS)}; each also with an "
+                             "int8 KV cache)")
     args = parser.parse_args()
     from corral.models import load_tokenizer
 
@@ -405,24 +439,36 @@ def main() -> None:
     print(f"# bench/engine.py, {time.strftime('%Y-%m-%d %H:%M')}\n\nCPU: {cpu_summary()}; fast bf16: {fast_bf16}; "
           f"Corral and HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}")
     cells = make_cells(args.seed)
-    if args.cells:
-        wanted = args.cells.split(",")
+    if args.cells or args.formats:
+        wanted = (args.cells or "short-1,short-16,short-64").split(",")
         cells = [c for c in cells if c.name in wanted]
     tokenizer = load_tokenizer()
     if not args.no_llama and not os.path.exists(LLAMA_SERVER):
         print(f"WARNING: {LLAMA_SERVER} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
     elif not args.no_llama:
         print(f"llama-server: {llama_server_version()}, {LLAMA_CTX_PER_SLOT}-token context per slot")
-    corrals = {dtype: corral_server(dtype).start() for dtype in dtypes}
-    for dtype, server in corrals.items():
-        warm_up(f"corral-{dtype}", server.url)
+    if args.formats:
+        from corral.engine.config import EngineConfig
+        from corral.engine.formats import resolve
+
+        auto = resolve(EngineConfig(dtype="auto", quantization="auto"), gguf_q4=True)
+        print(f"auto (make serve) picks here: {auto.tag} ({auto.reason})")
+        corrals = {}
+        for name in args.formats.split(","):
+            for kv in ("auto", "int8"):
+                label = f"corral-{name}" + ("-kvint8" if kv == "int8" else "")
+                corrals[label] = corral_server(**FORMATS_ARGS[name], kv_cache_dtype=kv, label=label).start()
+    else:
+        corrals = {f"corral-{dtype}": corral_server(dtype).start() for dtype in dtypes}
+    for label, server in corrals.items():
+        warm_up(label, server.url)
     hf_models = {} if args.no_hf else {dtype: load_hf(dtype) for dtype in dtypes}
     results: list[Result] = []
     print(header())
     try:
         for cell in cells:
-            for dtype, server in corrals.items():
-                results.append(run_server(f"corral-{dtype}", server.url, cell, server=server))
+            for label, server in corrals.items():
+                results.append(run_server(label, server.url, cell, server=server))
                 print(row(results[-1]), flush=True)
             if not args.no_llama and os.path.exists(LLAMA_SERVER):
                 for slots in (int(s) for s in args.slots.split(",")):
@@ -450,6 +496,8 @@ def main() -> None:
             json.dump([{"engine": r.engine, "cell": r.cell, "wall": r.wall, "note": r.note,
                         "timings": [vars(t) for t in r.timings]} for r in results], f)
     summary(results)
+    if args.formats:
+        format_summary(results)
     print(f"\nwhole run {(time.time() - started) / 60:.1f} min; load average at the end {os.getloadavg()[0]:.2f}")
     failures = [(r.engine, r.cell, t.error) for r in results for t in r.timings if t.error]
     if failures:

@@ -84,12 +84,15 @@ class Server:
         self.stop()
 
 
-def corral_server(dtype: str = "float32", threads: int = 2, max_model_len: int = 4096, extra: tuple = ()) -> Server:
+def corral_server(dtype: str = "float32", threads: int = 2, max_model_len: int = 4096, extra: tuple = (),
+                  quantization: str = "none", kv_cache_dtype: str = "auto", label: str | None = None) -> Server:
+    """``corral serve`` in the given formats (``auto`` for each: what ``make serve`` picks)."""
     port = free_port()
-    argv = [sys.executable, "-m", "corral.cli", "serve", "--port", str(port), "--dtype", dtype, "--threads",
-            str(threads), "--max-model-len", str(max_model_len), "--log-level", "warning", *extra]
+    argv = [sys.executable, "-m", "corral.cli", "serve", "--port", str(port), "--dtype", dtype, "--quantization",
+            quantization, "--kv-cache-dtype", kv_cache_dtype, "--threads", str(threads), "--max-model-len",
+            str(max_model_len), "--log-level", "warning", *extra]
     env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}  # as `make serve` runs it
-    return Server(f"corral-{dtype}", argv, port, env)
+    return Server(label or f"corral-{dtype}", argv, port, env)
 
 
 def llama_server(slots: int, threads: int = 2, ctx_per_slot: int = 2048, binary: str = LLAMA_SERVER,

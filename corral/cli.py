@@ -21,7 +21,8 @@ def _serve(args) -> int:
           file=sys.stderr)
 
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, **overrides))
+    engine = build_engine(EngineConfig(model=args.model, num_threads=args.threads, **_formats(args), **overrides))
+    print(f"corral: formats {engine.formats.tag} ({engine.formats.reason})", file=sys.stderr)
     options = ServeOptions(api_keys=tuple(args.api_key or ()), protect_all=args.protect_all,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            max_in_flight=args.max_in_flight, max_compiling=args.max_compiling,
@@ -35,6 +36,23 @@ def _serve(args) -> int:
     return 0
 
 
+def _formats(args) -> dict:
+    return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+            "quant_group_size": args.quant_group_size}
+
+
+def _add_format_args(command) -> None:
+    command.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                         help="activations and dense weights (auto: bfloat16 where the CPU has AMX or AVX-512 bf16)")
+    command.add_argument("--quantization", default="auto", choices=("auto", "none", "w8a16", "w4a16", "gguf"),
+                         help="linear weights: gguf runs a GGUF's Q4 blocks as shipped, w4a16/w8a16 quantize at "
+                              "load (auto: gguf for a Q4 GGUF, else none)")
+    command.add_argument("--quant-group-size", type=int, default=32, choices=(32, 64, 128),
+                         help="w4a16: weights per scale along K")
+    command.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
+                         help="auto: the activation dtype; int8 halves the KV bytes")
+
+
 def _generate(args) -> int:
     from corral.api.generate_json import generate_json
     from corral.errors import CorralError
@@ -46,9 +64,15 @@ def _generate(args) -> int:
         sampling["max_tokens"] = args.max_tokens
     if args.seed is not None:
         sampling["seed"] = args.seed
+    engine = None
+    if args.base_url is None:
+        from corral.api.launch import build_engine
+        from corral.engine import EngineConfig
+
+        engine = build_engine(EngineConfig(model=args.model, **_formats(args)))
     try:
         value = generate_json(schema, args.prompt, base_url=args.base_url, api_key=args.api_key, model=args.model,
-                              **sampling)
+                              engine=engine, **sampling)
     except CorralError as err:
         print(f"corral: {err}", file=sys.stderr)
         return 1
@@ -67,8 +91,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--protect-all", action="store_true",
                        help="with --api-key: /metrics and the API docs need a key too (default: only /v1)")
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                       help="weights and activations; bf16 is fast only with AMX or AVX-512 bf16")
+    _add_format_args(serve)
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="output budget of requests without max_tokens (default: the rest of the context)")
@@ -96,6 +119,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=None, help="default: the rest of the context window")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    _add_format_args(gen)
     return top
 
 

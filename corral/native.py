@@ -13,6 +13,7 @@ The module is never compiled at run time: ``pip install .`` (or ``-e .``) builds
 CPU's flags choose which one imports. :func:`status` is what ``/health`` and ``/metrics`` report.
 """
 
+import functools
 import importlib
 import logging
 import os
@@ -64,12 +65,17 @@ def build_for_this_cpu() -> str:
         return "_native"
     if os.environ.get("CORRAL_NATIVE_BUILD", "").strip().lower() == "baseline":
         return "_native_baseline"
+    return "_native" if _V3_FLAGS <= cpu_flags() else "_native_baseline"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo spells them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        flags = []
-    return "_native" if _V3_FLAGS <= set(flags) else "_native_baseline"
+        return frozenset()
 
 
 def _load() -> tuple:

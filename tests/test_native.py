@@ -171,10 +171,11 @@ def test_kernels_check_their_buffers():
     out = np.zeros((1, 8), np.float32)
     lens = np.array([5], np.int64)
     with pytest.raises(IndexError, match="block id"):
-        module.paged_decode(q, cache, cache, np.array([[0, 7]], np.int64), lens, out, 1.0, 1)
+        module.paged_decode(q, cache, cache, np.array([[0, 7]], np.int64), lens, out, 1.0, 1, None, None)
     with pytest.raises(IndexError, match="context length"):
-        module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), np.array([9], np.int64), out, 1.0, 1)
-    module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), lens, out, 1.0, 1)
+        module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), np.array([9], np.int64), out, 1.0, 1,
+                            None, None)
+    module.paged_decode(q, cache, cache, np.array([[0, 1]], np.int64), lens, out, 1.0, 1, None, None)
     with pytest.raises(IndexError, match="position"):
         module.rope(np.zeros((1, 1, 4), np.float32), np.array([3], np.int64), np.zeros((3, 4), np.float32),
                     np.zeros((3, 4), np.float32), 1)

@@ -73,7 +73,7 @@ def _embedded_engine(model: str | None):
             from corral.api.launch import build_compiler, build_engine, engine_max_model_len
             from corral.engine import EngineConfig
 
-            engine = build_engine(EngineConfig(model=model))
+            engine = build_engine(EngineConfig(model=model, dtype="auto", quantization="auto"))  # as corral serve
             _embedded[model] = (engine, build_compiler(engine), engine_max_model_len(engine), threading.Lock())
         return _embedded[model]
 

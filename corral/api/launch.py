@@ -70,8 +70,22 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
     config = ServerConfig(model_name=name, max_model_len=engine_max_model_len(engine), api_keys=options.api_keys,
                           protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
                           default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
-                          reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits)
+                          reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
+                          **formats_fields(getattr(engine, "formats", None)))
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
+
+
+def formats_fields(formats) -> dict:
+    """``system_fingerprint`` and the ``/v1/models`` formats of an engine's resolved formats (none for a toy)."""
+    if formats is None:
+        return {}
+    from corral import native
+
+    isa = "amx" if "amx_bf16" in native.cpu_flags() else "avx512" if "avx512f" in native.cpu_flags() else \
+        "avx2" if "avx2" in native.cpu_flags() else "base"
+    return {"system_fingerprint": f"corral-{formats.tag}-{isa}",
+            "formats": {"dtype": formats.dtype, "quantization": formats.quantization,
+                        "kv_cache_dtype": formats.kv_cache_dtype, "reason": formats.reason}}
 
 
 def warm_up(ctx: ServingContext) -> None:

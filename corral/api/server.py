@@ -191,7 +191,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models():
-        return ModelList(data=[ModelCard(id=ctx.config.model_name, max_model_len=ctx.config.max_model_len)])
+        return ModelList(data=[ModelCard(id=ctx.config.model_name, max_model_len=ctx.config.max_model_len,
+                                         formats=ctx.config.formats)])
 
     @app.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}})
     async def health():

@@ -60,7 +60,7 @@ def _completion(ctx, req, prepared, request_id, latest, last, warnings) -> ChatC
     num_generated = sum(len(o.token_ids) for o in latest.values())
     return ChatCompletion(id=request_id, model=req.model, choices=choices,
                           usage=usage(len(prepared.prompt_token_ids), num_generated, last.num_cached_tokens),
-                          warnings=warnings)
+                          system_fingerprint=ctx.config.system_fingerprint, warnings=warnings)
 
 
 class _ChoiceState:
@@ -93,7 +93,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                   outputs: AsyncIterator, warnings: list[str] | None) -> AsyncIterator[str]:
     def chunk(choices, usage_=None, warnings_=None):
         return _sse(ChatCompletionChunk(id=request_id, model=req.model, choices=choices, usage=usage_,
-                                        warnings=warnings_))
+                                        system_fingerprint=ctx.config.system_fingerprint, warnings=warnings_))
 
     async with contextlib.aclosing(outputs):  # closed at once when the client goes: the engine request aborts
         states = [_ChoiceState(prepared.tool_mode != "none") for _ in range(req.n)]

@@ -56,7 +56,8 @@ def _completion(ctx: ServingContext, req: CompletionRequest, batch, runs, warnin
         num_generated += sum(len(o.token_ids) for o in latest.values())
         num_cached += last.num_cached_tokens
     return Completion(id=runs[0][0], model=req.model, choices=choices,
-                      usage=usage(num_prompt, num_generated, num_cached), warnings=warnings)
+                      usage=usage(num_prompt, num_generated, num_cached),
+                      system_fingerprint=ctx.config.system_fingerprint, warnings=warnings)
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, prepared,
@@ -65,7 +66,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
 
     def chunk(choices, usage_=None) -> str:
         nonlocal unsent  # the compiler's warnings ride on the first chunk
-        body = Completion(id=request_id, model=req.model, choices=choices, usage=usage_, warnings=unsent)
+        body = Completion(id=request_id, model=req.model, choices=choices, usage=usage_,
+                          system_fingerprint=ctx.config.system_fingerprint, warnings=unsent)
         unsent = None
         return f"data: {body.model_dump_json(exclude={'warnings'} if body.warnings is None else None)}\n\n"
 

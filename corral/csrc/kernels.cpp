@@ -87,6 +87,12 @@ struct Array {
         PyErr_Format(PyExc_TypeError, "%s: float32 or bfloat16 (as 16-bit items) expected", name);
         throw PyFailure();
     }
+    // a KV cache's element: 4 float32, 2 bfloat16, 1 int8
+    int cache_kind() const {
+        const char* format = buffer.view.format;
+        if (itemsize() == 1 && format != nullptr && format[0] == 'b') return 1;
+        return float_kind();
+    }
 };
 
 int threads_arg(PyObject* value) {
@@ -201,11 +207,12 @@ PyObject* kernel_silu_mul(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     )
 }
 
-// paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads): q [S, H, D]; caches
-// [blocks, block_size, KVH, D]; block_tables int64 [S, width], every entry a sequence reads below blocks;
-// context_lens int64 [S], each in 1 .. width * block_size; out [S, H * D].
+// paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads, k_scale, v_scale): q [S, H, D]
+// float32 or bfloat16; caches [blocks, block_size, KVH, D] of q's dtype, bfloat16 under float32 queries, or int8
+// with float32 scales [blocks, block_size, KVH] (None otherwise); block_tables int64 [S, width], every entry a
+// sequence reads below blocks; context_lens int64 [S], each in 1 .. width * block_size; out [S, H * D] like q.
 PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 8, "paged_decode")) return nullptr;
+    if (!check_args(nargs, 10, "paged_decode")) return nullptr;
     GUARDED(
         const Array q(args[0], "q", false);
         q.expect_ndim(3);
@@ -213,13 +220,26 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
         const Py_ssize_t seqs = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
         const Array k(args[1], "k_cache", false), v(args[2], "v_cache", false);
         k.expect_ndim(4);
-        k.expect_like(q);
+        const int kv_kind = k.cache_kind();
+        if (!(kv_kind == kind || kv_kind == 1 || (kind == 4 && kv_kind == 2)))
+            fail(PyExc_TypeError, "k_cache: q's dtype, bfloat16 under float32 queries, or int8 expected");
         const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
         if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
         if (kv_heads < 1 || heads % kv_heads)
             fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
         v.expect_shape({blocks, block_size, kv_heads, head_dim});
-        v.expect_like(q);
+        v.expect_like(k);
+        if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+        const bool has_scales = args[8] != Py_None || args[9] != Py_None;
+        if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+        const Array k_scale(has_scales ? args[8] : args[0], "k_scale", false);
+        const Array v_scale(has_scales ? args[9] : args[0], "v_scale", false);
+        if (has_scales) {
+            for (const Array* scales : {&k_scale, &v_scale}) {
+                scales->expect_shape({blocks, block_size, kv_heads});
+                if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
+            }
+        }
         const Array tables(args[3], "block_tables", false);
         tables.expect_ndim(2);
         tables.expect_int64();
@@ -243,16 +263,30 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
                 if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");
             }
         }
+        const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
+        const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
         {
             NoGil nogil;
-            if (kind == 4)
-                chosen->paged_decode_f32(q.data<const float>(), k.data<const float>(), v.data<const float>(), table,
-                                         width, len, out.data<float>(), seqs, heads, kv_heads, head_dim, block_size,
-                                         scale, threads);
-            else
+            if (kind == 4 && kv_kind == 4)
+                chosen->paged_decode_f32(q.data<const float>(), k.data<const float>(), v.data<const float>(), ks, vs,
+                                         table, width, len, out.data<float>(), seqs, heads, kv_heads, head_dim,
+                                         block_size, scale, threads);
+            else if (kind == 4 && kv_kind == 2)
+                chosen->paged_decode_f32_bf16(q.data<const float>(), k.data<const uint16_t>(),
+                                              v.data<const uint16_t>(), ks, vs, table, width, len, out.data<float>(),
+                                              seqs, heads, kv_heads, head_dim, block_size, scale, threads);
+            else if (kind == 4)
+                chosen->paged_decode_f32_i8(q.data<const float>(), k.data<const int8_t>(), v.data<const int8_t>(),
+                                            ks, vs, table, width, len, out.data<float>(), seqs, heads, kv_heads,
+                                            head_dim, block_size, scale, threads);
+            else if (kv_kind == 2)
                 chosen->paged_decode_bf16(q.data<const uint16_t>(), k.data<const uint16_t>(),
-                                          v.data<const uint16_t>(), table, width, len, out.data<uint16_t>(), seqs,
-                                          heads, kv_heads, head_dim, block_size, scale, threads);
+                                          v.data<const uint16_t>(), ks, vs, table, width, len, out.data<uint16_t>(),
+                                          seqs, heads, kv_heads, head_dim, block_size, scale, threads);
+            else
+                chosen->paged_decode_bf16_i8(q.data<const uint16_t>(), k.data<const int8_t>(), v.data<const int8_t>(),
+                                             ks, vs, table, width, len, out.data<uint16_t>(), seqs, heads, kv_heads,
+                                             head_dim, block_size, scale, threads);
         }
         Py_RETURN_NONE;
     )

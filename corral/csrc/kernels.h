@@ -21,12 +21,13 @@ using Rope = void (*)(T* x, int64_t stride, const int64_t* positions, const T* c
                       int64_t heads, int64_t dim, int threads);
 template <typename T>
 using SiluMul = void (*)(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
-template <typename T>
-using PagedDecode = void (*)(const T* q, const T* k, const T* v, const int64_t* tables, int64_t table_stride,
-                             const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale, int num_threads);
+template <typename T, typename KV>
+using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
+                             const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out,
+                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, float scale, int num_threads);
 
-// uint16_t is bfloat16 throughout.
+// uint16_t is bfloat16 throughout. paged_decode_<queries>_<cache>: an int8 cache has per-(token, head) scales.
 struct KernelTable {
     const char* isa;
     AddRmsNorm<float> add_rms_norm_f32;
@@ -35,8 +36,11 @@ struct KernelTable {
     Rope<uint16_t> rope_bf16;
     SiluMul<float> silu_mul_f32;
     SiluMul<uint16_t> silu_mul_bf16;
-    PagedDecode<float> paged_decode_f32;
-    PagedDecode<uint16_t> paged_decode_bf16;
+    PagedDecode<float, float> paged_decode_f32;
+    PagedDecode<uint16_t, uint16_t> paged_decode_bf16;
+    PagedDecode<float, uint16_t> paged_decode_f32_bf16;
+    PagedDecode<float, int8_t> paged_decode_f32_i8;
+    PagedDecode<uint16_t, int8_t> paged_decode_bf16_i8;
 };
 
 template <Isa isa>

@@ -20,6 +20,7 @@ namespace CORRAL_VARIANT {
 // bfloat16 is the high half of a float32, rounded to nearest even as torch rounds.
 CORRAL_INLINE float load(float x) { return x; }
 CORRAL_INLINE float load(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+CORRAL_INLINE float load(int8_t x) { return float(x); }  // an int8 KV code; its row's scale applies after
 CORRAL_INLINE void store(float x, float* dst) { *dst = x; }
 CORRAL_INLINE void store(float x, uint16_t* dst) {
     uint32_t u; std::memcpy(&u, &x, 4);
@@ -134,32 +135,38 @@ static inline void prefetch_row(const T* row, int64_t D) {
         __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
 }
 
-// Widens row t = 0 .. n-1 of one KV head (at `offset` within each token's slot) into `row`, then calls visit(t):
-// one table lookup per block, none per key, and the next block's row asked for while this one is read.
-template <typename T, int DIM, typename Visit>
-static inline void for_each_row(const T* cache, const int64_t* table, int64_t n, int64_t block_size, int64_t slot,
-                                int64_t offset, int64_t head_dim, float* __restrict row, Visit visit) {
+// Widens row t = 0 .. n-1 of one KV head (at `offset` within each token's slot) into `row`, then calls
+// visit(t, scale), scale being the row's int8 scale (scales[slot index * scale_stride]) or 1 without scales: one
+// table lookup per block, none per key, and the next block's row asked for while this one is read.
+template <typename KV, int DIM, typename Visit>
+static inline void for_each_row(const KV* cache, const float* scales, int64_t scale_stride, const int64_t* table,
+                                int64_t n, int64_t block_size, int64_t slot, int64_t offset, int64_t head_dim,
+                                float* __restrict row, Visit visit) {
     const int64_t D = DIM > 0 ? DIM : head_dim;
     const int64_t num_blocks = (n + block_size - 1) / block_size;
     for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* block = cache + table[b] * block_size * slot + offset;
+        const KV* block = cache + table[b] * block_size * slot + offset;
         const int64_t first = b * block_size, count = std::min(block_size, n - first);
-        const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_size * slot + offset : nullptr;
+        const KV* next = b + 1 < num_blocks ? cache + table[b + 1] * block_size * slot + offset : nullptr;
+        const float* block_scales = scales ? scales + table[b] * block_size * scale_stride : nullptr;
         for (int64_t j = 0; j < count; ++j) {
             if (next) prefetch_row(next + j * slot, D);
-            const T* src = block + j * slot;
+            const KV* src = block + j * slot;
             #pragma omp simd
             for (int64_t d = 0; d < D; ++d) row[d] = load(src[d]);
-            visit(first + j);
+            visit(first + j, block_scales ? block_scales[j * scale_stride] : 1.0f);
         }
     }
 }
 
 // DIM > 0 fixes the head size at compile time (so the inner loops vectorize fully); 0 reads it at run time.
-template <typename T, int DIM>
-static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
-                   const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+// KV is the cache's element: T itself, bfloat16 under float32 queries, or int8 codes with k_scale/v_scale
+// [blocks, block_size, kv_heads] (nullptr otherwise).
+template <typename T, typename KV, int DIM>
+static void decode(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale, const float* v_scale,
+                   const int64_t* tables, int64_t table_stride, const int64_t* context_lens, T* out,
+                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                   float scale, int num_threads) {
     const int64_t D = DIM > 0 ? DIM : head_dim;
     const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * D;
     #pragma omp parallel num_threads(num_threads)
@@ -180,13 +187,16 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
                 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) qv[i * D + d] = load(src[d]) * scale;
             }
+            const float* ks = k_scale ? k_scale + g : nullptr;
+            const float* vs = v_scale ? v_scale + g : nullptr;
             // scores: one pass over the keys
-            for_each_row<T, DIM>(k_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+            for_each_row<KV, DIM>(k_cache, ks, num_kv_heads, table, n, block_size, slot, g * D, head_dim, rv,
+                                  [&](int64_t t, float row_scale) {
                 for (int64_t i = 0; i < group; ++i) {
                     float sum = 0.0f;
                     #pragma omp simd reduction(+ : sum)
                     for (int64_t d = 0; d < D; ++d) sum += qv[i * D + d] * rv[d];
-                    sv[i * n + t] = sum;
+                    sv[i * n + t] = sum * row_scale;
                 }
             });
             for (int64_t i = 0; i < group; ++i) {
@@ -202,9 +212,10 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
                 for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
             }
             std::fill(av, av + group * D, 0.0f);
-            for_each_row<T, DIM>(v_cache, table, n, block_size, slot, g * D, head_dim, rv, [&](int64_t t) {
+            for_each_row<KV, DIM>(v_cache, vs, num_kv_heads, table, n, block_size, slot, g * D, head_dim, rv,
+                                  [&](int64_t t, float row_scale) {
                 for (int64_t i = 0; i < group; ++i) {
-                    const float p = sv[i * n + t];
+                    const float p = sv[i * n + t] * row_scale;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) av[i * D + d] += p * rv[d];
                 }
@@ -217,13 +228,14 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
     }
 }
 
-template <typename T>
-static void paged_decode(const T* q, const T* k, const T* v, const int64_t* tables, int64_t table_stride,
-                         const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
-    auto f = head_dim == 64 ? decode<T, 64> : head_dim == 128 ? decode<T, 128> : decode<T, 0>;
-    f(q, k, v, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-      num_threads);
+template <typename T, typename KV>
+static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
+                         const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         int num_threads) {
+    auto f = head_dim == 64 ? decode<T, KV, 64> : head_dim == 128 ? decode<T, KV, 128> : decode<T, KV, 0>;
+    f(q, k, v, k_scale, v_scale, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
+      block_size, scale, num_threads);
 }
 
 }  // namespace CORRAL_VARIANT
@@ -237,7 +249,9 @@ const KernelTable* variant<Isa::CORRAL_VARIANT>() {
         CORRAL_VARIANT::add_rms_norm<float>, CORRAL_VARIANT::add_rms_norm<uint16_t>,
         CORRAL_VARIANT::rope<float>, CORRAL_VARIANT::rope<uint16_t>,
         CORRAL_VARIANT::silu_mul<float>, CORRAL_VARIANT::silu_mul<uint16_t>,
-        CORRAL_VARIANT::paged_decode<float>, CORRAL_VARIANT::paged_decode<uint16_t>,
+        CORRAL_VARIANT::paged_decode<float, float>, CORRAL_VARIANT::paged_decode<uint16_t, uint16_t>,
+        CORRAL_VARIANT::paged_decode<float, uint16_t>, CORRAL_VARIANT::paged_decode<float, int8_t>,
+        CORRAL_VARIANT::paged_decode<uint16_t, int8_t>,
     };
     return &table;
 }

@@ -14,6 +14,11 @@ cached runs alone over its own fresh K/V (no gather) with the causal flash path;
 padded groups, one gather and one SDPA call per group and layer. On a GPU the same
 contract is served by the Triton kernel in :mod:`corral.kernels.paged_attention`, whose torch twin checks this
 code as well.
+
+An int8 cache (:class:`KVCache` with scales) stores each token's K and V per KV head as int8 codes times one
+float32 scale (``max|x| / 127``, so ``|error| <= max|x| / 254`` per element): 64 + 4 bytes per head of 64 where
+bfloat16 takes 128. Every reader dequantizes what it reads (the kernel while it reads a row); a prefill over its
+own fresh tokens attends to their unquantized K/V, as it has them at hand.
 """
 
 from typing import NamedTuple
@@ -22,6 +27,41 @@ import torch
 import torch.nn.functional as F
 
 from corral.kernels.paged_attention_cpu import paged_decode
+
+
+class KVCache(NamedTuple):
+    """One layer's cache: ``k``/``v`` [num_blocks, block_size, kv_heads, head_dim] (float32, bfloat16 or int8)
+    and, for int8, the scales ``k_scale``/``v_scale`` [num_blocks, block_size, kv_heads] float32."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> "KVCache":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if dtype != torch.int8:
+            return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+                   torch.zeros(shape[:3], dtype=torch.float32), torch.zeros(shape[:3], dtype=torch.float32))
+
+    @property
+    def is_int8(self) -> bool:
+        return self.k_scale is not None
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for tensor in self:
+            if tensor is not None:
+                tensor[dst] = tensor[src]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, heads, D] as int8 codes and a float32 scale per (token, head): ``x ~ codes * scale``."""
+    x32 = x.float()
+    scale = x32.abs().amax(-1) / 127
+    codes = torch.round(x32 / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
 
 
 class PrefillSpan(NamedTuple):
@@ -88,26 +128,30 @@ def group_prefills(spans, block_size: int) -> tuple[tuple[PrefillSpan, ...], tup
     return fresh, tuple(groups)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V [T, kv_heads, head_dim] at their slots."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V [T, kv_heads, head_dim] at their slots (quantized, for an int8 cache)."""
+    if cache.is_int8:
+        for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+            q, scale = quantize_rows(x)
+            codes.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, q)
+            scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, scale)
+        return
+    cache.k.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(cache.k.dtype))
+    cache.v.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(cache.v.dtype))
 
 
-def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                            meta: AttentionMetadata) -> torch.Tensor:
     """Attention output [T, heads * head_dim] for queries ``q`` [T, heads, head_dim] (K/V already written)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.decodes:
-        out[group.start: group.end] = _decode(q[group.start: group.end], k_cache, v_cache, group)
+        out[group.start: group.end] = _decode(q[group.start: group.end], cache, group)
     for span in meta.prefills:
         out[span.start: span.end] = _prefill(q[span.start: span.end], k[span.start: span.end],
-                                             v[span.start: span.end], k_cache, v_cache, span)
+                                             v[span.start: span.end], cache, span)
     for group in meta.prefill_groups:
-        out[group.rows[group.valid]] = _prefill_group(q, k_cache, v_cache, group)[group.valid]
+        out[group.rows[group.valid]] = _prefill_group(q, cache, group)[group.valid]
     return out
 
 
@@ -117,39 +161,50 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -
     return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode(q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+def read_blocks(cache: KVCache, block_ids: torch.Tensor, num_seqs: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [num_seqs, kv_heads, keys, head_dim] in ``dtype`` from whole blocks, dequantized when int8."""
+    keys, values = gather_blocks(cache.k, block_ids, num_seqs), gather_blocks(cache.v, block_ids, num_seqs)
+    if not cache.is_int8:
+        return keys.to(dtype), values.to(dtype)
+    num_kv_heads = cache.k.shape[2]
+
+    def scales(s):
+        return s.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads).transpose(1, 2)[..., None]
+    return (keys * scales(cache.k_scale)).to(dtype), (values * scales(cache.v_scale)).to(dtype)
+
+
+def _decode(q, cache: KVCache, group: DecodeGroup) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     if group.mask is None:  # the compiled kernel reads the blocks in place
-        return paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, head_dim ** -0.5)
-    num_kv_heads = k_cache.shape[2]
-    block_ids = group.block_tables.flatten()
-    keys = gather_blocks(k_cache, block_ids, batch)  # [B, kv_heads, L, D]
-    values = gather_blocks(v_cache, block_ids, batch)
+        return paged_decode(q, cache.k, cache.v, group.block_tables, group.context_lens, head_dim ** -0.5,
+                            cache.k_scale, cache.v_scale)
+    num_kv_heads = cache.k.shape[2]
+    keys, values = read_blocks(cache, group.block_tables.flatten(), batch, q.dtype)  # [B, kv_heads, L, D]
     # the query heads sharing a KV head act as that head's query rows
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
     return out.reshape(batch, num_heads * head_dim)
 
 
-def _prefill_group(q, k_cache, v_cache, group: PrefillGroup) -> torch.Tensor:
+def _prefill_group(q, cache: KVCache, group: PrefillGroup) -> torch.Tensor:
     """[B * N, heads * head_dim]: every query slot of the group, padding included."""
     batch, _, num_queries, _ = group.mask.shape
     _, num_heads, head_dim = q.shape
     queries = q.index_select(0, group.rows).view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
-    keys = gather_blocks(k_cache, group.block_ids, batch).to(q.dtype)  # [B, kv_heads, W * block_size, D]
-    values = gather_blocks(v_cache, group.block_ids, batch).to(q.dtype)
+    keys, values = read_blocks(cache, group.block_ids, batch, q.dtype)  # [B, kv_heads, W * block_size, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * num_queries, num_heads * head_dim)
 
 
-def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
+def _prefill(q, k, v, cache: KVCache, span: PrefillSpan) -> torch.Tensor:
     num_new, num_heads, head_dim = q.shape
     if span.context_blocks is None:
         keys, values, mask = k, v, None
     else:
         num_context = span.num_context
-        keys = k_cache.index_select(0, span.context_blocks).flatten(0, 1)[:num_context].to(q.dtype)
-        values = v_cache.index_select(0, span.context_blocks).flatten(0, 1)[:num_context].to(q.dtype)
+        keys, values = read_blocks(cache, span.context_blocks, 1, q.dtype)  # [1, kv_heads, keys, D]
+        keys, values = keys[0, :, :num_context].transpose(0, 1), values[0, :, :num_context].transpose(0, 1)
         # query i sits at position num_context - num_new + i and sees every key up to and including it
         rows = torch.arange(num_context - num_new, num_context).unsqueeze(1)
         mask = torch.arange(num_context).unsqueeze(0) <= rows

@@ -1,4 +1,8 @@
-"""EngineConfig: the engine's frozen knobs, checked on construction. Derived sizes are computed, never stored."""
+"""EngineConfig: the engine's frozen knobs, checked on construction. Derived sizes are computed, never stored.
+
+The number formats (``dtype``, ``quantization``, ``kv_cache_dtype``) may be ``"auto"``; :mod:`corral.engine.formats`
+resolves them from the CPU's flags when the engine starts.
+"""
 
 from dataclasses import dataclass
 
@@ -7,6 +11,8 @@ import torch
 from corral.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
+QUANTIZATIONS = ("auto", "none", "w8a16", "w4a16", "gguf")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "int8")
 
 
 @dataclass(frozen=True)
@@ -17,6 +23,9 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "float32"
+    quantization: str = "none"
+    quant_group_size: int = 32
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
@@ -27,8 +36,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}", param="dtype")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}",
+                                      param="dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+                                      param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
+        if self.quant_group_size not in (32, 64, 128):
+            raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", param=name)
@@ -40,4 +58,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activation dtype; only once ``dtype`` is resolved (not ``auto``)."""
         return _DTYPES[self.dtype]
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The cache dtype of a resolved ``kv_cache_dtype``."""
+    return torch.int8 if name == "int8" else _DTYPES[name]

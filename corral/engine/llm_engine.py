@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from corral.engine import formats
 from corral.engine.beam_search import BeamGroup, Extension
 from corral.engine.block_manager import BlockManager
 from corral.engine.config import EngineConfig
@@ -33,6 +34,7 @@ from corral.engine.sampler import Sampler, SampleResult, SamplingRow, make_gener
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
 from corral.engine.sequence import Sequence, SequenceStatus
+from corral.engine.weights import gguf_has_q4
 from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.fsm.guide import Guide
 from corral.fsm.vocabulary import Vocabulary
@@ -65,14 +67,19 @@ class LLMEngine:
         """Load ``config.model``. Or, given a ``runner`` (``num_blocks``, ``execute``, ``copy_blocks``), its
         ``model_config`` (``vocab_size``, ``max_position``) and ``vocabulary``, run over those: how the tests
         drive the engine over a toy model."""
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.formats = None  # a toy runner's
         if runner is None:
             files = resolve_model(config.model)
+            self.formats = formats.resolve(config, gguf_has_q4(files))
+            config = formats.resolved_config(config, self.formats)
+            log.info("formats: %s (%s)", self.formats.tag, self.formats.reason)
             model_config, tokenizer = load_model_config(files), load_tokenizer(files)
             vocabulary = Vocabulary.from_tokenizer(tokenizer)
             runner = ModelRunner(config, model_config, files)
+        self.config = config
         self.model_config, self.tokenizer, self.vocabulary, self.runner = model_config, tokenizer, vocabulary, runner
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -5,7 +5,9 @@ The forward pass takes one flat batch of tokens (every scheduled sequence's new 
 :class:`~corral.engine.attention.AttentionMetadata` that says where each token's K/V goes and what each query
 may see. No HF modeling code runs here; HF transformers is only the test oracle. Q/K and gate/up projections
 are fused into one matmul each at load time, because on a 2-core CPU the number of ops per layer matters as
-much as their size. What this leaves out: sliding-window attention, MoE, biases other than Q/K/V.
+much as their size. The linears and the embedding are :mod:`corral.engine.quant` layers: dense, W8A16 or W4A16;
+quantized layers take bfloat16 activations (torch's int8/int4 CPU kernels are many times slower in float32), so
+a float32 model casts around them. What this leaves out: sliding-window attention, MoE, biases other than Q/K/V.
 """
 
 import math
@@ -13,7 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from corral.engine.attention import AttentionMetadata, paged_attention_forward, write_kv
+from corral.engine.attention import AttentionMetadata, KVCache, paged_attention_forward, write_kv
+from corral.engine.quant import Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_q4, quantize_int4
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
 from corral.models import ModelConfig
@@ -63,44 +66,99 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class LlamaModel:
-    """Weights plus ``forward``. Plain tensors rather than ``nn.Module``: nothing here trains."""
+class _Cast:
+    """A quantized linear run in bfloat16 inside a model of another dtype."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.config, self.dtype = config, dtype
+    def __init__(self, inner, dtype: torch.dtype):
+        self.inner, self.dtype, self.kind, self.nbytes = inner, dtype, inner.kind, inner.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(torch.bfloat16)).to(self.dtype)
+
+
+class _Embedding:
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.nbytes = weight, weight.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LlamaModel:
+    """Weights plus ``forward``. Plain tensors rather than ``nn.Module``: nothing here trains.
+
+    ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K)
+    or ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense)."""
+
+    def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",
+                 group_size: int = 32):
+        self.config, self.dtype, self.quantization, self.group_size = config, dtype, quantization, group_size
         get = lambda name: weights[name].to(dtype).contiguous()  # noqa: E731
-        self.embed = get("model.embed_tokens.weight")
+        if quantization == "none":
+            self.embed = _Embedding(self._dense(weights["model.embed_tokens.weight"]).to(dtype).contiguous())
+            head = self.embed.weight if config.tie_word_embeddings else get("lm_head.weight")
+            self.lm_head = Dense(head, None, dtype)
+        else:  # int8 rows: the embedding's lookups and the LM head's logits through one copy when tied
+            embed = Int8Embedding(self._dense(weights["model.embed_tokens.weight"]), torch.bfloat16)
+            self.embed = embed if dtype == torch.bfloat16 else _Cast(embed, dtype)
+            head = embed.head if config.tie_word_embeddings else \
+                Int8Rows.from_dense(self._dense(weights["lm_head.weight"]), None, torch.bfloat16)
+            self.lm_head = head if dtype == torch.bfloat16 else _Cast(head, dtype)
         self.final_norm = get("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight")
         self.layers = [self._layer(weights, i, get) for i in range(config.num_layers)]
         freqs = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inv_freq(config))
         angles = torch.cat((freqs, freqs), dim=-1)
         # computed in float32 as HF does, then cast once: [max_position, head_dim] in the run dtype
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        self.fused = cpu_ops.available(dtype) and self.embed.device.type == "cpu"
+        self.fused = cpu_ops.available(dtype) and self.final_norm.device.type == "cpu"
 
-    def _layer(self, weights, i, get) -> dict[str, torch.Tensor | None]:
+    @staticmethod
+    def _dense(value) -> torch.Tensor:
+        return value.dequantize() if isinstance(value, Q4Blocks) else value.float()
+
+    def _linear(self, parts: list, bias: torch.Tensor | None):
+        """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
+        q4 = [p for p in parts if isinstance(p, Q4Blocks)]
+        if self.quantization == "gguf" and len(q4) == len(parts):
+            layer = Int4Groups(concat_q4(parts), bias, torch.bfloat16)
+        elif self.quantization in ("none", "gguf"):
+            return Dense(torch.cat([self._dense(p) for p in parts]), bias, self.dtype)
+        elif self.quantization == "w8a16":
+            layer = Int8Rows.from_dense(torch.cat([self._dense(p) for p in parts]), bias, torch.bfloat16)
+        else:
+            layer = Int4Groups(quantize_int4(torch.cat([self._dense(p) for p in parts]), self.group_size), bias,
+                               torch.bfloat16)
+        return layer if self.dtype == torch.bfloat16 else _Cast(layer, self.dtype)
+
+    def _layer(self, weights, i, get) -> dict:
         p = f"model.layers.{i}."
-        qkv = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         has_bias = p + "self_attn.q_proj.bias" in weights
-        qkv_bias = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if has_bias else None
-        return {"attn_norm": get(p + "input_layernorm.weight"), "qkv": qkv, "qkv_bias": qkv_bias,
-                "o": get(p + "self_attn.o_proj.weight"), "mlp_norm": get(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                "down": get(p + "mlp.down_proj.weight")}
+        qkv_bias = torch.cat([weights[p + f"self_attn.{x}_proj.bias"].float() for x in "qkv"]) if has_bias else None
+        return {"attn_norm": get(p + "input_layernorm.weight"),
+                "qkv": self._linear([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], qkv_bias),
+                "o": self._linear([weights[p + "self_attn.o_proj.weight"]], None),
+                "mlp_norm": get(p + "post_attention_layernorm.weight"),
+                "gate_up": self._linear([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]],
+                                        None),
+                "down": self._linear([weights[p + "mlp.down_proj.weight"]], None)}
+
+    def weight_bytes(self) -> int:
+        linears = sum(layer[name].nbytes for layer in self.layers for name in ("qkv", "o", "gate_up", "down"))
+        head = 0 if self.config.tie_word_embeddings else self.lm_head.nbytes
+        return linears + self.embed.nbytes + head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the flat batch ``input_ids`` [T]."""
         cfg = self.config
         num_tokens, q_size, kv_size = len(input_ids), cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed(input_ids)
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         if not self.fused:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches):
             h, normed = self._add_norm(h, delta, layer["attn_norm"])
-            qkv = F.linear(normed, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](normed)
             # Q and K heads side by side take RoPE in one pass (the same elementwise ops as two)
             qk = qkv[:, : q_size + kv_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if self.fused:
@@ -109,11 +167,11 @@ class LlamaModel:
                 qk = apply_rope(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = paged_attention_forward(q, k, v, k_cache, v_cache, meta)
-            h, normed = self._add_norm(h, F.linear(attn, layer["o"]), layer["mlp_norm"])
-            gate_up = F.linear(normed, layer["gate_up"])
-            delta = F.linear(cpu_ops.silu_mul(gate_up) if self.fused else silu_mul(gate_up), layer["down"])
+            write_kv(k, v, cache, meta.slot_mapping)
+            attn = paged_attention_forward(q, k, v, cache, meta)
+            h, normed = self._add_norm(h, layer["o"](attn), layer["mlp_norm"])
+            gate_up = layer["gate_up"](normed)
+            delta = layer["down"](cpu_ops.silu_mul(gate_up) if self.fused else silu_mul(gate_up))
         return self._add_norm(h, delta, self.final_norm)[1]
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
@@ -127,4 +185,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the given final hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

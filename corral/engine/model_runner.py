@@ -10,8 +10,8 @@ import logging
 
 import torch
 
-from corral.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_prefills
-from corral.engine.config import EngineConfig
+from corral.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills
+from corral.engine.config import EngineConfig, kv_torch_dtype
 from corral.engine.model import LlamaModel
 from corral.engine.scheduler import ScheduledBatch
 from corral.engine.sequence import Sequence
@@ -27,25 +27,33 @@ DECODE_GROUP_SIZE = 16  # torch path: decodes per attention call; each group is 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles):
+        """``config`` with its formats resolved (see :mod:`corral.engine.formats`)."""
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
-        self.model = LlamaModel(model_config, load_weights(files, model_config, dtype), dtype)
+        weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
+                               keep_q4=config.quantization == "gguf")
+        self.model = LlamaModel(model_config, weights, dtype, config.quantization, config.quant_group_size)
+        del weights
         self.block_size = config.block_size
         self.use_decode_kernel = paged_attention_cpu.load() is not None
-        bytes_per_token = model_config.kv_bytes_per_token(dtype.itemsize)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else kv_torch_dtype(config.kv_cache_dtype)
+        bytes_per_token = model_config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes=4 if kv_dtype == torch.int8
+                                                          else 0)
         self.num_blocks = config.num_kv_blocks or max(
             1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // (bytes_per_token * config.block_size))
-        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(model_config.num_layers)]
-        self._log_kv_bill(bytes_per_token)
+        self.kv_caches = [KVCache.allocate(self.num_blocks, config.block_size, model_config.num_kv_heads,
+                                           model_config.head_dim, kv_dtype) for _ in range(model_config.num_layers)]
+        self._log_kv_bill(bytes_per_token, kv_dtype)
+        log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
 
-    def _log_kv_bill(self, bytes_per_token: int) -> None:
+    def _log_kv_bill(self, bytes_per_token: int, kv_dtype: torch.dtype) -> None:
         cfg, num_tokens = self.model_config, self.num_blocks * self.block_size
         context = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
-        log.info("KV cache: 2 x %d layers x %d KV heads x %d head dim x %d B = %d B per token; %d blocks of %d "
-                 "tokens = %d tokens (%.1f MiB); %d sequences of %d tokens fit", cfg.num_layers, cfg.num_kv_heads,
-                 cfg.head_dim, self.config.torch_dtype.itemsize, bytes_per_token, self.num_blocks, self.block_size,
+        per_head = f"{cfg.head_dim} head dim x {kv_dtype.itemsize} B" + (" + a 4 B scale" if kv_dtype == torch.int8
+                                                                          else "")
+        log.info("KV cache (%s): 2 x %d layers x %d KV heads x (%s) = %d B per token; %d blocks of %d tokens = %d "
+                 "tokens (%.1f MiB); %d sequences of %d tokens fit", str(kv_dtype).removeprefix("torch."),
+                 cfg.num_layers, cfg.num_kv_heads, per_head, bytes_per_token, self.num_blocks, self.block_size,
                  num_tokens, num_tokens * bytes_per_token / 2**20, num_tokens // context, context)
 
     @torch.inference_mode()
@@ -55,9 +63,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies])
         dst = torch.tensor([d for _, d in copies])
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for cache in self.kv_caches:
+            cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

@@ -13,7 +13,9 @@ The operation, as reference pseudo-code (one sequence ``s``; its new tokens are 
 
 This covers decode (``q_len = 1``), prefill, and prefill over a cached prefix (``q_len < seq_len``) in one
 kernel. Shapes: ``q``/``out`` ``[T, heads, D]``; caches ``[num_blocks, block_size, kv_heads, D]``;
-``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` and ``query_start_loc`` (``[S + 1]``) int32.
+``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` and ``query_start_loc`` (``[S + 1]``) int32. An int8
+cache comes with ``k_scale``/``v_scale`` float32 ``[num_blocks, block_size, kv_heads]``: a key is
+``k_cache[b, o, g] * k_scale[b, o, g]`` (a value likewise), dequantized as it is loaded.
 
 :func:`paged_attention_torch` is the twin: the pure-torch statement of the pseudo-code above, used as the test
 oracle. Triton runs on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``, for tests only: the
@@ -30,14 +32,17 @@ except ImportError:  # pragma: no cover - triton is an optional dependency on CP
     triton = None
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     """Dispatch: the Triton kernel for CUDA tensors, the torch twin otherwise."""
     if q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
-def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float) -> torch.Tensor:
+def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                          k_scale=None, v_scale=None) -> torch.Tensor:
     """The twin: a direct reading of the module's pseudo-code, in float32, one sequence at a time."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -50,8 +55,12 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             continue
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[s].long()[positions // block_size]
-        keys = k_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        keys = k_cache[blocks, positions % block_size].float()  # [L, kv_heads, D]
+        values = v_cache[blocks, positions % block_size].float()
+        if k_scale is not None:
+            keys = keys * k_scale[blocks, positions % block_size][..., None]
+            values = values * v_scale[blocks, positions % block_size][..., None]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # [L, H, D]
         scores = torch.einsum("ihd,jhd->hij", q[start:end].float(), keys) * scale
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
@@ -60,33 +69,36 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                           max_query_len: int | None = None) -> torch.Tensor:
+                           max_query_len: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """The Triton kernel. ``max_query_len`` (computed when None) sizes the grid without a device sync."""
     assert triton is not None, "triton is not installed"
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim: a power of 2, >= 16"
     assert block_size >= 16 and block_size == triton.next_power_of_2(block_size), "block_size: a power of 2, >= 16"
+    assert (k_scale is None) == (v_scale is None) == (k_cache.dtype != torch.int8), "scales go with an int8 cache"
     out = torch.empty_like(q)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m = 16
     grid = (block_tables.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+        q, k_cache, v_cache, k_scale if k_scale is not None else k_cache, v_scale if v_scale is not None else v_cache,
+        out, block_tables, seq_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m)
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        QUANTIZED=k_scale is not None)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, scale,
-                                stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_ot, stride_oh,
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
+                                scale, stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_ot, stride_oh,
                                 stride_table, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+                                BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, QUANTIZED: tl.constexpr):
         seq, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -112,6 +124,10 @@ if triton is not None:
             kv_offsets = base + offsets[:, None] * stride_ko + dims[None, :]
             k = tl.load(k_ptr + kv_offsets).to(tl.float32)  # upcast: the interpreter's bf16 dot is wrong
             v = tl.load(v_ptr + kv_offsets).to(tl.float32)
+            if QUANTIZED:  # one float32 scale per (token, KV head): the scales' strides are the cache's / HEAD_DIM
+                scale_offsets = block * (stride_kb // HEAD_DIM) + offsets * (stride_ko // HEAD_DIM) + kv_head
+                k = k * tl.load(ks_ptr + scale_offsets)[:, None]
+                v = v * tl.load(vs_ptr + scale_offsets)[:, None]
             scores = tl.dot(q, tl.trans(k)) * scale
             key_pos = page * BLOCK_SIZE + offsets
             visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)

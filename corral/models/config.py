@@ -39,9 +39,9 @@ class ModelConfig:
         if not self.eos_token_ids:
             raise ModelNotFoundError("the model declares no end-of-sequence token")
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """The seed's KV bill: 2 (K and V) × layers × KV heads × head dim × bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """The seed's KV bill: 2 (K and V) × layers × KV heads × (head dim × bytes + a quantized head's scale)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
 
 def _from_gguf(path: str) -> ModelConfig:

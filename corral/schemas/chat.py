@@ -152,4 +152,5 @@ class ChatCompletionChunk(Open):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     warnings: list[str] | None = None  # on the first chunk only

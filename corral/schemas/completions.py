@@ -46,6 +46,7 @@ class Completion(Open):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # the engine's number formats: they change greedy outputs
     warnings: list[str] | None = None  # Corral's: what the constraint's compiler ignored (unknown keywords, ...)
 
 
@@ -55,6 +56,7 @@ class ModelCard(Open):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "corral"
     max_model_len: int | None = None
+    formats: dict[str, str] | None = None  # dtype, quantization, kv_cache_dtype, and why (Corral's)
 
 
 class ModelList(Open):

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -196,3 +197,16 @@ def test_generate_json_and_call_tools_against_the_server(live, tmp_path, capsys)
     assert cli.main(["generate", "--schema", str(schema_file), "--base-url", url, "--max-tokens", "24",
                      "Is 7 even? Answer as JSON."]) == 0
     jsonschema.validate(json.loads(capsys.readouterr().out), SMALL)
+
+
+def test_the_formats_are_in_the_fingerprint_and_the_model_card(client, live):
+    """The number formats change greedy outputs from one machine to another, so every response says which ran."""
+    formats = live[2].formats
+    assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == ("float32", "none", "float32")
+    out = client.chat.completions.create(model=live[1].config.model_name, max_tokens=2, messages=ask("Hi"))
+    assert out.system_fingerprint.startswith("corral-fp32-none-kvfp32-")
+    card = httpx.get(live[0] + "/v1/models").json()["data"][0]
+    assert card["formats"]["quantization"] == "none" and card["formats"]["dtype"] == "float32"
+    stream = client.chat.completions.create(model=live[1].config.model_name, max_tokens=2, messages=ask("Hi"),
+                                            stream=True)
+    assert {chunk.system_fingerprint for chunk in stream} == {out.system_fingerprint}

@@ -3,7 +3,7 @@
 import torch
 
 from corral.engine import EngineConfig, LLMEngine, SamplingParams
-from corral.engine.attention import AttentionMetadata, PrefillSpan
+from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan
 
 PROMPTS = [
     "What is the capital of France?",
@@ -51,8 +51,7 @@ def assert_same_or_near_tie(engine: LLMEngine, prompt: list[int], expected: list
 def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
     """float32 logits at every prompt position from ``model`` (a LlamaModel), one prefill into a scratch cache."""
     cfg, n = model.config, len(token_ids)
-    shape = (-(-n // 16), 16, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+    caches = [KVCache.allocate(-(-n // 16), 16, cfg.num_kv_heads, cfg.head_dim, model.dtype)
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(torch.arange(n), (), (PrefillSpan(0, n, None, n),))
     with torch.inference_mode():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from corral.engine.attention import AttentionMetadata, PrefillSpan
+from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan
 from corral.engine.model import LlamaModel
 from corral.engine.weights import load_weights, unpermute_rotary
 from corral.models import load_model_config, resolve_model
@@ -47,7 +47,7 @@ def corral_logits(folder, dtype, token_ids):
     config = load_model_config(files)
     model = LlamaModel(config, load_weights(files, config, dtype), dtype)
     n = len(token_ids)
-    caches = [(torch.zeros(-(-n // 16), 16, config.num_kv_heads, config.head_dim, dtype=dtype),) * 2
+    caches = [KVCache(*(torch.zeros(-(-n // 16), 16, config.num_kv_heads, config.head_dim, dtype=dtype),) * 2)
               for _ in range(config.num_layers)]
     meta = AttentionMetadata(torch.arange(n), (), (PrefillSpan(0, n, None, n),))
     with torch.inference_mode():

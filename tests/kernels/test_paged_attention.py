@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corral.engine.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, group_prefills,
-                                     paged_attention_forward)
+from corral.engine.attention import (AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills,
+                                     paged_attention_forward, quantize_rows)
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention, paged_attention_torch, paged_attention_triton
 
@@ -78,17 +78,54 @@ def test_dispatch_uses_the_twin_on_cpu():
     assert torch.equal(paged_attention(*case, scale=0.5), paged_attention_torch(*case, scale=0.5))
 
 
+def quantized(case):
+    """The case's caches as int8 codes with per-(token, KV head) scales, as the engine writes them."""
+    q, k_cache, v_cache, tables, lens, qsl = case
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_rows(k_cache.flatten(0, 1)), quantize_rows(v_cache.flatten(0, 1))
+    shape = k_cache.shape
+    return (q, k_codes.view(shape), v_codes.view(shape), tables, lens, qsl,
+            k_scale.view(shape[:3]), v_scale.view(shape[:3]))
+
+
+def test_int8_rows_are_within_half_a_step():
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(3)) * 4
+    codes, scale = quantize_rows(x)
+    assert codes.dtype == torch.int8 and scale.shape == (50, 3)
+    assert ((codes.float() * scale[..., None] - x).abs() <= scale[..., None] / 2 + 1e-6).all()
+    assert torch.equal(codes.abs().amax(-1), torch.full((50, 3), 127, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_int8_twin_is_the_twin_over_dequantized_caches(name):
+    q, k, v, tables, lens, qsl, ks, vs = quantized(make_case(*CASES[name], seed=4))
+    expected = paged_attention_torch(q, k.float() * ks[..., None], v.float() * vs[..., None], tables, lens, qsl, 0.25)
+    torch.testing.assert_close(paged_attention_torch(q, k, v, tables, lens, qsl, 0.25, ks, vs), expected)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_triton_kernel_reads_an_int8_cache(name):
+    q, k, v, tables, lens, qsl, ks, vs = quantized(make_case(*CASES[name], seed=5))
+    expected = paged_attention_torch(q, k, v, tables, lens, qsl, 0.25, ks, vs)
+    got = paged_attention_triton(q, k, v, tables, lens, qsl, 0.25, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("decode_path", ["torch", "kernel"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["spans", "grouped"])
-def test_engine_cpu_path_matches_twin(name, decode_path, grouped):
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_engine_cpu_path_matches_twin(name, decode_path, grouped, cache_dtype):
     """The engine's batched path (decodes first, prefill spans after) on the same caches and tables; decodes
     through gathered SDPA (a mask given) or the compiled kernel (no mask); prefill spans over their context one
-    by one, or padded into groups as the runner does (``group_prefills``)."""
+    by one, or padded into groups as the runner does (``group_prefills``); float32 or int8 caches."""
     if decode_path == "kernel" and paged_attention_cpu.load() is None:
         pytest.skip("native module off or missing: the CPU kernel is unavailable")
     query_lens, seq_lens = CASES[name]
-    q, k_cache, v_cache, tables, lens, qsl = make_case(query_lens, seq_lens, seed=2)
+    case = make_case(query_lens, seq_lens, seed=2)
+    q, k_cache, v_cache, tables, lens, qsl = case
+    scales = (None, None)
+    if cache_dtype == "int8":
+        q, k_cache, v_cache, tables, lens, qsl, *scales = quantized(case)
     order = sorted(range(len(query_lens)), key=lambda s: query_lens[s] != 1)  # the engine puts decodes first
     rows = torch.cat([torch.arange(int(qsl[s]), int(qsl[s + 1])) for s in order])
     block_lists = [tables[s].long()[: -(-seq_lens[s] // BLOCK_SIZE)] for s in order]
@@ -115,6 +152,6 @@ def test_engine_cpu_path_matches_twin(name, decode_path, grouped):
         meta = meta._replace(prefills=fresh, prefill_groups=prefill_groups)
     q_sorted = q[rows]
     dummy_kv = torch.zeros(q_sorted.shape[0], k_cache.shape[2], k_cache.shape[3])
-    got = paged_attention_forward(q_sorted, dummy_kv, dummy_kv, k_cache, v_cache, meta)
-    expected = paged_attention_torch(q, k_cache, v_cache, tables, lens, qsl, scale=q.shape[-1] ** -0.5)[rows]
+    got = paged_attention_forward(q_sorted, dummy_kv, dummy_kv, KVCache(k_cache, v_cache, *scales), meta)
+    expected = paged_attention_torch(q, k_cache, v_cache, tables, lens, qsl, q.shape[-1] ** -0.5, *scales)[rows]
     torch.testing.assert_close(got.view_as(expected), expected, atol=1e-5, rtol=1e-5)

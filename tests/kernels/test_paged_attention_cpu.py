@@ -4,6 +4,7 @@ and without a compile-time specialisation, contexts from one key to several bloc
 import pytest
 import torch
 
+from corral.engine.attention import quantize_rows
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention_torch
 
@@ -42,6 +43,44 @@ def test_kernel_matches_twin(name, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: only the final rounding of the output differs
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.reshape(len(lens), -1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_an_int8_cache(name, dtype):
+    """Codes with a float32 scale per (token, KV head): the same as the twin over the dequantized cache."""
+    q, k_cache, v_cache, tables, lens = make_case(*SHAPES[name], dtype=torch.float32, seed=1)
+    (k, ks), (v, vs) = (quantize_rows(c.flatten(0, 1)) for c in (k_cache, v_cache))
+    k, v, ks, vs = k.view_as(k_cache), v.view_as(v_cache), ks.view(k_cache.shape[:3]), vs.view(k_cache.shape[:3])
+    scale = q.shape[-1] ** -0.5
+    got = paged_attention_cpu.paged_decode(q.to(dtype), k, v, tables, lens, scale, ks, vs)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    expected = paged_attention_torch(q.to(dtype).float(), k.float() * ks[..., None], v.float() * vs[..., None],
+                                     tables.int(), lens.int(), qsl, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.reshape(len(lens), -1), atol=tol, rtol=tol)
+
+
+def test_kernel_reads_a_bfloat16_cache_under_float32_queries():
+    q, k_cache, v_cache, tables, lens = make_case(*SHAPES["smollm-like"], dtype=torch.bfloat16, seed=2)
+    q = q.float()
+    got = paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    expected = paged_attention_torch(q, k_cache.float(), v_cache.float(), tables.int(), lens.int(), qsl, 0.125)
+    torch.testing.assert_close(got, expected.reshape(len(lens), -1), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_cache_needs_its_scales_and_nothing_else_takes_them():
+    q, k_cache, v_cache, tables, lens = make_case(9, 3, 64, 16, [3], dtype=torch.float32)
+    codes = torch.zeros(k_cache.shape, dtype=torch.int8)
+    with pytest.raises(TypeError, match="go with an int8 cache"):
+        paged_attention_cpu.paged_decode(q, codes, codes, tables, lens, 0.125)
+    scales = torch.ones(k_cache.shape[:3])
+    with pytest.raises(TypeError, match="go with an int8 cache"):
+        paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, scales, scales)
+    with pytest.raises(ValueError, match="k_scale: size"):
+        paged_attention_cpu.paged_decode(q, codes, codes, tables, lens, 0.125, scales[:1], scales)
 
 
 def test_keys_past_the_context_are_never_read():

@@ -1,0 +1,145 @@
+"""Quantized weights: the linear layers and the embedding in the formats that torch's CPU kernels run fast.
+
+Three forms of a linear layer ``y = x @ W.T (+ b)``, all called the same way (``layer(x)``, ``x`` [rows, K] in the
+activation dtype):
+
+- :class:`Dense`: ``W`` in the activation dtype (``F.linear``).
+- :class:`Int8Rows` (W8A16): ``W[n] = scale[n] * q[n]``, int8 codes, one scale per output row, through
+  ``torch._weight_int8pack_mm``. Rounding to nearest, then the scale to the activation dtype:
+  ``|error| <= max|W[n]| / 254 + 2**-8 |W[n, k]|`` per weight in bfloat16.
+- :class:`Int4Groups` (W4A16): ``W[n, k] = (q - 8) * scale[g, n] + zero[g, n]`` with ``q`` in 0..15 and
+  ``g = k // group``, through ``torch._weight_int4pack_mm_for_cpu``. GGUF Q4_1 blocks (``d * q + m``, 32 weights
+  along K) map onto it exactly with ``scale = d``, ``zero = m + 8 d``; Q4_0 (``d * (q - 8)``) with ``zero = 0``.
+  The kernel wants scale and zero in the activation dtype, so they are rounded once, to it: in bfloat16 (8
+  significant bits, unit roundoff 2**-8) ``|error| <= 2**-8 * (8 |d| + |m + 8 d|)`` per weight, against the
+  shipped block. Any dense weight quantizes group-wise (32, 64 or 128 along K) by round-to-nearest with a zero
+  point. The kernel packs output rows in 16s: a layer whose N is not a multiple of 16 is padded with zero rows.
+
+:class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
+kernel. What this leaves out: 3-bit and K-quant kernels (those GGUF blocks are dequantized at load, with a log
+line, by :mod:`corral.engine.weights`), activation-aware scaling, and the CUDA int4 path (on a GPU the weights
+run dense).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZES = (32, 64, 128)
+
+
+class Q4Blocks(NamedTuple):
+    """Int4 codes with one (scale, zero) per ``group`` weights along K: ``W = (codes - 8) * scale + zero``."""
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    scale: torch.Tensor  # [N, K // group] float32
+    zero: torch.Tensor  # [N, K // group] float32
+    group: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W`` [N, K] computed in float32 from scale and zero first rounded to ``dtype`` (the kernel's rounding)."""
+        scale = self.scale.to(dtype).float().repeat_interleave(self.group, dim=1)
+        zero = self.zero.to(dtype).float().repeat_interleave(self.group, dim=1)
+        return (self.codes.float() - 8) * scale + zero
+
+
+def concat_q4(parts: list[Q4Blocks]) -> Q4Blocks:
+    """Blocks of several layers stacked along N (the fused QKV and gate/up projections)."""
+    assert len({p.group for p in parts}) == 1
+    return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")), parts[0].group)
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> Q4Blocks:
+    """Round-to-nearest int4 with a zero point per ``group`` weights along K: each group's [min, max] spans the
+    16 codes (``scale = (max - min) / 15``, so ``|error| <= scale / 2``)."""
+    rows, cols = weight.shape
+    if group not in GROUP_SIZES or cols % group:
+        raise ValueError(f"int4 group size {group}: must be one of {GROUP_SIZES} and divide K = {cols}")
+    w = weight.float().reshape(rows, cols // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((w - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Q4Blocks(codes.reshape(rows, cols), scale, low + 8 * scale, group)
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``(codes [N, K] int8, scale [N] float32)``."""
+    w = weight.float()
+    scale = w.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+class Dense:
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = weight.to(dtype).contiguous()
+        self.bias = None if bias is None else bias.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class Int8Rows:
+    kind = "w8a16"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.codes, self.scale = codes.contiguous(), scale.to(dtype).contiguous()
+        self.bias = None if bias is None else bias.to(dtype)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Rows":
+        return cls(*quantize_int8_rows(weight), bias, dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.codes, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+
+class Int4Groups:
+    kind = "w4a16"
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.out_features, self.group = blocks.codes.shape[0], blocks.group
+        pad = -self.out_features % 16
+        codes, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in blocks[:3])  # zero rows: outputs sliced off
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        # [K // group, N, 2]: the kernel's layout, rounded once to the activation dtype
+        self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
+        self.bias = None if bias is None else bias.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zero.nbytes
+
+
+class Int8Embedding:
+    """Embedding rows as int8 with one scale each; also the tied LM head (``head(x)``: logits over the rows)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self.codes, scale = quantize_int8_rows(weight)
+        self.scale, self.dtype = scale.to(dtype).contiguous(), dtype
+        self.head = Int8Rows(self.codes, scale, None, dtype)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].to(self.dtype) * self.scale[ids, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes

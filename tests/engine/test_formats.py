@@ -1,0 +1,58 @@
+"""The ``auto`` rule of the number formats, pinned on faked CPU flags: it reads flags and the model's kind only."""
+
+import pytest
+
+from corral.engine.config import EngineConfig
+from corral.engine.formats import resolve
+from corral.errors import InvalidRequestError
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+AVX512_BF16 = AVX2 | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+AMX = AVX512_BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
+AUTO = EngineConfig(dtype="auto", quantization="auto", kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("flags, gguf_q4, expected", [
+    (AVX2, True, ("float32", "gguf", "float32")),
+    (AVX2, False, ("float32", "none", "float32")),
+    (AVX512_BF16, True, ("bfloat16", "gguf", "bfloat16")),
+    (AMX, True, ("bfloat16", "gguf", "bfloat16")),
+    (AMX, False, ("bfloat16", "none", "bfloat16")),
+    (frozenset(), True, ("float32", "gguf", "float32")),  # flags unreadable: no fast bf16 assumed
+])
+def test_auto_follows_the_cpu_flags_and_the_model_kind(flags, gguf_q4, expected):
+    formats = resolve(AUTO, gguf_q4, flags)
+    assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == expected
+    assert formats.reason  # logged at start-up
+
+
+def test_the_reason_names_the_flag_it_read():
+    assert "avx512_bf16" in resolve(AUTO, True, AVX512_BF16).reason
+    assert "neither amx_bf16 nor avx512_bf16" in resolve(AUTO, True, AVX2).reason
+
+
+def test_explicit_choices_are_kept_whatever_the_cpu():
+    config = EngineConfig(dtype="bf16", quantization="w8a16", kv_cache_dtype="int8")
+    formats = resolve(config, False, AVX2)
+    assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == ("bfloat16", "w8a16", "int8")
+    assert formats.tag == "bf16-w8a16-kvint8"
+
+
+def test_kv_auto_is_the_activation_dtype():
+    assert resolve(EngineConfig(dtype="float32", kv_cache_dtype="auto"), True, AMX).kv_cache_dtype == "float32"
+
+
+def test_gguf_needs_q4_blocks():
+    with pytest.raises(InvalidRequestError, match="needs a GGUF model whose linears are Q4_0 or Q4_1"):
+        resolve(EngineConfig(quantization="gguf"), False, AMX)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("quantization", "int3", "quantization must be one of"),
+    ("kv_cache_dtype", "fp8", "kv_cache_dtype must be one of"),
+    ("dtype", "float16", "dtype must be auto or one of"),
+    ("quant_group_size", 48, "quant_group_size must be 32, 64 or 128"),
+])
+def test_bad_format_names_are_refused(field, value, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(**{field: value})
