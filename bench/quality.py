@@ -176,27 +176,34 @@ def main() -> int:
         ref = ref or result
         rows.append(result)
         print(f"# {spec} ({engine.formats.tag}) done in {time.time() - started:.0f} s", flush=True)
+        print_row(result, ref, schemas)
         del engine
     print(f"\n{len(tokens)} tokens of text; {args.prompts} greedy prompts; {len(schemas)} JSON tasks "
           f"({sum(g is not None for g in grammars)} compile)\n")
-    print("| format | ppl | ppl, window tail | ppl, 4k context | Δppl/window mean | worst decile | first divergence "
-          "mean | worst decile | identical | JSON valid | JSON = fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    ref_windows = ref["ppl"]["per_window"]
+    print(HEADER)
     for r in rows:
-        p = r["ppl"]
-        increase = [math.exp(a) - math.exp(b) for a, b in zip(p["per_window"].tolist(), ref_windows.tolist())]
-        diverge = []
-        for a, b in zip(r["greedy"], ref["greedy"]):
-            diverge.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-        valid = sum(is_valid(t, s) for t, s in zip(r["json"], schemas))
-        same = sum(t is not None and t == u for t, u in zip(r["json"], ref["json"]))
-        print(f"| {r['spec']} | {math.exp(p['all'].mean()):.3f} | {math.exp(p['tail'].mean()):.3f} | "
-              f"{math.exp(p['long'].mean()):.3f} | {sum(increase) / len(increase):+.3f} | "
-              f"{worst_decile(increase, True):+.3f} | {sum(diverge) / len(diverge):.1f} | "
-              f"{worst_decile(diverge, False):.1f} | {sum(d == 64 for d in diverge)}/{len(diverge)} | "
-              f"{valid}/{len(schemas)} | {same}/{len(schemas)} |")
+        print_row(r, ref, schemas)
     return 0
+
+
+HEADER = ("| format | ppl | ppl, window tail | ppl, 4k context | Δppl/window mean | worst decile | first divergence "
+          "mean | worst decile | identical | JSON valid | JSON = fp32 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def print_row(r: dict, ref: dict, schemas: list) -> None:
+    if r is ref:
+        print(HEADER)
+    p, ref_windows = r["ppl"], ref["ppl"]["per_window"]
+    increase = [math.exp(a) - math.exp(b) for a, b in zip(p["per_window"].tolist(), ref_windows.tolist())]
+    diverge = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+               for a, b in zip(r["greedy"], ref["greedy"])]
+    valid = sum(is_valid(t, s) for t, s in zip(r["json"], schemas))
+    same = sum(t is not None and t == u for t, u in zip(r["json"], ref["json"]))
+    print(f"| {r['spec']} | {math.exp(p['all'].mean()):.3f} | {math.exp(p['tail'].mean()):.3f} | "
+          f"{math.exp(p['long'].mean()):.3f} | {sum(increase) / len(increase):+.3f} | "
+          f"{worst_decile(increase, True):+.3f} | {sum(diverge) / len(diverge):.1f} | "
+          f"{worst_decile(diverge, False):.1f} | {sum(d == 64 for d in diverge)}/{len(diverge)} | "
+          f"{valid}/{len(schemas)} | {same}/{len(schemas)} |", flush=True)
 
 
 if __name__ == "__main__":

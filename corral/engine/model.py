@@ -76,6 +76,13 @@ class _Cast:
         return self.inner(x.to(torch.bfloat16)).to(self.dtype)
 
 
+class _CastOutput(_Cast):
+    """An int8 embedding's lookups (token ids in, bfloat16 rows out) in a model of another dtype."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids).to(self.dtype)
+
+
 class _Embedding:
     def __init__(self, weight: torch.Tensor):
         self.weight, self.nbytes = weight, weight.nbytes
@@ -100,7 +107,7 @@ class LlamaModel:
             self.lm_head = Dense(head, None, dtype)
         else:  # int8 rows: the embedding's lookups and the LM head's logits through one copy when tied
             embed = Int8Embedding(self._dense(weights["model.embed_tokens.weight"]), torch.bfloat16)
-            self.embed = embed if dtype == torch.bfloat16 else _Cast(embed, dtype)
+            self.embed = embed if dtype == torch.bfloat16 else _CastOutput(embed, dtype)
             head = embed.head if config.tie_word_embeddings else \
                 Int8Rows.from_dense(self._dense(weights["lm_head.weight"]), None, torch.bfloat16)
             self.lm_head = head if dtype == torch.bfloat16 else _Cast(head, dtype)

@@ -132,6 +132,8 @@ class Int4Groups:
 class Int8Embedding:
     """Embedding rows as int8 with one scale each; also the tied LM head (``head(x)``: logits over the rows)."""
 
+    kind = "w8a16"
+
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         self.codes, scale = quantize_int8_rows(weight)
         self.scale, self.dtype = scale.to(dtype).contiguous(), dtype

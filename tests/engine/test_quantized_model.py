@@ -77,3 +77,15 @@ def test_w4a16_forward_is_the_dequantized_forward_within_float_rounding(shipped)
     assert float(diff.mean()) <= 2 * float(floor.mean()), (float(diff.mean()), float(floor.mean()))
     assert float(diff.max()) <= 2 * float(floor.max()), (float(diff.max()), float(floor.max()))
     assert agree >= 0.95 * total, (agree, total)
+
+
+def test_a_float32_model_runs_its_int4_linears_in_bfloat16(shipped):
+    """What auto picks on a CPU without fast bf16: float32 activations and residuals, the int4 kernels fed bf16."""
+    config, tokenizer, weights = shipped
+    mixed = LlamaModel(config, weights, torch.float32, "gguf")
+    assert {layer["gate_up"].kind for layer in mixed.layers} == {"w4a16"} and mixed.embed.kind == "w8a16"
+    exact = reference_model(config, weights, torch.float64)
+    ids = tokenizer.encode(PROMPTS[0])
+    got, ref = logits(mixed, config, ids), logits(exact, config, ids)
+    assert got.dtype == torch.float32
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
