@@ -81,8 +81,9 @@ def formats_fields(formats) -> dict:
         return {}
     from corral import native
 
-    isa = "amx" if "amx_bf16" in native.cpu_flags() else "avx512" if "avx512f" in native.cpu_flags() else \
-        "avx2" if "avx2" in native.cpu_flags() else "base"
+    flags = native.cpu_flags()
+    isa = next((name for flag, name in (("amx_bf16", "amx"), ("avx512f", "avx512"), ("avx2", "avx2"))
+                if flag in flags), "base")
     return {"system_fingerprint": f"corral-{formats.tag}-{isa}",
             "formats": {"dtype": formats.dtype, "quantization": formats.quantization,
                         "kv_cache_dtype": formats.kv_cache_dtype, "reason": formats.reason}}

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from corral.engine.quant import quantize_int8_rows
 from corral.kernels.paged_attention_cpu import paged_decode
 
 
@@ -54,14 +55,6 @@ class KVCache(NamedTuple):
         for tensor in self:
             if tensor is not None:
                 tensor[dst] = tensor[src]
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, heads, D] as int8 codes and a float32 scale per (token, head): ``x ~ codes * scale``."""
-    x32 = x.float()
-    scale = x32.abs().amax(-1) / 127
-    codes = torch.round(x32 / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scale
 
 
 class PrefillSpan(NamedTuple):
@@ -132,7 +125,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: tor
     """Store the new tokens' K/V [T, kv_heads, head_dim] at their slots (quantized, for an int8 cache)."""
     if cache.is_int8:
         for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-            q, scale = quantize_rows(x)
+            q, scale = quantize_int8_rows(x)  # one scale per (token, KV head)
             codes.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, q)
             scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, scale)
         return
@@ -200,15 +193,14 @@ def _prefill_group(q, cache: KVCache, group: PrefillGroup) -> torch.Tensor:
 def _prefill(q, k, v, cache: KVCache, span: PrefillSpan) -> torch.Tensor:
     num_new, num_heads, head_dim = q.shape
     if span.context_blocks is None:
-        keys, values, mask = k, v, None
+        keys, values, mask = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None
     else:
         num_context = span.num_context
         keys, values = read_blocks(cache, span.context_blocks, 1, q.dtype)  # [1, kv_heads, keys, D]
-        keys, values = keys[0, :, :num_context].transpose(0, 1), values[0, :, :num_context].transpose(0, 1)
+        keys, values = keys[:, :, :num_context], values[:, :, :num_context]
         # query i sits at position num_context - num_new + i and sees every key up to and including it
         rows = torch.arange(num_context - num_new, num_context).unsqueeze(1)
         mask = torch.arange(num_context).unsqueeze(0) <= rows
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                                         values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
                                          is_causal=mask is None, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).reshape(num_new, num_heads * head_dim)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corral.engine.quant import GROUP_SIZES
 from corral.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -45,7 +46,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                                       f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
-        if self.quant_group_size not in (32, 64, 128):
+        if self.quant_group_size not in GROUP_SIZES:
             raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -102,7 +102,7 @@ class LlamaModel:
         self.config, self.dtype, self.quantization, self.group_size = config, dtype, quantization, group_size
         get = lambda name: weights[name].to(dtype).contiguous()  # noqa: E731
         if quantization == "none":
-            self.embed = _Embedding(self._dense(weights["model.embed_tokens.weight"]).to(dtype).contiguous())
+            self.embed = _Embedding(get("model.embed_tokens.weight"))
             head = self.embed.weight if config.tie_word_embeddings else get("lm_head.weight")
             self.lm_head = Dense(head, None, dtype)
         else:  # int8 rows: the embedding's lookups and the LM head's logits through one copy when tied
@@ -125,16 +125,14 @@ class LlamaModel:
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
-        q4 = [p for p in parts if isinstance(p, Q4Blocks)]
-        if self.quantization == "gguf" and len(q4) == len(parts):
+        if self.quantization == "gguf" and all(isinstance(p, Q4Blocks) for p in parts):
             layer = Int4Groups(concat_q4(parts), bias, torch.bfloat16)
-        elif self.quantization in ("none", "gguf"):
-            return Dense(torch.cat([self._dense(p) for p in parts]), bias, self.dtype)
-        elif self.quantization == "w8a16":
-            layer = Int8Rows.from_dense(torch.cat([self._dense(p) for p in parts]), bias, torch.bfloat16)
         else:
-            layer = Int4Groups(quantize_int4(torch.cat([self._dense(p) for p in parts]), self.group_size), bias,
-                               torch.bfloat16)
+            weight = torch.cat([self._dense(p) for p in parts])
+            if self.quantization in ("none", "gguf"):  # gguf: a tensor with no int4 kernel stays dense
+                return Dense(weight, bias, self.dtype)
+            layer = Int8Rows.from_dense(weight, bias, torch.bfloat16) if self.quantization == "w8a16" else \
+                Int4Groups(quantize_int4(weight, self.group_size), bias, torch.bfloat16)
         return layer if self.dtype == torch.bfloat16 else _Cast(layer, self.dtype)
 
     def _layer(self, weights, i, get) -> dict:

@@ -63,20 +63,31 @@ def quantize_int4(weight: torch.Tensor, group: int) -> Q4Blocks:
     return Q4Blocks(codes.reshape(rows, cols), scale, low + 8 * scale, group)
 
 
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: ``(codes [N, K] int8, scale [N] float32)``."""
-    w = weight.float()
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 along the last dimension: ``(codes int8 like x, scale float32 [x.shape[:-1]])`` with
+    ``x ~ codes * scale[..., None]`` (a weight's output rows; a KV cache's (token, head) rows)."""
+    w = x.float()
     scale = w.abs().amax(-1) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    return torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-class Dense:
+class _Biased:
+    """The bias, in the activation dtype, added after a kernel that takes none."""
+
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.bias = None if bias is None else bias.to(dtype)
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+
+class Dense(_Biased):
     kind = "dense"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias, dtype)
         self.weight = weight.to(dtype).contiguous()
-        self.bias = None if bias is None else bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -86,43 +97,40 @@ class Dense:
         return self.weight.nbytes
 
 
-class Int8Rows:
+class Int8Rows(_Biased):
     kind = "w8a16"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias, dtype)
         self.codes, self.scale = codes.contiguous(), scale.to(dtype).contiguous()
-        self.bias = None if bias is None else bias.to(dtype)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Rows":
         return cls(*quantize_int8_rows(weight), bias, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x, self.codes, self.scale)
-        return y if self.bias is None else y + self.bias
+        return self._add_bias(torch._weight_int8pack_mm(x, self.codes, self.scale))
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes
 
 
-class Int4Groups:
+class Int4Groups(_Biased):
     kind = "w4a16"
 
     def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias, dtype)
         self.out_features, self.group = blocks.codes.shape[0], blocks.group
         pad = -self.out_features % 16
         codes, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in blocks[:3])  # zero rows: outputs sliced off
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         # [K // group, N, 2]: the kernel's layout, rounded once to the activation dtype
         self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
-        self.bias = None if bias is None else bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
-        if y.shape[-1] != self.out_features:
-            y = y[:, : self.out_features]
-        return y if self.bias is None else y + self.bias
+        return self._add_bias(y[:, : self.out_features] if y.shape[-1] != self.out_features else y)
 
     @property
     def nbytes(self) -> int:

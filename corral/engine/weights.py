@@ -62,6 +62,9 @@ def _gguf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: derived from the config instead
 
 
+_Q4_KINDS = ("Q4_0", "Q4_1")
+
+
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
     """The codes, scale and zero of GGUF Q4_1 (``w = d q + m``) or Q4_0 (``w = d (q - 8)``) rows ``raw`` (bytes
     [rows, blocks * block_bytes]), as ``w = (q - 8) scale + zero``: scale = d, zero = m + 8 d (Q4_1) or 0 (Q4_0).
@@ -82,8 +85,19 @@ def gguf_has_q4(files: ModelFiles) -> bool:
         return False
     from corral.models.gguf_file import open_gguf
 
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") and t.name.startswith("blk.") and t.name.endswith(".weight")
-               and (_gguf_name(t.name) or "").endswith("_proj.weight") for t in open_gguf(files.path).tensors)
+    return any(t.tensor_type.name in _Q4_KINDS and (_gguf_name(t.name) or "").endswith("_proj.weight")
+               for t in open_gguf(files.path).tensors)
+
+
+def _log_dequantized(path: str) -> None:
+    """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
+    from corral.models.gguf_file import open_gguf
+
+    kinds = sorted({t.tensor_type.name for t in open_gguf(path).tensors if _gguf_name(t.name)} -
+                   {*_Q4_KINDS, "F32", "F16", "BF16"})
+    if kinds:
+        log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0 and Q4_1 linears run as "
+                 "shipped; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds))
 
 
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[str, torch.Tensor | Q4Blocks]:
@@ -91,7 +105,7 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[st
 
     from corral.models.gguf_file import open_gguf
 
-    tensors, dequantized = {}, set()
+    tensors = {}
     for tensor in open_gguf(path).tensors:
         name = _gguf_name(tensor.name)
         if name is None:
@@ -99,21 +113,16 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[st
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
         kind = tensor.tensor_type.name
         heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else None
-        if keep_q4 and kind in ("Q4_1", "Q4_0") and name.startswith("model.layers."):
+        if keep_q4 and kind in _Q4_KINDS and name.startswith("model.layers."):
             blocks = q4_blocks(tensor.data, kind, *shape)
             if heads:
                 blocks = Q4Blocks(*(torch.from_numpy(unpermute_rotary(f.numpy(), heads)) for f in blocks[:3]), 32)
             tensors[name] = blocks
             continue
-        if kind not in ("F32", "F16", "BF16"):
-            dequantized.add(kind)
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         if heads:
             values = unpermute_rotary(values, heads)
         tensors[name] = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
-    if keep_q4 and dequantized:
-        log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0 and Q4_1 linears run as "
-                 "shipped)", ", ".join(sorted(dequantized)))
     return tensors
 
 
@@ -162,6 +171,8 @@ def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
     GGUF conversions are cached on disk; HF folders are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
+    if keep_q4:
+        _log_dequantized(files.path)
     path = _cache_path(files, dtype, keep_q4)
     if os.path.isfile(path):
         try:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from corral.engine.attention import (AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills,
-                                     paged_attention_forward, quantize_rows)
+                                     paged_attention_forward)
+from corral.engine.quant import quantize_int8_rows as quantize_rows
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention, paged_attention_torch, paged_attention_triton
 

@@ -4,7 +4,7 @@ and without a compile-time specialisation, contexts from one key to several bloc
 import pytest
 import torch
 
-from corral.engine.attention import quantize_rows
+from corral.engine.quant import quantize_int8_rows as quantize_rows
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention_torch
 
