@@ -1,0 +1,79 @@
+"""The model's linear layers in each weight format, timed at a range of row counts, in one run.
+
+Per row count, the sum over SmolLM2-135M's 30 layers (fused QKV 960x576, gate/up 3072x576, down 576x1536, output
+576x576) and, separately, its LM head (49,152x576), for: dense fp32, dense bf16, W8A16 (``_weight_int8pack_mm``,
+bf16 and fp32 activations) and W4A16 (``_weight_int4pack_mm_for_cpu`` at group 32 and 64, bf16 and fp32
+activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds). Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a
+warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
+
+    .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servers import cpu_summary  # noqa: E402
+
+LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
+HEAD = (49152, 576)
+NUM_LAYERS = 30
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def kernels(n: int, k: int, rows: int) -> dict:
+    """name -> a call computing ``x @ W.T`` for random W [n, k] and x [rows, k] in that format."""
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    codes8, scale8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+    out = {"fp32": lambda: torch.nn.functional.linear(x, w), "bf16": lambda: torch.nn.functional.linear(xb, wb)}
+    for act, xa in (("bf16", xb), ("fp32", x)) if rows <= 4 else (("bf16", xb),):
+        s8 = scale8.to(xa.dtype)
+        out[f"w8 {act}"] = lambda xa=xa, s8=s8: torch._weight_int8pack_mm(xa, codes8, s8)
+        for group in (32, 64):
+            sz = torch.rand(k // group, n, 2).to(xa.dtype)
+            out[f"w4g{group} {act}"] = lambda xa=xa, sz=sz, g=group: torch._weight_int4pack_mm_for_cpu(xa, packed,
+                                                                                                      g, sz)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,32,64,256")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# {cpu_summary()}; torch {torch.__version__} (kernels: {torch.backends.cpu.get_cpu_capability()}), "
+          f"{args.threads} threads; ms, median of {args.repeats}\n")
+    names = list(kernels(16, 64, 1))
+    print("| rows | part | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
+    for rows in (int(r) for r in args.rows.split(",")):
+        layers = {}
+        for n, k in LAYERS:
+            for name, fn in kernels(n, k, rows).items():
+                layers[name] = layers.get(name, 0.0) + NUM_LAYERS * timed(fn, args.repeats)
+        head = {name: timed(fn, args.repeats) for name, fn in kernels(*HEAD, rows).items()}
+        for part, row in (("30 layers", layers), ("LM head", head)):
+            print(f"| {rows} | {part} | " + " | ".join(f"{row[n]:.2f}" if n in row and row[n] else "-"
+                                                     for n in names) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Where a decode step's time goes, in process: timers around each part of the engine step.
+
+One engine in the given formats decodes ``--tokens`` tokens for each batch size; every linear layer, the LM head,
+the C++ attention and fused elementwise kernels (with their Python wrappers), the KV write, the embedding, the
+batch preparation and the sampler are wrapped with a wall-clock timer (each timer adds well under a microsecond).
+Prints, per batch size, the step time and each part's share; "other torch in forward" is the forward's time not
+inside a timed part (views, splits, casts), and "engine loop" is the step's time outside the forward and the
+sampler (scheduling, guides, outputs). No HTTP: compare with ``bench/engine.py`` for what the server adds.
+
+    .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
+"""
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import corral.engine.attention as attention  # noqa: E402
+import corral.engine.model as model_module  # noqa: E402
+from corral.engine import EngineConfig, LLMEngine  # noqa: E402
+from corral.engine.sampling_params import SamplingParams  # noqa: E402
+from corral.kernels import cpu_ops  # noqa: E402
+from servers import cpu_summary  # noqa: E402
+
+PARTS = ("linears", "LM head", "attention", "fused ops", "KV write", "embedding", "batch preparation")
+
+
+def instrument(engine: LLMEngine, spent: dict) -> None:
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+
+    model, runner = engine.runner.model, engine.runner
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            layer[name] = timed("linears", layer[name])
+    model.lm_head, model.embed = timed("LM head", model.lm_head), timed("embedding", model.embed)
+    attention.paged_decode = timed("attention", attention.paged_decode)
+    model_module.write_kv = timed("KV write", model_module.write_kv)
+    for name in ("add_rms_norm", "rope_", "silu_mul"):
+        setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
+    engine.sampler = timed("sampler", engine.sampler)
+    runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="bfloat16/gguf/auto", help="dtype/quantization/kv, comma separated")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads")
+    for spec in args.formats.split(","):
+        dtype, quantization, kv = spec.split("/")
+        engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
+                                        num_kv_blocks=2048, max_num_seqs=64))
+        spent = collections.defaultdict(float)
+        instrument(engine, spent)
+        for batch in (int(b) for b in args.batches.split(",")):
+            warm = [engine.tokenizer.encode(f"Warm-up {i}: once upon a time") for i in range(batch)]
+            engine.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            spent.clear()
+            prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
+            steps = engine.stats().num_steps
+            start = time.perf_counter()
+            engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+            wall = time.perf_counter() - start
+            steps = engine.stats().num_steps - steps
+            per = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+            step = wall / steps * 1e3
+            per["other torch in forward"] = per["forward"] - sum(per.get(p, 0.0) for p in PARTS)
+            per["engine loop"] = step - per["forward"] - per["sampler"]
+            print(f"\n{engine.formats.tag}, batch {batch}: {steps} steps, {step:.2f} ms per step, "
+                  f"{batch * args.tokens / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
+            for name in (*PARTS, "other torch in forward", "sampler", "engine loop"):
+                print(f"| {name} | {per.get(name, 0.0):.3f} | {per.get(name, 0.0) / step:.1%} |")
+        del engine
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
