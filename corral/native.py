@@ -95,6 +95,17 @@ def _load() -> tuple:
     return _native, None
 
 
+def release_thread_pool() -> None:
+    """End the calling thread's OpenMP workers, when it hands its compute to another thread for good (the engine
+    thread): with two pools alive on a machine with fewer cores than their workers, OpenMP puts every worker to
+    sleep between parallel regions, and torch's and the kernels' small operations then wait tens of microseconds
+    each to wake them (a single-client decode step took 1.8x as long). Workers come back if this thread runs a
+    parallel region again. A no-op without the native module."""
+    found = module()
+    if found is not None:
+        found.release_thread_pool()
+
+
 def status() -> dict:
     """Which paths run: the switch, whether the module loaded (and why not), the mask path, the kernels' ISA."""
     try:

@@ -210,3 +210,20 @@ def test_the_process_wide_structure_memo_is_bounded(vocab_index, monkeypatch):
     uncapped = np.asarray(vocab_index(pattern).mask(0))
     assert len(derivatives._CANONICAL_KEYS) > held  # with room, its pieces got ids (and took the piece path)
     assert np.array_equal(capped[0], uncapped) and uncapped.any()
+
+
+@needs_native
+def test_a_thread_gives_its_openmp_workers_back():
+    """The thread that loaded the model ends its OpenMP workers when the engine thread takes over the compute (two
+    live pools on too few cores make every worker sleep between operations, about 2x slower decode)."""
+    result = _python(
+        "import os, time, torch; from corral import native\n"
+        "torch.set_num_threads(2); native.module()\n"
+        "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = tasks(); torch.ones(1 << 22).sum(); during = tasks()\n"
+        "native.release_thread_pool(); deadline = time.monotonic() + 10\n"
+        "while tasks() >= during and time.monotonic() < deadline: time.sleep(0.01)\n"
+        "print(before, during, tasks())\n")
+    assert result.returncode == 0, result.stderr
+    before, during, after = map(int, result.stdout.split())
+    assert during == before + 1 and after == before, (before, during, after)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from corral import native
 from corral.errors import CompileCancelledError, CorralError, EngineOverloadedError
 from corral.schemas.prepare import PreparedRequest
 
@@ -106,6 +107,7 @@ class AsyncEngine:
         self._compile_waiters: set = set()  # one future per compile being awaited, failed by fail_all
         self._stats = engine.stats()
         self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="corral-compile")
+        native.release_thread_pool()  # from here on the engine thread computes; this one (it loaded the model) not
         self._thread = threading.Thread(target=self._run, name="corral-engine", daemon=True)
         self._thread.start()
 

@@ -5,6 +5,8 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <omp.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -292,7 +294,18 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
     )
 }
 
+// Ends the calling thread's OpenMP worker threads (they come back if it runs a parallel region again). OpenMP
+// keeps one pool of workers per thread that has started a parallel region, and once the process holds more
+// workers than the machine has cores, every pool's workers stop spinning between regions and sleep instead:
+// waking them costs tens of microseconds per operation (a decode step runs hundreds), and the engine thread's
+// linears ran 2.4x slower for it. The thread that loaded the model hands the compute to the engine thread and
+// gives its pool back with this.
+PyObject* release_thread_pool(PyObject*, PyObject*) {
+    return PyLong_FromLong(omp_pause_resource_all(omp_pause_soft));
+}
+
 PyMethodDef kernel_methods[] = {
+    {"release_thread_pool", reinterpret_cast<PyCFunction>(release_thread_pool), METH_NOARGS, nullptr},
     FAST("add_rms_norm", kernel_add_rms_norm),
     FAST("rope", kernel_rope),
     FAST("silu_mul", kernel_silu_mul),
