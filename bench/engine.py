@@ -15,7 +15,8 @@ cell by cell, so a slow minute on this shared machine hits both. A cell's reques
 warm-up's and from every other cell's (no accidental prefix-cache hits); both engines keep their prompt cache
 on, as they ship.
 
-- Corral runs in each dtype that is fast on this CPU (fp32; bf16 too with AMX or AVX-512 bf16).
+- Corral runs as ``make serve`` runs it (``--dtype auto --quantization auto``: on the shipped GGUF, its Q4 linears
+  as shipped, in bf16 where the CPU has fast bf16), and in dense fp32, the reference numerics.
 - llama-server runs with 1, 4, 16 and 64 parallel slots (those up to the cell's concurrency), each with a
   2,048-token context, continuous batching on, 2 threads; the best is reported, and the ratio is against it.
 
@@ -375,12 +376,14 @@ def header() -> str:
 
 
 def summary(results: list[Result]) -> None:
-    print("\n## Summary: each cell's best Corral run against the best llama-server slot count\n")
+    print("\n## Summary: Corral as make serve runs it (corral-auto; else its best run) against the best llama-server "
+          "slot count\n")
     print("| cell | Corral | tok/s | llama-server | tok/s | Corral / llama-server | HF best | Corral / HF |")
     print("|---|---|---|---|---|---|---|---|")
     for cell in dict.fromkeys(r.cell for r in results):
         here = [r for r in results if r.cell == cell]
-        ours = max((r for r in here if r.engine.startswith("corral")), key=lambda r: r.tok_s, default=None)
+        ours = next((r for r in here if r.engine == "corral-auto"), None) or max(
+            (r for r in here if r.engine.startswith("corral")), key=lambda r: r.tok_s, default=None)
         peer = max((r for r in here if r.engine.startswith("llama-server")), key=lambda r: r.tok_s, default=None)
         hf = max((r for r in here if r.engine.startswith("hf")), key=lambda r: r.tok_s, default=None)
         if ours is None:
@@ -424,6 +427,7 @@ def main() -> None:
     parser.add_argument("--slots", default="1,4,16,64", help="llama-server slot counts to try")
     parser.add_argument("--kv-unified", action="store_true", help="llama-server with one KV buffer for all slots")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-fp32", action="store_true", help="no dense float32 Corral (the reference numerics)")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write every timing as JSON")
@@ -437,7 +441,7 @@ def main() -> None:
     fast_bf16 = has_fast_bf16()
     dtypes = ["float32", "bfloat16"] if fast_bf16 else ["float32"]
     print(f"# bench/engine.py, {time.strftime('%Y-%m-%d %H:%M')}\n\nCPU: {cpu_summary()}; fast bf16: {fast_bf16}; "
-          f"Corral and HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}")
+          f"HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}")
     cells = make_cells(args.seed)
     if args.cells or args.formats:
         wanted = (args.cells or "short-1,short-16,short-64").split(",")
@@ -447,19 +451,21 @@ def main() -> None:
         print(f"WARNING: {LLAMA_SERVER} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
     elif not args.no_llama:
         print(f"llama-server: {llama_server_version()}, {LLAMA_CTX_PER_SLOT}-token context per slot")
-    if args.formats:
-        from corral.engine.config import EngineConfig
-        from corral.engine.formats import resolve
+    from corral.engine.config import EngineConfig
+    from corral.engine.formats import resolve
 
-        auto = resolve(EngineConfig(dtype="auto", quantization="auto"), gguf_q4=True)
-        print(f"auto (make serve) picks here: {auto.tag} ({auto.reason})")
+    auto = resolve(EngineConfig(dtype="auto", quantization="auto"), gguf_q4=True)
+    print(f"auto (make serve) picks here: {auto.tag} ({auto.reason})")
+    if args.formats:
         corrals = {}
         for name in args.formats.split(","):
             for kv in ("auto", "int8"):
                 label = f"corral-{name}" + ("-kvint8" if kv == "int8" else "")
                 corrals[label] = corral_server(**FORMATS_ARGS[name], kv_cache_dtype=kv, label=label).start()
     else:
-        corrals = {f"corral-{dtype}": corral_server(dtype).start() for dtype in dtypes}
+        corrals = {"corral-auto": corral_server("auto", quantization="auto", label="corral-auto").start()}
+        if not args.no_fp32:
+            corrals["corral-float32"] = corral_server("float32").start()
     for label, server in corrals.items():
         warm_up(label, server.url)
     hf_models = {} if args.no_hf else {dtype: load_hf(dtype) for dtype in dtypes}

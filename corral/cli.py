@@ -38,19 +38,24 @@ def _serve(args) -> int:
 
 def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "quant_group_size": args.quant_group_size}
+            "quant_group_size": args.quant_group_size, "decode_step": args.decode_step}
 
 
 def _add_format_args(command) -> None:
     command.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                         help="activations and dense weights (auto: bfloat16 where the CPU has AMX or AVX-512 bf16)")
-    command.add_argument("--quantization", default="auto", choices=("auto", "none", "w8a16", "w4a16", "gguf"),
-                         help="linear weights: gguf runs a GGUF's Q4 blocks as shipped, w4a16/w8a16 quantize at "
-                              "load (auto: gguf for a Q4 GGUF, else none)")
+                         help="activations and dense weights (auto: float32 under w4a8, else bfloat16 where the CPU "
+                              "has AMX or AVX-512 bf16)")
+    command.add_argument("--quantization", default="auto", choices=("auto", "none", "w8a16", "w4a16", "gguf", "w4a8"),
+                         help="linear weights: w4a8 runs a GGUF's Q4 blocks and Q8 head as shipped on the native "
+                              "integer kernels, gguf runs the Q4 blocks through torch's int4 kernel, w4a16/w8a16 "
+                              "quantize at load (auto: w4a8 for a Q4 GGUF, gguf without the native module, else none)")
     command.add_argument("--quant-group-size", type=int, default=32, choices=(32, 64, 128),
                          help="w4a16: weights per scale along K")
     command.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
-                         help="auto: the activation dtype; int8 halves the KV bytes")
+                         help="auto: bfloat16 under w4a8, else the activation dtype; int8 halves the KV bytes")
+    command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),
+                         help="decode-only steps in one native call (auto: where it serves the model, w4a8 with a "
+                              "float cache) or op by op in torch (the oracle)")
 
 
 def _generate(args) -> int:

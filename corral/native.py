@@ -117,4 +117,5 @@ def status() -> dict:
             "module": found.__name__ if found is not None else None,
             "mask_path": "native" if found is not None else "python",
             "kernels": f"native-{found.kernel_isa}" if found is not None else "torch",
+            "qmatmul": f"native-{found.qmatmul_isa}" if found is not None else None,
             "build": found.build_info if found is not None else None}

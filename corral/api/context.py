@@ -52,6 +52,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     system_fingerprint: str | None = None  # e.g. "corral-bf16-gguf-kvbf16-avx512": the formats behind the outputs
     formats: dict[str, str] | None = None  # for /v1/models
+    decode_step: str | None = None  # native | torch: what runs decode-only steps, for /health and /metrics
 
     def __post_init__(self):
         assert self.max_model_len > 0 and self.max_body_bytes > 0 and self.send_timeout_s > 0

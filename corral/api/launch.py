@@ -71,8 +71,14 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
                           protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
                           default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
                           reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
-                          **formats_fields(getattr(engine, "formats", None)))
+                          decode_step=decode_path(engine), **formats_fields(getattr(engine, "formats", None)))
+    metrics.decode_step = config.decode_step
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
+
+
+def decode_path(engine) -> str | None:
+    """``native`` or ``torch`` for a real engine's decode-only steps; None for a toy one."""
+    return getattr(getattr(engine, "runner", None), "decode_path", None)
 
 
 def formats_fields(formats) -> dict:

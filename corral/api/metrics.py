@@ -61,6 +61,7 @@ class ServerMetrics:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.stats = None
+        self.decode_step: str | None = None  # native | torch, set by the server once the engine is built
         self._timings: dict[str, _Timing] = {}
         self._lock = threading.Lock()
 
@@ -118,9 +119,10 @@ class ServerMetrics:
         metric("corral:num_requests_compiling", "gauge", "Constraints queued or compiling.",
                [f"{{{lab}}} {num_compiling}"])
         paths = native.status()
-        metric("corral:native_info", "gauge", "Which paths run: the CORRAL_NATIVE mode, the mask path and the CPU "
-               "kernels (always 1).", [f'{{{lab},mode="{paths["mode"]}",mask_path="{paths["mask_path"]}",'
-                                       f'kernels="{paths["kernels"]}"}} 1'])
+        metric("corral:native_info", "gauge", "Which paths run: the CORRAL_NATIVE mode, the mask path, the CPU "
+               "kernels, the quantized products and the decode step (always 1).",
+               [f'{{{lab},mode="{paths["mode"]}",mask_path="{paths["mask_path"]}",kernels="{paths["kernels"]}",'
+                f'qmatmul="{paths["qmatmul"] or "none"}",decode_step="{self.decode_step or "none"}"}} 1'])
 
         running, waiting, usage, queries, hits = stats_numbers(self.stats)
         metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])

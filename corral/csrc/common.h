@@ -113,5 +113,7 @@ void maybe_wait();
 bool add_hook(PyObject* module);
 bool add_terms(PyObject* module);
 bool add_kernels(PyObject* module);
+bool add_qmatmul(PyObject* module);
+bool add_decode_step(PyObject* module);
 
 }  // namespace corral_native

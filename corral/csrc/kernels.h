@@ -47,3 +47,7 @@ template <Isa isa>
 const KernelTable* variant();
 
 }  // namespace corral_kernels
+
+namespace corral_native {
+const corral_kernels::KernelTable* kernel_table();  // the variant chosen for this CPU when the module loaded
+}  // namespace corral_native

@@ -94,7 +94,8 @@ PyMODINIT_FUNC CORRAL_CAT(PyInit_, CORRAL_MODULE)() {
     Py_XDECREF(base);
     if (LimitError == nullptr || PyModule_AddObjectRef(module, "LimitError", LimitError) < 0 ||
         PyModule_AddStringConstant(module, "build_info", CORRAL_BUILD_INFO " (" __VERSION__ ")") < 0 ||
-        !add_hook(module) || !add_terms(module) || !add_kernels(module)) {
+        !add_hook(module) || !add_terms(module) || !add_kernels(module) || !add_qmatmul(module) ||
+        !add_decode_step(module)) {
         Py_DECREF(module);
         return nullptr;
     }

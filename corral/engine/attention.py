@@ -47,6 +47,10 @@ class KVCache(NamedTuple):
         return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
                    torch.zeros(shape[:3], dtype=torch.float32), torch.zeros(shape[:3], dtype=torch.float32))
 
+    def layer(self, index: int) -> "KVCache":
+        """Layer ``index`` of a cache allocated for every layer at once (a leading layer dimension): views."""
+        return KVCache(*(None if t is None else t[index] for t in self))
+
     @property
     def is_int8(self) -> bool:
         return self.k_scale is not None

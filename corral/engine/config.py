@@ -12,7 +12,8 @@ from corral.engine.quant import GROUP_SIZES
 from corral.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
-QUANTIZATIONS = ("auto", "none", "w8a16", "w4a16", "gguf")
+DECODE_STEPS = ("auto", "native", "torch")
+QUANTIZATIONS = ("auto", "none", "w8a16", "w4a16", "gguf", "w4a8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "int8")
 
 
@@ -35,6 +36,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    decode_step: str = "auto"  # auto: the native decode step where it serves the model; native: required; torch
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -46,6 +48,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                                       f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
+        if self.decode_step not in DECODE_STEPS:
+            raise InvalidRequestError(f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}",
+                                      param="decode_step")
         if self.quant_group_size not in GROUP_SIZES:
             raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

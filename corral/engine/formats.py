@@ -6,14 +6,16 @@ reads only the CPU's feature flags and the model file's kind, never a timing, so
 the same numerics (the format changes greedy outputs, which is why it is reported in ``system_fingerprint`` and
 ``/v1/models``):
 
-- ``dtype``: bfloat16 where the CPU has fast bf16 (AMX or AVX-512 bf16), else float32.
-- ``quantization``: a GGUF whose linears are Q4_0/Q4_1 runs them as shipped (``gguf``, W4A16); any other model
-  runs ``none``. torch's int4 CPU kernel is a per-row GEMV: it beats dense weights at 1-8 rows and loses from
-  about 16 rows up (measured in ``bench/engine.py --formats``; the README has the table). Decode batches are
-  mostly small on a CPU, prefill is slower. ``auto`` takes the shipped format, since it is also the only one with
-  no quantization error of Corral's own.
-- ``kv_cache_dtype``: the activation dtype (int8 halves the KV bytes but adds error; it is a choice, not a
-  default).
+- ``quantization``: a GGUF whose linears are Q4_0/Q4_1 runs them as shipped. With the native module that is
+  ``w4a8``: the Q4 blocks and the Q8_0 embedding/LM head through Corral's integer kernels (AVX-512 VNNI, AVX2 or
+  scalar, chosen by the CPU), activations float32, quantized to int8 per block of 32 inside each product, as
+  llama.cpp runs the same file. Without the native module it is ``gguf`` (W4A16 through torch's int4 kernel).
+  Any other model runs ``none``.
+- ``dtype``: float32 under ``w4a8`` (its activations); otherwise bfloat16 where the CPU has fast bf16 (AMX or
+  AVX-512 bf16), else float32.
+- ``kv_cache_dtype``: bfloat16 under ``w4a8`` (storage only: it is read by shifts, no bf16 arithmetic, and halves
+  the KV bytes); otherwise the activation dtype. int8 halves the bytes again but adds error; it is a choice, not
+  a default.
 
 What this leaves out: a start-up timing probe (it could only choose among kernels with identical numerics,
 and there is no such pair here), GPU formats.
@@ -34,7 +36,7 @@ FAST_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 class Formats(NamedTuple):
     dtype: str  # float32 | bfloat16
-    quantization: str  # none | w8a16 | w4a16 | gguf
+    quantization: str  # none | w8a16 | w4a16 | gguf | w4a8
     kv_cache_dtype: str  # float32 | bfloat16 | int8
     reason: str  # why, for the start-up log line
 
@@ -54,22 +56,36 @@ def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = 
     (``gguf_q4``) or are not GGUF Q4_0/Q4_1 blocks."""
     flags = native.cpu_flags() if flags is None else flags
     reasons = []
+    quantization = config.quantization
+    if quantization == "auto":
+        quantization = ("w4a8" if native.module() is not None else "gguf") if gguf_q4 else "none"
+        reasons.append({"w4a8": "quantization w4a8: the GGUF's Q4 linears and Q8 head as shipped, native kernels",
+                        "gguf": "quantization gguf: the GGUF's Q4 linears as shipped (no native module: torch's "
+                                "int4 kernel)",
+                        "none": "quantization none: the model has no Q4 blocks"}[quantization])
+    if quantization == "gguf" and not gguf_q4:
+        raise InvalidRequestError("quantization 'gguf' needs a GGUF model whose linears are Q4_0 or Q4_1 blocks; "
+                                  "w4a16 quantizes any model", param="quantization")
+    if quantization == "w4a8" and native.module() is None:
+        raise InvalidRequestError("quantization 'w4a8' runs on the native module, which is not loaded here",
+                                  param="quantization")
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(config.dtype, config.dtype)
-    if dtype == "auto":
+    if quantization == "w4a8" and dtype not in ("auto", "float32"):
+        raise InvalidRequestError("quantization 'w4a8' runs float32 activations (dtype auto or float32)",
+                                  param="dtype")
+    if dtype == "auto" and quantization == "w4a8":
+        dtype = "float32"
+        reasons.append("dtype float32: w4a8's activations")
+    elif dtype == "auto":
         fast = has_fast_bf16(flags)
         dtype = "bfloat16" if fast else "float32"
         reasons.append(f"dtype {dtype}: the CPU " + ("has " + "/".join(sorted(FAST_BF16_FLAGS & flags)) if fast
                                                       else "has neither amx_bf16 nor avx512_bf16"))
-    quantization = config.quantization
-    if quantization == "auto":
-        quantization = "gguf" if gguf_q4 else "none"
-        reasons.append("quantization gguf: the GGUF's Q4 linears run as shipped" if gguf_q4
-                       else "quantization none: the model has no Q4 blocks")
-    if quantization == "gguf" and not gguf_q4:
-        raise InvalidRequestError("quantization 'gguf' needs a GGUF model whose linears are Q4_0 or Q4_1 blocks; "
-                                  "w4a16 quantizes any model", param="quantization")
     kv = {"bf16": "bfloat16"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
-    if kv == "auto":
+    if kv == "auto" and quantization == "w4a8":
+        kv = "bfloat16"
+        reasons.append("KV cache bfloat16: half the bytes of float32, read without bf16 arithmetic")
+    elif kv == "auto":
         kv = dtype
         reasons.append(f"KV cache {kv}: the activation dtype")
     return Formats(dtype, quantization, kv, "; ".join(reasons) or "as configured")

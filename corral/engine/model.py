@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from corral.engine.attention import AttentionMetadata, KVCache, paged_attention_forward, write_kv
-from corral.engine.quant import Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_q4, quantize_int4
+from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q8Tiles, concat_q4,
+                                 quantize_int4)
+from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
 from corral.models import ModelConfig
@@ -91,17 +93,78 @@ class _Embedding:
         return F.embedding(ids, self.weight)
 
 
+class _Rows:
+    """An embedding looked up in the LM head's Q8 tiles (the dequantized rows, float32)."""
+
+    def __init__(self, table: Q8Tiles):
+        self.table, self.nbytes = table, table.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+
+class NativeStep:
+    """The whole decode step of a W4A8 model in one native call (``corral/csrc/decode_step.cpp``): the same kernels
+    as :meth:`LlamaModel.forward` on the same weights, so the same hidden states bit for bit. The layers' tiles are
+    moved into one buffer that the layers' :class:`Q4Tiles` then view (one copy of the weights)."""
+
+    @staticmethod
+    def serves(model: "LlamaModel") -> bool:
+        layer = model.layers[0] if model.layers else {}
+        return (model.quantization == "w4a8" and model.fused and isinstance(layer.get("qkv"), Q4Tiles)
+                and layer["qkv"].bias is None and hasattr(native.module(), "decode_step"))
+
+    def __init__(self, model: "LlamaModel"):
+        cfg = model.config
+        layers = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+        self.layer_tiles = torch.cat([layer.tiles.flatten() for layer in layers])
+        offset = 0
+        for layer in layers:
+            size = layer.tiles.numel()
+            layer.tiles = self.layer_tiles[offset: offset + size].view(layer.tiles.shape)
+            offset += size
+        self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +
+                                 [model.final_norm]).float().contiguous()
+        self.spec = torch.tensor([cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.intermediate_size, model.embed.table.out_features, 0], dtype=torch.int64)
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, hidden] of B single-token decodes; ``k_cache``/``v_cache`` every layer's cache
+        [layers, blocks, block_size, kv_heads, head_dim] (float32 or bfloat16), written at ``slots``."""
+        model = self.model
+        spec = self.spec.clone()
+        spec[7] = k_cache.shape[2]
+        out = torch.empty(len(input_ids), model.config.hidden_size)
+        native.module().decode_step(
+            cpu_ops.buffer(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
+                                                               (input_ids, positions, slots, tables, context_lens)),
+            cpu_ops.buffer(model.embed.table.tiles), cpu_ops.buffer(self.layer_tiles), cpu_ops.buffer(self.norms),
+            cpu_ops.buffer(model.cos), cpu_ops.buffer(model.sin), cpu_ops.buffer(k_cache), cpu_ops.buffer(v_cache),
+            cpu_ops.buffer(out), torch.get_num_threads())
+        return out
+
+
 class LlamaModel:
     """Weights plus ``forward``. Plain tensors rather than ``nn.Module``: nothing here trains.
 
-    ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K)
-    or ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense)."""
+    ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K),
+    ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense) or
+    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, and Q8 embedding/head, through the native kernels with
+    float32 activations)."""
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",
                  group_size: int = 32):
         self.config, self.dtype, self.quantization, self.group_size = config, dtype, quantization, group_size
         get = lambda name: weights[name].to(dtype).contiguous()  # noqa: E731
-        if quantization == "none":
+        if quantization == "w4a8":  # Q8 blocks of 32 (GGUF Q8_0 as shipped): lookups and logits from one copy
+            if dtype != torch.float32:
+                raise ValueError("w4a8 runs float32 activations")
+            table = Q8Tiles(self._dense(weights["model.embed_tokens.weight"]))
+            self.embed = _Rows(table)
+            self.lm_head = table if config.tie_word_embeddings else Q8Tiles(self._dense(weights["lm_head.weight"]))
+        elif quantization == "none":
             self.embed = _Embedding(get("model.embed_tokens.weight"))
             head = self.embed.weight if config.tie_word_embeddings else get("lm_head.weight")
             self.lm_head = Dense(head, None, dtype)
@@ -118,6 +181,7 @@ class LlamaModel:
         # computed in float32 as HF does, then cast once: [max_position, head_dim] in the run dtype
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self.fused = cpu_ops.available(dtype) and self.final_norm.device.type == "cpu"
+        self.native_step = NativeStep(self) if NativeStep.serves(self) else None
 
     @staticmethod
     def _dense(value) -> torch.Tensor:
@@ -125,6 +189,9 @@ class LlamaModel:
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
+        if self.quantization == "w4a8":  # Q4 blocks as shipped, or quantized at group 32
+            blocks = [p if isinstance(p, Q4Blocks) else quantize_int4(self._dense(p), 32) for p in parts]
+            return Q4Tiles(concat_q4(blocks), bias)
         if self.quantization == "gguf" and all(isinstance(p, Q4Blocks) for p in parts):
             layer = Int4Groups(concat_q4(parts), bias, torch.bfloat16)
         else:

@@ -16,6 +16,7 @@ from corral.engine.model import LlamaModel
 from corral.engine.scheduler import ScheduledBatch
 from corral.engine.sequence import Sequence
 from corral.engine.weights import load_weights
+from corral.errors import InvalidRequestError
 from corral.kernels import paged_attention_cpu
 from corral.models import ModelConfig, ModelFiles
 
@@ -31,7 +32,7 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
         weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
-                               keep_q4=config.quantization == "gguf")
+                               keep_q4=config.quantization in ("gguf", "w4a8"))
         self.model = LlamaModel(model_config, weights, dtype, config.quantization, config.quant_group_size)
         del weights
         self.block_size = config.block_size
@@ -41,10 +42,27 @@ class ModelRunner:
                                                           else 0)
         self.num_blocks = config.num_kv_blocks or max(
             1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // (bytes_per_token * config.block_size))
-        self.kv_caches = [KVCache.allocate(self.num_blocks, config.block_size, model_config.num_kv_heads,
-                                           model_config.head_dim, kv_dtype) for _ in range(model_config.num_layers)]
+        # one tensor per field for every layer (the native step takes them whole); each layer's cache views it
+        layers = model_config.num_layers
+        whole = KVCache.allocate(layers * self.num_blocks, config.block_size, model_config.num_kv_heads,
+                                 model_config.head_dim, kv_dtype)
+        self.whole_kv = KVCache(*(None if t is None else t.view(layers, self.num_blocks, *t.shape[1:])
+                                  for t in whole))
+        self.kv_caches = [self.whole_kv.layer(i) for i in range(layers)]
+        # the native decode step: a W4A8 model, a float cache, and the switch not turned off
+        self.native_step = None if config.decode_step == "torch" or kv_dtype == torch.int8 else \
+            self.model.native_step
+        if config.decode_step == "native" and self.native_step is None:
+            raise InvalidRequestError("decode_step 'native' needs quantization w4a8, a float32 or bfloat16 KV cache "
+                                      "and the native module", param="decode_step")
+        log.info("decode step: %s", self.decode_path)
         self._log_kv_bill(bytes_per_token, kv_dtype)
         log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
+
+    @property
+    def decode_path(self) -> str:
+        """Which code runs decode-only steps: ``native`` (one call per step) or ``torch`` (a call per op)."""
+        return "native" if self.native_step is not None else "torch"
 
     def _log_kv_bill(self, bytes_per_token: int, kv_dtype: torch.dtype) -> None:
         cfg, num_tokens = self.model_config, self.num_blocks * self.block_size
@@ -75,7 +93,12 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         input_ids, positions, meta = self.prepare(seqs, counts)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if self.native_step is not None and not meta.prefills and not meta.prefill_groups:
+            (group,) = meta.decodes  # with the decode kernel, all decodes are one group
+            hidden = self.native_step(input_ids, positions, meta.slot_mapping, group.block_tables,
+                                      group.context_lens, self.whole_kv.k, self.whole_kv.v)
+        else:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows, sampling = [], []
         end = 0
         for seq, count in zip(seqs, counts):

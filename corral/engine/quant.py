@@ -72,6 +72,87 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8), scale
 
 
+Q4_TILE_BYTES, Q8_TILE_BYTES = 320, 544  # corral/csrc/qmatmul.h: one block of 32 along K for 16 output rows
+
+
+def _tile_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [N, ...] padded with zero rows to a multiple of 16."""
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, -t.shape[0] % 16))
+
+
+def _halves(values: torch.Tensor, num_tiles: int, num_blocks: int) -> torch.Tensor:
+    """Per-(row, block) values [N16, B] as float16 bytes [T, B, 32]: a tile's 16 rows side by side per block."""
+    halves = values.to(torch.float16).view(num_tiles, 16, num_blocks).permute(0, 2, 1).contiguous()
+    return halves.view(torch.uint8).view(num_tiles, num_blocks, 32)
+
+
+def pack_q4_tiles(blocks: Q4Blocks) -> torch.Tensor:
+    """Q4 blocks of 32 as the native W4A8 kernel's tiles [ceil(N / 16), K / 32, 320] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): the codes unchanged, ``d = scale`` and ``m = zero - 8 scale`` (a GGUF Q4_1
+    block's own d and m) as float16, exact for GGUF blocks, whose d and m are float16."""
+    if blocks.group != 32:
+        raise ValueError(f"the W4A8 kernel takes blocks of 32 along K, not {blocks.group}")
+    rows, cols = blocks.codes.shape
+    codes = _tile_rows(blocks.codes.to(torch.uint8))
+    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
+    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)
+    d = _tile_rows(blocks.scale.float())
+    m = _tile_rows((blocks.zero.float() - 8 * blocks.scale.float()))
+    return torch.cat((packed, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)), -1).contiguous()
+
+
+def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per block of 32 along K, as GGUF Q8_0 (``w = d q``, d float16): ``(codes [N, K] int8,
+    d [N, K / 32] float16)``. Exact on a dequantized Q8_0 tensor: a block's largest code is 127, so
+    ``max|w| / 127`` is its d again."""
+    rows, cols = weight.shape
+    w = weight.float().view(rows, cols // 32, 32)
+    d = (w.abs().amax(-1) / 127).to(torch.float16)
+    safe = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    codes = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8).view(rows, cols)
+    return codes, d
+
+
+def pack_q8_tiles(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8 blocks of 32 as the native kernel's tiles [ceil(N / 16), K / 32, 544] uint8 (codes + 128)."""
+    rows, cols = codes.shape
+    shifted = _tile_rows((codes.to(torch.int16) + 128).to(torch.uint8))
+    num_tiles, num_blocks = shifted.shape[0] // 16, cols // 32
+    packed = shifted.view(num_tiles, 16, num_blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 512)
+    return torch.cat((packed, _halves(_tile_rows(d.float()), num_tiles, num_blocks)), -1).contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The W4A8 kernel's activations, in torch: per row and block of 32, ``(codes, scale, sum)`` with
+    ``scale = max|x| / 127``, ``codes = round(x * (127 / max|x|))`` (float32 codes [M, B, 32]; zero where the block
+    is) and the block's sum of ``x``."""
+    rows, cols = x.shape
+    blocks = x.float().view(rows, cols // 32, 32)
+    amax = blocks.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse[..., None]), amax / 127, blocks.sum(-1)
+
+
+def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
+    """What the W4A8 kernel computes, in float64: ``sum_b d s_b (q . xq) + m sum_b`` (float32 [M, N])."""
+    codes, scale, sums = (t.double() for t in quantize_activations(x))
+    rows, cols = blocks.codes.shape
+    q = blocks.codes.double().view(rows, cols // 32, 32)
+    d = blocks.scale.to(torch.float16).double()
+    m = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).double()
+    dots = torch.einsum("abk,nbk->anb", codes, q)
+    return (torch.einsum("anb,nb,ab->an", dots, d, scale) + sums @ m.T).float()
+
+
+def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """What the Q8 kernel computes, in float64: ``sum_b d s_b (q . xq)`` (float32 [M, N])."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    rows, cols = codes.shape
+    dots = torch.einsum("abk,nbk->anb", xq, codes.double().view(rows, cols // 32, 32))
+    return torch.einsum("anb,nb,ab->an", dots, d.double(), scale).float()
+
+
 class _Biased:
     """The bias, in the activation dtype, added after a kernel that takes none."""
 
@@ -135,6 +216,62 @@ class Int4Groups(_Biased):
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
+
+
+class Q4Tiles(_Biased):
+    """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0 as shipped, or :func:`quantize_int4` at group 32) through the native
+    kernel, float32 activations quantized to int8 per block of 32 on the fly (``corral/csrc/qmatmul.h``)."""
+
+    kind = "w4a8"
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None):
+        super().__init__(bias, torch.float32)
+        self.out_features, self.in_features = blocks.codes.shape
+        self.tiles = pack_q4_tiles(blocks)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(native_matmul("q4_matmul", x, self.tiles, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+class Q8Tiles:
+    """W8A8 rows in blocks of 32 (GGUF Q8_0 as shipped: :func:`quantize_q8_blocks` gives its codes back) through
+    the native kernel; also the embedding (``rows(ids)``: the dequantized rows) when tied."""
+
+    kind = "w8a8"
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.tiles = pack_q8_tiles(*quantize_q8_blocks(weight))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native_matmul("q8_matmul", x, self.tiles, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from corral import native
+        from corral.kernels.cpu_ops import buffer
+
+        out = torch.empty(len(ids), self.in_features)
+        native.module().q8_rows(buffer(self.tiles), self.out_features, buffer(ids.contiguous()), buffer(out))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+def native_matmul(name: str, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` [M, K] (any float dtype; float32 inside) times the tiles' ``n`` rows: float32 [M, n]."""
+    from corral import native
+    from corral.kernels.cpu_ops import buffer
+
+    out = torch.empty(x.shape[0], n)
+    getattr(native.module(), name)(buffer(x.float().contiguous()), buffer(tiles), n, buffer(out),
+                                   torch.get_num_threads())
+    return out
 
 
 class Int8Embedding:

@@ -73,9 +73,11 @@ class NativePaths(Open):
     module: str | None = None
     mask_path: Literal["native", "python"]
     kernels: str
+    qmatmul: str | None = None  # the W4A8/W8A8 products' variant: native-avx512-vnni, native-avx2, native-scalar
     build: str | None = None
 
 
 class Health(Open):
     status: Literal["ok"] = "ok"
     native: NativePaths | None = None
+    decode_step: Literal["native", "torch"] | None = None  # what runs decode-only steps (None: a toy engine)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from corral import native
 from corral.engine.config import EngineConfig
 from corral.engine.formats import resolve
 from corral.errors import InvalidRequestError
@@ -10,6 +11,12 @@ AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 AVX512_BF16 = AVX2 | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
 AMX = AVX512_BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
 AUTO = EngineConfig(dtype="auto", quantization="auto", kv_cache_dtype="auto")
+needs_native = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
+
+
+@pytest.fixture
+def without_native(monkeypatch):
+    monkeypatch.setattr(native, "module", lambda: None)
 
 
 @pytest.mark.parametrize("flags, gguf_q4, expected", [
@@ -20,13 +27,33 @@ AUTO = EngineConfig(dtype="auto", quantization="auto", kv_cache_dtype="auto")
     (AMX, False, ("bfloat16", "none", "bfloat16")),
     (frozenset(), True, ("float32", "gguf", "float32")),  # flags unreadable: no fast bf16 assumed
 ])
-def test_auto_follows_the_cpu_flags_and_the_model_kind(flags, gguf_q4, expected):
+def test_auto_without_the_native_module_follows_the_cpu_flags(without_native, flags, gguf_q4, expected):
     formats = resolve(AUTO, gguf_q4, flags)
     assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == expected
     assert formats.reason  # logged at start-up
 
 
-def test_the_reason_names_the_flag_it_read():
+@needs_native
+@pytest.mark.parametrize("flags", [AVX2, AVX512_BF16, AMX, frozenset()])
+def test_auto_runs_q4_ggufs_as_w4a8_on_the_native_module(flags):
+    formats = resolve(AUTO, True, flags)
+    assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == ("float32", "w4a8", "bfloat16")
+    assert formats.tag == "fp32-w4a8-kvbf16" and "native kernels" in formats.reason
+    assert resolve(AUTO, False, flags).quantization == "none"  # nothing to run as shipped
+
+
+@needs_native
+def test_w4a8_runs_float32_activations():
+    with pytest.raises(InvalidRequestError, match="w4a8' runs float32 activations"):
+        resolve(EngineConfig(dtype="bfloat16", quantization="w4a8"), True, AMX)
+
+
+def test_w4a8_needs_the_native_module(without_native):
+    with pytest.raises(InvalidRequestError, match="runs on the native module"):
+        resolve(EngineConfig(quantization="w4a8"), True, AMX)
+
+
+def test_the_reason_names_the_flag_it_read(without_native):
     assert "avx512_bf16" in resolve(AUTO, True, AVX512_BF16).reason
     assert "neither amx_bf16 nor avx512_bf16" in resolve(AUTO, True, AVX2).reason
 
@@ -52,6 +79,7 @@ def test_gguf_needs_q4_blocks():
     ("kv_cache_dtype", "fp8", "kv_cache_dtype must be one of"),
     ("dtype", "float16", "dtype must be auto or one of"),
     ("quant_group_size", 48, "quant_group_size must be 32, 64 or 128"),
+    ("decode_step", "fast", "decode_step must be one of"),
 ])
 def test_bad_format_names_are_refused(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -1,0 +1,171 @@
+// The native decode step of a W4A8 Llama model: for B sequences with one new token each, the embedding lookup,
+// every layer (RMSNorm, QKV, RoPE, the K/V write into the paged cache, paged attention, the output projection,
+// RMSNorm, gate/up, SiLU * up, down) and the final norm, in one call with the GIL released. Python schedules
+// once per step; the block tables, the prefix cache and the guides stay in Python.
+//
+// It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles linears
+// and the fused ops, float32 activations), in the same order on the same buffers, so its hidden states equal
+// that path's bit for bit; tests/engine/test_native_step.py holds it to that.
+#include "arrays.h"
+#include "common.h"
+#include "kernels.h"
+#include "qmatmul.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace corral_native {
+namespace {
+
+constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size
+
+int64_t q4_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * (k / 32) * corral_qmatmul::Q4_TILE_BYTES; }
+
+uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables [B, W], lens [B] (int64),
+//             embed Q8 tiles [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o,
+//             gate_up, down, one after another), norms float32 [2 layers + 1, hidden], cos, sin float32
+//             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32
+//             or bfloat16 (as int16), out float32 [B, hidden], threads)
+PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 16, "decode_step")) return nullptr;
+    GUARDED(
+        const Array spec_array(args[0], "spec", false);
+        spec_array.expect_shape({SPEC});
+        spec_array.expect_int64();
+        const int64_t* spec = spec_array.data<const int64_t>();
+        const int64_t L = spec[0], H = spec[1], heads = spec[2], kv_heads = spec[3], D = spec[4], I = spec[5],
+                      vocab = spec[6], block_size = spec[7];
+        for (int i = 0; i < SPEC; ++i)
+            if (spec[i] < 1) fail(PyExc_ValueError, "decode_step: spec values must be positive");
+        if (H % 32 || I % 32 || (heads * D) % 32 || heads % kv_heads || D % 2)
+            fail(PyExc_ValueError, "decode_step: hidden, intermediate and heads x head_dim must be multiples of 32");
+        const float eps = float_arg(args[1]);
+        const Array ids(args[2], "ids", false), positions(args[3], "positions", false), slots(args[4], "slots", false),
+            tables(args[5], "tables", false), lens(args[6], "lens", false);
+        ids.expect_ndim(1);
+        const Py_ssize_t B = ids.dim(0);
+        for (const Array* a : {&ids, &positions, &slots, &lens}) {
+            a->expect_shape({B});
+            a->expect_int64();
+        }
+        tables.expect_ndim(2);
+        tables.expect_int64();
+        if (tables.dim(0) != B) fail(PyExc_ValueError, "tables: one row per sequence");
+        const int64_t width = tables.dim(1);
+        const Array embed(args[7], "embed", false), layer_tiles(args[8], "layer_tiles", false),
+            norms(args[9], "norms", false), cos(args[10], "cos", false), sin(args[11], "sin", false),
+            k_cache(args[12], "k_cache", true), v_cache(args[13], "v_cache", true), out(args[14], "out", true);
+        embed.expect_uint8();
+        embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
+        const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
+        const int64_t sizes[4] = {q4_bytes(QKV, H), q4_bytes(H, Q), q4_bytes(2 * I, H), q4_bytes(H, I)};
+        const int64_t per_layer = sizes[0] + sizes[1] + sizes[2] + sizes[3];
+        layer_tiles.expect_uint8();
+        layer_tiles.expect_shape({Py_ssize_t(L * per_layer)});
+        norms.expect_float32();
+        norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
+        cos.expect_float32();
+        cos.expect_ndim(2);
+        if (cos.dim(1) != D) fail(PyExc_ValueError, "cos: head_dim columns expected");
+        sin.expect_float32();
+        sin.expect_shape({cos.dim(0), Py_ssize_t(D)});
+        k_cache.expect_ndim(5);
+        const int kv_kind = k_cache.float_kind();
+        const int64_t blocks = k_cache.dim(1);
+        k_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
+                              Py_ssize_t(D)});
+        v_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
+                              Py_ssize_t(D)});
+        v_cache.expect_like(k_cache);
+        if (v_cache.float_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+        out.expect_float32();
+        out.expect_shape({B, Py_ssize_t(H)});
+        const int threads = threads_arg(args[15]);
+        const int64_t *id = ids.data<const int64_t>(), *pos = positions.data<const int64_t>(),
+                      *slot = slots.data<const int64_t>(), *table = tables.data<const int64_t>(),
+                      *len = lens.data<const int64_t>();
+        for (Py_ssize_t b = 0; b < B; ++b) {
+            if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
+            if (pos[b] < 0 || pos[b] >= cos.dim(0)) fail(PyExc_IndexError, "decode_step: a position past the table");
+            if (slot[b] < 0 || slot[b] >= blocks * block_size)
+                fail(PyExc_IndexError, "decode_step: a slot outside the cache");
+            if (len[b] < 1 || len[b] > width * block_size)
+                fail(PyExc_IndexError, "decode_step: a context length outside its block table");
+            for (int64_t j = 0; j < (len[b] + block_size - 1) / block_size; ++j)
+                if (table[b * width + j] < 0 || table[b * width + j] >= blocks)
+                    fail(PyExc_IndexError, "decode_step: a block id outside the cache");
+        }
+        if (B == 0) Py_RETURN_NONE;
+        std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
+            gate_up(B * 2 * I), act(B * I);
+        {
+            NoGil nogil;
+            const corral_kernels::KernelTable* k = kernel_table();
+            const uint8_t* embed_tiles = embed.data<const uint8_t>();
+            for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
+            const float* norm = norms.data<const float>();
+            const int64_t layer_cache = blocks * block_size * KVW;
+            const float scale = 1.0f / std::sqrt(float(D));
+            bool has_delta = false;
+            for (int64_t l = 0; l < L; ++l) {
+                const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
+                k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
+                                    H, eps, threads);
+                q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
+                k->rope_f32(qkv.data(), QKV, pos, cos.data<const float>(), sin.data<const float>(), B,
+                            heads + kv_heads, D, threads);
+                for (Py_ssize_t b = 0; b < B; ++b) {
+                    const float* row = qkv.data() + b * QKV;
+                    std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
+                    const int64_t at = l * layer_cache + slot[b] * KVW;
+                    if (kv_kind == 4) {
+                        std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
+                        std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
+                    } else {
+                        uint16_t* kd = k_cache.data<uint16_t>() + at;
+                        uint16_t* vd = v_cache.data<uint16_t>() + at;
+                        for (int64_t i = 0; i < KVW; ++i) kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
+                    }
+                }
+                if (kv_kind == 4)
+                    k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
+                                        v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
+                                        len, attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
+                else
+                    k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
+                                             v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
+                                             table, width, len, attn.data(), B, heads, kv_heads, D, block_size, scale,
+                                             threads);
+                w += sizes[0];
+                q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
+                k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
+                w += sizes[1];
+                q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
+                k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
+                w += sizes[2];
+                q4_product(act.data(), B, I, w, H, delta.data(), threads);
+                has_delta = true;
+            }
+            k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+PyMethodDef step_methods[] = {
+    FAST("decode_step", decode_step),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+bool add_decode_step(PyObject* module) { return PyModule_AddFunctions(module, step_methods) == 0; }
+
+}  // namespace corral_native

@@ -1,0 +1,201 @@
+// The quantized products' Python entry points (see qmatmul.h for the layouts and the numerics): every buffer is
+// checked before a kernel reads it, the GIL is released while it runs, and the variant is the one chosen for this
+// CPU when the module loads (CORRAL_QMATMUL_ISA=scalar|avx2|avx512 picks another the CPU has, for tests).
+#include "arrays.h"
+#include "common.h"
+#include "qmatmul.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace corral_native {
+namespace {
+
+using corral_qmatmul::Activations;
+using corral_qmatmul::QTable;
+
+const QTable* chosen_q = nullptr;
+
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+// nullptr with a Python error set when CORRAL_QMATMUL_ISA names a variant this CPU cannot run.
+const QTable* choose_q() {
+    const char* forced = std::getenv("CORRAL_QMATMUL_ISA");
+    const std::string want = forced == nullptr ? "" : forced;
+    if (want == "scalar") return corral_qmatmul::scalar_table();
+    if (want == "avx2" || (want.empty() && !cpu_has_avx512_vnni() && cpu_has_avx2())) {
+        if (cpu_has_avx2() && corral_qmatmul::avx2_table() != nullptr) return corral_qmatmul::avx2_table();
+    } else if (want == "avx512" || want.empty()) {
+        if (cpu_has_avx512_vnni() && corral_qmatmul::avx512_table() != nullptr) return corral_qmatmul::avx512_table();
+        if (want.empty()) return corral_qmatmul::scalar_table();
+    }
+    if (want.empty()) return corral_qmatmul::scalar_table();
+    PyErr_Format(PyExc_ImportError, "CORRAL_QMATMUL_ISA=%s: this CPU or build has no such variant (scalar, avx2, "
+                 "avx512)", want.c_str());
+    return nullptr;
+}
+
+// x's int8 codes, scales and sums per block of 32 (qmatmul.h), in buffers kept per thread between calls.
+struct QuantizedRows {
+    std::vector<int8_t> xq;
+    std::vector<float> scale, sum;
+    std::vector<int32_t> isum;
+
+    Activations of(const float* x, int64_t rows, int64_t cols) {
+        const int64_t blocks = cols / corral_qmatmul::BLOCK;
+        xq.resize(size_t(rows * cols));
+        scale.resize(size_t(rows * blocks));
+        sum.resize(size_t(rows * blocks));
+        isum.resize(size_t(rows * blocks));
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t b = 0; b < blocks; ++b) {
+                const float* in = x + m * cols + b * 32;
+                int8_t* out = xq.data() + m * cols + b * 32;
+                float amax = 0.0f, total = 0.0f;
+                for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(in[i])), total += in[i];
+                const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int32_t codes = 0;
+                for (int i = 0; i < 32; ++i) {
+                    const int32_t q = int32_t(std::nearbyint(in[i] * inverse));
+                    out[i] = int8_t(q);
+                    codes += q;
+                }
+                scale[m * blocks + b] = amax / 127.0f;
+                sum[m * blocks + b] = total;
+                isum[m * blocks + b] = codes;
+            }
+        return {xq.data(), scale.data(), sum.data(), isum.data(), rows, cols};
+    }
+};
+
+thread_local QuantizedRows scratch;
+
+float half_value(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    if (exponent == 0) {
+        const float f = std::ldexp(float(mantissa), -24);
+        return sign ? -f : f;
+    }
+    const uint32_t bits = exponent == 0x1F ? sign | 0x7F800000u | (mantissa << 13)
+                                           : sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+}  // namespace
+
+void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
+    chosen_q->q4(scratch.of(x, rows, cols), tiles, n, y, n, threads);
+}
+
+void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
+    chosen_q->q8(scratch.of(x, rows, cols), tiles, n, y, n, threads);
+}
+
+void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
+    const int64_t t = id / 16, r = id % 16;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* w = tiles + (t * blocks + b) * corral_qmatmul::Q8_TILE_BYTES;
+        const float d = half_value(w + 512 + 2 * r);
+        for (int k = 0; k < 32; ++k) out[b * 32 + k] = d * float(int32_t(w[64 * (k / 4) + 4 * r + k % 4]) - 128);
+    }
+}
+
+namespace {
+
+// q4_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32,
+// threads): out = x W^T.
+PyObject* matmul(PyObject* const* args, Py_ssize_t nargs, bool four_bit) {
+    if (!check_args(nargs, 5, four_bit ? "q4_matmul" : "q8_matmul")) return nullptr;
+    GUARDED(
+        const Array x(args[0], "x", false), tiles(args[1], "tiles", false), out(args[3], "out", true);
+        x.expect_ndim(2);
+        x.expect_float32();
+        tiles.expect_uint8();
+        out.expect_float32();
+        const long long n = PyLong_AsLongLong(args[2]);
+        if (n == -1 && PyErr_Occurred()) throw PyFailure();
+        if (n < 1) fail(PyExc_ValueError, "N must be positive");
+        const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
+        if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
+        tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
+                            four_bit ? corral_qmatmul::Q4_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
+        out.expect_shape({rows, Py_ssize_t(n)});
+        const int threads = threads_arg(args[4]);
+        if (rows > 0) {
+            NoGil nogil;
+            (four_bit ? q4_product : q8_product)(x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n,
+                                                 out.data<float>(), threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+PyObject* q4_matmul(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return matmul(args, nargs, true); }
+PyObject* q8_matmul(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return matmul(args, nargs, false); }
+
+// q8_rows(tiles [ceil(N / 16), K / 32, 544] uint8, N, ids [T] int64, out [T, K] float32): the rows ids of W,
+// dequantized (an embedding lookup from the LM head's tiles).
+PyObject* q8_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 4, "q8_rows")) return nullptr;
+    GUARDED(
+        const Array tiles(args[0], "tiles", false), ids(args[2], "ids", false), out(args[3], "out", true);
+        tiles.expect_ndim(3);
+        tiles.expect_uint8();
+        ids.expect_ndim(1);
+        ids.expect_int64();
+        out.expect_float32();
+        const long long n = PyLong_AsLongLong(args[1]);
+        if (n == -1 && PyErr_Occurred()) throw PyFailure();
+        const Py_ssize_t blocks = tiles.dim(1);
+        tiles.expect_shape({Py_ssize_t((n + 15) / 16), blocks, corral_qmatmul::Q8_TILE_BYTES});
+        out.expect_shape({ids.dim(0), blocks * 32});
+        const int64_t* id = ids.data<const int64_t>();
+        for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
+            if (id[i] < 0 || id[i] >= n) fail(PyExc_IndexError, "q8_rows: an id outside the rows");
+        for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
+            q8_row(tiles.data<const uint8_t>(), blocks, id[i], out.data<float>() + i * blocks * 32);
+        Py_RETURN_NONE;
+    )
+}
+
+PyMethodDef qmatmul_methods[] = {
+    FAST("q4_matmul", q4_matmul),
+    FAST("q8_matmul", q8_matmul),
+    FAST("q8_rows", q8_rows),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+bool add_qmatmul(PyObject* module) {
+    chosen_q = choose_q();
+    if (chosen_q == nullptr) return false;
+    if (PyModule_AddStringConstant(module, "qmatmul_isa", chosen_q->isa) < 0) return false;
+    return PyModule_AddFunctions(module, qmatmul_methods) == 0;
+}
+
+}  // namespace corral_native

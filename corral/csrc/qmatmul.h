@@ -1,0 +1,62 @@
+// Quantized matrix products with 8-bit activations: y[M, N] = x[M, K] W[N, K]^T in float32, W as 4-bit (Q4) or
+// 8-bit (Q8) codes in blocks of 32 along K, x quantized on the fly to int8 per block of 32 (one scale each), the
+// block dot products taken in integers (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, or scalar), one variant chosen
+// for this CPU when the module loads.
+//
+// Weights are repacked at load into tiles of 16 output rows, block after block, so that one 64-byte load feeds 16
+// rows' dot products and the stream through memory is sequential:
+//
+//   Q4 tile block (320 bytes): 4 chunks of 64 bytes, then 16 float16 d, then 16 float16 m (w = d q + m, q 0..15).
+//     In chunk c, byte 4 r + i holds q[r][8 c + i] in its low nibble and q[r][8 c + 4 + i] in its high one
+//     (r: the row in the tile, i: 0..3, the column within the block).
+//   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
+//     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
+//
+// Rows past N in the last tile are zero codes; their outputs are not stored.
+//
+// Activations, per row and block b of 32: s = max|x| / 127, xq = round(x * (127 / max|x|)) (ties to even; all
+// zero when max|x| = 0), also sum = the block's float sum of x and isum = the sum of its xq. Then
+//   Q4: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)     (the m term uses the exact x, not xq)
+//   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
+// The only error against the float32 product with the dequantized weights is x's rounding to xq: per block at most
+// s_b / 2 per element, so |y - y_ref| <= sum_b |d[n,b]| (s_b / 2) sum_k |q| (float32 summation order aside).
+#pragma once
+
+#include <cstdint>
+
+namespace corral_qmatmul {
+
+constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q8_TILE_BYTES = 544;
+
+struct Activations {
+    const int8_t* xq;    // [M, K]
+    const float* scale;  // [M, K / 32]
+    const float* sum;    // [M, K / 32]
+    const int32_t* isum; // [M, K / 32]
+    int64_t rows, cols;
+};
+
+// y[M, ldy] (the first N columns written); tiles [ceil(N / 16), K / 32, tile bytes].
+using Matmul = void (*)(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads);
+
+struct QTable {
+    const char* isa;
+    Matmul q4;
+    Matmul q8;
+};
+
+const QTable* scalar_table();
+const QTable* avx2_table();
+const QTable* avx512_table();
+
+}  // namespace corral_qmatmul
+
+namespace corral_native {
+
+// With the GIL released: x [rows, cols] float32 quantized per block, times the tiles' n rows into y [rows, n].
+void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads);
+void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads);
+// Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
+void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);
+
+}  // namespace corral_native

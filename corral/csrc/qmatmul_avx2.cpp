@@ -1,0 +1,138 @@
+// The quantized products with AVX2: each 64-byte tile chunk is two 32-byte halves of 8 rows x 4 codes;
+// vpmaddubsw multiplies unsigned codes by signed activation bytes into 16-bit pair sums and vpmaddwd adds those
+// into one 32-bit sum per row. Q4 codes (at most 15) let a whole block's pair sums stay in 16 bits (at most
+// 4 x 2 x 2 x 15 x 127 = 30,480); Q8 codes go through vpsignb (|q| times x with q's sign: at most 2 x 127 x 127).
+#include "qmatmul.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx2,fma,f16c")
+
+namespace corral_qmatmul {
+namespace {
+
+#define CORRAL_INLINE static inline __attribute__((always_inline))
+
+CORRAL_INLINE __m256i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+CORRAL_INLINE __m256 halves(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
+    if (valid >= 8) {
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int64_t i = 0; i < valid; ++i) y[i] = lanes[i];
+}
+
+// Rows m..m+R of one half (8 output rows) of a tile.
+template <int R>
+CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
+                           int64_t ldy, int64_t valid) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, w += Q4_TILE_BYTES) {
+        __m256i pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * half));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
+                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
+            }
+        }
+        const __m256 d = halves(w + 256 + 16 * half), mins = halves(w + 288 + 16 * half);
+        for (int r = 0; r < R; ++r) {
+            const int64_t at = (m + r) * blocks + b;
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[at])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store(y + (m + r) * ldy, acc[r], valid);
+}
+
+template <int R>
+CORRAL_INLINE void q8_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
+                           int64_t ldy, int64_t valid) {
+    const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, w += Q8_TILE_BYTES) {
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+            const __m256i q = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * half)), flip);  // signed codes
+            const __m256i magnitude = _mm256_abs_epi8(q);
+            for (int r = 0; r < R; ++r) {
+                const __m256i signed_x = _mm256_sign_epi8(broadcast4(x.xq + (m + r) * x.cols + b * BLOCK + 4 * c), q);
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+            }
+        }
+        const __m256 d = halves(w + 512 + 16 * half);
+        for (int r = 0; r < R; ++r) {
+            const float s = x.scale[(m + r) * blocks + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store(y + (m + r) * ldy, acc[r], valid);
+}
+
+using Rows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int64_t);
+
+template <Rows Rows1, Rows Rows2, Rows Rows4, int64_t TileBytes>
+void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    const int64_t blocks = x.cols / BLOCK, halves_total = 2 * ((n + TILE - 1) / TILE);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < halves_total; ++h) {
+        const int64_t first = h * 8;  // the half's first output row
+        if (first >= n) continue;
+        const uint8_t* w = tiles + (h / 2) * blocks * TileBytes;
+        const int half = int(h % 2);
+        const int64_t valid = n - first < 8 ? n - first : 8;
+        float* out = y + first;
+        int64_t m = 0;
+        for (; m + 4 <= x.rows; m += 4) Rows4(x, m, w, blocks, half, out, ldy, valid);
+        if (m + 2 <= x.rows) Rows2(x, m, w, blocks, half, out, ldy, valid), m += 2;
+        if (m < x.rows) Rows1(x, m, w, blocks, half, out, ldy, valid);
+    }
+}
+
+void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    matmul<q4_rows<1>, q4_rows<2>, q4_rows<4>, Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+}
+
+void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    matmul<q8_rows<1>, q8_rows<2>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+}
+
+const QTable table = {"avx2", q4, q8};
+
+}  // namespace
+
+const QTable* avx2_table() { return &table; }
+
+}  // namespace corral_qmatmul
+
+#else
+
+namespace corral_qmatmul {
+const QTable* avx2_table() { return nullptr; }
+}  // namespace corral_qmatmul
+
+#endif

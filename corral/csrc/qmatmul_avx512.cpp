@@ -1,0 +1,123 @@
+// The quantized products with AVX-512 VNNI: one 64-byte load of a tile chunk is 16 rows x 4 codes, and one
+// vpdpbusd adds those 16 rows' 4-term dot products with a broadcast group of 4 activation bytes. Up to 4
+// activation rows share each unpacked chunk (R below); tiles are split between the threads.
+#include "qmatmul.h"
+
+// GCC 12's own AVX-512 headers trip this warning (their _mm512_undefined_* values)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+namespace corral_qmatmul {
+namespace {
+
+#define CORRAL_INLINE static inline __attribute__((always_inline))
+
+CORRAL_INLINE __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+CORRAL_INLINE __m512 halves(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R>
+CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, float* y, int64_t ldy,
+                           __mmask16 keep) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, w += Q4_TILE_BYTES) {
+        __m512i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(w + 64 * c);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast4(xq));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast4(xq + 4));
+            }
+        }
+        const __m512 d = halves(w + 256), mins = halves(w + 288);
+        for (int r = 0; r < R; ++r) {
+            const int64_t at = (m + r) * blocks + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy, keep, acc[r]);
+}
+
+template <int R>
+CORRAL_INLINE void q8_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, float* y, int64_t ldy,
+                           __mmask16 keep) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, w += Q8_TILE_BYTES) {
+        __m512i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+            const __m512i v = _mm512_loadu_si512(w + 64 * c);
+            for (int r = 0; r < R; ++r)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast4(x.xq + (m + r) * x.cols + b * BLOCK + 4 * c));
+        }
+        const __m512 d = halves(w + 512);
+        for (int r = 0; r < R; ++r) {
+            const int64_t at = (m + r) * blocks + b;
+            // the codes carry +128: take 128 times the activations' sum back off
+            const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * x.isum[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy, keep, acc[r]);
+}
+
+template <void (*Rows1)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t, __mmask16),
+          void (*Rows2)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t, __mmask16),
+          void (*Rows4)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t, __mmask16),
+          int64_t TileBytes>
+void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        const uint8_t* w = tiles + t * blocks * TileBytes;
+        const int64_t valid = n - t * TILE < TILE ? n - t * TILE : TILE;
+        const __mmask16 keep = __mmask16((1u << valid) - 1u);
+        float* out = y + t * TILE;
+        int64_t m = 0;
+        for (; m + 4 <= x.rows; m += 4) Rows4(x, m, w, blocks, out, ldy, keep);
+        if (m + 2 <= x.rows) Rows2(x, m, w, blocks, out, ldy, keep), m += 2;
+        if (m < x.rows) Rows1(x, m, w, blocks, out, ldy, keep);
+    }
+}
+
+void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    matmul<q4_rows<1>, q4_rows<2>, q4_rows<4>, Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+}
+
+void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    matmul<q8_rows<1>, q8_rows<2>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+}
+
+const QTable table = {"avx512-vnni", q4, q8};
+
+}  // namespace
+
+const QTable* avx512_table() { return &table; }
+
+}  // namespace corral_qmatmul
+
+#else
+
+namespace corral_qmatmul {
+const QTable* avx512_table() { return nullptr; }
+}  // namespace corral_qmatmul
+
+#endif

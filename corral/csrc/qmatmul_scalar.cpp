@@ -1,0 +1,86 @@
+// The quantized products in portable C++: the variant for CPUs without AVX2, and the reference the vector
+// variants are tested against (the integer block sums are exact in every variant, so all agree up to float32
+// summation order).
+#include "qmatmul.h"
+
+#include <cstring>
+
+namespace corral_qmatmul {
+namespace {
+
+float half_to_float(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int shift = 0;
+        uint32_t m = mantissa;
+        while (!(m & 0x400)) m <<= 1, ++shift;
+        bits = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        for (int64_t m = 0; m < x.rows; ++m) {
+            float acc[TILE] = {};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* w = tiles + (t * blocks + b) * Q4_TILE_BYTES;
+                const int8_t* xq = x.xq + m * x.cols + b * BLOCK;
+                const float s = x.scale[m * blocks + b], sum = x.sum[m * blocks + b];
+                for (int r = 0; r < TILE; ++r) {
+                    int32_t dot = 0;
+                    for (int c = 0; c < 4; ++c)
+                        for (int i = 0; i < 4; ++i) {
+                            const uint8_t byte = w[64 * c + 4 * r + i];
+                            dot += int32_t(byte & 0x0F) * xq[8 * c + i] + int32_t(byte >> 4) * xq[8 * c + 4 + i];
+                        }
+                    acc[r] += float(dot) * (half_to_float(w + 256 + 2 * r) * s) + half_to_float(w + 288 + 2 * r) * sum;
+                }
+            }
+            for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
+        }
+    }
+}
+
+void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        for (int64_t m = 0; m < x.rows; ++m) {
+            float acc[TILE] = {};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* w = tiles + (t * blocks + b) * Q8_TILE_BYTES;
+                const int8_t* xq = x.xq + m * x.cols + b * BLOCK;
+                const float s = x.scale[m * blocks + b];
+                for (int r = 0; r < TILE; ++r) {
+                    int32_t dot = 0;
+                    for (int c = 0; c < 8; ++c)
+                        for (int i = 0; i < 4; ++i) dot += (int32_t(w[64 * c + 4 * r + i]) - 128) * xq[4 * c + i];
+                    acc[r] += float(dot) * (half_to_float(w + 512 + 2 * r) * s);
+                }
+            }
+            for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
+        }
+    }
+}
+
+const QTable table = {"scalar", q4, q8};
+
+}  // namespace
+
+const QTable* scalar_table() { return &table; }
+
+}  // namespace corral_qmatmul

@@ -1,0 +1,180 @@
+"""The native W4A8 / W8A8 products (``corral/csrc/qmatmul*.cpp``): every instruction-set variant this CPU runs
+against the float64 value of the numerics they state (integer block dot products are exact, so only float32
+summation order may differ), the stated error bound against the dequantized weights, the tile packing, and the
+checks on what Python hands in."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from corral import native
+from corral.engine.quant import (Q4Blocks, pack_q4_tiles, pack_q8_tiles, quantize_activations, quantize_int4,
+                                 quantize_q8_blocks, w4a8_reference, w8a8_reference)
+from corral.kernels.cpu_ops import buffer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
+SHAPES = [(1, 16, 32), (3, 17, 96), (4, 40, 64), (5, 100, 576), (16, 160, 576), (7, 576, 1536)]  # M, N, K
+FLAGS = native.cpu_flags()
+VARIANTS = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) + \
+    (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS else [])
+
+
+def q4_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q4_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def q8_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q8_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def summation_bound(terms: torch.Tensor, blocks: int) -> torch.Tensor:
+    """float32 accumulation of ``blocks`` block terms (each a product and an FMA): (2 B + 8) u sum |terms|."""
+    return (2 * blocks + 8) * 2.0 ** -24 * terms
+
+
+def q4_terms(x, blocks: Q4Blocks) -> torch.Tensor:
+    """sum_b |d s_b (q . xq)| + |m sum_b|: the magnitude the float32 rounding scales with."""
+    codes, scale, sums = (t.double() for t in quantize_activations(x))
+    n, k = blocks.codes.shape
+    q = blocks.codes.double().view(n, k // 32, 32)
+    d = blocks.scale.to(torch.float16).double()
+    m = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).double()
+    dots = torch.einsum("abk,nbk->anb", codes, q).abs()
+    return torch.einsum("anb,nb,ab->an", dots, d.abs(), scale) + sums.abs() @ m.abs().T
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q4_equals_its_stated_numerics(m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    blocks = quantize_int4(torch.randn(n, k), 32)
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    got = q4_product(x, pack_q4_tiles(blocks), n)
+    bound = summation_bound(q4_terms(x, blocks), k // 32).float()
+    assert ((got - w4a8_reference(x, blocks)).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q4_error_against_the_dequantized_weights_is_within_the_stated_bound(m, n, k):
+    """|y - x W_deq^T| <= sum_b |d| (s_b / 2) sum_k |q| (each activation off by at most half its block's step)."""
+    torch.manual_seed(7 + n)
+    blocks = quantize_int4(torch.randn(n, k), 32)
+    x = torch.randn(m, k)
+    d = blocks.scale.to(torch.float16).float()
+    m_ = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).float()
+    weights = blocks.codes.float() * d.repeat_interleave(32, 1) + m_.repeat_interleave(32, 1)
+    exact = x.double() @ weights.double().T
+    _, scale, _ = quantize_activations(x)
+    step = torch.einsum("nb,ab,nb->an", d.abs().double(), scale.double() / 2,
+                        blocks.codes.double().view(n, k // 32, 32).sum(-1))
+    got = q4_product(x, pack_q4_tiles(blocks), n).double()
+    assert ((got - exact).abs() <= step * (1 + 1e-5) + 1e-4 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q8_equals_its_stated_numerics(m, n, k):
+    torch.manual_seed(n + 3 * k)
+    codes, d = quantize_q8_blocks(torch.randn(n, k))
+    x = torch.randn(m, k)
+    got = q8_product(x, pack_q8_tiles(codes, d), n)
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    terms = torch.einsum("anb,nb,ab->an", torch.einsum("abk,nbk->anb", xq, codes.double().view(n, k // 32, 32)).abs(),
+                         d.double().abs(), scale)
+    assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
+
+
+def test_q8_blocks_give_q8_0_back_exactly_and_the_rows_dequantize_exactly():
+    torch.manual_seed(3)
+    codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    codes[:, ::32] = 127  # llama.cpp's Q8_0: each block's largest magnitude is code 127
+    d = (torch.rand(40, 2) * 0.02 + 1e-3).to(torch.float16)
+    dense = codes.float() * d.float().repeat_interleave(32, 1)
+    again, d_again = quantize_q8_blocks(dense)
+    assert torch.equal(again, codes) and torch.equal(d_again, d)
+    tiles = pack_q8_tiles(codes, d)
+    ids = torch.tensor([0, 39, 17, 17])
+    rows = torch.empty(4, 64)
+    native.module().q8_rows(buffer(tiles), 40, buffer(ids), buffer(rows))
+    assert torch.equal(rows, dense[ids])
+
+
+def test_q4_tiles_keep_a_q4_1_blocks_own_d_and_m():
+    """From GGUF Q4_1 (scale = d, zero = m + 8 d, d and m float16) the tiles hold d and m exactly."""
+    torch.manual_seed(5)
+    d = (torch.rand(16, 2) * 0.05).to(torch.float16).float()
+    m = (torch.randn(16, 2) * 0.1).to(torch.float16).float()
+    blocks = Q4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8), d, m + 8 * d, 32)
+    tiles = pack_q4_tiles(blocks)
+    assert torch.equal(tiles[0, :, 256:288].contiguous().view(torch.float16).float(), d.T)
+    assert torch.equal(tiles[0, :, 288:320].contiguous().view(torch.float16).float(), m.T)
+    x = torch.zeros(1, 64)
+    x[0, 3] = 1.0  # one activation of code 127 at scale 1/127: y = d q + m for column 3, up to xq rounding
+    y = q4_product(x, tiles, 16)
+    expected = blocks.codes[:, 3].float() * d[:, 0] * (127 * (1 / 127)) + m[:, 0]
+    assert torch.allclose(y[0], expected, rtol=1e-6, atol=1e-7)
+
+
+_VARIANT_CHECK = """
+import json, torch
+from corral import native
+from corral.engine.quant import *
+from corral.kernels.cpu_ops import buffer
+mod = native.module()
+torch.manual_seed(11)
+worst = 0.0
+for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536)]:
+    blocks = quantize_int4(torch.randn(n, k), 32)
+    x = torch.randn(m, k)
+    out = torch.empty(m, n)
+    mod.q4_matmul(buffer(x), buffer(pack_q4_tiles(blocks)), n, buffer(out), 2)
+    ref = w4a8_reference(x, blocks)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    codes, d = quantize_q8_blocks(torch.randn(n, k))
+    mod.q8_matmul(buffer(x), buffer(pack_q8_tiles(codes, d)), n, buffer(out), 2)
+    ref = w8a8_reference(x, codes, d)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst}))
+"""
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
+    result = subprocess.run([sys.executable, "-c", _VARIANT_CHECK], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env={**os.environ, "CORRAL_QMATMUL_ISA": variant})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["isa"].startswith(variant) and report["worst"] < 1e-5, report
+
+
+def test_a_variant_the_cpu_lacks_is_refused_at_import():
+    result = subprocess.run([sys.executable, "-c", "import corral._native"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env={**os.environ, "CORRAL_QMATMUL_ISA": "sve"})
+    assert result.returncode != 0 and "CORRAL_QMATMUL_ISA=sve" in result.stderr
+
+
+def test_buffers_are_checked():
+    mod = native.module()
+    tiles = pack_q4_tiles(quantize_int4(torch.randn(32, 64), 32))
+    x, out = torch.randn(2, 64), torch.empty(2, 32)
+    with pytest.raises(ValueError, match="tiles"):
+        mod.q4_matmul(buffer(x), buffer(tiles), 48, buffer(out), 2)  # N does not match the tiles
+    with pytest.raises(ValueError, match="K must be a multiple of 32"):
+        mod.q4_matmul(buffer(torch.randn(2, 48)), buffer(tiles), 32, buffer(out), 2)
+    with pytest.raises(ValueError, match="out"):
+        mod.q4_matmul(buffer(x), buffer(tiles), 32, buffer(torch.empty(3, 32)), 2)
+    with pytest.raises(TypeError, match="float32"):
+        mod.q4_matmul(buffer(x.double()), buffer(tiles), 32, buffer(out), 2)
+    with pytest.raises(ValueError, match="tiles"):
+        mod.q8_matmul(buffer(x), buffer(tiles), 32, buffer(out), 2)  # Q4 tiles handed to the Q8 product
+    q8 = pack_q8_tiles(*quantize_q8_blocks(torch.randn(32, 64)))
+    with pytest.raises(IndexError, match="outside the rows"):
+        mod.q8_rows(buffer(q8), 32, buffer(torch.tensor([0, 32])), buffer(torch.empty(2, 64)))
