@@ -5,8 +5,11 @@ the C++ attention and fused elementwise kernels (with their Python wrappers), th
 batch preparation and the sampler are wrapped with a wall-clock timer (each timer adds well under a microsecond).
 Prints, per batch size, the step time and each part's share; "other torch in forward" is the forward's time not
 inside a timed part (views, splits, casts), and "engine loop" is the step's time outside the forward and the
-sampler (scheduling, guides, outputs). No HTTP: compare with ``bench/engine.py`` for what the server adds.
+sampler (scheduling, guides, outputs). Where the native decode step runs (``w4a8``), it times its own parts
+("native: ..."; the prefill steps still go through the timed torch parts). No HTTP: compare with
+``bench/engine.py`` for what the server adds.
 
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
 """
 
@@ -54,6 +57,8 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
         setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
     engine.sampler = timed("sampler", engine.sampler)
     runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
+    if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
+        runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
 
 
 def main() -> int:
@@ -75,19 +80,26 @@ def main() -> int:
             warm = [engine.tokenizer.encode(f"Warm-up {i}: once upon a time") for i in range(batch)]
             engine.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             spent.clear()
+            native_step = engine.runner.native_step
+            if native_step is not None:
+                native_step.profile.zero_()
             prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
             steps = engine.stats().num_steps
             start = time.perf_counter()
             engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
             wall = time.perf_counter() - start
             steps = engine.stats().num_steps - steps
+            if native_step is not None:
+                spent.update({f"native: {name}": float(seconds)
+                              for name, seconds in zip(native_step.PARTS, native_step.profile)})
             per = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
             step = wall / steps * 1e3
-            per["other torch in forward"] = per["forward"] - sum(per.get(p, 0.0) for p in PARTS)
+            native_parts = [f"native: {name}" for name in native_step.PARTS] if native_step is not None else []
+            per["other torch in forward"] = per["forward"] - sum(per.get(p, 0.0) for p in (*PARTS, *native_parts))
             per["engine loop"] = step - per["forward"] - per["sampler"]
             print(f"\n{engine.formats.tag}, batch {batch}: {steps} steps, {step:.2f} ms per step, "
                   f"{batch * args.tokens / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
-            for name in (*PARTS, "other torch in forward", "sampler", "engine loop"):
+            for name in (*native_parts, *PARTS, "other torch in forward", "sampler", "engine loop"):
                 print(f"| {name} | {per.get(name, 0.0):.3f} | {per.get(name, 0.0) / step:.1%} |")
         del engine
     return 0

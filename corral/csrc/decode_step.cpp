@@ -11,6 +11,7 @@
 #include "kernels.h"
 #include "qmatmul.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -22,6 +23,21 @@ constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermedi
 
 int64_t q4_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * (k / 32) * corral_qmatmul::Q4_TILE_BYTES; }
 
+// The parts a profile splits a step into (seconds added to timings[part] when a timings buffer is given).
+enum Part { EMBED, NORM, MATMUL, ROPE, KV_WRITE, ATTENTION, SILU, PARTS };
+
+// Adds the time since the last mark to a part; a no-op without a timings buffer.
+struct Clock {
+    double* timings;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void mark(Part part) {
+        if (timings == nullptr) return;
+        const auto now = std::chrono::steady_clock::now();
+        timings[part] += std::chrono::duration<double>(now - last).count();
+        last = now;
+    }
+};
+
 uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bfloat16)
     uint32_t u;
     std::memcpy(&u, &x, 4);
@@ -32,9 +48,10 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             embed Q8 tiles [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o,
 //             gate_up, down, one after another), norms float32 [2 layers + 1, hidden], cos, sin float32
 //             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32
-//             or bfloat16 (as int16), out float32 [B, hidden], threads)
+//             or bfloat16 (as int16), out float32 [B, hidden], threads, timings float64 [7] or None: seconds added
+//             per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU)
 PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 16, "decode_step")) return nullptr;
+    if (!check_args(nargs, 17, "decode_step")) return nullptr;
     GUARDED(
         const Array spec_array(args[0], "spec", false);
         spec_array.expect_shape({SPEC});
@@ -88,6 +105,12 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.expect_float32();
         out.expect_shape({B, Py_ssize_t(H)});
         const int threads = threads_arg(args[15]);
+        const bool profiled = args[16] != Py_None;
+        const Array timings(profiled ? args[16] : args[0], "timings", profiled);
+        if (profiled) {
+            timings.expect_shape({PARTS});
+            timings.expect_format('d', 8, "float64");
+        }
         const int64_t *id = ids.data<const int64_t>(), *pos = positions.data<const int64_t>(),
                       *slot = slots.data<const int64_t>(), *table = tables.data<const int64_t>(),
                       *len = lens.data<const int64_t>();
@@ -107,9 +130,11 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
             gate_up(B * 2 * I), act(B * I);
         {
             NoGil nogil;
+            Clock clock{profiled ? timings.data<double>() : nullptr};
             const corral_kernels::KernelTable* k = kernel_table();
             const uint8_t* embed_tiles = embed.data<const uint8_t>();
             for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
+            clock.mark(EMBED);
             const float* norm = norms.data<const float>();
             const int64_t layer_cache = blocks * block_size * KVW;
             const float scale = 1.0f / std::sqrt(float(D));
@@ -118,9 +143,12 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                 const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
                 k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
                                     H, eps, threads);
+                clock.mark(NORM);
                 q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
+                clock.mark(MATMUL);
                 k->rope_f32(qkv.data(), QKV, pos, cos.data<const float>(), sin.data<const float>(), B,
                             heads + kv_heads, D, threads);
+                clock.mark(ROPE);
                 for (Py_ssize_t b = 0; b < B; ++b) {
                     const float* row = qkv.data() + b * QKV;
                     std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
@@ -134,6 +162,7 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         for (int64_t i = 0; i < KVW; ++i) kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
                     }
                 }
+                clock.mark(KV_WRITE);
                 if (kv_kind == 4)
                     k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
                                         v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
@@ -143,17 +172,24 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                                              v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
                                              table, width, len, attn.data(), B, heads, kv_heads, D, block_size, scale,
                                              threads);
+                clock.mark(ATTENTION);
                 w += sizes[0];
                 q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
+                clock.mark(MATMUL);
                 k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
+                clock.mark(NORM);
                 w += sizes[1];
                 q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
+                clock.mark(MATMUL);
                 k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
+                clock.mark(SILU);
                 w += sizes[2];
                 q4_product(act.data(), B, I, w, H, delta.data(), threads);
+                clock.mark(MATMUL);
                 has_delta = true;
             }
             k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
+            clock.mark(NORM);
         }
         Py_RETURN_NONE;
     )

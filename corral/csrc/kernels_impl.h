@@ -108,7 +108,11 @@ static void rope(T* x, int64_t stride, const int64_t* positions, const T* cos, c
     }
 }
 
-// out[r] = T(silu(gate[r])) * up[r], where row r of gate_up is [gate (n) | up (n)].
+#pragma GCC pop_options
+
+// out[r] = T(silu(gate[r])) * up[r], where row r of gate_up is [gate (n) | up (n)]. Outside the no-FMA block:
+// nothing here is a product followed by a sum that torch rounds in between, and exp_approx (no torch op in any
+// case) ran at half speed without its FMAs.
 template <typename T>
 static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int threads) {
     #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN)
@@ -123,8 +127,6 @@ static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int thre
         }
     }
 }
-
-#pragma GCC pop_options
 
 // The next block sits anywhere in the pool, where no hardware prefetcher looks: while row j of this block is
 // read, row j of the next one is asked for (the loads of K and V rows were most of the kernel's time; asking for

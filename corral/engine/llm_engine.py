@@ -168,11 +168,12 @@ class LLMEngine:
         if not batch:
             return []
         self.runner.copy_blocks(self.block_manager.take_pending_copies())   # copy-on-write of forked blocks
-        masks = self._mask_worker.submit(self._fill_masks, self._sampling_seqs(batch))  # overlaps the forward
+        guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
+        masks = self._mask_worker.submit(self._fill_masks, guided) if guided else None  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
         self._commit(batch)                                                 # their K/V is in the cache now
         (seqs, logits), beams = self._split_beams(seqs, logits)             # beam rows skip the sampler
-        masks = masks.result()
+        masks = masks.result() if masks is not None else {}  # no guide: no thread hand-off
         rows, row_logits = self._fork_siblings(seqs, logits)                # n > 1: siblings share the row
         rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
         result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))

@@ -127,7 +127,12 @@ class NativeStep:
                                  [model.final_norm]).float().contiguous()
         self.spec = torch.tensor([cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   cfg.intermediate_size, model.embed.table.out_features, 0], dtype=torch.int64)
+        self.embed_tiles = model.embed.table.tiles
         self.model = model
+        # set to float64 [7] to have each step add its seconds per part (bench/step_profile.py)
+        self.profile: torch.Tensor | None = None
+
+    PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -140,9 +145,9 @@ class NativeStep:
         native.module().decode_step(
             cpu_ops.buffer(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
                                                                (input_ids, positions, slots, tables, context_lens)),
-            cpu_ops.buffer(model.embed.table.tiles), cpu_ops.buffer(self.layer_tiles), cpu_ops.buffer(self.norms),
+            cpu_ops.buffer(self.embed_tiles), cpu_ops.buffer(self.layer_tiles), cpu_ops.buffer(self.norms),
             cpu_ops.buffer(model.cos), cpu_ops.buffer(model.sin), cpu_ops.buffer(k_cache), cpu_ops.buffer(v_cache),
-            cpu_ops.buffer(out), torch.get_num_threads())
+            cpu_ops.buffer(out), torch.get_num_threads(), None if self.profile is None else self.profile.numpy())
         return out
 
 

@@ -56,7 +56,7 @@ def test_bad_buffers_are_refused(engines):
     with pytest.raises(ValueError, match="k_cache"):
         step(one, torch.tensor([0]), one * 0, table, one, runner.whole_kv.k[:2], runner.whole_kv.v[:2])
     with pytest.raises(ValueError, match="spec"):
-        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([None] * 14))
+        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([None] * 15))
 
 
 def test_the_switch_is_stated_and_native_is_refused_where_it_cannot_run():
