@@ -132,6 +132,29 @@ PyObject* kernel_silu_mul(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     )
 }
 
+// log_normalizers(logits [rows, width] float32, n, out [rows] float32, threads): out = logsumexp of each row's
+// first n columns.
+PyObject* kernel_log_normalizers(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 4, "log_normalizers")) return nullptr;
+    GUARDED(
+        const Array logits(args[0], "logits", false), out(args[2], "out", true);
+        logits.expect_ndim(2);
+        logits.expect_float32();
+        const long long n = PyLong_AsLongLong(args[1]);
+        if (n == -1 && PyErr_Occurred()) throw PyFailure();
+        if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "log_normalizers: n must be 1..width");
+        out.expect_shape({logits.dim(0)});
+        out.expect_float32();
+        const int threads = threads_arg(args[3]);
+        {
+            NoGil nogil;
+            chosen->log_normalizers(logits.data<const float>(), logits.dim(0), logits.dim(1), n, out.data<float>(),
+                                    threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
 // paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads, k_scale, v_scale): q [S, H, D]
 // float32 or bfloat16; caches [blocks, block_size, KVH, D] of q's dtype, bfloat16 under float32 queries, or int8
 // with float32 scales [blocks, block_size, KVH] (None otherwise); block_tables int64 [S, width], every entry a
@@ -232,6 +255,7 @@ PyMethodDef kernel_methods[] = {
     FAST("add_rms_norm", kernel_add_rms_norm),
     FAST("rope", kernel_rope),
     FAST("silu_mul", kernel_silu_mul),
+    FAST("log_normalizers", kernel_log_normalizers),
     FAST("paged_decode", kernel_paged_decode),
     {nullptr, nullptr, 0, nullptr},
 };

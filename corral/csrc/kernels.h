@@ -21,6 +21,8 @@ using Rope = void (*)(T* x, int64_t stride, const int64_t* positions, const T* c
                       int64_t heads, int64_t dim, int threads);
 template <typename T>
 using SiluMul = void (*)(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
+using LogNormalizers = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, float* out,
+                               int threads);
 template <typename T, typename KV>
 using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
                              const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out,
@@ -41,6 +43,7 @@ struct KernelTable {
     PagedDecode<float, uint16_t> paged_decode_f32_bf16;
     PagedDecode<float, int8_t> paged_decode_f32_i8;
     PagedDecode<uint16_t, int8_t> paged_decode_bf16_i8;
+    LogNormalizers log_normalizers;
 };
 
 template <Isa isa>

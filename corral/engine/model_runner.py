@@ -106,7 +106,9 @@ class ModelRunner:
             if seq.num_computed_tokens + count == len(seq):
                 rows.append(end - 1)
                 sampling.append(seq)
-        logits = self.model.compute_logits(hidden[rows])  # zero rows when every sequence is mid-prefill
+        # every row samples in a decode-only step: no gather (indexing by a list costs tens of microseconds)
+        picked = hidden if len(rows) == len(hidden) else hidden.index_select(0, torch.tensor(rows, dtype=torch.long))
+        logits = self.model.compute_logits(picked)  # zero rows when every sequence is mid-prefill
         return sampling, logits
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

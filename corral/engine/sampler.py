@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from corral.engine.sampling_params import SamplingParams
+from corral.kernels import cpu_ops
 from corral.kernels.bitmask import apply_token_bitmask_
 
 
@@ -69,7 +70,9 @@ class Sampler:
         if not rows:
             return SampleResult([], [], None)
         raw = logits[:, :vocab_size]
-        log_normalizer = torch.logsumexp(raw.float(), dim=-1)
+        log_normalizer = cpu_ops.log_normalizers(logits, vocab_size)
+        if log_normalizer is None:
+            log_normalizer = torch.logsumexp(raw.float(), dim=-1)
         top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)

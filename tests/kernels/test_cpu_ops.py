@@ -69,3 +69,23 @@ def test_silu_mul_equals_torch(dtype, rows):
     expected, got = silu_mul(gate_up), cpu_ops.silu_mul(gate_up)
     torch.testing.assert_close(got, expected, **close(dtype))
     assert_rarely_differs(got, expected)
+
+
+
+@pytest.mark.parametrize("rows, width, n", [(1, 49152, 49152), (3, 1000, 997), (16, 49152, 49152), (2, 40, 1)])
+def test_log_normalizers_equal_torch_logsumexp(rows, width, n):
+    torch.manual_seed(rows + n)
+    logits = torch.randn(rows, width) * 8
+    logits[0, : n // 2] = float("-inf")  # masked columns add nothing
+    got = cpu_ops.log_normalizers(logits, n)
+    expected = torch.logsumexp(logits[:, :n], dim=-1)
+    assert torch.allclose(got, expected, rtol=2e-6, atol=0)
+
+
+
+def test_log_normalizers_of_a_row_with_nothing_allowed_is_minus_infinity_and_odd_inputs_fall_back():
+    logits = torch.full((2, 8), float("-inf"))
+    logits[1, 3] = 2.5
+    assert cpu_ops.log_normalizers(logits, 8).tolist() == [float("-inf"), 2.5]
+    assert cpu_ops.log_normalizers(logits.double(), 8) is None  # torch's logsumexp then runs
+    assert cpu_ops.log_normalizers(torch.randn(4, 8)[:, :4], 4) is None  # not contiguous
