@@ -38,6 +38,16 @@ struct Clock {
     }
 };
 
+// An int8 cache row as corral/engine/quant.py's quantize_int8_rows writes it: the same float32 operations, so the
+// same codes and scale.
+void quantize_row(const float* x, int64_t n, int8_t* codes, float* scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    for (int64_t i = 0; i < n; ++i) codes[i] = int8_t(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(x[i] / safe))));
+    *scale = s;
+}
+
 uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bfloat16)
     uint32_t u;
     std::memcpy(&u, &x, 4);
@@ -47,11 +57,12 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 // decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables [B, W], lens [B] (int64),
 //             embed Q8 tiles [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o,
 //             gate_up, down, one after another), norms float32 [2 layers + 1, hidden], cos, sin float32
-//             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32
-//             or bfloat16 (as int16), out float32 [B, hidden], threads, timings float64 [7] or None: seconds added
-//             per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU)
+//             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32,
+//             bfloat16 (as int16) or int8, out float32 [B, hidden], threads, timings float64 [7] or None: seconds
+//             added per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU; k_scale, v_scale
+//             float32 [layers, blocks, block_size, kv_heads] for an int8 cache, else None)
 PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 17, "decode_step")) return nullptr;
+    if (!check_args(nargs, 19, "decode_step")) return nullptr;
     GUARDED(
         const Array spec_array(args[0], "spec", false);
         spec_array.expect_shape({SPEC});
@@ -94,14 +105,24 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         sin.expect_float32();
         sin.expect_shape({cos.dim(0), Py_ssize_t(D)});
         k_cache.expect_ndim(5);
-        const int kv_kind = k_cache.float_kind();
+        const int kv_kind = k_cache.cache_kind();
         const int64_t blocks = k_cache.dim(1);
         k_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
                               Py_ssize_t(D)});
         v_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
                               Py_ssize_t(D)});
         v_cache.expect_like(k_cache);
-        if (v_cache.float_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+        if (v_cache.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+        const bool has_scales = args[17] != Py_None || args[18] != Py_None;
+        if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+        const Array k_scale(has_scales ? args[17] : args[0], "k_scale", has_scales),
+            v_scale(has_scales ? args[18] : args[0], "v_scale", has_scales);
+        if (has_scales)
+            for (const Array* scales : {&k_scale, &v_scale}) {
+                scales->expect_float32();
+                scales->expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size),
+                                      Py_ssize_t(kv_heads)});
+            }
         out.expect_float32();
         out.expect_shape({B, Py_ssize_t(H)});
         const int threads = threads_arg(args[15]);
@@ -153,7 +174,15 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                     const float* row = qkv.data() + b * QKV;
                     std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
                     const int64_t at = l * layer_cache + slot[b] * KVW;
-                    if (kv_kind == 4) {
+                    if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
+                        const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
+                        for (int half = 0; half < 2; ++half) {
+                            const float* x = row + Q + half * KVW;
+                            int8_t* codes = (half ? v_cache : k_cache).data<int8_t>() + at;
+                            float* scales = (half ? v_scale : k_scale).data<float>() + scale_at;
+                            for (int64_t g = 0; g < kv_heads; ++g) quantize_row(x + g * D, D, codes + g * D, scales + g);
+                        }
+                    } else if (kv_kind == 4) {
                         std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
                         std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
                     } else {
@@ -163,7 +192,14 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                     }
                 }
                 clock.mark(KV_WRITE);
-                if (kv_kind == 4)
+                const int64_t scale_layer = l * blocks * block_size * kv_heads;
+                if (kv_kind == 1)
+                    k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
+                                           v_cache.data<const int8_t>() + l * layer_cache,
+                                           k_scale.data<const float>() + scale_layer,
+                                           v_scale.data<const float>() + scale_layer, table, width, len, attn.data(), B,
+                                           heads, kv_heads, D, block_size, scale, threads);
+                else if (kv_kind == 4)
                     k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
                                         v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
                                         len, attn.data(), B, heads, kv_heads, D, block_size, scale, threads);

@@ -135,9 +135,11 @@ class NativeStep:
     PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                 context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [B, hidden] of B single-token decodes; ``k_cache``/``v_cache`` every layer's cache
-        [layers, blocks, block_size, kv_heads, head_dim] (float32 or bfloat16), written at ``slots``."""
+        [layers, blocks, block_size, kv_heads, head_dim] (float32, bfloat16 or int8 with ``k_scale``/``v_scale``
+        [layers, blocks, block_size, kv_heads]), written at ``slots``."""
         model = self.model
         spec = self.spec.clone()
         spec[7] = k_cache.shape[2]
@@ -147,7 +149,8 @@ class NativeStep:
                                                                (input_ids, positions, slots, tables, context_lens)),
             cpu_ops.buffer(self.embed_tiles), cpu_ops.buffer(self.layer_tiles), cpu_ops.buffer(self.norms),
             cpu_ops.buffer(model.cos), cpu_ops.buffer(model.sin), cpu_ops.buffer(k_cache), cpu_ops.buffer(v_cache),
-            cpu_ops.buffer(out), torch.get_num_threads(), None if self.profile is None else self.profile.numpy())
+            cpu_ops.buffer(out), torch.get_num_threads(), None if self.profile is None else self.profile.numpy(),
+            *(None if s is None else cpu_ops.buffer(s) for s in (k_scale, v_scale)))
         return out
 
 

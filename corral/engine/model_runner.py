@@ -49,12 +49,11 @@ class ModelRunner:
         self.whole_kv = KVCache(*(None if t is None else t.view(layers, self.num_blocks, *t.shape[1:])
                                   for t in whole))
         self.kv_caches = [self.whole_kv.layer(i) for i in range(layers)]
-        # the native decode step: a W4A8 model, a float cache, and the switch not turned off
-        self.native_step = None if config.decode_step == "torch" or kv_dtype == torch.int8 else \
-            self.model.native_step
+        # the native decode step: a W4A8 model and the switch not turned off
+        self.native_step = None if config.decode_step == "torch" else self.model.native_step
         if config.decode_step == "native" and self.native_step is None:
-            raise InvalidRequestError("decode_step 'native' needs quantization w4a8, a float32 or bfloat16 KV cache "
-                                      "and the native module", param="decode_step")
+            raise InvalidRequestError("decode_step 'native' needs quantization w4a8 and the native module",
+                                      param="decode_step")
         log.info("decode step: %s", self.decode_path)
         self._log_kv_bill(bytes_per_token, kv_dtype)
         log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
@@ -96,7 +95,7 @@ class ModelRunner:
         if self.native_step is not None and not meta.prefills and not meta.prefill_groups:
             (group,) = meta.decodes  # with the decode kernel, all decodes are one group
             hidden = self.native_step(input_ids, positions, meta.slot_mapping, group.block_tables,
-                                      group.context_lens, self.whole_kv.k, self.whole_kv.v)
+                                      group.context_lens, *self.whole_kv)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows, sampling = [], []

@@ -56,12 +56,21 @@ def test_bad_buffers_are_refused(engines):
     with pytest.raises(ValueError, match="k_cache"):
         step(one, torch.tensor([0]), one * 0, table, one, runner.whole_kv.k[:2], runner.whole_kv.v[:2])
     with pytest.raises(ValueError, match="spec"):
-        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([None] * 15))
+        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([None] * 17))
+
+
+def test_an_int8_kv_cache_is_written_and_read_as_the_torch_path_does():
+    made = [LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="int8", decode_step=step,
+                                   num_kv_blocks=64, num_threads=2)) for step in ("native", "torch")]
+    assert [e.runner.decode_path for e in made] == ["native", "torch"]
+    prompts = [chat(made[0], q) for q in QUESTIONS[:4]]
+    assert run(made[0], prompts) == run(made[1], prompts)
+    assert torch.equal(made[0].runner.whole_kv.k, made[1].runner.whole_kv.k)  # the same codes
+    assert torch.equal(made[0].runner.whole_kv.v_scale, made[1].runner.whole_kv.v_scale)  # and scales
 
 
 def test_the_switch_is_stated_and_native_is_refused_where_it_cannot_run():
     from corral.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="decode_step 'native' needs quantization w4a8"):
-        LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="int8", decode_step="native",
-                               num_kv_blocks=16))
+        LLMEngine(EngineConfig(quantization="none", dtype="float32", decode_step="native", num_kv_blocks=16))
