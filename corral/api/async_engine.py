@@ -299,13 +299,23 @@ class AsyncEngine:
             stream.put(err)
 
     def _deliver(self, outputs) -> None:
+        """Every output of a step to its stream, in one wake-up of the event loop: each wake-up is a write to its
+        self-pipe, and the event loop then takes the GIL while this thread wants it back for the next step."""
         now = time.monotonic()
+        ready: dict = {}  # event loop -> [(stream, output)]
         for output in outputs:
             if self.observer is not None:
                 self.observer.on_output(output, now)
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.put(output)
+                ready.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in ready.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(ready: list) -> None:
+    for stream, output in ready:
+        stream.queue.put_nowait(output)
 
 
 def _drop_result(future) -> None:

@@ -32,7 +32,8 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         async def send_in_time(message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.send_timeout_s)
+                async with asyncio.timeout(self.send_timeout_s):  # a timer, not a task per event (wait_for's)
+                    await send(message)
             except TimeoutError:
                 raise SendTimeoutError(f"the client read nothing for {self.send_timeout_s:g} s") from None
 

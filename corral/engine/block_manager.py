@@ -28,6 +28,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the model runner
         self.num_queried_tokens = self.num_hit_tokens = 0
+        self._num_cached_free = 0  # free blocks with a hash; kept as they move (stats read it every step)
 
     # -- counts ---------------------------------------------------------------------------------------------
     @property
@@ -41,7 +42,7 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix."""
-        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        return self._num_cached_free
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -81,6 +82,7 @@ class BlockManager:
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
+                self._num_cached_free -= 1  # a hit is a hashed block
             self.ref_counts[block] += 1
         seq.block_table = list(hits)
         seq.block_hashes = [self.block_hash[b] for b in hits]
@@ -123,6 +125,7 @@ class BlockManager:
         assert self.ref_counts[block] == 0
         old = self.block_hash[block]
         if old is not None:  # evicted: its prefix is forgotten only now that the block is reused
+            self._num_cached_free -= 1
             if self.hash_to_block.get(old) == block:
                 del self.hash_to_block[old]
             self.block_hash[block] = None
@@ -151,6 +154,7 @@ class BlockManager:
             assert self.ref_counts[block] >= 0
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
+                self._num_cached_free += self.block_hash[block] is not None
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
 
@@ -170,3 +174,4 @@ class BlockManager:
         """Forget every cached prefix (blocks in use keep their data, just no longer shareable)."""
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
+        self._num_cached_free = 0

@@ -126,3 +126,35 @@ def test_prefix_caching_switch(enable):
     a.num_computed_tokens = 3
     bm.cache_full_blocks(a)
     assert bm.find_cached_prefix(seq([1, 2, 3])) == ([0] if enable else [])
+
+
+def test_the_cached_free_count_follows_every_move():
+    """Kept as blocks move (stats read it every step); checked against a recount after each random operation."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=24, block_size=4)
+    live: list[Sequence] = []
+    hits_seen = 0
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4 and len(live) < 6:
+            new = seq([rng.randrange(3) for _ in range(rng.randrange(1, 14))])
+            hits = bm.find_cached_prefix(new)
+            if bm.can_allocate(new, len(new), hits):
+                bm.allocate(new, len(new), hits)
+                new.num_computed_tokens = len(new)
+                bm.cache_full_blocks(new)
+                live.append(new)
+        elif op < 0.7 and live:
+            one = rng.choice(live)
+            if bm.can_append(one, 1):
+                one.append_token(rng.randrange(3))
+                bm.append(one, 1)
+                one.num_computed_tokens += 1
+                bm.cache_full_blocks(one)
+        elif live:
+            bm.free(live.pop(rng.randrange(len(live))))
+        assert bm.num_cached_free_blocks == sum(1 for b in bm.free_queue if bm.block_hash[b] is not None)
+        hits_seen += bm.num_cached_free_blocks > 0
+    assert hits_seen > 100  # the walk did keep cached free blocks around
