@@ -9,7 +9,8 @@ both sides: Corral's ``disable_any_whitespace: false`` and llama.cpp's own JSON 
 whitespace) end where the model ends them: tokens per second are over the tokens produced, and requests/s.
 
 Cells: short prompts at 1, 4, 16 and 64 concurrent clients (128 output tokens each), prompts of 50-500 tokens
-at 16 clients (32-256 output tokens), 64 JSON schemas at 16 clients (up to 192 tokens), and 32 requests that
+at 16 clients (32-256 output tokens), JSON schemas at 1, 4, 16 and 64 clients (8, 16, 64 and 64 schemas, no
+schema in two cells; up to 192 tokens), and 32 requests that
 share a 1,000-token system prompt at 16 clients. Each cell has a fixed request count; the engines take turns
 cell by cell, so a slow minute on this shared machine hits both. A cell's requests are all distinct from the
 warm-up's and from every other cell's (no accidental prefix-cache hits); both engines keep their prompt cache
@@ -154,12 +155,14 @@ def free_text(tag: str, num: int, seed: int, prompt_words=(8, 8), outputs=(128, 
     return out
 
 
-def json_requests(num: int) -> list[Request]:
-    """``num`` dev schemas spread over the file (it is grouped by source), each with its description as prompt."""
+def json_requests(num: int, offset: int = 0) -> list[Request]:
+    """``num`` dev schemas spread over the file (it is grouped by source), each with its description as prompt.
+    Each pick is at an index that is ``offset`` (0-3) modulo 4, so cells with different offsets share no schema."""
     with gzip.open(DATA, "rt") as f:
         entries = [json.loads(line) for line in f]
+    step = max(4, len(entries) // num)
     out = []
-    for entry in entries[::max(1, len(entries) // num)][:num]:
+    for entry in [entries[(k * step // 4) * 4 + offset] for k in range(num)]:
         schema = entry["schema"]
         described = schema.get("description") if isinstance(schema, dict) else None
         prompt = (described.strip()[:400] if isinstance(described, str) and described.strip()
@@ -177,7 +180,10 @@ def make_cells(seed: int) -> list[Cell]:
         Cell("short-64", 64, free_text("short-64", 64, seed + 3), hf_batch=64),
         Cell("long-16", 16, free_text("long-16", 32, seed + 4, prompt_words=(40, 450), outputs=(32, 256)),
              hf_batch=16),
+        Cell("json-1", 1, json_requests(8, offset=1)),
+        Cell("json-4", 4, json_requests(16, offset=2)),
         Cell("json-16", 16, json_requests(64)),
+        Cell("json-64", 64, json_requests(64, offset=3)),
         Cell("prefix-16", 16, free_text("prefix-16", 32, seed + 5, prompt_words=(4, 4), outputs=(32, 32),
                                         system=system)),
     ]
