@@ -71,8 +71,8 @@ struct QuantizedRows {
             for (int64_t b = 0; b < blocks; ++b) {
                 const float* in = x + m * cols + b * 32;
                 int8_t* out = xq.data() + m * cols + b * 32;
-                float amax = 0.0f, total = 0.0f;
-                for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(in[i])), total += in[i];
+                float amax = 0.0f;
+                for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(in[i]));
                 const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
                 int32_t codes = 0;
                 for (int i = 0; i < 32; ++i) {
@@ -81,7 +81,7 @@ struct QuantizedRows {
                     codes += q;
                 }
                 scale[m * blocks + b] = amax / 127.0f;
-                sum[m * blocks + b] = total;
+                sum[m * blocks + b] = (amax / 127.0f) * float(codes);  // the quantized block's sum (qmatmul.h)
                 isum[m * blocks + b] = codes;
             }
         return {xq.data(), scale.data(), sum.data(), isum.data(), rows, cols};

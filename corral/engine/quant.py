@@ -126,12 +126,14 @@ def pack_q8_tiles(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The W4A8 kernel's activations, in torch: per row and block of 32, ``(codes, scale, sum)`` with
     ``scale = max|x| / 127``, ``codes = round(x * (127 / max|x|))`` (float32 codes [M, B, 32]; zero where the block
-    is) and the block's sum of ``x``."""
+    is) and ``sum = scale * codes.sum()``, the quantized block's sum."""
     rows, cols = x.shape
     blocks = x.float().view(rows, cols // 32, 32)
     amax = blocks.abs().amax(-1)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return torch.round(blocks * inverse[..., None]), amax / 127, blocks.sum(-1)
+    codes = torch.round(blocks * inverse[..., None])
+    scale = amax / 127
+    return codes, scale, scale * codes.sum(-1)
 
 
 def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
@@ -220,7 +222,8 @@ class Int4Groups(_Biased):
 
 class Q4Tiles(_Biased):
     """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0 as shipped, or :func:`quantize_int4` at group 32) through the native
-    kernel, float32 activations quantized to int8 per block of 32 on the fly (``corral/csrc/qmatmul.h``)."""
+    kernel, float32 activations quantized to int8 per block of 32 on the fly (``corral/csrc/qmatmul.h``): the
+    product of the weights with the quantized activations."""
 
     kind = "w4a8"
 
