@@ -3,8 +3,9 @@
 Per row count, the sum over SmolLM2-135M's 30 layers (fused QKV 960x576, gate/up 3072x576, down 576x1536, output
 576x576) and, separately, its LM head (49,152x576), for: dense fp32, dense bf16, W8A16 (``_weight_int8pack_mm``,
 bf16 and fp32 activations) and W4A16 (``_weight_int4pack_mm_for_cpu`` at group 32 and 64, bf16 and fp32
-activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds). Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a
-warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
+activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds), and Corral's
+native W4A8 (Q4 tiles; on the LM head row, W8A8 Q8 tiles: what ``w4a8`` runs), fp32 activations quantized
+inside. Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
 """
@@ -18,7 +19,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from servers import cpu_summary  # noqa: E402
+
+from corral import native  # noqa: E402
+from corral.engine.quant import Q4Tiles, Q8Tiles, quantize_int4  # noqa: E402
 
 LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
 HEAD = (49152, 576)
@@ -49,6 +54,9 @@ def kernels(n: int, k: int, rows: int) -> dict:
             sz = torch.rand(k // group, n, 2).to(xa.dtype)
             out[f"w4g{group} {act}"] = lambda xa=xa, sz=sz, g=group: torch._weight_int4pack_mm_for_cpu(xa, packed,
                                                                                                       g, sz)
+    if native.module() is not None:
+        native_layer = (Q8Tiles(w) if (n, k) == HEAD else Q4Tiles(quantize_int4(w, 32), None))
+        out["w4a8 native"] = lambda: native_layer(x)
     return out
 
 
@@ -59,8 +67,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    isa = native.module().qmatmul_isa if native.module() is not None else "no native module"
     print(f"# {cpu_summary()}; torch {torch.__version__} (kernels: {torch.backends.cpu.get_cpu_capability()}), "
-          f"{args.threads} threads; ms, median of {args.repeats}\n")
+          f"{args.threads} threads; native products: {isa}; ms, median of {args.repeats}\n")
     names = list(kernels(16, 64, 1))
     print("| rows | part | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for rows in (int(r) for r in args.rows.split(",")):
