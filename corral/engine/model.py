@@ -141,8 +141,9 @@ class NativeStep:
         [layers, blocks, block_size, kv_heads, head_dim] (float32, bfloat16 or int8 with ``k_scale``/``v_scale``
         [layers, blocks, block_size, kv_heads]), written at ``slots``."""
         model = self.model
-        spec = self.spec.clone()
-        spec[7] = k_cache.shape[2]
+        spec = self.spec
+        if spec[7] != k_cache.shape[2]:  # the block size: known once the cache is
+            spec[7] = k_cache.shape[2]
         out = torch.empty(len(input_ids), model.config.hidden_size)
         native.module().decode_step(
             cpu_ops.buffer(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in

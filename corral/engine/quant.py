@@ -26,6 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from corral import native
+from corral.kernels.cpu_ops import buffer
+
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -254,9 +257,6 @@ class Q8Tiles:
         return native_matmul("q8_matmul", x, self.tiles, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        from corral import native
-        from corral.kernels.cpu_ops import buffer
-
         out = torch.empty(len(ids), self.in_features)
         native.module().q8_rows(buffer(self.tiles), self.out_features, buffer(ids.contiguous()), buffer(out))
         return out
@@ -268,9 +268,6 @@ class Q8Tiles:
 
 def native_matmul(name: str, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` [M, K] (any float dtype; float32 inside) times the tiles' ``n`` rows: float32 [M, n]."""
-    from corral import native
-    from corral.kernels.cpu_ops import buffer
-
     out = torch.empty(x.shape[0], n)
     getattr(native.module(), name)(buffer(x.float().contiguous()), buffer(tiles), n, buffer(out),
                                    torch.get_num_threads())
