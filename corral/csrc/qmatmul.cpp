@@ -90,21 +90,6 @@ struct QuantizedRows {
 
 thread_local QuantizedRows scratch;
 
-float half_value(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    if (exponent == 0) {
-        const float f = std::ldexp(float(mantissa), -24);
-        return sign ? -f : f;
-    }
-    const uint32_t bits = exponent == 0x1F ? sign | 0x7F800000u | (mantissa << 13)
-                                           : sign | ((exponent + 112) << 23) | (mantissa << 13);
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
 }  // namespace
 
 void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
@@ -119,7 +104,7 @@ void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
     const int64_t t = id / 16, r = id % 16;
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* w = tiles + (t * blocks + b) * corral_qmatmul::Q8_TILE_BYTES;
-        const float d = half_value(w + 512 + 2 * r);
+        const float d = corral_qmatmul::half_to_float(w + 512 + 2 * r);
         for (int k = 0; k < 32; ++k) out[b * 32 + k] = d * float(int32_t(w[64 * (k / 4) + 4 * r + k % 4]) - 128);
     }
 }

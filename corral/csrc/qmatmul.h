@@ -48,6 +48,9 @@ struct QTable {
     Matmul q8;
 };
 
+// A float16 (IEEE half) at p, read without F16C.
+float half_to_float(const uint8_t* p);
+
 const QTable* scalar_table();
 const QTable* avx2_table();
 const QTable* avx512_table();

@@ -6,7 +6,6 @@
 #include <cstring>
 
 namespace corral_qmatmul {
-namespace {
 
 float half_to_float(const uint8_t* p) {
     uint16_t h;
@@ -30,51 +29,51 @@ float half_to_float(const uint8_t* p) {
     return f;
 }
 
-void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+namespace {
+
+// Every output row of every tile, one activation row at a time; Block(w, xq, s, sum, acc) adds one block of 32
+// (tile bytes at w) to the tile's 16 accumulators.
+template <int64_t TileBytes, typename Block>
+void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
+               Block block) {
     const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < num_tiles; ++t) {
         for (int64_t m = 0; m < x.rows; ++m) {
             float acc[TILE] = {};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const uint8_t* w = tiles + (t * blocks + b) * Q4_TILE_BYTES;
-                const int8_t* xq = x.xq + m * x.cols + b * BLOCK;
-                const float s = x.scale[m * blocks + b], sum = x.sum[m * blocks + b];
-                for (int r = 0; r < TILE; ++r) {
-                    int32_t dot = 0;
-                    for (int c = 0; c < 4; ++c)
-                        for (int i = 0; i < 4; ++i) {
-                            const uint8_t byte = w[64 * c + 4 * r + i];
-                            dot += int32_t(byte & 0x0F) * xq[8 * c + i] + int32_t(byte >> 4) * xq[8 * c + 4 + i];
-                        }
-                    acc[r] += float(dot) * (half_to_float(w + 256 + 2 * r) * s) + half_to_float(w + 288 + 2 * r) * sum;
-                }
-            }
+            for (int64_t b = 0; b < blocks; ++b)
+                block(tiles + (t * blocks + b) * TileBytes, x.xq + m * x.cols + b * BLOCK, x.scale[m * blocks + b],
+                      x.sum[m * blocks + b], acc);
             for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
         }
     }
 }
 
-void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < num_tiles; ++t) {
-        for (int64_t m = 0; m < x.rows; ++m) {
-            float acc[TILE] = {};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const uint8_t* w = tiles + (t * blocks + b) * Q8_TILE_BYTES;
-                const int8_t* xq = x.xq + m * x.cols + b * BLOCK;
-                const float s = x.scale[m * blocks + b];
-                for (int r = 0; r < TILE; ++r) {
-                    int32_t dot = 0;
-                    for (int c = 0; c < 8; ++c)
-                        for (int i = 0; i < 4; ++i) dot += (int32_t(w[64 * c + 4 * r + i]) - 128) * xq[4 * c + i];
-                    acc[r] += float(dot) * (half_to_float(w + 512 + 2 * r) * s);
+void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    each_tile<Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads,
+                             [](const uint8_t* w, const int8_t* xq, float s, float sum, float* acc) {
+        for (int r = 0; r < TILE; ++r) {
+            int32_t dot = 0;
+            for (int c = 0; c < 4; ++c)
+                for (int i = 0; i < 4; ++i) {
+                    const uint8_t byte = w[64 * c + 4 * r + i];
+                    dot += int32_t(byte & 0x0F) * xq[8 * c + i] + int32_t(byte >> 4) * xq[8 * c + 4 + i];
                 }
-            }
-            for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
+            acc[r] += float(dot) * (half_to_float(w + 256 + 2 * r) * s) + half_to_float(w + 288 + 2 * r) * sum;
         }
-    }
+    });
+}
+
+void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    each_tile<Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads,
+                             [](const uint8_t* w, const int8_t* xq, float s, float, float* acc) {
+        for (int r = 0; r < TILE; ++r) {
+            int32_t dot = 0;
+            for (int c = 0; c < 8; ++c)
+                for (int i = 0; i < 4; ++i) dot += (int32_t(w[64 * c + 4 * r + i]) - 128) * xq[4 * c + i];
+            acc[r] += float(dot) * (half_to_float(w + 512 + 2 * r) * s);
+        }
+    });
 }
 
 const QTable table = {"scalar", q4, q8};
