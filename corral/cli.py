@@ -38,7 +38,9 @@ def _serve(args) -> int:
 
 def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "quant_group_size": args.quant_group_size, "decode_step": args.decode_step}
+            "quant_group_size": args.quant_group_size, "decode_step": args.decode_step,
+            "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
+            "num_speculative_tokens": args.num_speculative_tokens, "speculation_max_batch": args.speculation_max_batch}
 
 
 def _add_format_args(command) -> None:
@@ -56,6 +58,15 @@ def _add_format_args(command) -> None:
     command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),
                          help="decode-only steps in one native call (auto: where it serves the model, w4a8) or op "
                               "by op in torch (the oracle)")
+    command.add_argument("--jump-forward", default="on", choices=("on", "off"),
+                         help="draft the spans a grammar forces (a request's jump_forward overrides it); drafts are "
+                              "verified and never change an output")
+    command.add_argument("--speculation", default="on", choices=("on", "off"),
+                         help="draft by prompt lookup (a request's speculation overrides it)")
+    command.add_argument("--num-speculative-tokens", type=int, default=8,
+                         help="the most prompt-lookup tokens a sequence drafts per step")
+    command.add_argument("--speculation-max-batch", type=int, default=4,
+                         help="no prompt-lookup drafts in a step where more sequences decode")
 
 
 def _generate(args) -> int:

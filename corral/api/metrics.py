@@ -4,7 +4,11 @@ Exposed (label ``model_name``): ``vllm:time_to_first_token_seconds``, ``vllm:int
 ``vllm:e2e_request_latency_seconds`` (histograms, vLLM's buckets), ``vllm:num_requests_running`` /
 ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (gauges, 1 = full), ``vllm:prefix_cache_queries`` /
 ``vllm:prefix_cache_hits`` (counters, in tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` and
-``vllm:request_success`` by ``finished_reason`` (counters). Corral's own: ``corral:grammar_compile_seconds``, and
+``vllm:request_success`` by ``finished_reason``, ``vllm:spec_decode_num_draft_tokens`` /
+``vllm:spec_decode_num_accepted_tokens`` (counters). Corral's own: ``corral:grammar_compile_seconds``,
+``corral:jump_forward_tokens`` (accepted draft tokens the grammar forced), ``corral:sequence_forward_passes``
+(the steps that produced each sequence's tokens, summed: over ``vllm:generation_tokens``, the forward passes
+per output token), and
 the gauges ``corral:num_requests_in_flight`` (admitted, from arrival to end: what ``max_in_flight`` bounds) and
 ``corral:num_requests_compiling`` (constraints queued or compiling).
 
@@ -132,6 +136,15 @@ class ServerMetrics:
                [f"_total{{{lab}}} {queries}"])
         metric("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
                [f"_total{{{lab}}} {hits}"])
+        drafted, accepted, forced, passes = draft_numbers(self.stats)
+        metric("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens checked by the model (jump-forward and "
+               "prompt lookup).", [f"_total{{{lab}}} {drafted}"])
+        metric("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+               [f"_total{{{lab}}} {accepted}"])
+        metric("corral:jump_forward_tokens", "counter", "Accepted draft tokens from spans the grammar forced.",
+               [f"_total{{{lab}}} {forced}"])
+        metric("corral:sequence_forward_passes", "counter", "Per sequence, the steps that produced its output "
+               "tokens, summed (generation tokens less accepted draft tokens).", [f"_total{{{lab}}} {passes}"])
         metric("vllm:prompt_tokens", "counter", "Prefilled prompt tokens.", [f"_total{{{lab}}} {self.prompt_tokens}"])
         metric("vllm:generation_tokens", "counter", "Generated tokens.",
                [f"_total{{{lab}}} {self.generation_tokens}"])
@@ -154,6 +167,14 @@ def _prefix_names(lines: list[str]) -> list[str]:
             name = line.split()[2]
         out.append(name + line if line.startswith(("_", "{")) else line)
     return out
+
+
+def draft_numbers(stats) -> tuple[int, int, int, int]:
+    """(draft tokens, accepted, jump-forward accepted, sequence forward passes) from ``EngineStats``."""
+    if stats is None:
+        return 0, 0, 0, 0
+    drafted, accepted = getattr(stats, "num_draft_tokens", 0), getattr(stats, "num_accepted_tokens", 0)
+    return drafted, accepted, getattr(stats, "num_forced_tokens", 0), getattr(stats, "num_generated_tokens", 0) - accepted
 
 
 def stats_numbers(stats) -> tuple[int, int, float, int, int]:

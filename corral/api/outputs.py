@@ -6,12 +6,13 @@ scorer, or the one answer most candidates agree on (the engine's schema-aware vo
 """
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from corral.engine.best_of_n import score_candidates
 from corral.engine.self_consistency import majority_vote
 from corral.schemas.chat import ChoiceLogprobs, TokenLogprob, TopLogprob
-from corral.schemas.common import PromptTokensDetails, Usage
+from corral.schemas.common import CompletionTokensDetails, PromptTokensDetails, SpeculationUsage, Usage
 from corral.schemas.completions import CompletionLogprobs
 from corral.schemas.prepare import Strategy
 
@@ -66,10 +67,21 @@ def completion_logprobs(vocab, rows: list[TokenLogprobRow], num_top: int, offset
     return out
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+          completions: Iterable = ()) -> Usage:
+    """The usage block; ``completions`` (the engine's ``CompletionOutput``s) add how their tokens were drafted."""
+    completions = list(completions)
+    drafted = sum(c.num_draft_tokens for c in completions)
+    accepted = sum(c.num_accepted_tokens for c in completions)
+    speculation = SpeculationUsage(forward_passes=sum(c.num_forward_passes for c in completions),
+                                   draft_tokens=drafted, accepted_tokens=accepted,
+                                   forced_tokens=sum(c.num_forced_tokens for c in completions))
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                  total_tokens=num_prompt_tokens + num_completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+                 completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                                                   rejected_prediction_tokens=drafted - accepted),
+                 speculation=speculation)
 
 
 def _vote(outputs: list, pointer: str):

@@ -59,7 +59,8 @@ def _completion(ctx, req, prepared, request_id, latest, last, warnings) -> ChatC
             logprobs=chat_logprobs(ctx.vocabulary, logprob_rows(out), num_top) if req.logprobs else None))
     num_generated = sum(len(o.token_ids) for o in latest.values())
     return ChatCompletion(id=request_id, model=req.model, choices=choices,
-                          usage=usage(len(prepared.prompt_token_ids), num_generated, last.num_cached_tokens),
+                          usage=usage(len(prepared.prompt_token_ids), num_generated, last.num_cached_tokens,
+                                      latest.values()),
                           system_fingerprint=ctx.config.system_fingerprint, warnings=warnings)
 
 
@@ -100,11 +101,12 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
         for index in range(req.n):  # the compiler's warnings ride on the first chunk
             yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
                         warnings_=warnings if index == 0 else None)
-        num_cached = 0
+        num_cached, latest = 0, {}
         try:
             async for output in outputs:
                 num_cached = output.num_cached_tokens
                 for out in output.outputs:
+                    latest[out.index] = out
                     for line in _choice_chunks(ctx, req, states[out.index], out, chunk):
                         yield line
         except CorralError as err:
@@ -112,7 +114,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                                   "param": None, "code": None}})
         if req.stream_options is not None and req.stream_options.include_usage:
             num_generated = sum(s.num_tokens for s in states)
-            yield chunk([], usage(len(prepared.prompt_token_ids), num_generated, num_cached))
+            yield chunk([], usage(len(prepared.prompt_token_ids), num_generated, num_cached, latest.values()))
     yield "data: [DONE]\n\n"
 
 

@@ -42,7 +42,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
 
 
 def _completion(ctx: ServingContext, req: CompletionRequest, batch, runs, warnings) -> Completion:
-    choices, num_prompt, num_generated, num_cached = [], 0, 0, 0
+    choices, num_prompt, num_generated, num_cached, completions = [], 0, 0, 0, []
     for p, (prepared, (request_id, latest, last)) in enumerate(zip(batch, runs)):
         prefix = ctx.tokenizer.decode(prepared.prompt_token_ids) if req.echo else ""
         for i, out in enumerate(select_choices(prepared.strategy, list(latest.values()), req.n)):
@@ -55,8 +55,9 @@ def _completion(ctx: ServingContext, req: CompletionRequest, batch, runs, warnin
         num_prompt += len(prepared.prompt_token_ids)
         num_generated += sum(len(o.token_ids) for o in latest.values())
         num_cached += last.num_cached_tokens
+        completions.extend(latest.values())
     return Completion(id=runs[0][0], model=req.model, choices=choices,
-                      usage=usage(num_prompt, num_generated, num_cached),
+                      usage=usage(num_prompt, num_generated, num_cached, completions),
                       system_fingerprint=ctx.config.system_fingerprint, warnings=warnings)
 
 
@@ -73,7 +74,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
 
     async with contextlib.aclosing(outputs):  # closed at once when the client goes: the engine request aborts
         sent_chars, sent_tokens, done = [0] * req.n, [0] * req.n, [False] * req.n
-        num_cached = 0
+        num_cached, latest = 0, {}
         if req.echo:
             prompt_text = ctx.tokenizer.decode(prepared.prompt_token_ids)
             for index in range(req.n):
@@ -84,6 +85,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                 for out in output.outputs:
                     if done[out.index]:
                         continue
+                    latest[out.index] = out
                     text = out.text[sent_chars[out.index]:]
                     rows = logprob_rows(out)[sent_tokens[out.index]:]
                     sent_chars[out.index], sent_tokens[out.index] = len(out.text), len(out.token_ids)
@@ -97,5 +99,5 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
             error = {"message": str(err), "type": getattr(err, "error_type", "server_error"), "param": None, "code": None}
             yield f"data: {json.dumps({'error': error})}\n\n"
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage(len(prepared.prompt_token_ids), sum(sent_tokens), num_cached))
+            yield chunk([], usage(len(prepared.prompt_token_ids), sum(sent_tokens), num_cached, latest.values()))
     yield "data: [DONE]\n\n"

@@ -146,6 +146,16 @@ class BlockManager:
                 self.block_hash[block] = h
             seq.block_hashes.append(h)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (a rejected draft's). They were written only
+        past ``num_computed_tokens``, so they hold no hash; they go to the front of the free queue."""
+        while len(seq.block_table) > max(self.num_blocks_for(num_tokens), 1):
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] == 0 and self.block_hash[block] is None, "a draft block was shared"
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+
     # -- release and sharing --------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``. Tail blocks enter the free queue first, so they are evicted first."""

@@ -37,6 +37,11 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     decode_step: str = "auto"  # auto: the native decode step where it serves the model; native: required; torch
+    # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
+    jump_forward: bool = True
+    speculation: bool = True
+    num_speculative_tokens: int = 8  # the most prompt-lookup tokens one sequence drafts per step
+    speculation_max_batch: int = 4  # no prompt-lookup drafts in a step where more sequences decode
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -53,6 +58,12 @@ class EngineConfig:
                                       param="decode_step")
         if self.quant_group_size not in GROUP_SIZES:
             raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
+        for name in ("jump_forward", "speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a boolean", param=name)
+        for name in ("num_speculative_tokens", "speculation_max_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise InvalidRequestError(f"{name} must be an integer >= 0", param=name)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", param=name)

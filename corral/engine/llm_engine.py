@@ -30,7 +30,8 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import Sampler, SampleResult, SamplingRow, make_generator
+from corral.engine.sampler import DraftRows, Sampler, SampleResult, SamplingRow, Verified, make_generator
+from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
 from corral.engine.sequence import Sequence, SequenceStatus
@@ -88,7 +89,9 @@ class LLMEngine:
         self._mask_words = -(-self.vocabulary.size // 32)
         self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-masks")
         self._requests: dict[str, _Request] = {}
-        self._counters = {"steps": 0, "generated": 0, "computed": 0}
+        self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0}
+        # drafts need a runner that computes a draft's rows (a toy runner may not)
+        self.drafter = Drafter(vocabulary) if getattr(self.runner, "supports_drafts", False) else None
         self._auto_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -164,6 +167,7 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence once; return the outputs of the requests that advanced."""
+        self._propose_drafts()                                              # jump-forward and lookup drafts
         batch = self._schedule()                                            # who advances, by how many tokens
         if not batch:
             return []
@@ -172,12 +176,18 @@ class LLMEngine:
         masks = self._mask_worker.submit(self._fill_masks, guided) if guided else None  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
         self._commit(batch)                                                 # their K/V is in the cache now
+        (seqs, logits), drafted = self._split_drafts(seqs, logits)          # drafted rows are verified
         (seqs, logits), beams = self._split_beams(seqs, logits)             # beam rows skip the sampler
         masks = masks.result() if masks is not None else {}  # no guide: no thread hand-off
         rows, row_logits = self._fork_siblings(seqs, logits)                # n > 1: siblings share the row
         rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
-        result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
-        return self._process(rows, result, stuck) + self._advance_beams(*beams, masks)  # guides, stops; beams
+        touched: dict[str, _Request] = {}
+        if rows or stuck:
+            result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
+            self._process(rows, result, stuck, touched)                     # guides, stops
+        if drafted:
+            self._verify_drafts(*drafted, masks, touched)                   # accept, then roll back the rest
+        return self._outputs(touched) + self._advance_beams(*beams, masks)
 
     def _schedule(self) -> ScheduledBatch:
         """The scheduler's batch, less the beams that hold their row while a sibling catches up (nothing to
@@ -225,23 +235,105 @@ class LLMEngine:
         return request.beam_group if request is not None else None
 
     def _sampling_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
-        return [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == len(s)]
+        return [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                if s.num_computed_tokens + n == len(s) + len(s.draft)]
 
     def _fill_masks(self, seqs: list[Sequence]) -> dict[int, np.ndarray]:
+        """Each guided sequence's mask; a drafted one's ``[1 + len(draft), words]``: here, and after each draft
+        token, computed on a copy of its guide (a limit reached on a draft the model rejects must not stay)."""
         masks = {}
         for seq in seqs:
-            if seq.guide is not None:
+            if seq.guide is None:
+                continue
+            if not seq.draft:
                 row = np.zeros(self._mask_words, dtype=np.int32)
                 seq.guide.fill_mask(row)
                 masks[seq.seq_id] = row
+                continue
+            rows = np.zeros((1 + len(seq.draft), self._mask_words), dtype=np.int32)
+            probe = seq.guide.copy()
+            probe.fill_mask(rows[0])
+            for j, token in enumerate(seq.draft):
+                if not probe.advance(token):
+                    break  # the rows after stay empty: verification stops before them
+                probe.fill_mask(rows[j + 1])
+            masks[seq.seq_id] = rows
         return masks
 
     def _commit(self, batch: ScheduledBatch) -> None:
+        """Count what the step computed. A drafted sequence commits its last token only: its draft tokens join
+        ``token_ids`` (and the computed prefix) once verification accepts them."""
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += count
+            seq.num_computed_tokens += count - len(seq.draft)
             self.block_manager.cache_full_blocks(seq)
         self._counters["steps"] += 1
         self._counters["computed"] += batch.num_tokens
+
+    # -- drafts ---------------------------------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence its draft for this step (see :mod:`corral.engine.speculation`)."""
+        if self.drafter is None:
+            return
+        decoding = [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING
+                    and s.num_uncomputed_tokens == 1 and not s.num_forks_pending and self._beam_group(s) is None]
+        self.drafter.propose_all(decoding, self.config, self.max_model_len)
+
+    def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):
+        """((sequences without a draft, their rows), (drafted sequences with their first row, their rows))."""
+        if not any(seq.draft for seq in seqs):
+            return (seqs, logits), None
+        plain, plain_rows, drafted, draft_rows = [], [], [], []
+        at = 0
+        for seq in seqs:
+            if seq.draft:
+                drafted.append((seq, len(draft_rows)))
+                draft_rows.extend(range(at, at + 1 + len(seq.draft)))
+            else:
+                plain.append(seq)
+                plain_rows.append(at)
+            at += 1 + len(seq.draft)
+        return (plain, logits[plain_rows]), (drafted, logits[draft_rows])
+
+    def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
+                       masks: dict[int, np.ndarray], touched: dict) -> None:
+        """Verify every draft against its rows, emit what it accepted and the token after, and roll the rest
+        back. Guides, hashes and detokenizers only ever see emitted tokens."""
+        batch = draft_batch(drafted, masks)
+        live = [d for d in batch.drafts if d is not None]
+        results = iter(self.sampler.verify(logits[batch.logits_rows], batch.rows, live, batch.bitmask,
+                                           batch.masked_rows) if live else [])
+        now = time.monotonic()
+        for seq, draft in zip(batch.seqs, batch.drafts):
+            touched[seq.request_id] = self._requests[seq.request_id]
+            self._settle(seq, draft, next(results) if draft is not None else None, now)
+
+    def _settle(self, seq: Sequence, draft: DraftRows | None, result: Verified | None, now: float) -> None:
+        """Count the draft, emit the verified tokens, and give back what the rejected positions took: their
+        blocks (their K/V, past ``num_computed_tokens``, is never read). ``draft`` None or without a ``final``
+        row: the grammar allows no token after the tokens tested, and the sequence ends there with 'error'."""
+        tested = draft.tokens if draft is not None else []
+        accepted = result.num_accepted if result is not None else 0
+        forced = min(accepted, seq.num_draft_forced)
+        seq.num_draft_tokens += len(tested)
+        seq.num_accepted_tokens += accepted
+        seq.num_forced_tokens += forced
+        seq.spec.record(len(tested) - min(len(tested), seq.num_draft_forced), accepted - forced)
+        for key, value in (("drafted", len(tested)), ("accepted", accepted), ("forced", forced)):
+            self._counters[key] += value
+        seq.draft, seq.num_draft_forced = [], 0
+        for j, token in enumerate(result.token_ids if result is not None else ()):
+            top = result.top_logprobs[j] if result.top_logprobs is not None else []
+            if self._emit(seq, token, result.logprobs[j], top, now):
+                return
+        seq.num_computed_tokens += accepted  # the accepted draft tokens' K/V, computed this step
+        if draft is None or (not draft.final and accepted == len(tested)):
+            # end as the plain path would at its next step, with the limit the guide reached there (if one did)
+            seq.guide.fill_mask(np.zeros(self._mask_words, dtype=np.int32))
+            seq.stop_reason = getattr(seq.guide, "error", None)
+            self._finish(seq, "error")
+            return
+        self.block_manager.truncate(seq, seq.num_computed_tokens)  # what a run without drafts holds
+        self.block_manager.cache_full_blocks(seq)
 
     def _split_beams(self, seqs: list[Sequence], logits: torch.Tensor):
         """((sampled sequences, their logits), (beams, their logits)), in batch order."""
@@ -304,26 +396,32 @@ class LLMEngine:
         kept = [i for i in range(len(rows)) if i not in dead]
         return [rows[i] for i in kept], logits[kept], [rows[i][0] for i in stuck]
 
-    def _process(self, rows, result: SampleResult, stuck: list[Sequence] = ()) -> list[RequestOutput]:
-        now, touched = time.monotonic(), {}
+    def _process(self, rows, result: SampleResult, stuck: list[Sequence], touched: dict) -> None:
+        now = time.monotonic()
         for seq in stuck:
             seq.stop_reason = getattr(seq.guide, "error", None)  # a limit the grammar reached, by name
             self._finish(seq, "error")
             touched[seq.request_id] = self._requests[seq.request_id]
         for i, (seq, _) in enumerate(rows):
-            token = result.token_ids[i]
-            seq.append_token(token)
-            self._counters["generated"] += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.cumulative_logprob += result.logprobs[i]
-            if seq.logprobs is not None:
-                top = result.top_logprobs[i] if result.top_logprobs is not None else []
-                seq.logprobs.append((result.logprobs[i], top))
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
+            top = result.top_logprobs[i] if result.top_logprobs is not None else []
+            self._emit(seq, result.token_ids[i], result.logprobs[i], top, now)
             touched[seq.request_id] = self._requests[seq.request_id]
+
+    def _emit(self, seq: Sequence, token: int, logprob: float, top: list, now: float) -> bool:
+        """Append one output token and check whether it ends ``seq``; True when it did."""
+        seq.append_token(token)
+        self._counters["generated"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append((logprob, top))
+        reason = self._check_stop(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return reason is not None
+
+    def _outputs(self, touched: dict) -> list[RequestOutput]:
         outputs = [self._output(request) for request in touched.values()]
         for request in touched.values():
             if request.is_finished:
@@ -429,7 +527,8 @@ class LLMEngine:
         seqs = sorted(request.seqs, key=lambda s: s.index)
         outputs = [CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
                                     s.finish_reason, s.stop_reason,
-                                    list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob)
+                                    list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,
+                                    s.num_draft_tokens, s.num_accepted_tokens, s.num_forced_tokens)
                    for s in seqs]
         first = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
         done = [s.finished_time for s in seqs if s.finished_time is not None]
@@ -464,4 +563,5 @@ class LLMEngine:
         bm, sched, counters = self.block_manager, self.scheduler, self._counters
         return EngineStats(len(sched.running), len(sched.waiting), bm.num_used_blocks, bm.num_blocks,
                            bm.num_cached_free_blocks, bm.num_queried_tokens, bm.num_hit_tokens, sched.num_preemptions,
-                           counters["steps"], counters["generated"], counters["computed"])
+                           counters["steps"], counters["generated"], counters["computed"], counters["drafted"],
+                           counters["accepted"], counters["forced"])

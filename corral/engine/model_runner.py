@@ -27,6 +27,8 @@ DECODE_GROUP_SIZE = 16  # torch path: decodes per attention call; each group is 
 
 
 class ModelRunner:
+    supports_drafts = True  # execute() returns a row per draft token (the engine drafts only for such runners)
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles):
         """``config`` with its formats resolved (see :mod:`corral.engine.formats`)."""
         self.config, self.model_config = config, model_config
@@ -85,9 +87,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one forward pass; return the sequences that sample and their float32 logits, row for row."""
-        # single-token sequences first, by context length, so that decode groups pad little
-        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1,
+        """Run one forward pass; return the sequences that sample and their float32 logits. A sequence with a
+        draft has ``1 + len(draft)`` consecutive rows (its last token's, then each draft token's); the others one."""
+        # single-query sequences (decodes, with their drafts) first, by context length, so decode groups pad little
+        order = sorted(range(len(batch.seqs)), key=lambda i: (not _is_decode(batch.seqs[i], batch.num_new_tokens[i]),
                                                               batch.seqs[i].num_computed_tokens))
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
@@ -102,8 +105,8 @@ class ModelRunner:
         end = 0
         for seq, count in zip(seqs, counts):
             end += count
-            if seq.num_computed_tokens + count == len(seq):
-                rows.append(end - 1)
+            if seq.num_computed_tokens + count == len(seq) + len(seq.draft):
+                rows.extend(range(end - 1 - len(seq.draft), end))
                 sampling.append(seq)
         # every row samples in a decode-only step: no gather (indexing by a list costs tens of microseconds)
         picked = hidden if len(rows) == len(hidden) else hidden.index_select(0, torch.tensor(rows, dtype=torch.long))
@@ -111,33 +114,42 @@ class ModelRunner:
         return sampling, logits
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids, positions and attention metadata for ``seqs`` advancing by ``counts`` tokens."""
+        """Flat input ids, positions and attention metadata for ``seqs`` advancing by ``counts`` tokens. A decode
+        with a draft is one query row per token, each seeing the keys up to its own position: every layer writes
+        the batch's K/V before it attends, so the draft's rows see one another's keys as a causal prefill would."""
         size = self.block_size
         input_ids, positions, slots, prefills = [], [], [], []
-        num_decodes = 0
+        decode_rows: list[tuple[Sequence, int]] = []  # (sequence, keys its query sees)
         for seq, count in zip(seqs, counts):
             start = seq.num_computed_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:start + count])
+            input_ids.extend(seq.input_token_ids(start, count))
             positions.extend(range(start, start + count))
             slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
-            if count == 1:
-                num_decodes += 1
+            if _is_decode(seq, count):
+                decode_rows.extend((seq, start + i + 1) for i in range(count))
             else:
                 context = None if start == 0 else torch.tensor(table[: -(-(start + count) // size)])
                 prefills.append(PrefillSpan(len(input_ids) - count, len(input_ids), context, start + count))
+        num_decodes = len(decode_rows)
         group_size = max(num_decodes, 1) if self.use_decode_kernel else DECODE_GROUP_SIZE
-        decodes = tuple(self._decode_group(seqs[i: i + group_size], i) for i in range(0, num_decodes, group_size))
+        decodes = tuple(self._decode_group(decode_rows[i: i + group_size], i) for i in range(0, num_decodes, group_size))
         fresh, groups = group_prefills(prefills, size)
         meta = AttentionMetadata(torch.tensor(slots), decodes, fresh, groups)
         return torch.tensor(input_ids), torch.tensor(positions), meta
 
-    def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
+    def _decode_group(self, rows: list[tuple[Sequence, int]], start: int) -> DecodeGroup:
         """Block tables padded (with block 0) to the group's longest, and for the torch path the [B, 1, 1, L]
         mask of real keys."""
-        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+        context_lens = torch.tensor([keys for _, keys in rows])
         width = -(-int(context_lens.max()) // self.block_size)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq, _ in rows]
         mask = None if self.use_decode_kernel else \
             (torch.arange(width * self.block_size)[None, :] < context_lens[:, None])[:, None, None, :]
-        return DecodeGroup(start, start + len(seqs), torch.tensor(tables), context_lens, mask)
+        return DecodeGroup(start, start + len(rows), torch.tensor(tables), context_lens, mask)
+
+
+def _is_decode(seq: Sequence, count: int) -> bool:
+    """Whether ``seq`` advancing by ``count`` is single queries: one token, or a decode token and its draft."""
+    return count == 1 or (bool(seq.draft) and count == seq.num_scheduled_tokens
+                          and seq.num_computed_tokens + 1 == len(seq))

@@ -12,6 +12,14 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...] most likely first)
     cumulative_logprob: float = 0.0
+    num_draft_tokens: int = 0  # tokens drafted (jump-forward and prompt lookup) and checked by the model
+    num_accepted_tokens: int = 0  # of those, kept: output tokens that took no forward pass of their own
+    num_forced_tokens: int = 0  # of those kept, jump-forward tokens
+
+    @property
+    def num_forward_passes(self) -> int:
+        """Forward passes that produced this output: one per token, less the accepted draft tokens."""
+        return len(self.token_ids) - self.num_accepted_tokens
 
     @property
     def finished(self) -> bool:
@@ -47,4 +55,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int
-    num_tokens_computed: int  # every token the model ran: prefill chunks, recomputes and decodes
+    num_tokens_computed: int  # every token the model ran: prefill chunks, recomputes, decodes and drafts
+    num_draft_tokens: int = 0  # draft tokens checked by the model
+    num_accepted_tokens: int = 0  # of those, kept
+    num_forced_tokens: int = 0  # of those kept, jump-forward tokens

@@ -43,6 +43,24 @@ class SampleResult(NamedTuple):
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, the params.logprobs most likely; None if no row asks
 
 
+class DraftRows(NamedTuple):
+    """One sequence's draft in a :meth:`Sampler.verify` batch: ``tokens[j]`` is tested on logits row
+    ``start + j``; when ``final``, row ``start + len(tokens)`` gives the token after a fully accepted draft.
+    ``forced[j]``: that row's grammar mask allows ``tokens[j]`` alone."""
+    start: int
+    tokens: list[int]
+    final: bool
+    forced: list[bool]
+
+
+class Verified(NamedTuple):
+    token_ids: list[int]  # the accepted draft tokens, then the model's own token unless the draft ran out of rows
+    num_accepted: int
+    rows: list[int]  # the logits row each token was chosen on
+    logprobs: list[float]  # raw logprob of each token on its row
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The per-row generator for a seeded request (None when unseeded: the row uses torch's global RNG)."""
     if seed is None:
@@ -95,6 +113,50 @@ class Sampler:
         self._hold_back_stops(work, rows)
         self._apply_bias_and_penalties(work, rows)
         return work
+
+    def verify(self, logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[DraftRows],
+               bitmask: torch.Tensor | None = None, masked_rows: torch.Tensor | None = None) -> list[Verified]:
+        """Check each draft against the target distribution of its rows (steps 1-6 above, each row with the
+        draft tokens before it in its output), keep the accepted prefix and choose one token after it.
+
+        Greedy rows accept a draft token iff it is the argmax, and then take the argmax. Sampled rows apply the
+        rejection rule of speculative sampling (Leviathan et al.) to a draft that proposes one token with
+        certainty, in its coupled form: each position draws from ``p`` with one uniform and the draft is kept
+        while the draws match it, so ``d`` is accepted with probability ``p(d)`` and a rejected position's token
+        is a draw from ``p`` without ``d``. Each row spends one uniform from its generator per output token, as
+        the plain path does: with batch-invariant logits a seeded request gives the tokens of a run without
+        drafts, and in every case the same distribution."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        vocab_size = self.vocab_size or logits.shape[1]
+        raw = logits[:, :vocab_size]
+        log_normalizer = cpu_ops.log_normalizers(logits, vocab_size)
+        if log_normalizer is None:
+            log_normalizer = torch.logsumexp(raw.float(), dim=-1)
+        top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
+        work = self.process(logits, rows, bitmask, masked_rows)
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        argmax = torch.argmax(work, dim=-1).tolist() if greedy else None
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        probs, where = None, {}
+        if random_rows:
+            index = torch.tensor(random_rows, dtype=torch.long)
+            params = [rows[i].params for i in random_rows]
+            tempered = work.index_select(0, index)
+            tempered.div_(torch.tensor([p.temperature for p in params])[:, None])
+            probs = _filtered_probs(tempered, params).to(torch.float64)
+            where = {row: j for j, row in enumerate(random_rows)}
+        out = []
+        for draft in drafts:
+            row = rows[draft.start]
+            if row.params.is_greedy:
+                chosen, accepted = _verify_greedy(draft, argmax)
+            else:
+                chosen, accepted = _verify_sampled(draft, probs, where, row.generator)
+            picked = [r for _, r in chosen]
+            logprobs = [(raw[r, t].float() - log_normalizer[r]).item() for t, r in chosen]  # as __call__ does
+            top = [top_logprobs[r] for r in picked] if top_logprobs is not None else None
+            out.append(Verified([t for t, _ in chosen], accepted, picked, logprobs, top))
+        return out
 
     def _top_logprobs(self, raw: torch.Tensor, log_normalizer: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> list[list[tuple[int, float]]] | None:
@@ -165,6 +227,56 @@ class Sampler:
             return drawn.tolist()
         token_ids[index] = drawn
         return token_ids.tolist()
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    """One U[0, 1) in float64, from ``generator`` when the row has one (as :func:`_uniforms` draws it)."""
+    if generator is None:
+        return torch.rand(1, dtype=torch.float64).item()
+    return torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
+
+
+def _verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """((token, row) chosen, draft tokens accepted): the draft while it is the argmax, then the argmax."""
+    chosen = []
+    for j, token in enumerate(draft.tokens):
+        best = argmax[draft.start + j]
+        chosen.append((best, draft.start + j))
+        if best != token:
+            return chosen, j
+    if draft.final:
+        at = draft.start + len(draft.tokens)
+        chosen.append((argmax[at], at))
+    return chosen, len(draft.tokens)
+
+
+def _verify_sampled(draft: DraftRows, probs: torch.Tensor, where: dict[int, int],
+                    generator: torch.Generator | None) -> tuple[list[tuple[int, int]], int]:
+    """((token, row) chosen, draft tokens accepted): each row draws its token from ``probs`` (float64 rows, not
+    normalised, found by ``where``) with one uniform, as the plain path draws it, and the draft is kept while the
+    draws match it. For a draft that proposes one token with certainty this is the rejection rule itself: the
+    draft token is accepted with probability p(d), and a rejected position's token is a draw from p without d.
+    A position whose mask allows the draft token alone (p(d) = 1) spends its uniform without the draw."""
+    chosen = []
+    for j, token in enumerate(draft.tokens):
+        at = draft.start + j
+        p = probs[where[at]]
+        u = _uniform(generator)
+        if draft.forced[j] and p[token] > 0:
+            chosen.append((token, at))
+            continue
+        drawn = _draw_one(p, u)
+        chosen.append((drawn, at))
+        if drawn != token:
+            return chosen, j
+    if draft.final:
+        at = draft.start + len(draft.tokens)
+        chosen.append((_draw_one(probs[where[at]], _uniform(generator)), at))
+    return chosen, len(draft.tokens)
+
+
+def _draw_one(p: torch.Tensor, u: float) -> int:
+    return int(_draw(p[None], torch.tensor([u], dtype=torch.float64))[0])
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:

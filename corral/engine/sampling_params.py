@@ -42,6 +42,8 @@ class SamplingParams:
     those of the model's raw distribution, before any mask, bias, penalty or temperature.
     ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many output tokens (unless the
     grammar allows nothing else). ``seed`` makes the request's draws independent of the rest of the batch.
+    ``jump_forward`` and ``speculation`` turn drafts on or off for this request (None: the engine's setting);
+    neither changes the tokens a request gets, only how many forward passes produce them.
     """
 
     n: int = 1
@@ -61,6 +63,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    jump_forward: bool | None = None  # draft the spans the grammar forces; None: the engine's default
+    speculation: bool | None = None  # draft by prompt lookup; None: the engine's default
 
     def __post_init__(self):
         # Normalise containers to tuples so the params stay hashable; values are never derived or rewritten.
@@ -92,6 +96,9 @@ class SamplingParams:
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         self._validate_bias_and_penalties()
+        for name in ("jump_forward", "speculation"):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, bool), name, f"{name} must be a boolean, got {value!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

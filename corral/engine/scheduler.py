@@ -3,8 +3,9 @@ running sequences.
 
 Order of a step (vLLM V1's policy, in one pass):
 
-1. running sequences that decode (one uncomputed token) first, then running sequences still in a chunked
-   prefill, oldest first; each takes ``min(uncomputed, budget left)`` tokens;
+1. running sequences that decode (one uncomputed token, and its draft when it has one) first, then running
+   sequences still in a chunked prefill, oldest first; each takes ``min(uncomputed, budget left)`` tokens. A
+   draft is cut to the budget, and dropped when the pool cannot hold it (a draft never preempts);
 2. when the pool cannot hold a running sequence's new tokens, the *newest* running sequence is preempted by
    recompute: its blocks are freed, it goes back to the front of the queue and later recomputes prompt plus
    output (the prefix cache often makes that cheap). A sequence may preempt itself;
@@ -59,8 +60,14 @@ class Scheduler:
         preempted: list[Sequence] = []
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1):  # stable: decodes first
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                seq.draft = []
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft:  # a draft is cut to the budget, and dropped rather than preempt anyone
+                seq.draft = seq.draft[: budget - seq.num_uncomputed_tokens]
+                if seq.draft and not self.block_manager.can_append(seq, seq.num_scheduled_tokens):
+                    seq.draft = []
+                seq.num_draft_forced = min(seq.num_draft_forced, len(seq.draft))
+            num_new = min(seq.num_scheduled_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running[-1]
                 if victim.seq_id in planned:
@@ -127,6 +134,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.draft = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -3,7 +3,9 @@
 A request with ``n > 1`` owns ``n`` sequences; they share the prompt's KV blocks. A beam-search request's live
 beams are sequences too, forked from one another as the search goes (:meth:`Sequence.fork`). ``num_computed_tokens`` is
 how many of ``token_ids`` have K/V in the cache; the scheduler advances it by any k (a prefill chunk, one
-decode token, a prefix-cache hit), so prefill and decode are the same operation.
+decode token, a prefix-cache hit, a decode token and its draft), so prefill and decode are the same operation.
+A draft is not part of ``token_ids``: the step computes its K/V past ``num_computed_tokens``, and only the
+tokens the verification accepts join ``token_ids``.
 """
 
 import enum
@@ -51,6 +53,11 @@ class Sequence:
         self.arrival_time, self.first_token_time, self.finished_time = arrival_time, None, None
         self.num_preemptions = 0
         self.num_forks_pending = 0  # n > 1: siblings forked from this one once its prompt is computed
+        # this step's draft: tokens after token_ids that the step computes too and then verifies (speculation.py)
+        self.draft: list[int] = []
+        self.num_draft_forced = 0  # of the draft, how many are jump-forward tokens
+        self.spec = None  # a SpecState once the sequence first drafts
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -70,6 +77,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_forward_passes(self) -> int:
+        """Steps that produced this sequence's output: one token each, plus the draft tokens they accepted."""
+        return self.num_output_tokens - self.num_accepted_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """What the next step computes for this sequence: its uncomputed tokens, and its draft."""
+        return len(self.token_ids) - self.num_computed_tokens + len(self.draft)
+
+    def input_token_ids(self, start: int, count: int) -> list[int]:
+        """Tokens ``start .. start + count`` of ``token_ids`` followed by the draft."""
+        if not self.draft:
+            return self.token_ids[start: start + count]
+        return (self.token_ids + self.draft)[start: start + count]
 
     @property
     def is_finished(self) -> bool:

@@ -37,11 +37,28 @@ class PromptTokensDetails(Open):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Open):
+    """OpenAI's names for a prediction's tokens: draft tokens the model accepted and rejected."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class SpeculationUsage(Open):
+    """Corral's extension: how the completion tokens were produced. ``forward_passes`` counts, per choice, the
+    steps that produced its tokens (one token each, plus the draft tokens they accepted), summed."""
+    forward_passes: int = 0
+    draft_tokens: int = 0  # drafted and checked by the model: jump-forward and prompt lookup
+    accepted_tokens: int = 0  # of those, kept
+    forced_tokens: int = 0  # of those kept, jump-forward tokens (spans the grammar forced)
+
+
 class Usage(Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    speculation: SpeculationUsage | None = None
 
 
 class StreamOptions(Strict):
@@ -107,6 +124,9 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Corral's: drafts for this request (None: the server's --jump-forward / --speculation); outputs are the same
+    jump_forward: bool | None = None
+    speculation: bool | None = None
     best_of: int | None = Field(default=None, ge=1, le=128)
     use_beam_search: bool = False
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)  # length ** penalty must stay finite

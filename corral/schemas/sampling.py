@@ -78,4 +78,6 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, num_logprobs: int |
         presence_penalty=req.presence_penalty or 0.0,
         logprobs=num_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        jump_forward=req.jump_forward,
+        speculation=req.speculation,
     )

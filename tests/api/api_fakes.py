@@ -8,19 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from corral.engine.outputs import CompletionOutput
 from corral.engine.sampler import Sampler, SamplingRow, make_generator
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 
 
-@dataclass
-class FakeCompletionOutput:
-    index: int
-    token_ids: list
-    text: str
-    finish_reason: str | None = None
-    stop_reason: object = None
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
+FakeCompletionOutput = CompletionOutput  # the engine's own: plain data
 
 
 @dataclass

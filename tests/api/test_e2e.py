@@ -107,6 +107,34 @@ def test_streaming_tool_call(client, live):
     assert usage.completion_tokens >= len(pieces)  # at most one argument delta per generated token
 
 
+def test_drafts_change_no_streamed_tool_call_and_show_in_usage(client, live):
+    """The same call with drafts off and on: the same arguments, deltas of several tokens (their logprobs ride
+    together) through the tool-call stream parser, and the drafts counted in usage."""
+    def stream(switches: dict):
+        chunks = list(client.chat.completions.create(
+            model=live[1].config.model_name, messages=ask("Weather in Lisbon, in celsius?"), tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False,
+            max_tokens=40, stream=True, temperature=0, logprobs=True, stream_options={"include_usage": True},
+            extra_body=switches))
+        pieces = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        tokens_per_chunk = [len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs]
+        return "".join(p.function.arguments or "" for p in pieces), tokens_per_chunk, chunks[-1].usage
+
+    off_args, off_counts, off_usage = stream({"jump_forward": False, "speculation": False})
+    on_args, on_counts, on_usage = stream({"jump_forward": True, "speculation": True})
+    assert on_args == off_args
+    jsonschema.validate(json.loads(on_args), WEATHER["function"]["parameters"])
+    assert max(off_counts) == 1 and max(on_counts) > 1
+    assert off_usage.completion_tokens == on_usage.completion_tokens == sum(on_counts)
+    spec_off, spec_on = off_usage.model_extra["speculation"], on_usage.model_extra["speculation"]
+    assert spec_off["draft_tokens"] == 0 and spec_off["forward_passes"] == off_usage.completion_tokens
+    assert spec_on["forced_tokens"] > 0
+    assert spec_on["forward_passes"] == on_usage.completion_tokens - spec_on["accepted_tokens"]
+    details = on_usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == spec_on["accepted_tokens"]
+    assert details.rejected_prediction_tokens == spec_on["draft_tokens"] - spec_on["accepted_tokens"]
+
+
 @pytest.mark.parametrize("body, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "(keyword 'type' at '#/properties/a')"),

@@ -83,14 +83,18 @@ def test_preemption_under_a_small_pool_keeps_outputs_and_leaks_nothing(engine):
 def test_n_greater_than_one_forks_from_the_computed_prompt(engine):
     ids = chat(engine, PROMPTS[0])
     single = engine.generate([ids], greedy(20))[0].outputs[0]
-    before = engine.stats().num_tokens_computed
+    before = engine.stats()
     # a fresh cache salt: no prefix hit can hide whether the prompt ran once or three times
     engine.add_request("fork", ids, greedy(20, n=3), cache_salt="fork-test")
     out = [o for o in engine.stream() if o.finished][0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(o.token_ids == single.token_ids and o.text == single.text for o in out.outputs)
-    decodes = sum(len(o.token_ids) - 1 for o in out.outputs)  # each sequence's last token is never computed
-    assert engine.stats().num_tokens_computed - before == len(ids) + decodes
+    # each sequence's last token is never computed; an accepted draft token took no step of its own, and every
+    # drafted token was computed
+    after = engine.stats()
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    decodes = sum(o.num_forward_passes - 1 for o in out.outputs)
+    assert after.num_tokens_computed - before.num_tokens_computed == len(ids) + decodes + drafted
     assert engine.stats().num_kv_blocks_used == 0
 
 

@@ -1,0 +1,240 @@
+"""Drafts: the tokens a sequence proposes to advance by in one step, checked by the model in the same pass.
+
+Two sources, both free of a second model:
+
+- **Jump-forward** (forced spans): the bytes the guide forces next (``Guide.forced_bytes``: a JSON key and its
+  quotes and colon, a closing bracket, the rest of an enum member once it is chosen), cut into tokens by longest
+  match over the vocabulary, each checked against the guide. The last token of a span that ends before a real
+  choice is backed off: a longer token could spell it together with what follows (``"`` when ``",`` is a token,
+  a space that merges with the next word), so forcing it could force a tokenization the model would not choose.
+- **Prompt lookup** (n-grams): the longest suffix of the text so far (up to :data:`MAX_NGRAM` tokens) that
+  occurred before, in the prompt or the output, proposes what followed it there. Extraction and editing tasks
+  copy long runs this way. Every proposed token is checked against the guide first, so a token the grammar
+  forbids is never drafted.
+
+A draft changes nothing the model would produce: the engine verifies it against the constrained target
+distribution (:meth:`corral.engine.sampler.Sampler.verify`), keeps the accepted prefix and one token of its own,
+and rolls the rest back (KV, guide, hashes, detokenizer never saw it).
+
+How long a draft is. A jump-forward span is taken whole (up to :data:`MAX_FORCED_TOKENS`): its tokens are
+accepted unless the model prefers another split of the same bytes. A lookup draft is priced: each drafted token
+costs one more row in the step, and the i-th is worth keeping only if the i - 1 before it were accepted, which
+happens with probability about ``a**i`` for a per-sequence acceptance rate ``a`` (decayed counts). The draft
+takes the largest ``k`` with ``a**k >= ROW_COST``, at least 1 and at most ``num_speculative_tokens``.
+
+When it is off. Lookup drafts stop when more than ``speculation_max_batch`` sequences decode in a step: then the
+rows a wrong guess costs are rows other sequences needed. Jump-forward stays on at every batch size. That rule
+may depend on the batch because drafts never change a request's tokens: verification draws each token from the
+same row with the same uniform as a run without drafts (see :meth:`~corral.engine.sampler.Sampler.verify`), so a
+seeded request gives the same tokens in any batch, drafted or not.
+"""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from corral.engine.sampler import DraftRows, SamplingRow
+from corral.engine.sequence import Sequence
+from corral.fsm.guide import Guide
+from corral.fsm.vocabulary import Vocabulary
+
+MAX_NGRAM = 3  # the longest suffix prompt lookup matches
+MAX_FORCED_TOKENS = 32  # a jump-forward span's tokens per step
+ROW_COST = 0.25  # a verified row's cost as a share of a whole step at batch 1 (bench/speculation.py --row-cost)
+_DECAY = 0.8  # acceptance counts decay by this per verification, so the rate follows the text
+
+
+@dataclass
+class SpecState:
+    """Per sequence: the n-gram index of its tokens, its acceptance counts and what it has drafted so far."""
+    ngrams: list[dict] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM)])
+    indexed: int = 0  # tokens[:indexed] are in ``ngrams``
+    accepted: float = 0.0  # decayed lookup tokens accepted
+    proposed: float = 0.0  # decayed lookup tokens proposed
+    forced_tokens: int = 0  # jump-forward tokens accepted
+    draft_tokens: int = 0  # tokens proposed, both kinds
+    accepted_tokens: int = 0  # of those, accepted
+    forward_passes: int = 0  # steps that produced output tokens for this sequence
+
+    def acceptance(self) -> float:
+        return (self.accepted + 1.0) / (self.proposed + 2.0)
+
+    def lookup_length(self, cap: int) -> int:
+        a, k = self.acceptance(), 1
+        while k < cap and a ** (k + 1) >= ROW_COST:
+            k += 1
+        return k
+
+    def record(self, num_lookup: int, num_lookup_accepted: int) -> None:
+        self.proposed = self.proposed * _DECAY + num_lookup
+        self.accepted = self.accepted * _DECAY + num_lookup_accepted
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What one sequence proposes this step: ``tokens``, of which the first ``num_forced`` came from the guide's
+    forced span and the rest from prompt lookup."""
+    tokens: list[int]
+    num_forced: int
+
+
+class Drafter:
+    """Proposes drafts over one vocabulary. Stateless apart from its byte → token table."""
+
+    def __init__(self, vocab: Vocabulary):
+        self.vocab = vocab
+        by_bytes: dict[bytes, int] = {}
+        for token_id, text in enumerate(vocab.token_bytes):
+            if text and token_id not in vocab.special_ids and token_id not in vocab.eos_token_ids:
+                by_bytes.setdefault(text, token_id)
+        self._by_bytes = by_bytes
+        self._longest = max((len(b) for b in by_bytes), default=1)
+
+    def propose(self, tokens: list[int], guide: Guide | None, state: SpecState, *, jump_forward: bool,
+                lookup_cap: int, room: int) -> Draft:
+        """A draft of at most ``room`` tokens after ``tokens``: the guide's forced span (when ``jump_forward``),
+        then up to ``lookup_cap`` prompt-lookup tokens (0: none). The guide is left where it was."""
+        forced = self.forced_tokens(guide, room) if jump_forward and guide is not None else []
+        lookup: list[int] = []
+        cap = min(lookup_cap, room - len(forced))
+        if cap > 0:
+            self._index(tokens, state)
+            lookup = self._lookup(tokens, forced, state, cap, guide)
+        return Draft(forced + lookup, len(forced))
+
+    def propose_all(self, decoding: list[Sequence], config, max_model_len: int) -> None:
+        """Set ``draft`` on each of ``decoding`` (the sequences that decode this step, beams left out) under
+        ``config``'s switches (a request's own switches win) and the batch rule."""
+        lookup_on = config.num_speculative_tokens > 0 and len(decoding) <= config.speculation_max_batch
+        for seq in decoding:
+            seq.draft, seq.num_draft_forced = [], 0
+            params = seq.params
+            jump = config.jump_forward if params.jump_forward is None else params.jump_forward
+            lookup = lookup_on and (config.speculation if params.speculation is None else params.speculation)
+            # one token of every step is the model's own: a draft leaves room for it
+            room = min(params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
+            if room <= 0 or not (jump and seq.guide is not None or lookup):
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            cap = seq.spec.lookup_length(config.num_speculative_tokens) if lookup else 0
+            draft = self.propose(seq.token_ids, seq.guide, seq.spec, jump_forward=jump, lookup_cap=cap, room=room)
+            seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
+
+    # -- jump-forward ---------------------------------------------------------------------------------------
+    def forced_tokens(self, guide: Guide, room: int) -> list[int]:
+        span = guide.forced_bytes()
+        if not span:
+            return []
+        probe, out, at = guide.copy(), [], 0  # a copy: a limit reached while probing stays with the probe
+        while at < len(span) and len(out) < min(room, MAX_FORCED_TOKENS):
+            token = self._longest_allowed(span, at, probe)
+            if token is None:
+                break
+            out.append(token)
+            at += len(self.vocab.token_bytes[token])
+        # back off a last token that ends the span exactly, unless nothing can follow it
+        if out and at == len(span) and not probe.is_finished():
+            out.pop()
+        return out
+
+    def _longest_allowed(self, span: bytes, at: int, probe: Guide) -> int | None:
+        """The longest token spelling ``span[at:at + n]`` that ``probe`` accepts; ``probe`` advances by it."""
+        for n in range(min(len(span) - at, self._longest), 0, -1):
+            token = self._by_bytes.get(span[at: at + n])
+            if token is None:
+                continue
+            if probe.advance(token):
+                return token
+            probe.rollback(1)
+            if probe.is_error():  # a limit, not a refusal: stop drafting here
+                return None
+        return None
+
+    # -- prompt lookup --------------------------------------------------------------------------------------
+    @staticmethod
+    def _index(tokens: list[int], state: SpecState) -> None:
+        """Register every n-gram that ends before the last token, with where its continuation starts."""
+        for end in range(max(state.indexed, 1), len(tokens)):
+            for n in range(1, MAX_NGRAM + 1):
+                if end >= n:
+                    state.ngrams[n - 1][tuple(tokens[end - n: end])] = end
+        state.indexed = max(state.indexed, len(tokens))
+
+    def _lookup(self, tokens: list[int], forced: list[int], state: SpecState, cap: int,
+                guide: Guide | None) -> list[int]:
+        context = tokens + forced if forced else tokens
+        for n in range(MAX_NGRAM, 0, -1):
+            if len(context) < n:
+                continue
+            start = state.ngrams[n - 1].get(tuple(context[-n:]))
+            if start is None:
+                continue
+            draft = tokens[start: start + cap]
+            return self._allowed_prefix(draft, forced, guide) if guide is not None else draft
+        return []
+
+    @staticmethod
+    def _allowed_prefix(draft: list[int], forced: list[int], guide: Guide) -> list[int]:
+        """The longest prefix of ``draft`` the guide accepts after ``forced`` (checked on a copy)."""
+        probe = guide.copy()
+        for token in forced:
+            probe.advance(token)
+        kept = 0
+        for token in draft:
+            if not probe.advance(token):
+                break
+            kept += 1
+        return draft[:kept]
+
+
+# ---- verification input --------------------------------------------------------------------------------------
+class DraftBatch(NamedTuple):
+    """What :meth:`~corral.engine.sampler.Sampler.verify` takes for the drafted sequences of one step."""
+    seqs: list[Sequence]
+    drafts: list[DraftRows | None]  # per sequence; None: its grammar allows no token even before the draft
+    rows: list[SamplingRow]  # per verified row: the sequence's params, with the draft tokens before that row
+    logits_rows: list[int]  # the rows of the drafted sequences' logits these are
+    bitmask: torch.Tensor | None
+    masked_rows: torch.Tensor | None
+
+
+def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray]) -> DraftBatch:
+    """``drafted``: (sequence, its first row in the drafted logits); ``masks``: a guided sequence's
+    ``[1 + len(draft), words]`` rows (its mask here and after each draft token). A row that allows nothing ends
+    what can be tested: the draft tokens before it are tested, and no token is drawn after them."""
+    seqs, drafts, rows, logits_rows, words = [], [], [], [], []
+    for seq, first in drafted:
+        mask = masks.get(seq.seq_id)
+        tested, final = len(seq.draft), True
+        if mask is not None and not (live := mask.any(axis=1)).all():
+            tested, final = int(np.argmin(live)), False
+        seqs.append(seq)
+        if tested == 0 and not final:
+            drafts.append(None)
+            continue
+        forced = [single_token(mask[j]) if mask is not None else False for j in range(tested)]
+        drafts.append(DraftRows(len(rows), seq.draft[:tested], final, forced))
+        outputs = seq.output_token_ids
+        for j in range(tested + int(final)):
+            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, outputs + seq.draft[:j], seq.generator))
+            logits_rows.append(first + j)
+            words.append(mask[j] if mask is not None else None)
+    masked = [i for i, w in enumerate(words) if w is not None]
+    if not masked:
+        return DraftBatch(seqs, drafts, rows, logits_rows, None, None)
+    width = next(w for w in words if w is not None).shape[0]
+    bitmask = np.stack([w if w is not None else np.zeros(width, np.int32) for w in words])
+    return DraftBatch(seqs, drafts, rows, logits_rows, torch.from_numpy(bitmask),
+                      torch.tensor(masked, dtype=torch.long))
+
+
+def single_token(words: np.ndarray) -> bool:
+    """Whether a bitmask row allows exactly one token."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return False
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    return word & (word - 1) == 0

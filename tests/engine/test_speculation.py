@@ -1,0 +1,333 @@
+"""Drafts (jump-forward and prompt lookup) on the toy model: they change no output, only the number of steps.
+
+The runner's "KV cache" stores each position's token id and checks, before every step, that each computed
+position of each sequence still holds that sequence's own token: a rejected draft token left in the computed
+prefix, a block given back while still used, or one shared wrongly shows up as a wrong token. Its logits row at a
+draft position is the toy model's row after the draft tokens before it, as a real forward pass gives.
+"""
+
+import collections
+import random
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from corral.engine import sampler as sampler_module
+from corral.engine.config import EngineConfig
+from corral.engine.llm_engine import LLMEngine
+from corral.engine.sampling_params import BeamSearchParams, SamplingParams
+from corral.engine.speculation import Drafter, SpecState
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.regex_parser import parse_regex
+from tests.engine.test_beam_groups import assert_equals_search
+from tests.engine.test_beam_search import EOS, TOKENS, ToyModel
+
+BLOCK_SIZE = 4
+VOCAB = Vocabulary.from_token_bytes(TOKENS, special_ids=[EOS], eos_token_ids=[EOS])
+OFF = dict(jump_forward=False, speculation=False)
+ON = dict(jump_forward=True, speculation=True)
+# After the first byte, "c" then "abab" are forced: "ab ab", "a b ab", "a ba b"... spell it, and the model
+# decides which (the drafter proposes the longest match, less the tail it backs off).
+AMBIGUOUS = "(a|b)cabab(c|ab|b){1,2}"
+
+
+class DraftKVRunner:
+    supports_drafts = True
+
+    def __init__(self, model: ToyModel, num_blocks: int):
+        self.model, self.num_blocks = model, num_blocks
+        self.slots: dict[tuple[int, int], tuple[int, int]] = {}
+        self.rows = 0  # logits rows computed: every draft token costs one
+
+    def copy_blocks(self, copies):
+        for src, dst in copies:
+            for offset in range(BLOCK_SIZE):
+                self.slots[dst, offset] = self.slots.get((src, offset))
+
+    def execute(self, batch):
+        sampling, rows = [], []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            table, start, ids = seq.block_table, seq.num_computed_tokens, seq.token_ids + seq.draft
+            for p in range(start):
+                assert self.slots.get((table[p // BLOCK_SIZE], p % BLOCK_SIZE)) == (p, ids[p]), \
+                    f"{seq}: position {p} lost its K/V"
+            for p in range(start, start + count):
+                self.slots[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = (p, ids[p])
+            if start + count == len(ids):
+                sampling.append(seq)
+                outputs = seq.output_token_ids
+                rows.extend(self.model.logprobs(tuple(outputs + seq.draft[:j])) for j in range(len(seq.draft) + 1))
+        self.rows += len(rows)
+        return sampling, torch.stack(rows).float() if rows else torch.zeros(0, len(TOKENS))
+
+
+def draft_engine(model: ToyModel, num_blocks: int = 256, max_num_seqs: int = 16, budget: int = 256,
+                 **config) -> LLMEngine:
+    config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget, speculation_max_batch=1024, **config)
+    return LLMEngine(config, runner=DraftKVRunner(model, num_blocks), vocabulary=VOCAB,
+                     model_config=SimpleNamespace(vocab_size=len(TOKENS), max_position=96))
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(Vocabulary.from_token_bytes(TOKENS, eos_token_ids=[EOS]))
+
+
+def run(engine: LLMEngine, requests, max_steps: int = 100_000) -> dict:
+    for request_id, prompt, params, guide in requests:
+        engine.add_request(request_id, prompt, params, guide=guide)
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    raise AssertionError("no progress")
+
+
+def text_of(token_ids) -> str:
+    return b"".join(TOKENS[t] for t in token_ids if t != EOS).decode()
+
+
+PROMPT = [0, 2, 1, 0, 2, 2, 0, 1, 2, 3, 0, 2]  # lookups find many continuations in it
+
+
+@pytest.mark.parametrize("pattern", [AMBIGUOUS, "(ab|c)+", "a[bc]{0,3}(ab){2}c", None])
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=3),
+                                    dict(temperature=0.8, top_p=0.9, seed=5, presence_penalty=0.5,
+                                         repetition_penalty=1.3),
+                                    dict(temperature=0, logit_bias={2: 1.5}, frequency_penalty=0.7)])
+def test_drafts_change_no_output(compiler, pattern, params):
+    """Greedy and seeded sampling give the same tokens, logprobs and finish with drafts on and off, in fewer
+    steps; each row draws the same uniform either way."""
+    model = ToyModel(seed=11, sharpness=2.5)
+    outputs = {}
+    for name, switches in (("off", OFF), ("on", ON)):
+        engine = draft_engine(model)
+        requests = []
+        for i in range(6):
+            guide = compiler.compile_node(parse_regex(pattern)).new_guide() if pattern else None
+            p = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=pattern is None, **{**params, **({"seed": params["seed"] + i}
+                                                                          if "seed" in params else {})}, **switches)
+            requests.append((f"r{i}", PROMPT[i:], p, guide))
+        outputs[name] = run(engine, requests), engine
+    (off, off_engine), (on, on_engine) = outputs["off"], outputs["on"]
+    for request_id, out in off.items():
+        a, b = out.outputs[0], on[request_id].outputs[0]
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text), request_id
+        assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+        assert a.num_draft_tokens == 0 and b.num_forward_passes == len(b.token_ids) - b.num_accepted_tokens
+        if pattern and a.finish_reason == "stop":
+            assert re.fullmatch(pattern, text_of(a.token_ids))
+    stats = on_engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert sum(o.outputs[0].num_forward_passes for o in on.values()) < sum(len(o.outputs[0].token_ids)
+                                                                           for o in on.values())
+    for engine in (off_engine, on_engine):
+        assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+
+
+def test_jump_forward_drafts_the_forced_span_less_its_tail(compiler):
+    guide = compiler.compile_node(parse_regex("acabab(c|b)")).new_guide()
+    drafter = Drafter(VOCAB)
+    assert guide.advance(0)  # "a"
+    assert guide.forced_bytes() == b"cabab"
+    before = list(guide.states)
+    forced = drafter.forced_tokens(guide, room=10)
+    # longest match is c, ab, ab; the last "ab" ends the span where a choice follows, so it is backed off
+    assert forced == [3, 2] and guide.states == before
+    assert drafter.forced_tokens(guide, room=1) == [3]
+    done = compiler.compile_node(parse_regex("acab")).new_guide()
+    done.advance(0)
+    assert drafter.forced_tokens(done, room=10) == [3, 2], "nothing can follow the span: its tail stays"
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_allows(compiler):
+    drafter, state = Drafter(VOCAB), SpecState()
+    tokens = [0, 1, 3, 2, 0, 1, 3, 3, 0, 1]
+    draft = drafter.propose(tokens, None, state, jump_forward=False, lookup_cap=3, room=10)
+    assert draft.tokens == [3, 3, 0] and draft.num_forced == 0  # "3 0 1" was last followed by... "0 1" -> 3 3 0
+    guide = compiler.compile_node(parse_regex("[ab]*c[ab]*")).new_guide()
+    for t in (0, 1):
+        guide.advance(t)
+    assert drafter.propose([0, 1], guide, SpecState(), jump_forward=False, lookup_cap=3, room=10).tokens == []
+    tokens = [0, 1, 3, 0, 0, 1]
+    draft = drafter.propose(tokens, guide, SpecState(), jump_forward=False, lookup_cap=4, room=10)
+    assert draft.tokens == [3, 0, 0, 1]
+    guide.advance(3)
+    draft = drafter.propose(tokens + [3], guide, SpecState(), jump_forward=False, lookup_cap=4, room=10)
+    assert 3 not in draft.tokens, "a second c is not allowed: the draft stops before it"
+
+
+def test_lookup_length_follows_the_acceptance_rate():
+    state = SpecState()
+    assert state.lookup_length(8) == 2  # prior 1/2: 0.5**2 >= 0.25
+    state.record(40, 39)
+    assert state.lookup_length(8) == 8
+    state.record(40, 0)
+    state.record(40, 0)
+    assert state.lookup_length(8) == 1
+
+
+def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
+    model = ToyModel(seed=2, sharpness=3.0)
+    for params in (dict(stop=["bc"]), dict(max_tokens=3), dict(stop_token_ids=[3]), dict(min_tokens=4)):
+        outs = []
+        for switches in (OFF, ON):
+            engine = draft_engine(model)
+            guide = compiler.compile_node(parse_regex(AMBIGUOUS)).new_guide()
+            p = SamplingParams(temperature=0, **{"max_tokens": 12, **params}, **switches)
+            outs.append(run(engine, [("r", PROMPT, p, guide)])["r"].outputs[0])
+            assert engine.block_manager.num_used_blocks == 0
+        assert (outs[0].token_ids, outs[0].text, outs[0].finish_reason, outs[0].stop_reason) == \
+            (outs[1].token_ids, outs[1].text, outs[1].finish_reason, outs[1].stop_reason), params
+        if "max_tokens" in params:
+            assert len(outs[1].token_ids) == 3
+
+
+def test_n_and_beams_run_beside_drafts(compiler):
+    model = ToyModel(seed=4, sharpness=2.0)
+    beams = BeamSearchParams(beam_width=3, max_tokens=5)
+    out = {}
+    for name, switches in (("off", OFF), ("on", ON)):
+        engine = draft_engine(model)
+        requests = [("n", PROMPT, SamplingParams(temperature=0.5, seed=9, n=3, max_tokens=10, ignore_eos=True,
+                                                 **switches), None),
+                    ("beams", PROMPT[:5], beams, None)]
+        out[name] = run(engine, requests)
+        assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+    assert [o.token_ids for o in out["off"]["n"].outputs] == [o.token_ids for o in out["on"]["n"].outputs]
+    assert sum(o.num_accepted_tokens for o in out["on"]["n"].outputs) > 0
+    assert_equals_search(out["on"]["beams"], model, beams)
+
+
+def snapshot(seq) -> tuple:
+    guide_states = tuple(seq.guide.states) if seq.guide is not None else None
+    return (tuple(seq.token_ids), seq.num_computed_tokens, len(seq.block_table), tuple(seq.block_hashes),
+            guide_states, seq.detokenizer.visible_text(False), seq.cumulative_logprob)
+
+
+def test_rollback_leaves_what_a_run_without_drafts_holds(compiler):
+    """After every drafted step, the sequence's tokens, computed prefix, block count, prefix-cache hashes, guide
+    states and detokenized text equal those of a run without drafts at the same length."""
+    model = ToyModel(seed=8, sharpness=1.0)  # flat: many rejections
+    seen = {}
+    for name, switches in (("off", OFF), ("on", ON)):
+        engine = draft_engine(model)
+        guide = compiler.compile_node(parse_regex("(a|b|ab|c){1,40}")).new_guide()
+        engine.add_request("r", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=40, **switches),
+                           guide=guide)
+        (seq,) = engine.scheduler.waiting
+        states = {}
+        while engine.has_unfinished_requests():
+            engine.step()
+            if not seq.is_finished:
+                states[len(seq)] = snapshot(seq)
+        seen[name] = states, engine
+    (off, _), (on, on_engine) = seen["off"], seen["on"]
+    assert on_engine.stats().num_draft_tokens > on_engine.stats().num_accepted_tokens > 0, "no rejection tested"
+    assert len(on) < len(off)
+    for length, state in on.items():
+        assert state == off[length], length
+
+
+def test_no_block_leaks_over_a_thousand_random_drafts(compiler):
+    """Random drafts (any token, any length) under a tight pool, with preemption and prefix caching: every
+    block comes back, and no running sequence ever holds more blocks than its tokens need."""
+    rng = random.Random(0)
+    model = ToyModel(seed=3, sharpness=1.0)
+    engine = draft_engine(model, num_blocks=40, max_num_seqs=8, budget=40)
+    propose = engine._propose_drafts
+    num_drafts = 0
+
+    def random_drafts():
+        nonlocal num_drafts
+        propose()
+        for seq in engine.scheduler.running:
+            if seq.num_uncomputed_tokens == 1 and not seq.num_forks_pending and rng.random() < 0.7:
+                room = seq.params.max_tokens - seq.num_output_tokens - 1
+                seq.draft = [rng.randrange(4) for _ in range(rng.randint(0, max(0, min(6, room))))]
+                seq.num_draft_forced = 0
+                seq.spec = seq.spec or SpecState()
+                num_drafts += bool(seq.draft)
+
+    engine._propose_drafts = random_drafts
+    pattern = "(a|b|ab|c){1,30}"
+    requests = [(f"r{i}", PROMPT[: rng.randint(1, len(PROMPT))],
+                 SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 30), n=rng.choice([1, 1, 2])),
+                 compiler.compile_node(parse_regex(pattern)).new_guide() if i % 2 else None) for i in range(400)]
+    for request_id, prompt, params, guide in requests:
+        engine.add_request(request_id, prompt, params, guide=guide)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for c in output.outputs:
+                if c.finish_reason == "stop" and output.request_id in {r[0] for r in requests[1::2]}:
+                    assert re.fullmatch(pattern, text_of(c.token_ids))
+        bm = engine.block_manager
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= bm.num_blocks_for(len(seq)), seq
+        held = collections.Counter(b for seq in engine.scheduler.running for b in seq.block_table)
+        assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "a block leaked or is shared"
+    assert num_drafts >= 1000
+    assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+    assert engine.block_manager.num_free_blocks == 40
+
+
+# ---- the distribution under sampling --------------------------------------------------------------------------
+def sample_texts(compiler, switches: dict, num: int, **params) -> collections.Counter:
+    engine = draft_engine(ToyModel(seed=21, sharpness=1.2), num_blocks=2048, max_num_seqs=256, budget=4096)
+    grammar = compiler.compile_node(parse_regex(AMBIGUOUS))
+    torch.manual_seed(1234 if switches["speculation"] else 4321)
+    counts = collections.Counter()
+    for start in range(0, num, 256):
+        requests = [(f"s{start + i}", PROMPT[(start + i) % 5:], SamplingParams(max_tokens=8, **params, **switches),
+                     grammar.new_guide()) for i in range(min(256, num - start))]
+        for out in run(engine, requests).values():
+            counts[tuple(out.outputs[0].token_ids)] += 1
+    assert not switches["speculation"] or engine.stats().num_draft_tokens > num  # drafts were really tested
+    return counts
+
+
+def chi_square_p(a: collections.Counter, b: collections.Counter) -> float:
+    """Two-sample chi-square p-value over the outcomes, rare ones (< 10 in both) pooled."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    table = [[a[k] for k in keys], [b[k] for k in keys]]
+    rest = [sum(a.values()) - sum(table[0]), sum(b.values()) - sum(table[1])]
+    if min(rest) > 0:
+        table = [row + [r] for row, r in zip(table, rest)]
+    return chi2_contingency(np.array(table))[1]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)])
+def test_unseeded_sampling_has_the_same_distribution_with_drafts(compiler, params):
+    off = sample_texts(compiler, OFF, 10_000, **params)
+    on = sample_texts(compiler, ON, 10_000, **params)
+    assert chi_square_p(off, on) > 1e-3, (off.most_common(5), on.most_common(5))
+
+
+def test_the_chi_square_test_rejects_a_biased_acceptance_rule(compiler, monkeypatch):
+    """Accept a draft token whenever it has at least a quarter of the mass: the test must see the bias."""
+    def biased(draft, probs, where, generator):
+        chosen = []
+        for j, token in enumerate(draft.tokens):
+            at = draft.start + j
+            p = probs[where[at]]
+            if float(p[token]) >= 0.25 * float(p.sum()):
+                chosen.append((token, at))
+                continue
+            chosen.append((sampler_module._draw_one(p, sampler_module._uniform(generator)), at))
+            return chosen, j
+        if draft.final:
+            at = draft.start + len(draft.tokens)
+            chosen.append((sampler_module._draw_one(probs[where[at]], sampler_module._uniform(generator)), at))
+        return chosen, len(draft.tokens)
+
+    off = sample_texts(compiler, OFF, 10_000, temperature=1.0)
+    monkeypatch.setattr(sampler_module, "_verify_sampled", biased)
+    on = sample_texts(compiler, ON, 10_000, temperature=1.0)
+    assert chi_square_p(off, on) < 1e-6
