@@ -66,7 +66,8 @@ def _add_format_args(command) -> None:
     command.add_argument("--num-speculative-tokens", type=int, default=8,
                          help="the most prompt-lookup tokens a sequence drafts per step")
     command.add_argument("--speculation-max-batch", type=int, default=4,
-                         help="no prompt-lookup drafts in a step where more sequences decode")
+                         help="past this many decoding sequences a draft token must be accepted at least half the "
+                              "time to be drafted (below it, a quarter: a row's share of a step)")
 
 
 def _generate(args) -> int:

@@ -41,7 +41,7 @@ class EngineConfig:
     jump_forward: bool = True
     speculation: bool = True
     num_speculative_tokens: int = 8  # the most prompt-lookup tokens one sequence drafts per step
-    speculation_max_batch: int = 4  # no prompt-lookup drafts in a step where more sequences decode
+    speculation_max_batch: int = 4  # past this many decoding sequences a draft token must pay for its row in throughput
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -91,7 +91,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0}
         # drafts need a runner that computes a draft's rows (a toy runner may not)
-        self.drafter = Drafter(vocabulary) if getattr(self.runner, "supports_drafts", False) else None
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        self.drafter = Drafter(vocabulary, encode) if getattr(self.runner, "supports_drafts", False) else None
         self._auto_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ class LLMEngine:
         seq.num_draft_tokens += len(tested)
         seq.num_accepted_tokens += accepted
         seq.num_forced_tokens += forced
-        seq.spec.record(len(tested) - min(len(tested), seq.num_draft_forced), accepted - forced)
+        seq.spec.record(len(tested), min(len(tested), seq.num_draft_forced), accepted)
         for key, value in (("drafted", len(tested)), ("accepted", accepted), ("forced", forced)):
             self._counters[key] += value
         seq.draft, seq.num_draft_forced = [], 0

@@ -3,8 +3,9 @@
 Two sources, both free of a second model:
 
 - **Jump-forward** (forced spans): the bytes the guide forces next (``Guide.forced_bytes``: a JSON key and its
-  quotes and colon, a closing bracket, the rest of an enum member once it is chosen), cut into tokens by longest
-  match over the vocabulary, each checked against the guide. The last token of a span that ends before a real
+  quotes and colon, a closing bracket, the rest of an enum member once it is chosen), cut into tokens by the
+  model's tokenizer (by longest match over the vocabulary where its split does not fit), each checked against
+  the guide. The last token of a span that ends before a real
   choice is backed off: a longer token could spell it together with what follows (``"`` when ``",`` is a token,
   a space that merges with the next word), so forcing it could force a tokenization the model would not choose.
 - **Prompt lookup** (n-grams): the longest suffix of the text so far (up to :data:`MAX_NGRAM` tokens) that
@@ -16,19 +17,24 @@ A draft changes nothing the model would produce: the engine verifies it against 
 distribution (:meth:`corral.engine.sampler.Sampler.verify`), keeps the accepted prefix and one token of its own,
 and rolls the rest back (KV, guide, hashes, detokenizer never saw it).
 
-How long a draft is. A jump-forward span is taken whole (up to :data:`MAX_FORCED_TOKENS`): its tokens are
-accepted unless the model prefers another split of the same bytes. A lookup draft is priced: each drafted token
-costs one more row in the step, and the i-th is worth keeping only if the i - 1 before it were accepted, which
-happens with probability about ``a**i`` for a per-sequence acceptance rate ``a`` (decayed counts). The draft
-takes the largest ``k`` with ``a**k >= ROW_COST``, at least 1 and at most ``num_speculative_tokens``.
+How long a draft is. Each drafted token costs one more row in the step, and the i-th is worth its row only if
+the i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance
+rate ``a`` of that kind of draft (jump-forward and lookup are counted apart, over the tokens verification
+reached, with decayed counts and a prior of 1/2). A draft takes the largest ``k`` with ``a**k >= price``: the
+price is :data:`ROW_COST`, a row's measured share of a whole step at batch 1, while at most
+``speculation_max_batch`` sequences decode. Past that a step is many rows and a draft token must pay for its row
+in throughput alone, so the price is :data:`BATCH_ROW_COST` (a wasted row costs what an accepted one saves), and a
+kind of draft whose rate falls below it stops for that sequence. Jump-forward tokens are often rejected although
+the grammar forces their bytes: where the model would rather write something else, its constrained argmax is
+usually a shorter token than the tokenizer's split (``P`` where ``Presentation`` is forced).
 
-When it is off. Lookup drafts stop when more than ``speculation_max_batch`` sequences decode in a step: then the
-rows a wrong guess costs are rows other sequences needed. Jump-forward stays on at every batch size. That rule
-may depend on the batch because drafts never change a request's tokens: verification draws each token from the
-same row with the same uniform as a run without drafts (see :meth:`~corral.engine.sampler.Sampler.verify`), so a
-seeded request gives the same tokens in any batch, drafted or not.
+The price may depend on the batch because drafts never change a request's tokens: verification draws each token
+from the same row with the same uniform as a run without drafts (see
+:meth:`~corral.engine.sampler.Sampler.verify`), so a seeded request gives the same tokens in any batch, drafted
+or not.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,33 +49,49 @@ from corral.fsm.vocabulary import Vocabulary
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches
 MAX_FORCED_TOKENS = 32  # a jump-forward span's tokens per step
 ROW_COST = 0.25  # a verified row's cost as a share of a whole step at batch 1 (bench/speculation.py --row-cost)
+BATCH_ROW_COST = 0.5  # past speculation_max_batch: a token must be accepted at least as often as not
 _DECAY = 0.8  # acceptance counts decay by this per verification, so the rate follows the text
 
 
 @dataclass
-class SpecState:
-    """Per sequence: the n-gram index of its tokens, its acceptance counts and what it has drafted so far."""
-    ngrams: list[dict] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM)])
-    indexed: int = 0  # tokens[:indexed] are in ``ngrams``
-    accepted: float = 0.0  # decayed lookup tokens accepted
-    proposed: float = 0.0  # decayed lookup tokens proposed
-    forced_tokens: int = 0  # jump-forward tokens accepted
-    draft_tokens: int = 0  # tokens proposed, both kinds
-    accepted_tokens: int = 0  # of those, accepted
-    forward_passes: int = 0  # steps that produced output tokens for this sequence
+class Rate:
+    """Decayed counts of draft tokens that verification reached and accepted."""
+    accepted: float = 0.0
+    reached: float = 0.0
 
-    def acceptance(self) -> float:
-        return (self.accepted + 1.0) / (self.proposed + 2.0)
+    @property
+    def value(self) -> float:
+        return (self.accepted + 1.0) / (self.reached + 2.0)
 
-    def lookup_length(self, cap: int) -> int:
-        a, k = self.acceptance(), 1
-        while k < cap and a ** (k + 1) >= ROW_COST:
+    def length(self, cap: int, price: float) -> int:
+        """The largest k <= cap with value**k >= price (0 when even one token does not pay)."""
+        a, k = self.value, 0
+        while k < cap and a ** (k + 1) >= price:
             k += 1
         return k
 
-    def record(self, num_lookup: int, num_lookup_accepted: int) -> None:
-        self.proposed = self.proposed * _DECAY + num_lookup
-        self.accepted = self.accepted * _DECAY + num_lookup_accepted
+    def record(self, num_reached: int, num_accepted: int) -> None:
+        self.reached = self.reached * _DECAY + num_reached
+        self.accepted = self.accepted * _DECAY + num_accepted
+
+
+@dataclass
+class SpecState:
+    """Per sequence: the n-gram index of its tokens and its acceptance rates."""
+    ngrams: list[dict] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM)])
+    indexed: int = 0  # tokens[:indexed] are in ``ngrams``
+    forced: Rate = field(default_factory=Rate)
+    lookup: Rate = field(default_factory=Rate)
+
+    def record(self, num_tested: int, num_forced: int, num_accepted: int) -> None:
+        """A verified draft: ``num_tested`` tokens, the first ``num_forced`` of them jump-forward ones, of which
+        the first ``num_accepted`` were kept (the token after them was reached too, the rest not)."""
+        reached = min(num_tested, num_accepted + 1)
+        forced_reached, forced_accepted = min(num_forced, reached), min(num_forced, num_accepted)
+        if forced_reached:
+            self.forced.record(forced_reached, forced_accepted)
+        if reached > forced_reached:
+            self.lookup.record(reached - forced_reached, num_accepted - forced_accepted)
 
 
 @dataclass(frozen=True)
@@ -83,8 +105,10 @@ class Draft:
 class Drafter:
     """Proposes drafts over one vocabulary. Stateless apart from its byte → token table."""
 
-    def __init__(self, vocab: Vocabulary):
-        self.vocab = vocab
+    def __init__(self, vocab: Vocabulary, encode: Callable[[str], list[int]] | None = None):
+        """``encode``: the model's tokenizer (text → ids, no special tokens), which cuts forced spans the way
+        the model saw text cut; without it spans are cut by longest match over ``vocab``."""
+        self.vocab, self.encode = vocab, encode
         by_bytes: dict[bytes, int] = {}
         for token_id, text in enumerate(vocab.token_bytes):
             if text and token_id not in vocab.special_ids and token_id not in vocab.eos_token_ids:
@@ -92,11 +116,11 @@ class Drafter:
         self._by_bytes = by_bytes
         self._longest = max((len(b) for b in by_bytes), default=1)
 
-    def propose(self, tokens: list[int], guide: Guide | None, state: SpecState, *, jump_forward: bool,
+    def propose(self, tokens: list[int], guide: Guide | None, state: SpecState, *, forced_cap: int,
                 lookup_cap: int, room: int) -> Draft:
-        """A draft of at most ``room`` tokens after ``tokens``: the guide's forced span (when ``jump_forward``),
-        then up to ``lookup_cap`` prompt-lookup tokens (0: none). The guide is left where it was."""
-        forced = self.forced_tokens(guide, room) if jump_forward and guide is not None else []
+        """A draft of at most ``room`` tokens after ``tokens``: up to ``forced_cap`` tokens of the guide's forced
+        span, then up to ``lookup_cap`` prompt-lookup tokens. The guide is left where it was."""
+        forced = self.forced_tokens(guide, min(room, forced_cap)) if forced_cap and guide is not None else []
         lookup: list[int] = []
         cap = min(lookup_cap, room - len(forced))
         if cap > 0:
@@ -107,20 +131,22 @@ class Drafter:
     def propose_all(self, decoding: list[Sequence], config, max_model_len: int) -> None:
         """Set ``draft`` on each of ``decoding`` (the sequences that decode this step, beams left out) under
         ``config``'s switches (a request's own switches win) and the batch rule."""
-        lookup_on = config.num_speculative_tokens > 0 and len(decoding) <= config.speculation_max_batch
+        price = ROW_COST if len(decoding) <= config.speculation_max_batch else BATCH_ROW_COST
         for seq in decoding:
             seq.draft, seq.num_draft_forced = [], 0
             params = seq.params
             jump = config.jump_forward if params.jump_forward is None else params.jump_forward
-            lookup = lookup_on and (config.speculation if params.speculation is None else params.speculation)
+            lookup = config.speculation if params.speculation is None else params.speculation
             # one token of every step is the model's own: a draft leaves room for it
             room = min(params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
             if room <= 0 or not (jump and seq.guide is not None or lookup):
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
-            cap = seq.spec.lookup_length(config.num_speculative_tokens) if lookup else 0
-            draft = self.propose(seq.token_ids, seq.guide, seq.spec, jump_forward=jump, lookup_cap=cap, room=room)
+            forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
+            lookup_cap = seq.spec.lookup.length(config.num_speculative_tokens, price) if lookup else 0
+            draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap, lookup_cap=lookup_cap,
+                                 room=room)
             seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
 
     # -- jump-forward ---------------------------------------------------------------------------------------
@@ -129,7 +155,15 @@ class Drafter:
         if not span:
             return []
         probe, out, at = guide.copy(), [], 0  # a copy: a limit reached while probing stays with the probe
-        while at < len(span) and len(out) < min(room, MAX_FORCED_TOKENS):
+        limit = min(room, MAX_FORCED_TOKENS)
+        for token in self._encoded(span):  # the tokenizer's own split first: what the model was trained on
+            if len(out) == limit or not probe.advance(token):
+                break
+            out.append(token)
+            at += len(self.vocab.token_bytes[token])
+        if not out:
+            probe = guide.copy()
+        while at < len(span) and len(out) < limit:
             token = self._longest_allowed(span, at, probe)
             if token is None:
                 break
@@ -139,6 +173,20 @@ class Drafter:
         if out and at == len(span) and not probe.is_finished():
             out.pop()
         return out
+
+    def _encoded(self, span: bytes) -> list[int]:
+        """The tokenizer's tokens for the longest whole-character prefix of ``span``, if they spell it exactly."""
+        if self.encode is None:
+            return []
+        for cut in range(len(span), max(len(span) - 4, 0), -1):
+            try:
+                text = span[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            tokens = self.encode(text)
+            spelled = b"".join(self.vocab.token_bytes[t] for t in tokens if 0 <= t < self.vocab.size)
+            return tokens if spelled == span[:cut] else []
+        return []
 
     def _longest_allowed(self, span: bytes, at: int, probe: Guide) -> int | None:
         """The longest token spelling ``span[at:at + n]`` that ``probe`` accepts; ``probe`` advances by it."""

@@ -20,7 +20,7 @@ from corral.engine import sampler as sampler_module
 from corral.engine.config import EngineConfig
 from corral.engine.llm_engine import LLMEngine
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
-from corral.engine.speculation import Drafter, SpecState
+from corral.engine.speculation import BATCH_ROW_COST, ROW_COST, Drafter, Rate, SpecState
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
@@ -150,28 +150,34 @@ def test_jump_forward_drafts_the_forced_span_less_its_tail(compiler):
 def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_allows(compiler):
     drafter, state = Drafter(VOCAB), SpecState()
     tokens = [0, 1, 3, 2, 0, 1, 3, 3, 0, 1]
-    draft = drafter.propose(tokens, None, state, jump_forward=False, lookup_cap=3, room=10)
+    draft = drafter.propose(tokens, None, state, forced_cap=0, lookup_cap=3, room=10)
     assert draft.tokens == [3, 3, 0] and draft.num_forced == 0  # "3 0 1" was last followed by... "0 1" -> 3 3 0
     guide = compiler.compile_node(parse_regex("[ab]*c[ab]*")).new_guide()
     for t in (0, 1):
         guide.advance(t)
-    assert drafter.propose([0, 1], guide, SpecState(), jump_forward=False, lookup_cap=3, room=10).tokens == []
+    assert drafter.propose([0, 1], guide, SpecState(), forced_cap=0, lookup_cap=3, room=10).tokens == []
     tokens = [0, 1, 3, 0, 0, 1]
-    draft = drafter.propose(tokens, guide, SpecState(), jump_forward=False, lookup_cap=4, room=10)
+    draft = drafter.propose(tokens, guide, SpecState(), forced_cap=0, lookup_cap=4, room=10)
     assert draft.tokens == [3, 0, 0, 1]
     guide.advance(3)
-    draft = drafter.propose(tokens + [3], guide, SpecState(), jump_forward=False, lookup_cap=4, room=10)
+    draft = drafter.propose(tokens + [3], guide, SpecState(), forced_cap=0, lookup_cap=4, room=10)
     assert 3 not in draft.tokens, "a second c is not allowed: the draft stops before it"
 
 
-def test_lookup_length_follows_the_acceptance_rate():
+def test_draft_length_follows_the_acceptance_rate_and_the_price():
+    rate = Rate()
+    assert rate.length(8, ROW_COST) == 2  # prior 1/2: 0.5**2 >= 0.25 > 0.5**3
+    assert rate.length(8, BATCH_ROW_COST) == 1
+    rate.record(40, 39)
+    assert rate.length(8, ROW_COST) == 8
+    rate.record(40, 0)
+    rate.record(40, 0)
+    assert rate.length(8, ROW_COST) == 1 and rate.length(8, BATCH_ROW_COST) == 0
     state = SpecState()
-    assert state.lookup_length(8) == 2  # prior 1/2: 0.5**2 >= 0.25
-    state.record(40, 39)
-    assert state.lookup_length(8) == 8
-    state.record(40, 0)
-    state.record(40, 0)
-    assert state.lookup_length(8) == 1
+    state.record(num_tested=6, num_forced=2, num_accepted=1)  # the second forced token was rejected
+    assert (state.forced.reached, state.forced.accepted) == (2, 1) and state.lookup.reached == 0
+    state.record(num_tested=6, num_forced=2, num_accepted=4)  # both forced kept, 2 of 4 lookups, a third reached
+    assert (state.lookup.reached, state.lookup.accepted) == (3, 2)
 
 
 def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
@@ -215,12 +221,13 @@ def snapshot(seq) -> tuple:
 def test_rollback_leaves_what_a_run_without_drafts_holds(compiler):
     """After every drafted step, the sequence's tokens, computed prefix, block count, prefix-cache hashes, guide
     states and detokenized text equal those of a run without drafts at the same length."""
-    model = ToyModel(seed=8, sharpness=1.0)  # flat: many rejections
+    model = ToyModel(seed=8, sharpness=4.0)  # sharp enough that drafts are kept, flat enough that some are not
     seen = {}
     for name, switches in (("off", OFF), ("on", ON)):
         engine = draft_engine(model)
-        guide = compiler.compile_node(parse_regex("(a|b|ab|c){1,40}")).new_guide()
-        engine.add_request("r", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=40, **switches),
+        guide = compiler.compile_node(parse_regex("(a|b|ab|c){20,40}")).new_guide()
+        engine.add_request("r", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True,
+                                                       **switches),
                            guide=guide)
         (seq,) = engine.scheduler.waiting
         states = {}
