@@ -32,7 +32,11 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_status_names_the_paths():
     status = native.status()
     assert status["loaded"] and status["mask_path"] == "native" and status["reason"] is None
-    assert status["kernels"] in ("native-avx2", "native-baseline") and "kernels" in status["build"]
+    flags, forced = native.cpu_flags(), os.environ.get("CORRAL_NATIVE_BUILD", "").strip().lower()
+    expected = ("native-baseline" if forced == "baseline" else
+                "native-avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags and forced != "avx2" else
+                "native-avx2" if {"avx2", "fma", "f16c", "bmi2"} <= flags else "native-baseline")
+    assert status["kernels"] == expected and "kernels" in status["build"]
 
 
 def test_off_runs_the_python_paths_and_says_so():

@@ -12,6 +12,8 @@ import zipfile
 
 import pytest
 
+from corral import native
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fsm subset run against the installed wheel: the native walk against the Python oracle, the token index,
 # the term tables, and the native module's own tests.
@@ -101,6 +103,19 @@ def test_the_baseline_build_passes_the_native_tests_and_the_kernels_oracle():
     code = "from corral import native; s = native.status(); print(s['module'], s['kernels'])"
     which = _run([sys.executable, "-c", code], ROOT, env)
     assert which.stdout.split() == ["corral._native_baseline", "native-baseline"], which.stdout + which.stderr
+    run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
+               ROOT, env, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:]
+
+
+@pytest.mark.skipif("avx512f" not in native.cpu_flags() or "avx2" not in native.cpu_flags(),
+                    reason="only an AVX-512 CPU can try the AVX2 kernels beside its own")
+def test_the_avx2_kernels_pass_the_kernels_oracle_on_an_avx512_cpu():
+    """The AVX-512 CPU runs its own kernels; the AVX2 ones, which most CPUs run, are tried here too."""
+    env = {**os.environ, "CORRAL_NATIVE_BUILD": "avx2", "CORRAL_NATIVE": "require"}
+    code = "from corral import native; s = native.status(); print(s['module'], s['kernels'])"
+    which = _run([sys.executable, "-c", code], ROOT, env)
+    assert which.stdout.split() == ["corral._native", "native-avx2"], which.stdout + which.stderr
     run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
                ROOT, env, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:]

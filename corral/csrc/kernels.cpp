@@ -19,12 +19,17 @@ using corral_kernels::KernelTable;
 
 const KernelTable* chosen = nullptr;
 
-// The variant for this CPU; CORRAL_NATIVE_BUILD=baseline takes the baseline one anywhere (for its tests).
+// The variant for this CPU; CORRAL_NATIVE_BUILD=baseline takes the baseline one anywhere (for its tests), and
+// CORRAL_NATIVE_BUILD=avx2 the AVX2 one on an AVX-512 CPU.
 const KernelTable* choose() {
     const char* forced = std::getenv("CORRAL_NATIVE_BUILD");
     if (forced != nullptr && std::string(forced) == "baseline") return corral_kernels::variant<Isa::baseline>();
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (avx512 && !(forced != nullptr && std::string(forced) == "avx2"))
+        return corral_kernels::variant<Isa::avx512>();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("bmi2"))
         return corral_kernels::variant<Isa::avx2>();

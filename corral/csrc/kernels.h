@@ -11,7 +11,7 @@
 
 namespace corral_kernels {
 
-enum class Isa { baseline, avx2 };
+enum class Isa { baseline, avx2, avx512 };
 
 template <typename T>
 using AddRmsNorm = void (*)(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps,

@@ -182,9 +182,24 @@ static inline void for_each_row(const KV* cache, const float* scales, int64_t sc
     }
 }
 
+// Consecutive query rows with the same block table (a decode and its draft: one sequence, one query per position)
+// form a run: [run_start[r], run_start[r + 1]). A job is (run, KV head) and reads each K/V row once for all of the
+// run's queries, each query seeing its own context length.
+static std::vector<int64_t> query_runs(const int64_t* tables, int64_t table_stride, int64_t num_seqs) {
+    std::vector<int64_t> starts;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        if (s == 0 || !std::equal(tables + s * table_stride, tables + (s + 1) * table_stride,
+                                  tables + (s - 1) * table_stride))
+            starts.push_back(s);
+    starts.push_back(num_seqs);
+    return starts;
+}
+
 // DIM > 0 fixes the head size at compile time (so the inner loops vectorize fully); 0 reads it at run time.
 // KV is the cache's element: T itself, bfloat16 under float32 queries, or int8 codes with k_scale/v_scale
-// [blocks, block_size, kv_heads] (nullptr otherwise).
+// [blocks, block_size, kv_heads] (nullptr otherwise). Each query's arithmetic is the same whatever run it is in
+// (its scores, softmax and weighted sum over its own keys, in key order): a row's result does not depend on the
+// rows beside it.
 template <typename T, typename KV, int DIM>
 static void decode(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale, const float* v_scale,
                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, T* out,
@@ -192,61 +207,79 @@ static void decode(const T* q, const KV* k_cache, const KV* v_cache, const float
                    float scale, int num_threads) {
     const int64_t D = DIM > 0 ? DIM : head_dim;
     const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * D;
+    const std::vector<int64_t> runs = query_runs(tables, table_stride, num_seqs);
+    const int64_t num_runs = int64_t(runs.size()) - 1;
     #pragma omp parallel num_threads(num_threads)
     {
-        // per thread, reused by every job it takes: scores [group][keys], scaled queries, accumulators, one row
-        std::vector<float> scores, query(group * D), acc(group * D), row(D);
+        // per thread, reused by every job it takes: scores [query][keys], scaled queries, accumulators, one row
+        std::vector<float> scores, query, acc, row(D);
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < num_seqs * num_kv_heads; ++job) {
-            const int64_t s = job / num_kv_heads, g = job % num_kv_heads, n = context_lens[s];
-            const int64_t* table = tables + s * table_stride;
-            if (int64_t(scores.size()) < group * n) scores.resize(group * n);
+        for (int64_t job = 0; job < num_runs * num_kv_heads; ++job) {
+            const int64_t r = job / num_kv_heads, g = job % num_kv_heads;
+            const int64_t first = runs[r], m = runs[r + 1] - first, queries = m * group;
+            const int64_t* lens = context_lens + first;
+            const int64_t n = *std::max_element(lens, lens + m);
+            const int64_t* table = tables + first * table_stride;
+            if (int64_t(scores.size()) < queries * n) scores.resize(queries * n);
+            if (int64_t(query.size()) < queries * D) query.resize(queries * D), acc.resize(queries * D);
             float* __restrict qv = query.data();
             float* __restrict av = acc.data();
             float* __restrict rv = row.data();
             float* __restrict sv = scores.data();
-            for (int64_t i = 0; i < group; ++i) {
-                const T* src = q + (s * num_heads + g * group + i) * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) qv[i * D + d] = load(src[d]) * scale;
-            }
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t i = 0; i < group; ++i) {
+                    const T* src = q + ((first + j) * num_heads + g * group + i) * D;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) qv[(j * group + i) * D + d] = load(src[d]) * scale;
+                }
             const float* ks = k_scale ? k_scale + g : nullptr;
             const float* vs = v_scale ? v_scale + g : nullptr;
-            // scores: one pass over the keys
+            // scores: one pass over the keys, each key row for every query that sees it
             for_each_row<KV, DIM>(k_cache, ks, num_kv_heads, table, n, block_size, slot, g * D, head_dim, rv,
                                   [&](int64_t t, float row_scale) {
+                for (int64_t j = 0; j < m; ++j) {
+                    if (t >= lens[j]) continue;
+                    for (int64_t i = 0; i < group; ++i) {
+                        const float* qi = qv + (j * group + i) * D;
+                        float sum = 0.0f;
+                        #pragma omp simd reduction(+ : sum)
+                        for (int64_t d = 0; d < D; ++d) sum += qi[d] * rv[d];
+                        sv[(j * group + i) * n + t] = sum * row_scale;
+                    }
+                }
+            });
+            for (int64_t j = 0; j < m; ++j)
                 for (int64_t i = 0; i < group; ++i) {
+                    float* sc = sv + (j * group + i) * n;
+                    const int64_t keys = lens[j];
+                    float top = sc[0];
+                    #pragma omp simd reduction(max : top)
+                    for (int64_t t = 1; t < keys; ++t) top = sc[t] > top ? sc[t] : top;
                     float sum = 0.0f;
                     #pragma omp simd reduction(+ : sum)
-                    for (int64_t d = 0; d < D; ++d) sum += qv[i * D + d] * rv[d];
-                    sv[i * n + t] = sum * row_scale;
+                    for (int64_t t = 0; t < keys; ++t) { sc[t] = exp_approx(sc[t] - top); sum += sc[t]; }
+                    const float inv = 1.0f / sum;
+                    #pragma omp simd
+                    for (int64_t t = 0; t < keys; ++t) sc[t] *= inv;
                 }
-            });
-            for (int64_t i = 0; i < group; ++i) {
-                float* sc = sv + i * n;
-                float top = sc[0];
-                #pragma omp simd reduction(max : top)
-                for (int64_t t = 1; t < n; ++t) top = sc[t] > top ? sc[t] : top;
-                float sum = 0.0f;
-                #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) { sc[t] = exp_approx(sc[t] - top); sum += sc[t]; }
-                const float inv = 1.0f / sum;
-                #pragma omp simd
-                for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
-            }
-            std::fill(av, av + group * D, 0.0f);
+            std::fill(av, av + queries * D, 0.0f);
             for_each_row<KV, DIM>(v_cache, vs, num_kv_heads, table, n, block_size, slot, g * D, head_dim, rv,
                                   [&](int64_t t, float row_scale) {
-                for (int64_t i = 0; i < group; ++i) {
-                    const float p = sv[i * n + t] * row_scale;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) av[i * D + d] += p * rv[d];
+                for (int64_t j = 0; j < m; ++j) {
+                    if (t >= lens[j]) continue;
+                    for (int64_t i = 0; i < group; ++i) {
+                        const float p = sv[(j * group + i) * n + t] * row_scale;
+                        float* a = av + (j * group + i) * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) a[d] += p * rv[d];
+                    }
                 }
             });
-            for (int64_t i = 0; i < group; ++i) {
-                T* dst = out + (s * num_heads + g * group + i) * D;
-                for (int64_t d = 0; d < D; ++d) store(av[i * D + d], dst + d);
-            }
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t i = 0; i < group; ++i) {
+                    T* dst = out + ((first + j) * num_heads + g * group + i) * D;
+                    for (int64_t d = 0; d < D; ++d) store(av[(j * group + i) * D + d], dst + d);
+                }
         }
     }
 }

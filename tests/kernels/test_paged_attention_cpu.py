@@ -102,3 +102,31 @@ def test_loading_the_kernel_keeps_subnormal_floats():
 
     tiny = np.float32(1e-40)  # subnormal in float32
     assert tiny * np.float32(1.0) != 0 and float(torch.tensor(1e-40) * 1.0) != 0
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv):
+    """A decode and its draft are consecutive rows with one block table and contexts n, n+1, ...: the kernel reads
+    their K/V once for the whole run, and each row's output is bit for bit what it gives alone (and the twin's)."""
+    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [40], dtype=torch.float32, seed=3)
+    scales = (None, None)
+    if kv == "bfloat16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    elif kv == "int8":
+        (k, ks), (v, vs) = (quantize_rows(c.flatten(0, 1)) for c in (k_cache, v_cache))
+        k_cache, v_cache = k.view_as(k_cache), v.view_as(v_cache)
+        scales = (ks.view(k_cache.shape[:3]), vs.view(k_cache.shape[:3]))
+    other = make_case(9, 3, 64, 16, [40], dtype=torch.float32, seed=4)[3]  # another sequence's table between
+    rows_q = torch.randn(7, 9, 64, generator=torch.Generator().manual_seed(5))
+    row_tables = torch.cat([tables.expand(3, -1), other, tables.expand(3, -1)])
+    lens = torch.tensor([31, 32, 33, 40, 34, 35, 36])
+    together = paged_attention_cpu.paged_decode(rows_q, k_cache, v_cache, row_tables, lens, 0.125, *scales)
+    for r in range(7):
+        alone = paged_attention_cpu.paged_decode(rows_q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
+                                                 lens[r:r + 1], 0.125, *scales)
+        assert torch.equal(together[r:r + 1], alone), r
+    if kv != "int8":
+        qsl = torch.arange(8, dtype=torch.int32)
+        expected = paged_attention_torch(rows_q, k_cache.float(), v_cache.float(), row_tables.int(), lens.int(), qsl,
+                                         0.125)
+        torch.testing.assert_close(together, expected.reshape(7, -1), atol=1e-5, rtol=1e-5)
