@@ -10,7 +10,7 @@ Workloads:
 - ``free``: 20 free-text prompts, 128 tokens (speculation only: there is no grammar to force anything).
 
 Each runs at concurrency 1 and 16 (a closed loop: a finished request is replaced at once), drafts off and on,
-taking turns. Reported per cell: forward passes per output token (the steps that produced each sequence's
+taking turns (``--repeats`` times each, the order swapped each time, totals reported). Reported per cell: forward passes per output token (the steps that produced each sequence's
 tokens), output tok/s, acceptance (accepted / drafted tokens), TPOT (mean over requests of their decode time per
 token after the first), and the ratios on/off. A schema the compiler refuses is left out of both sides and
 counted; every other request counts, whatever its finish reason.
@@ -18,7 +18,7 @@ counted; every other request counts, whatever its finish reason.
 ``--check`` runs the equality check instead: greedy outputs with drafts on and off must be token-identical, for
 100 dev schemas, 20 free-text prompts and 20 regex/choice constraints, alone and in batches of 16. It exits 1
 on any difference. ``--row-cost`` times one sequence's step with drafts of 0-8 forced tokens: the cost of a
-verified row that ``corral.engine.speculation.ROW_COST`` stands for.
+verified row that ``EngineConfig.draft_row_cost`` (``--draft-row-cost``) stands for.
 
     .venv/bin/python bench/speculation.py                        # both formats, about 25 minutes on 2 cores
     .venv/bin/python bench/speculation.py --formats auto --cells json-1,extract-1
@@ -239,10 +239,17 @@ def report(fmt: str, cell: Cell, off: Run, on: Run, refused: int) -> str:
             f"{off.num_tokens / off.wall:.1f} | {on.num_tokens / on.wall:.1f} | "
             f"**{(on.num_tokens / on.wall) / (off.num_tokens / off.wall):.2f}x** | {acceptance:.2f} "
             f"({on.forced}/{on.accepted}/{on.drafted}) | {tpot(off):.2f} | {tpot(on):.2f} | "
-            f"{same}/{len(cell.jobs) - refused} |")
+            f"{same}/{len(off.tokens)} |")
 
 
-def bench(formats: list[str], cell_names: list[str]) -> None:
+def merged(runs: list[Run]) -> Run:
+    """Several runs of the same jobs as one: walls, counts, tokens and TPOTs added up."""
+    return Run(sum(r.wall for r in runs), [t for r in runs for t in r.tokens], sum(r.passes for r in runs),
+               sum(r.drafted for r in runs),
+               sum(r.accepted for r in runs), sum(r.forced for r in runs), [t for r in runs for t in r.tpots])
+
+
+def bench(formats: list[str], cell_names: list[str], repeats: int = 1) -> None:
     print(f"machine: {cpu_summary()}")
     print("| format | cell | requests | passes/token off | on | fewer passes | tok/s off | on | speed-up | "
           "acceptance (forced/accepted/drafted) | TPOT ms off | on | identical |")
@@ -256,8 +263,11 @@ def bench(formats: list[str], cell_names: list[str]) -> None:
             cell = Cell(cell.workload, cell.concurrency, jobs)
             switches = dict(ON) if cell.workload != "free" else dict(jump_forward=False, speculation=True)
             check = machine_check()
-            off = b.run(jobs, cell.concurrency, OFF)
-            on = b.run(jobs, cell.concurrency, switches)
+            offs, ons = [], []
+            for i in range(repeats):  # taking turns, the order swapped each time
+                for side in ((OFF, offs), (switches, ons))[:: 1 if i % 2 == 0 else -1]:
+                    side[1].append(b.run(jobs, cell.concurrency, side[0]))
+            off, on = merged(offs), merged(ons)
             print(report(fmt, cell, off, on, 0) + f" {check}; refused {refused}", flush=True)
 
 
@@ -319,13 +329,14 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=None, help="--check: cap every request's output")
     parser.add_argument("--row-cost", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side and cell, taking turns")
     args = parser.parse_args()
     formats = args.formats.split(",")
     if args.check:
         sys.exit(check(formats, args.max_tokens))
     if args.row_cost:
         return row_cost(formats)
-    bench(formats, args.cells.split(","))
+    bench(formats, args.cells.split(","), args.repeats)
 
 
 if __name__ == "__main__":

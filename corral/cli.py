@@ -40,7 +40,7 @@ def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "quant_group_size": args.quant_group_size, "decode_step": args.decode_step,
             "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
-            "num_speculative_tokens": args.num_speculative_tokens, "speculation_max_batch": args.speculation_max_batch}
+            "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost}
 
 
 def _add_format_args(command) -> None:
@@ -65,9 +65,9 @@ def _add_format_args(command) -> None:
                          help="draft by prompt lookup (a request's speculation overrides it)")
     command.add_argument("--num-speculative-tokens", type=int, default=8,
                          help="the most prompt-lookup tokens a sequence drafts per step")
-    command.add_argument("--speculation-max-batch", type=int, default=4,
-                         help="past this many decoding sequences a draft token must be accepted at least half the "
-                              "time to be drafted (below it, a quarter: a row's share of a step)")
+    command.add_argument("--draft-row-cost", type=float, default=0.25,
+                         help="a draft row's cost as a share of a whole step at batch 1 (bench/speculation.py "
+                              "--row-cost measures it); it prices drafts at every batch size")
 
 
 def _generate(args) -> int:

@@ -41,7 +41,9 @@ class EngineConfig:
     jump_forward: bool = True
     speculation: bool = True
     num_speculative_tokens: int = 8  # the most prompt-lookup tokens one sequence drafts per step
-    speculation_max_batch: int = 4  # past this many decoding sequences a draft token must pay for its row in throughput
+    # a draft row's cost as a share of a whole step at batch 1 (bench/speculation.py --row-cost measures it); it
+    # prices drafts at every batch size (corral/engine/speculation.py), 0: rows are free, drafts always full length
+    draft_row_cost: float = 0.25
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -61,9 +63,10 @@ class EngineConfig:
         for name in ("jump_forward", "speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", param=name)
-        for name in ("num_speculative_tokens", "speculation_max_batch"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise InvalidRequestError(f"{name} must be an integer >= 0", param=name)
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise InvalidRequestError("num_speculative_tokens must be an integer >= 0", param="num_speculative_tokens")
+        if not isinstance(self.draft_row_cost, (int, float)) or not 0 <= self.draft_row_cost < 1:
+            raise InvalidRequestError("draft_row_cost must be in [0, 1)", param="draft_row_cost")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", param=name)

@@ -17,16 +17,18 @@ A draft changes nothing the model would produce: the engine verifies it against 
 distribution (:meth:`corral.engine.sampler.Sampler.verify`), keeps the accepted prefix and one token of its own,
 and rolls the rest back (KV, guide, hashes, detokenizer never saw it).
 
-How long a draft is. Each drafted token costs one more row in the step, and the i-th is worth its row only if
-the i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance
-rate ``a`` of that kind of draft (jump-forward and lookup are counted apart, over the tokens verification
-reached, with decayed counts and a prior of 1/2). A draft takes the largest ``k`` with ``a**k >= price``: the
-price is :data:`ROW_COST`, a row's measured share of a whole step at batch 1, while at most
-``speculation_max_batch`` sequences decode. Past that a step is many rows and a draft token must pay for its row
-in throughput alone, so the price is :data:`BATCH_ROW_COST` (a wasted row costs what an accepted one saves), and a
-kind of draft whose rate falls below it stops for that sequence. Jump-forward tokens are often rejected although
-the grammar forces their bytes: where the model would rather write something else, its constrained argmax is
-usually a shorter token than the tokenizer's split (``P`` where ``Presentation`` is forced).
+How long a draft is. A draft token costs one more row in the step, and the i-th brings a token only if the
+i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance rate
+``a`` of that kind of draft (jump-forward and lookup are counted apart, over the tokens verification reached, with
+decayed counts and a prior of 1/2). A step over B rows costs about ``F + B*r``: a fixed part (the weights streamed
+once, the loop) and a part per row. Without drafts each of S decoding sequences pays ``(F + S*r) / S`` per token;
+a draft row pays for itself when its expected tokens are worth more than its cost, ``a**i * (F + S*r) / S > r``,
+that is ``a**i >= price(S) = S*c / (1 - c + S*c)`` with ``c = r / (F + r)``, the draft row's share of a whole step
+at batch 1 (``draft_row_cost``, 0.25 measured here). So the price is 0.25 alone, 0.57 at 4 sequences, 0.84 at 16
+and 0.96 at 64: as the batch grows drafts stop, except where they are almost always accepted. A draft takes the
+largest ``k`` with ``a**k >= price``, and a kind of draft whose rate falls below it stops for that sequence.
+Jump-forward needs pricing too: where the model would rather write something else, its constrained argmax is
+usually a shorter token than the tokenizer's split of the forced bytes (``P`` where ``Presentation`` is forced).
 
 The price may depend on the batch because drafts never change a request's tokens: verification draws each token
 from the same row with the same uniform as a run without drafts (see
@@ -48,9 +50,14 @@ from corral.fsm.vocabulary import Vocabulary
 
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches
 MAX_FORCED_TOKENS = 32  # a jump-forward span's tokens per step
-ROW_COST = 0.25  # a verified row's cost as a share of a whole step at batch 1 (bench/speculation.py --row-cost)
-BATCH_ROW_COST = 0.5  # past speculation_max_batch: a token must be accepted at least as often as not
 _DECAY = 0.8  # acceptance counts decay by this per verification, so the rate follows the text
+
+
+def draft_price(num_decoding: int, row_cost: float) -> float:
+    """The acceptance probability a draft token needs to pay for its row when ``num_decoding`` sequences decode
+    (see above): ``S*c / (1 - c + S*c)``."""
+    s = max(1, num_decoding) * row_cost
+    return s / (1.0 - row_cost + s)
 
 
 @dataclass
@@ -131,7 +138,7 @@ class Drafter:
     def propose_all(self, decoding: list[Sequence], config, max_model_len: int) -> None:
         """Set ``draft`` on each of ``decoding`` (the sequences that decode this step, beams left out) under
         ``config``'s switches (a request's own switches win) and the batch rule."""
-        price = ROW_COST if len(decoding) <= config.speculation_max_batch else BATCH_ROW_COST
+        price = draft_price(len(decoding), config.draft_row_cost)
         for seq in decoding:
             seq.draft, seq.num_draft_forced = [], 0
             params = seq.params

@@ -20,7 +20,7 @@ from corral.engine import sampler as sampler_module
 from corral.engine.config import EngineConfig
 from corral.engine.llm_engine import LLMEngine
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
-from corral.engine.speculation import BATCH_ROW_COST, ROW_COST, Drafter, Rate, SpecState
+from corral.engine.speculation import Drafter, Rate, SpecState, draft_price
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
@@ -69,7 +69,7 @@ class DraftKVRunner:
 def draft_engine(model: ToyModel, num_blocks: int = 256, max_num_seqs: int = 16, budget: int = 256,
                  **config) -> LLMEngine:
     config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, speculation_max_batch=1024, **config)
+                          max_num_batched_tokens=budget, draft_row_cost=0.0, **config)
     return LLMEngine(config, runner=DraftKVRunner(model, num_blocks), vocabulary=VOCAB,
                      model_config=SimpleNamespace(vocab_size=len(TOKENS), max_position=96))
 
@@ -165,14 +165,16 @@ def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_a
 
 
 def test_draft_length_follows_the_acceptance_rate_and_the_price():
+    assert draft_price(1, 0.25) == 0.25 and draft_price(16, 0.25) == pytest.approx(4 / 4.75)
+    assert draft_price(64, 0.25) > 0.95 and draft_price(1000, 0.0) == 0.0
     rate = Rate()
-    assert rate.length(8, ROW_COST) == 2  # prior 1/2: 0.5**2 >= 0.25 > 0.5**3
-    assert rate.length(8, BATCH_ROW_COST) == 1
+    assert rate.length(8, draft_price(1, 0.25)) == 2  # prior 1/2: 0.5**2 >= 0.25 > 0.5**3
+    assert rate.length(8, draft_price(4, 0.25)) == 0 and rate.length(8, 0.0) == 8
     rate.record(40, 39)
-    assert rate.length(8, ROW_COST) == 8
+    assert rate.length(8, draft_price(1, 0.25)) == 8 and rate.length(8, draft_price(16, 0.25)) == 3
     rate.record(40, 0)
     rate.record(40, 0)
-    assert rate.length(8, ROW_COST) == 1 and rate.length(8, BATCH_ROW_COST) == 0
+    assert rate.length(8, draft_price(1, 0.25)) == 1 and rate.length(8, draft_price(2, 0.25)) == 0
     state = SpecState()
     state.record(num_tested=6, num_forced=2, num_accepted=1)  # the second forced token was rejected
     assert (state.forced.reached, state.forced.accepted) == (2, 1) and state.lookup.reached == 0
