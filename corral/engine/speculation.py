@@ -5,9 +5,8 @@ Two sources, both free of a second model:
 - **Jump-forward** (forced spans): the bytes the guide forces next (``Guide.forced_bytes``: a JSON key and its
   quotes and colon, a closing bracket, the rest of an enum member once it is chosen), cut into tokens by the
   model's tokenizer (by longest match over the vocabulary where its split does not fit), each checked against
-  the guide. The last token of a span that ends before a real
-  choice is backed off: a longer token could spell it together with what follows (``"`` when ``",`` is a token,
-  a space that merges with the next word), so forcing it could force a tokenization the model would not choose.
+  the guide. The last token of a span that ends before a real choice is backed off: a longer token could spell
+  it together with what follows (``"`` when ``",`` is a token, a space that merges with the next word).
 - **Prompt lookup** (n-grams): the longest suffix of the text so far (up to :data:`MAX_NGRAM` tokens) that
   occurred before, in the prompt or the output, proposes what followed it there. Extraction and editing tasks
   copy long runs this way. Every proposed token is checked against the guide first, so a token the grammar
@@ -34,6 +33,9 @@ The price may depend on the batch because drafts never change a request's tokens
 from the same row with the same uniform as a run without drafts (see
 :meth:`~corral.engine.sampler.Sampler.verify`), so a seeded request gives the same tokens in any batch, drafted
 or not.
+
+Left out: drafts from the model's own first layers (self-speculation) or from a second, smaller model; drafts for
+beams.
 """
 
 from collections.abc import Callable
@@ -137,7 +139,7 @@ class Drafter:
 
     def propose_all(self, decoding: list[Sequence], config, max_model_len: int) -> None:
         """Set ``draft`` on each of ``decoding`` (the sequences that decode this step, beams left out) under
-        ``config``'s switches (a request's own switches win) and the batch rule."""
+        ``config``'s switches (a request's own switches win), priced for this many decoding sequences."""
         price = draft_price(len(decoding), config.draft_row_cost)
         for seq in decoding:
             seq.draft, seq.num_draft_forced = [], 0
