@@ -1,6 +1,7 @@
 """LLMEngine: requests in, tokens out, one ``step()`` at a time (vLLM's shape).
 
-A step is: schedule → fill the grammar masks (on a worker thread, while the model runs) → forward → sample →
+A step is: propose drafts → schedule → fill the grammar masks (on a worker thread, while the model runs) →
+forward → sample, or verify each draft and roll back what it rejected (``corral.engine.speculation``) →
 advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
 siblings are forked from it, sharing its KV blocks, each with its own ``guide.copy()`` and generator.
 
