@@ -154,6 +154,8 @@ class Drafter:
                 seq.spec = SpecState()
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
             lookup_cap = seq.spec.lookup.length(config.num_speculative_tokens, price) if lookup else 0
+            if not forced_cap and not lookup_cap:  # neither kind pays at this batch size
+                continue
             draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap, lookup_cap=lookup_cap,
                                  room=room)
             seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
