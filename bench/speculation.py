@@ -225,7 +225,7 @@ def cells_for(names: list[str]) -> list[Cell]:
     return cells
 
 
-def report(fmt: str, cell: Cell, off: Run, on: Run, refused: int) -> str:
+def report(fmt: str, cell: Cell, off: Run, on: Run) -> str:
     def passes_per_token(r: Run) -> float:
         return r.passes / max(1, r.num_tokens)
 
@@ -234,7 +234,7 @@ def report(fmt: str, cell: Cell, off: Run, on: Run, refused: int) -> str:
 
     same = sum(a == b for a, b in zip(off.tokens, on.tokens))
     acceptance = on.accepted / on.drafted if on.drafted else float("nan")
-    return (f"| {fmt} | {cell.name} | {len(cell.jobs) - refused} | {passes_per_token(off):.3f} | "
+    return (f"| {fmt} | {cell.name} | {len(cell.jobs)} | {passes_per_token(off):.3f} | "
             f"{passes_per_token(on):.3f} | **{passes_per_token(off) / passes_per_token(on):.2f}x** | "
             f"{off.num_tokens / off.wall:.1f} | {on.num_tokens / on.wall:.1f} | "
             f"**{(on.num_tokens / on.wall) / (off.num_tokens / off.wall):.2f}x** | {acceptance:.2f} "
@@ -268,7 +268,7 @@ def bench(formats: list[str], cell_names: list[str], repeats: int = 1) -> None:
                 for side in ((OFF, offs), (switches, ons))[:: 1 if i % 2 == 0 else -1]:
                     side[1].append(b.run(jobs, cell.concurrency, side[0]))
             off, on = merged(offs), merged(ons)
-            print(report(fmt, cell, off, on, 0) + f" {check}; refused {refused}", flush=True)
+            print(report(fmt, cell, off, on) + f" {check}; refused {refused}", flush=True)
 
 
 def check(formats: list[str], max_tokens: int | None) -> int:

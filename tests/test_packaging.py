@@ -99,23 +99,22 @@ def test_the_oracle_paths_pass_with_the_native_module_off():
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline build is x86's")
 def test_the_baseline_build_passes_the_native_tests_and_the_kernels_oracle():
-    env = {**os.environ, "CORRAL_NATIVE_BUILD": "baseline", "CORRAL_NATIVE": "require"}
-    code = "from corral import native; s = native.status(); print(s['module'], s['kernels'])"
-    which = _run([sys.executable, "-c", code], ROOT, env)
-    assert which.stdout.split() == ["corral._native_baseline", "native-baseline"], which.stdout + which.stderr
-    run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
-               ROOT, env, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:]
+    _run_native_tests_under("baseline", "corral._native_baseline", "native-baseline")
 
 
 @pytest.mark.skipif("avx512f" not in native.cpu_flags() or "avx2" not in native.cpu_flags(),
                     reason="only an AVX-512 CPU can try the AVX2 kernels beside its own")
 def test_the_avx2_kernels_pass_the_kernels_oracle_on_an_avx512_cpu():
     """The AVX-512 CPU runs its own kernels; the AVX2 ones, which most CPUs run, are tried here too."""
-    env = {**os.environ, "CORRAL_NATIVE_BUILD": "avx2", "CORRAL_NATIVE": "require"}
+    _run_native_tests_under("avx2", "corral._native", "native-avx2")
+
+
+def _run_native_tests_under(build: str, module: str, kernels: str) -> None:
+    """CORRAL_NATIVE_BUILD=``build`` loads ``module`` with ``kernels``, and the native tests and kernel oracles pass."""
+    env = {**os.environ, "CORRAL_NATIVE_BUILD": build, "CORRAL_NATIVE": "require"}
     code = "from corral import native; s = native.status(); print(s['module'], s['kernels'])"
     which = _run([sys.executable, "-c", code], ROOT, env)
-    assert which.stdout.split() == ["corral._native", "native-avx2"], which.stdout + which.stderr
+    assert which.stdout.split() == [module, kernels], which.stdout + which.stderr
     run = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in BASELINE]],
                ROOT, env, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:]

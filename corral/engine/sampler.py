@@ -87,11 +87,7 @@ class Sampler:
         assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
         if not rows:
             return SampleResult([], [], None)
-        raw = logits[:, :vocab_size]
-        log_normalizer = cpu_ops.log_normalizers(logits, vocab_size)
-        if log_normalizer is None:
-            log_normalizer = torch.logsumexp(raw.float(), dim=-1)
-        top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
+        raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)
 
@@ -127,12 +123,7 @@ class Sampler:
         the plain path does: with batch-invariant logits a seeded request gives the tokens of a run without
         drafts, and in every case the same distribution."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
-        vocab_size = self.vocab_size or logits.shape[1]
-        raw = logits[:, :vocab_size]
-        log_normalizer = cpu_ops.log_normalizers(logits, vocab_size)
-        if log_normalizer is None:
-            log_normalizer = torch.logsumexp(raw.float(), dim=-1)
-        top_logprobs = self._top_logprobs(raw, log_normalizer, rows)
+        raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         argmax = torch.argmax(work, dim=-1).tolist() if greedy else None
@@ -157,6 +148,14 @@ class Sampler:
             top = [top_logprobs[r] for r in picked] if top_logprobs is not None else None
             out.append(Verified([t for t, _ in chosen], accepted, picked, logprobs, top))
         return out
+
+    def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]):
+        """Step 1: the raw logits (tokenizer columns), each row's log-normalizer, and the top logprobs asked for."""
+        raw = logits[:, : self.vocab_size or logits.shape[1]]
+        log_normalizer = cpu_ops.log_normalizers(logits, raw.shape[1])
+        if log_normalizer is None:
+            log_normalizer = torch.logsumexp(raw.float(), dim=-1)
+        return raw, log_normalizer, self._top_logprobs(raw, log_normalizer, rows)
 
     def _top_logprobs(self, raw: torch.Tensor, log_normalizer: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> list[list[tuple[int, float]]] | None:

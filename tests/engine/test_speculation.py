@@ -24,7 +24,7 @@ from corral.engine.speculation import Drafter, Rate, SpecState, draft_price
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
-from tests.engine.test_beam_groups import assert_equals_search
+from tests.engine.test_beam_groups import assert_equals_search, run_all
 from tests.engine.test_beam_search import EOS, TOKENS, ToyModel
 
 BLOCK_SIZE = 4
@@ -79,17 +79,6 @@ def compiler():
     return GrammarCompiler(Vocabulary.from_token_bytes(TOKENS, eos_token_ids=[EOS]))
 
 
-def run(engine: LLMEngine, requests, max_steps: int = 100_000) -> dict:
-    for request_id, prompt, params, guide in requests:
-        engine.add_request(request_id, prompt, params, guide=guide)
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finals
-        finals.update((o.request_id, o) for o in engine.step() if o.finished)
-    raise AssertionError("no progress")
-
-
 def text_of(token_ids) -> str:
     return b"".join(TOKENS[t] for t in token_ids if t != EOS).decode()
 
@@ -115,7 +104,7 @@ def test_drafts_change_no_output(compiler, pattern, params):
             p = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=pattern is None, **{**params, **({"seed": params["seed"] + i}
                                                                           if "seed" in params else {})}, **switches)
             requests.append((f"r{i}", PROMPT[i:], p, guide))
-        outputs[name] = run(engine, requests), engine
+        outputs[name] = run_all(engine, requests), engine
     (off, off_engine), (on, on_engine) = outputs["off"], outputs["on"]
     for request_id, out in off.items():
         a, b = out.outputs[0], on[request_id].outputs[0]
@@ -190,7 +179,7 @@ def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
             engine = draft_engine(model)
             guide = compiler.compile_node(parse_regex(AMBIGUOUS)).new_guide()
             p = SamplingParams(temperature=0, **{"max_tokens": 12, **params}, **switches)
-            outs.append(run(engine, [("r", PROMPT, p, guide)])["r"].outputs[0])
+            outs.append(run_all(engine, [("r", PROMPT, p, guide)])["r"].outputs[0])
             assert engine.block_manager.num_used_blocks == 0
         assert (outs[0].token_ids, outs[0].text, outs[0].finish_reason, outs[0].stop_reason) == \
             (outs[1].token_ids, outs[1].text, outs[1].finish_reason, outs[1].stop_reason), params
@@ -207,7 +196,7 @@ def test_n_and_beams_run_beside_drafts(compiler):
         requests = [("n", PROMPT, SamplingParams(temperature=0.5, seed=9, n=3, max_tokens=10, ignore_eos=True,
                                                  **switches), None),
                     ("beams", PROMPT[:5], beams, None)]
-        out[name] = run(engine, requests)
+        out[name] = run_all(engine, requests)
         assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
     assert [o.token_ids for o in out["off"]["n"].outputs] == [o.token_ids for o in out["on"]["n"].outputs]
     assert sum(o.num_accepted_tokens for o in out["on"]["n"].outputs) > 0
@@ -296,7 +285,7 @@ def sample_texts(compiler, switches: dict, num: int, **params) -> collections.Co
     for start in range(0, num, 256):
         requests = [(f"s{start + i}", PROMPT[(start + i) % 5:], SamplingParams(max_tokens=8, **params, **switches),
                      grammar.new_guide()) for i in range(min(256, num - start))]
-        for out in run(engine, requests).values():
+        for out in run_all(engine, requests, max_steps=100_000).values():
             counts[tuple(out.outputs[0].token_ids)] += 1
     assert not switches["speculation"] or engine.stats().num_draft_tokens > num  # drafts were really tested
     return counts
