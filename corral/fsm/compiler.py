@@ -10,7 +10,8 @@ constraint kind compiles to:
 - ``choice``: exactly one of the listed strings;
 - ``tools``: tool calls whose arguments match each function's ``parameters`` (``grammar.tool_calls``), every
   schema compiled under the one budget of the request;
-- ``grammar`` (Lark): refused with a typed error until the Lark path exists.
+- ``grammar``: a Lark grammar (llguidance's dialect) or GBNF, told apart by ``::=``, compiled to the
+  context-free path (``cfg_guide.py``): a lexer of byte DFAs under an Earley parser.
 
 A compile ends with the start state's mask, computed under the same budget: a constraint that no token of this
 vocabulary can begin to spell is refused here, as bad input, rather than inside a running batch.
@@ -24,13 +25,16 @@ from collections import OrderedDict
 import numpy as np
 
 from corral.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
-from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
+from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError
+from corral.fsm.cfg_guide import CFGGuide, CFGIndex, ParseSession
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
 from corral.fsm.lazy_dfa import LazyDFA
 from corral.fsm.token_index import TokenIndex
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
+from corral.grammar.gbnf_grammar import looks_like_gbnf, parse_gbnf
+from corral.grammar.lark_grammar import parse_lark
 from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.tool_calls import tool_calls_node
@@ -56,6 +60,25 @@ class CompiledGrammar:
 
     def new_guide(self) -> FSMGuide:
         return FSMGuide(self.index)
+
+
+class CompiledCFG:
+    """A compiled context-free grammar: the shared lexer and parser tables; each guide gets its own session."""
+
+    def __init__(self, index: CFGIndex, warnings: tuple[str, ...] = ()):
+        self.index = index
+        self.warnings = warnings
+        self.accounted = 0
+
+    @property
+    def num_states(self) -> int:
+        return len(self.index.lexer.states)
+
+    def nbytes(self) -> int:
+        return self.index.nbytes()
+
+    def new_guide(self) -> CFGGuide:
+        return CFGGuide(ParseSession(self.index))
 
 
 class GrammarCompiler:
@@ -93,8 +116,11 @@ class GrammarCompiler:
         warnings: list[str] = []
         budget = budget or self.new_budget()
         try:
-            node = self._to_node(constraint, warnings, budget)
-            grammar = self._build(node, constraint.kind, tuple(warnings), budget)
+            if constraint.kind == "grammar":
+                grammar = self._build_cfg(constraint, warnings, budget)
+            else:
+                node = self._to_node(constraint, warnings, budget)
+                grammar = self._build(node, constraint.kind, tuple(warnings), budget)
         except RecursionError:  # a structure nested past what the recursive passes can walk: refused, not a crash
             raise GrammarTooComplexError("the constraint nests too deeply to compile") from None
         if warnings:  # logged once per compile; each response that uses the grammar carries them too
@@ -220,9 +246,30 @@ class GrammarCompiler:
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
                 raise InvalidGrammarError("a choice constraint needs a non-empty list of strings")
             return _choice_node(value, budget)
-        if kind == "grammar":
-            raise UnsupportedSchemaError("Lark grammars are not supported yet", keyword="grammar")
         raise InvalidGrammarError(f"unknown constraint kind {kind!r}")
+
+    def _build_cfg(self, constraint: Constraint, warnings: list[str], budget: Budget) -> CompiledCFG:
+        text = constraint.value
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidGrammarError("a grammar constraint needs the grammar's text")
+        if looks_like_gbnf(text):
+            grammar = parse_gbnf(text)
+        else:
+            grammar = parse_lark(text, json_node=lambda schema: self._schema_node(schema, constraint, warnings,
+                                                                                  budget))
+        budget.check_time()
+        warnings.extend(grammar.warnings)
+        index = CFGIndex(grammar, self.vocab, budget)
+        start = ParseSession(index)
+        fuel, index.mask_fuel = index.mask_fuel, 1 << 62  # the compile's clock bounds the start mask
+        try:
+            index.start_mask = start.mask(start.start)
+        finally:
+            index.mask_fuel = fuel
+        budget.check_time()
+        if not np.any(index.start_mask):
+            raise InvalidGrammarError("no sequence of this model's tokens can spell the grammar's language")
+        return CompiledCFG(index, tuple(warnings))
 
     @staticmethod
     def _schema_node(schema, options: Constraint, warnings: list[str], budget: Budget) -> Node:

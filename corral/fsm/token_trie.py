@@ -139,12 +139,12 @@ class TokenTrie:
                     stack.append((child, int(row[byte])))
         found = np.asarray(ids, dtype=np.int64)
         if wide_nodes:
-            found = np.concatenate([found, self._walk_levels(np.asarray(wide_nodes, dtype=np.int64),
+            found = np.concatenate([found, self.walk_levels(np.asarray(wide_nodes, dtype=np.int64),
                                                             np.asarray(wide_states, dtype=np.int32), dfa.gather,
                                                             pieces)])
         return found
 
-    def _walk_levels(self, nodes: np.ndarray, states: np.ndarray, gather, pieces=None) -> np.ndarray:
+    def walk_levels(self, nodes: np.ndarray, states: np.ndarray, gather, pieces=None) -> np.ndarray:
         """The vectorised walk below ``nodes`` (in DFA ``states``): one ``gather(states, bytes)`` per trie level."""
         reached, resolved = [], []
         while len(nodes):

@@ -52,9 +52,9 @@ _Variant = tuple[bool, bool, Node]
 
 
 class _Parser:
-    def __init__(self, pattern: str, flavor: Flavor):
+    def __init__(self, pattern: str, flavor: Flavor, dotall: bool = False):
         assert flavor in ("python", "ecma"), flavor
-        self.pattern, self.flavor, self.pos = pattern, flavor, 0
+        self.pattern, self.flavor, self.pos, self.dotall = pattern, flavor, 0, dotall
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def error(self, message: str, offset: int | None = None):
@@ -157,6 +157,8 @@ class _Parser:
         if char == "$":
             return [(False, True, EMPTY)]
         if char == ".":
+            if self.dotall:
+                return _single(ANY_CHAR)
             excluded = "\n" if self.flavor == "python" else "\n\r\u2028\u2029"
             return _single(CharSet.chars(excluded).negate())
         if char == "[":
@@ -360,17 +362,18 @@ def _concat_variants(left: list[_Variant], right: list[_Variant]) -> list[_Varia
     return out
 
 
-def parse_regex(pattern: str, *, flavor: Flavor = "python", search: bool = False) -> Node:
+def parse_regex(pattern: str, *, flavor: Flavor = "python", search: bool = False, dotall: bool = False) -> Node:
     """Parse ``pattern`` into a regex AST over code points.
 
     ``search=False``: the AST matches exactly the strings ``re.fullmatch`` accepts. ``search=True``: it matches
     the strings in which the pattern occurs (``re.search``), which is JSON Schema ``pattern`` semantics.
+    ``dotall``: ``.`` matches a newline too (the ``s`` flag).
     Raises :class:`InvalidRegexError` for malformed text, :class:`UnsupportedRegexError` for constructs beyond
     regular languages, both naming the offset.
     """
     if not isinstance(pattern, str):
         raise InvalidRegexError("a regex must be a string", pattern=repr(pattern), offset=0)
-    variants = _Parser(pattern, flavor).parse()
+    variants = _Parser(pattern, flavor, dotall).parse()
     options = []
     for begin, end, node in variants:
         if search:

@@ -6,8 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from corral.errors import (GrammarTooComplexError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError,
-                           UserInputError)
+from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidRegexError, UserInputError
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
@@ -123,9 +122,12 @@ def test_bad_constraints_raise_typed_errors(compiler, constraint, error, message
         compiler.compile(constraint)
 
 
-def test_lark_grammar_is_refused_until_the_lark_path_exists(compiler):
-    with pytest.raises(UnsupportedSchemaError, match="Lark grammars are not supported yet"):
-        compiler.compile(Constraint("grammar", "start: \"a\""))
+def test_grammar_constraints_compile_lark_and_gbnf_and_cache_them(compiler):
+    lark = compiler.compile(Constraint("grammar", 'start: "a" start "b" | "ab"'))
+    gbnf = compiler.compile(Constraint("grammar", 'root ::= "a" root "b" | "ab"'))
+    for grammar in (lark, gbnf):
+        assert accepts(grammar, "aaabbb") and not accepts(grammar, "aaabb") and not accepts(grammar, "")
+    assert compiler.compile(Constraint("grammar", 'start: "a" start "b" | "ab"')) is lark
 
 
 def test_time_budget_gives_grammar_too_complex(byte_vocab):

@@ -1,0 +1,363 @@
+"""The context-free path: a grammar's lexer and Earley parser lifted to tokens, behind the same Guide contract.
+
+A *configuration* is (Earley set, lexer state): where the parser is and how much of the current lexeme has been
+read. Configurations are interned per :class:`ParseSession` (one request and its copies) and their byte moves
+are cached in a table that grows like a lazy DFA's, so a token mask is the same vectorised trie walk the regex
+path does (``TokenTrie.walk_levels``): tokens sharing a prefix take each move once, and a move that ends a
+lexeme is where the parser is consulted (one ``scan`` of the interned Earley table). A token is allowed exactly
+when its bytes can be lexed from here into terminals the parser accepts, across as many lexemes and ``%ignore``
+runs as it spans. EOS is allowed where the text so far is a complete parse; a special token the grammar names,
+where the parser expects it between lexemes.
+
+Bounds: every mask and every advance may build at most the budget's ``mask_fuel`` Earley items (an ambiguous
+grammar over a long input ends its sequence with the fuel's error, never a stall); a session holds at most
+``MAX_CONFIGS`` configurations and the Earley table its own item cap.
+"""
+
+import threading
+
+import numpy as np
+
+from corral.budget import Budget
+from corral.errors import GrammarTooComplexError, InvalidGrammarError
+from corral.fsm.cfg_lexer import Lexer
+from corral.fsm.earley import EarleyTable, EarleyTables
+from corral.fsm.guide import Guide
+from corral.fsm.lazy_dfa import DEAD
+from corral.fsm.token_index import vocab_tables
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.cfg import Grammar
+
+ENDED = -2  # after EOS
+_UNBUILT = -3
+MAX_CONFIGS = 32_768  # per session: the move table is 1 kB a configuration
+_MAX_FORCED_BYTES = 256
+
+
+class CFGIndex:
+    """What every guide of one compiled grammar shares: the lexer, the parser's tables, the special tokens."""
+
+    def __init__(self, grammar: Grammar, vocab: Vocabulary, budget: Budget):
+        self.grammar, self.vocab, self.tables = grammar, vocab, vocab_tables(vocab)
+        self.lexer = Lexer(grammar, budget)
+        self.earley = EarleyTables(_without_dead_terminals(grammar, self.lexer.dead_terminals))
+        self.mask_fuel = budget.mask_fuel
+        self.special_of_token, self.special_words = _special_tokens(grammar, vocab)
+        self.lock = threading.RLock()
+        self.on_growth = None  # the compile cache's hook (this index does not grow after compilation)
+        self.start_mask: np.ndarray | None = None
+
+    def nbytes(self) -> int:
+        dfas = [d for d in self.lexer.dfas if d is not None]
+        return sum(d.trans.nbytes + d.terms.nbytes() for d in dfas) + 200 * len(self.lexer.states) + \
+            (0 if self.start_mask is None else self.start_mask.nbytes)
+
+
+class ParseSession:
+    """One request's configurations, their moves and masks (shared by the copies of its guides)."""
+
+    def __init__(self, index: CFGIndex, max_configs: int = MAX_CONFIGS):
+        self.index, self.lexer, self.max_configs = index, index.lexer, max_configs
+        self.table = EarleyTable(index.earley, max_closure_work=index.mask_fuel)
+        self.configs: list[tuple[int, int]] = []
+        self.config_ids: dict[tuple[int, int], int] = {}
+        self.trans = np.full((64, 256), _UNBUILT, dtype=np.int32)
+        self.masks: dict[int, np.ndarray] = {}
+        self._allowed: dict[int, frozenset[int]] = {}
+        self.lock = index.lock
+        self.fuel_start = 0
+        with self.lock:
+            self.start = self.intern(0, self.lexer.start(self.allowed(0)))
+
+    # -- configurations and their byte moves
+    def allowed(self, set_id: int) -> frozenset[int]:
+        allowed = self._allowed.get(set_id)
+        if allowed is None:
+            allowed = self._allowed[set_id] = self.table.sets[set_id].expected | self.lexer.ignore
+        return allowed
+
+    def intern(self, set_id: int, lex_state: int) -> int:
+        key = (set_id, lex_state)
+        config = self.config_ids.get(key)
+        if config is None:
+            config = len(self.configs)
+            if config >= self.max_configs:
+                raise GrammarTooComplexError(f"the parse reached its cap of {self.max_configs} states")
+            self.config_ids[key] = config
+            self.configs.append(key)
+            if config >= len(self.trans):
+                grown = np.full((2 * len(self.trans), 256), _UNBUILT, dtype=np.int32)
+                grown[:len(self.trans)] = self.trans
+                self.trans = grown
+        return config
+
+    def finish_lexeme(self, set_id: int, lex_state: int) -> int:
+        """The Earley set after the lexeme read so far ends here (-1 when it matches no terminal)."""
+        matched = self.lexer.accepts[lex_state]
+        if not matched:
+            return -1
+        scanned = matched & self.table.sets[set_id].expected
+        if not scanned:
+            return set_id  # an %ignore lexeme: the parser does not move
+        return self.table.scan(set_id, scanned)
+
+    def after_lexeme(self, set_id: int) -> int:
+        return self.intern(set_id, self.lexer.start(self.allowed(set_id)))
+
+    def move(self, config: int, byte: int) -> int:
+        found = int(self.trans[config, byte])
+        if found == _UNBUILT:
+            found = self._derive(config, byte)
+            self.trans[config, byte] = found
+            self.check_fuel()
+        return found
+
+    def _derive(self, config: int, byte: int) -> int:
+        lexer = self.lexer
+        set_id, lex_state = self.configs[config]
+        following = lexer.move(lex_state, byte)
+        if following < 0:  # the byte ends the lexeme and starts the next one
+            set_id = self.finish_lexeme(set_id, lex_state)
+            if set_id < 0:
+                return DEAD
+            following = lexer.move(lexer.start(self.allowed(set_id)), byte)
+            if following < 0:
+                return DEAD
+        if lexer.is_lazy_end[following]:
+            set_id = self.finish_lexeme(set_id, following)
+            return DEAD if set_id < 0 else self.after_lexeme(set_id)
+        return self.intern(set_id, following)
+
+    def gather(self, configs: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
+        out = self.trans[configs, bytes_]
+        missing = out == _UNBUILT
+        if missing.any():
+            for pair in np.unique((configs[missing].astype(np.int64) << 8) | bytes_[missing]).tolist():
+                self.move(pair >> 8, pair & 255)
+            out = self.trans[configs, bytes_]
+        return out
+
+    def check_fuel(self) -> None:
+        if self.table.work - self.fuel_start > self.index.mask_fuel:
+            raise GrammarTooComplexError(f"one step of the parse built more than {self.index.mask_fuel} Earley "
+                                         "items (the grammar is too ambiguous for this input)")
+
+    # -- what a configuration allows
+    def is_accepting(self, config: int) -> bool:
+        self.fuel_start = self.table.work
+        set_id, lex_state = self.configs[config]
+        if not self.lexer.is_start[lex_state]:
+            set_id = self.finish_lexeme(set_id, lex_state)
+        return set_id >= 0 and self.table.sets[set_id].is_accepting
+
+    def set_between_lexemes(self, config: int) -> int:
+        """The Earley set if the current lexeme ends here (-1: it cannot)."""
+        set_id, lex_state = self.configs[config]
+        return set_id if self.lexer.is_start[lex_state] else self.finish_lexeme(set_id, lex_state)
+
+    def mask(self, config: int) -> np.ndarray:
+        mask = self.masks.get(config)
+        if mask is None:
+            index = self.index
+            if config == self.start and index.start_mask is not None:
+                return index.start_mask
+            self.fuel_start = self.table.work
+            trie = index.tables.trie
+            ids = trie.walk_levels(np.zeros(1, dtype=np.int64), np.asarray([config], dtype=np.int32), self.gather)
+            words = index.tables.words_of(ids)
+            if self.is_accepting(config):
+                words |= index.tables.eos_words
+            between = self.set_between_lexemes(config)
+            if between >= 0 and index.special_words:
+                for j in self.table.sets[between].expected & index.special_words.keys():
+                    words |= index.special_words[j]
+            words.setflags(write=False)
+            mask = self.masks[config] = words
+        return mask
+
+    def advance(self, config: int, token_id: int) -> int:
+        self.fuel_start = self.table.work
+        specials = self.index.special_of_token.get(token_id)
+        if specials is not None:
+            between = self.set_between_lexemes(config)
+            if between < 0:
+                return DEAD
+            scanned = specials & self.table.sets[between].expected
+            if not scanned:
+                return DEAD
+            set_id = self.table.scan(between, scanned)
+            return DEAD if set_id < 0 else self.after_lexeme(set_id)
+        if token_id in self.index.vocab.special_ids:
+            return DEAD
+        for byte in self.index.vocab.token_bytes[token_id]:
+            config = self.move(config, byte)
+            if config < 0:
+                return DEAD
+        return config
+
+    def live_bytes(self, config: int) -> np.ndarray:
+        self.fuel_start = self.table.work
+        row = self.gather(np.full(256, config, dtype=np.int32), np.arange(256))
+        return np.flatnonzero(row >= 0)
+
+
+class CFGGuide(Guide):
+    """Configuration history ``[start, after token 1, ...]`` over a shared :class:`ParseSession`."""
+
+    __slots__ = ("session", "configs", "error")
+
+    def __init__(self, session: ParseSession, configs: list[int] | None = None, error: str | None = None):
+        self.session = session
+        self.configs = configs if configs is not None else [session.start]
+        self.error = error
+
+    @property
+    def config(self) -> int:
+        return self.configs[-1]
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        config = self.config
+        if config == DEAD or self.error is not None:
+            row[:] = 0
+        elif config == ENDED:
+            row[:] = self.session.index.tables.eos_words
+        else:
+            try:
+                with self.session.lock:
+                    row[:] = self.session.mask(config)
+            except GrammarTooComplexError as exc:
+                self.error = str(exc)
+                row[:] = 0
+
+    def advance(self, token_id: int) -> bool:
+        config = self.config
+        if config == DEAD or self.error is not None:
+            self.configs.append(DEAD)
+            return False
+        session = self.session
+        try:
+            with session.lock:
+                if token_id in session.index.vocab.eos_token_ids and config != ENDED:
+                    following = ENDED if session.is_accepting(config) else DEAD
+                else:
+                    following = DEAD if config == ENDED else session.advance(config, token_id)
+        except GrammarTooComplexError as exc:
+            self.error, following = str(exc), DEAD
+        self.configs.append(following)
+        return following != DEAD
+
+    def is_accepting(self) -> bool:
+        config = self.config
+        if config == ENDED:
+            return True
+        if config < 0:
+            return False
+        with self.session.lock:
+            return self.session.is_accepting(config)
+
+    def is_finished(self) -> bool:
+        config = self.config
+        if config in (DEAD, ENDED) or self.error is not None:
+            return True
+        session = self.session
+        try:
+            with session.lock:
+                if not session.is_accepting(config) or len(session.live_bytes(config)):
+                    return False
+                between = session.set_between_lexemes(config)
+                return not (session.table.sets[between].expected & session.index.special_words.keys())
+        except GrammarTooComplexError as exc:
+            self.error = str(exc)
+            return False
+
+    def is_error(self) -> bool:
+        return self.config == DEAD or self.error is not None
+
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens < len(self.configs), (num_tokens, len(self.configs))
+        if num_tokens:
+            del self.configs[-num_tokens:]
+
+    def copy(self) -> "CFGGuide":
+        return CFGGuide(self.session, list(self.configs), self.error)
+
+    def forced_bytes(self) -> bytes:
+        """Bytes while exactly one can follow and the text so far is not a complete parse."""
+        config, out, session = self.config, bytearray(), self.session
+        try:
+            with session.lock:
+                while config >= 0 and len(out) < _MAX_FORCED_BYTES and not session.is_accepting(config):
+                    live = session.live_bytes(config)
+                    if len(live) != 1:
+                        break
+                    if session.set_between_lexemes(config) >= 0 and session.index.special_words:
+                        break  # a special token might come here instead
+                    out.append(int(live[0]))
+                    config = session.move(config, int(live[0]))
+        except GrammarTooComplexError:
+            pass  # a shorter forced span is still forced
+        return bytes(out)
+
+
+def _without_dead_terminals(grammar: Grammar, dead: frozenset[int]) -> Grammar:
+    """``grammar`` without the productions that need a terminal no text matches (``%declare``d, empty classes);
+    refused when the start rule is left with nothing."""
+    if not dead:
+        return grammar
+    productions = list(grammar.productions)
+    while True:
+        productive = _productive(productions, dead)
+        kept = [(lhs, rhs) for lhs, rhs in productions
+                if lhs in productive and all((s >= 0 and s in productive) or (s < 0 and ~s not in dead)
+                                             for s in rhs)]
+        if len(kept) == len(productions):
+            break
+        productions = kept
+    if grammar.start not in _productive(productions, dead):
+        raise InvalidGrammarError(f"rule '{grammar.nonterminals[grammar.start]}' can never finish: every "
+                                  "alternative needs a terminal that matches no text")
+    return Grammar(grammar.terminals, grammar.nonterminals, tuple(productions), grammar.start, grammar.ignore,
+                   grammar.warnings)
+
+
+def _productive(productions, dead) -> set[int]:
+    productive: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for lhs, rhs in productions:
+            if lhs not in productive and all((s >= 0 and s in productive) or (s < 0 and ~s not in dead)
+                                             for s in rhs):
+                productive.add(lhs)
+                changed = True
+    return productive
+
+
+def _special_tokens(grammar: Grammar, vocab: Vocabulary):
+    """token id -> the special terminals it is, and each special terminal's bitmask row."""
+    of_token: dict[int, set[int]] = {}
+    tables = vocab_tables(vocab)
+    words: dict[int, np.ndarray] = {}
+    by_bytes: dict[bytes, list[int]] | None = None
+    for j, terminal in enumerate(grammar.terminals):
+        if terminal.special is None:
+            continue
+        if isinstance(terminal.special, str):
+            if by_bytes is None:
+                by_bytes = {}
+                for token_id, data in enumerate(vocab.token_bytes):
+                    by_bytes.setdefault(data, []).append(token_id)
+            ids = [i for i in by_bytes.get(terminal.special.encode(), ()) if i not in vocab.eos_token_ids]
+            if not ids:
+                raise InvalidGrammarError(f"the grammar names the special token {terminal.special}, which this "
+                                          "model's vocabulary does not have")
+        else:
+            low, high = terminal.special
+            if high < low or high >= vocab.size:
+                raise InvalidGrammarError(f"the grammar names token ids <[{low}-{high}]>; this vocabulary has "
+                                          f"{vocab.size}")
+            ids = list(range(low, high + 1))
+        for token_id in ids:
+            of_token.setdefault(token_id, set()).add(j)
+        words[j] = tables.words_of(np.asarray(ids, dtype=np.int64))
+    return {k: frozenset(v) for k, v in of_token.items()}, words

@@ -1,0 +1,302 @@
+"""The context-free grammar IR: terminals (regex ASTs, or special tokens) and productions over them.
+
+Both front-ends (``lark_grammar.py``, ``gbnf_grammar.py``) describe rules as :data:`Expr` trees (sequences,
+alternatives, repeats, literals, regexes, names); :class:`GrammarBuilder` lowers them to plain productions
+``lhs -> symbols`` (a repeat becomes a left-recursive helper rule, which Earley parses in linear time) and checks
+what would make a grammar unusable, each failure an :class:`InvalidGrammarError` naming the rule and its line:
+an undefined name, a terminal defined through itself, a terminal that matches the empty string, a start rule
+that derives no finite text. Rules that derive no finite text are dropped (with their alternatives that use
+them), so that no prefix the parser allows is a dead end.
+
+Symbols: a nonterminal is its index ``k >= 0``; terminal ``j`` is ``~j`` (negative). What is left out here: trees,
+aliases and ``?``/``!``/``_`` rule modifiers (they shape lark's parse tree, not the language).
+"""
+
+import json
+from dataclasses import dataclass, field
+
+from corral.errors import InvalidGrammarError
+from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node, Repeat
+from corral.grammar.regex_parser import nullable
+
+MAX_SYMBOLS = 200_000  # symbols over all productions after lowering (bounds a{1000}{1000} and the like)
+
+# Expr: ("name", text, line) | ("literal", text, ignore_case) | ("regex", Node) | ("chars", CharSet)
+#       | ("seq", (Expr, ...)) | ("alt", (Expr, ...)) | ("repeat", Expr, min, max | None)
+#       | ("special", token text or id range) | ("empty",)
+Expr = tuple
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """A lexeme: text matching ``node`` (``special``: a special token the vocabulary names, ``node`` None).
+    ``lazy``: it ends at its shortest match instead of its longest."""
+
+    name: str
+    node: Node | None
+    special: str | tuple[int, int] | None = None
+    lazy: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Grammar:
+    terminals: tuple[Terminal, ...]
+    nonterminals: tuple[str, ...]
+    productions: tuple[tuple[int, tuple[int, ...]], ...]  # (lhs, rhs symbols)
+    start: int
+    ignore: tuple[int, ...] = ()  # terminal ids skipped between any two lexemes
+    warnings: tuple[str, ...] = ()
+
+    def symbol_name(self, symbol: int) -> str:
+        return self.nonterminals[symbol] if symbol >= 0 else self.terminals[~symbol].name
+
+
+@dataclass
+class RuleDef:
+    name: str
+    expr: Expr
+    line: int
+
+
+@dataclass
+class GrammarBuilder:
+    """Collects rule and terminal definitions (as :data:`Expr`), then :meth:`build` lowers and checks them."""
+
+    rules: dict[str, RuleDef] = field(default_factory=dict)
+    terminal_defs: dict[str, RuleDef] = field(default_factory=dict)
+    terminal_options: dict[str, dict] = field(default_factory=dict)  # lazy, priority
+    ignore: list[tuple[Expr, int]] = field(default_factory=list)
+    kind: str = "grammar"  # "Lark grammar" / "GBNF grammar", for messages
+    json_node: object = None  # schema -> regex AST, for %json parts (None: refused)
+
+    def error(self, message: str, line: int | None = None) -> InvalidGrammarError:
+        return InvalidGrammarError(f"{self.kind}: {message}" + (f" (line {line})" if line else ""))
+
+    def add_rule(self, name: str, expr: Expr, line: int) -> None:
+        if name in self.rules or name in self.terminal_defs:
+            raise self.error(f"'{name}' is defined twice", line)
+        self.rules[name] = RuleDef(name, expr, line)
+
+    def add_terminal(self, name: str, expr: Expr, line: int, **options) -> None:
+        if name in self.rules or name in self.terminal_defs:
+            raise self.error(f"'{name}' is defined twice", line)
+        self.terminal_defs[name] = RuleDef(name, expr, line)
+        self.terminal_options[name] = options
+
+    def build(self, start: str) -> Grammar:
+        return _Lowering(self).run(start)
+
+
+class _Lowering:
+    def __init__(self, builder: GrammarBuilder):
+        self.b = builder
+        self.nonterminals: list[str] = []
+        self.nt_ids: dict[str, int] = {}
+        self.terminals: list[Terminal] = []
+        self.terminal_ids: dict[object, int] = {}  # name or anonymous key -> terminal id
+        self.productions: list[tuple[int, tuple[int, ...]]] = []
+        self.line_of: dict[int, int] = {}  # nonterminal -> line of its rule
+        self.node_cache: dict[str, Node] = {}
+        self.num_symbols = 0
+        self.num_helpers = 0
+
+    def run(self, start: str) -> Grammar:
+        b = self.b
+        if start not in b.rules:
+            raise b.error(f"no start rule '{start}'")
+        start_id = self.nonterminal(start)
+        done: set[str] = set()
+        pending = [start]
+        while pending:  # only rules reachable from the start are lowered (lark ignores the others too)
+            name = pending.pop()
+            if name in done:
+                continue
+            done.add(name)
+            rule = b.rules[name]
+            for alternative in _alternatives(rule.expr):
+                self.production(self.nt_ids[name], alternative, rule, pending)
+        ignore = tuple(sorted({self.terminal_of(expr, line) for expr, line in b.ignore}))
+        return self.checked(Grammar(tuple(self.terminals), tuple(self.nonterminals), tuple(self.productions),
+                                    start_id, ignore))
+
+    def nonterminal(self, name: str, line: int | None = None) -> int:
+        k = self.nt_ids.get(name)
+        if k is None:
+            k = self.nt_ids[name] = len(self.nonterminals)
+            self.nonterminals.append(name)
+            if line is not None:
+                self.line_of[k] = line
+            elif name in self.b.rules:
+                self.line_of[k] = self.b.rules[name].line
+        return k
+
+    def helper(self, owner: RuleDef) -> int:
+        self.num_helpers += 1
+        return self.nonterminal(f"{owner.name}#{self.num_helpers}", owner.line)
+
+    def add(self, lhs: int, rhs: tuple[int, ...], owner: RuleDef) -> None:
+        self.num_symbols += len(rhs) + 1
+        if self.num_symbols > MAX_SYMBOLS:
+            raise self.b.error(f"the grammar lowers to more than {MAX_SYMBOLS} symbols (rule '{owner.name}': "
+                               "repetition counts multiply)", owner.line)
+        self.productions.append((lhs, rhs))
+
+    def production(self, lhs: int, expr: Expr, owner: RuleDef, pending: list[str]) -> None:
+        parts = expr[1] if expr[0] == "seq" else (() if expr[0] == "empty" else (expr,))
+        self.add(lhs, tuple(self.symbol(part, owner, pending) for part in parts), owner)
+
+    def symbol(self, expr: Expr, owner: RuleDef, pending: list[str]) -> int:
+        """One symbol standing for ``expr`` (a helper rule when it is compound)."""
+        kind = expr[0]
+        if kind == "name":
+            name, line = expr[1], expr[2]
+            if name in self.b.rules:
+                pending.append(name)
+                return self.nonterminal(name)
+            if name in self.b.terminal_defs:
+                return ~self.terminal_of(expr, line)
+            raise self.b.error(f"rule '{owner.name}' uses '{name}', which is not defined", line)
+        if kind in ("literal", "regex", "chars", "special", "json"):
+            return ~self.terminal_of(expr, owner.line)
+        helper = self.helper(owner)
+        if kind in ("seq", "alt", "empty"):
+            for alternative in _alternatives(expr):
+                self.production(helper, alternative, owner, pending)
+            return helper
+        assert kind == "repeat", expr
+        item = self.symbol(expr[1], owner, pending)
+        low, high = expr[2], expr[3]
+        if high is not None and high < low:
+            raise self.b.error(f"rule '{owner.name}' repeats {{{low},{high}}}: the maximum is below the minimum",
+                               owner.line)
+        if low > MAX_SYMBOLS:
+            raise self.b.error(f"rule '{owner.name}' repeats at least {low} times", owner.line)
+        if high is None:  # helper -> item{low} tail, tail -> empty | tail item
+            tail = self.helper(owner)
+            self.add(tail, (), owner)
+            self.add(tail, (tail, item), owner)
+            self.add(helper, (item,) * low + (tail,), owner)
+            return helper
+        # helper -> item{low} opt_{high-low}; opt_k -> empty | item opt_{k-1}
+        rest = None
+        for _ in range(high - low):
+            step = self.helper(owner)
+            self.add(step, (), owner)
+            self.add(step, (item,) if rest is None else (item, rest), owner)
+            rest = step
+        self.add(helper, (item,) * low + (() if rest is None else (rest,)), owner)
+        return helper
+
+    def terminal_of(self, expr: Expr, line: int) -> int:
+        """The terminal id of a lexeme expression: a terminal's name, or an anonymous literal/regex/class."""
+        kind = expr[0]
+        if kind == "name":
+            name = expr[1]
+            if name not in self.b.terminal_defs:
+                what = "a rule" if name in self.b.rules else "not defined"
+                raise self.b.error(f"'{name}' is used as a terminal but is {what}", line)
+            key, node = name, self.terminal_node(name, [])
+            options = self.b.terminal_options.get(name, {})
+        elif kind == "special":
+            key, node, options = ("special", expr[1]), None, {}
+            name = expr[1] if isinstance(expr[1], str) else f"<[{expr[1][0]}-{expr[1][1]}]>"
+        elif kind == "json":
+            if self.b.json_node is None:
+                raise self.b.error("%json is not available here", line)
+            key = ("json", json.dumps(expr[1], sort_keys=True))
+            node, options, name = (None if key in self.terminal_ids else self.b.json_node(expr[1])), {}, "%json"
+        else:
+            key, node, options = (kind, expr[1:]), self.lexeme_node(expr, [], line), {}
+            name = _display(expr)
+        j = self.terminal_ids.get(key)
+        if j is None:
+            if node is not None and nullable(node):
+                raise self.b.error(f"terminal {name} matches the empty string", line)
+            j = self.terminal_ids[key] = len(self.terminals)
+            special = expr[1] if kind == "special" else None
+            self.terminals.append(Terminal(name, node, special, options.get("lazy", False),
+                                           options.get("priority", 0)))
+        return j
+
+    def terminal_node(self, name: str, stack: list[str]) -> Node:
+        node = self.node_cache.get(name)
+        if node is None:
+            definition = self.b.terminal_defs[name]
+            if name in stack:
+                raise self.b.error(f"terminal {name} is defined through itself ({' -> '.join(stack + [name])}); "
+                                   "a recursive structure must be a rule", definition.line)
+            node = self.node_cache[name] = self.lexeme_node(definition.expr, stack + [name], definition.line)
+        return node
+
+    def lexeme_node(self, expr: Expr, stack: list[str], line: int) -> Node:
+        """The regex AST of a terminal expression (names of other terminals are inlined)."""
+        kind = expr[0]
+        if kind == "literal":
+            return _literal_node(expr[1], expr[2])
+        if kind in ("regex", "chars"):
+            return expr[1]
+        if kind == "empty":
+            return EMPTY
+        if kind == "name":
+            if expr[1] not in self.b.terminal_defs:
+                where = f"terminal {stack[-1]}" if stack else "a terminal"
+                what = "a rule (terminals cannot use rules)" if expr[1] in self.b.rules else "not defined"
+                raise self.b.error(f"{where} uses '{expr[1]}', which is {what}", expr[2])
+            return self.terminal_node(expr[1], stack)
+        if kind == "seq":
+            return Concat(tuple(self.lexeme_node(part, stack, line) for part in expr[1]))
+        if kind == "alt":
+            return Alt(tuple(self.lexeme_node(part, stack, line) for part in expr[1]))
+        if kind == "repeat":
+            return Repeat(self.lexeme_node(expr[1], stack, line), expr[2], expr[3])
+        raise self.b.error(f"{kind} cannot appear inside a terminal", line)
+
+    def checked(self, grammar: Grammar) -> Grammar:
+        """Drop the productions that use a rule deriving no finite text; refuse a start rule that is one."""
+        productive: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for lhs, rhs in grammar.productions:
+                if lhs not in productive and all(s < 0 or s in productive for s in rhs):
+                    productive.add(lhs)
+                    changed = True
+        if grammar.start not in productive:
+            raise self.b.error(f"rule '{grammar.nonterminals[grammar.start]}' can never finish: every alternative "
+                               "needs a rule that derives no finite text", self.line_of.get(grammar.start))
+        kept = tuple((lhs, rhs) for lhs, rhs in grammar.productions
+                     if lhs in productive and all(s < 0 or s in productive for s in rhs))
+        dropped = sorted({grammar.nonterminals[lhs].split("#")[0] for lhs, _ in grammar.productions
+                          if lhs not in productive})
+        warnings = tuple(f"rule '{name}' derives no finite text; the alternatives that use it are dropped"
+                         for name in dropped)
+        return Grammar(grammar.terminals, grammar.nonterminals, kept, grammar.start, grammar.ignore, warnings)
+
+
+def _alternatives(expr: Expr) -> tuple[Expr, ...]:
+    return expr[1] if expr[0] == "alt" else (expr,)
+
+
+def _display(expr: Expr) -> str:
+    if expr[0] == "literal":
+        return repr(expr[1])
+    return f"<{expr[0]}>"
+
+
+def _literal_node(text: str, ignore_case: bool) -> Node:
+    if not ignore_case:
+        return Concat(tuple(CharSet.of((ord(c), ord(c))) for c in text))
+    return Concat(tuple(case_folded(CharSet.of((ord(c), ord(c)))) for c in text))
+
+
+def case_folded(chars: CharSet) -> CharSet:
+    """``chars`` with the other case of every letter in it (simple one-to-one case mappings)."""
+    extra = []
+    for lo, hi in chars.ranges:
+        for cp in range(lo, min(hi, 0x1FFFF) + 1) if hi - lo < 70_000 else ():
+            c = chr(cp)
+            for other in (c.lower(), c.upper()):
+                if len(other) == 1 and other != c:
+                    extra.append((ord(other), ord(other)))
+    return CharSet.of(*chars.ranges, *extra) if extra else chars

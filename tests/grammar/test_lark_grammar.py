@@ -1,0 +1,123 @@
+"""The Lark front-end: the dialect it reads (checked by what the grammar accepts), and the errors it names."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from corral.errors import InvalidGrammarError, UserInputError
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+from corral.grammar.gbnf_grammar import parse_gbnf
+from corral.grammar.lark_grammar import parse_lark
+from corral.grammar.regex_ast import literal
+
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(Vocabulary.from_token_bytes([bytes([b]) for b in range(256)] + [b"<eos>"],
+                                                       eos_token_ids=[EOS]))
+
+
+def language(compiler, text: str, good: list[str], bad: list[str]) -> None:
+    grammar = compiler.compile(Constraint("grammar", text))
+    for document in good + bad:
+        guide = grammar.new_guide()
+        accepted = all(guide.advance(b) for b in document.encode()) and guide.is_accepting()
+        assert accepted == (document in good), document
+
+
+@pytest.mark.parametrize("text, good, bad", [
+    ('start: "a" | "b" "c"', ["a", "bc"], ["b", "ac", ""]),
+    ('start: "a"\n    | "b"\n\n    | "c"  // a comment\n', ["a", "b", "c"], ["ab"]),
+    ('start: x+\nx: "a" ["b"]', ["a", "ab", "aab", "abab"], ["", "b", "abb"]),
+    ('start: ("a" "b")* "c"?', ["", "ab", "abab", "abc", "c"], ["a", "ba", "cc"]),
+    ('start: "a"~3', ["aaa"], ["aa", "aaaa"]),
+    ('start: "a"~2..3', ["aa", "aaa"], ["a", "aaaa"]),
+    ('start: "a"{2,}', ["aa", "aaaaa"], ["a"]),
+    ('start: "a"{,2}', ["", "a", "aa"], ["aaa"]),
+    ('start: "x"{3}', ["xxx"], ["xx"]),
+    ('start: D+\nD: "0".."9"', ["0", "42"], ["a", ""]),
+    ('start: "AbC"i', ["abc", "ABC", "aBc"], ["abd"]),
+    ('start: /[a-c]+/i', ["aB", "CCC"], ["d"]),
+    ('start: /a.b/s', ["a\nb", "axb"], ["ab"]),
+    ('start: /a.b/', ["axb"], ["a\nb"]),
+    ('start: "\\n" "\\u00e9" "\\""', ['\né"'], ["\\n"]),
+    ('?start: item -> alias\n!item: "a"\n_sep: ","', ["a"], [","]),
+    ('start: A\nA: B "-" B\nB: /[0-9]+/', ["1-2", "10-20"], ["1-", "-2"]),
+    ('start: INT ("," INT)*\n%import common.INT\n%import common.WS\n%ignore WS', ["1", "1, 2 ,3"], ["1,", ","]),
+    ('start: NUM\n%import common.SIGNED_NUMBER -> NUM', ["-1.5e3", "+2", ".5"], ["1e", "--1"]),
+    ('start: WORD+\n%import common (WORD, WS)\n%ignore WS', ["ab cd", " ab "], ["a1"]),
+    ('start: CNAME\n%import common.CNAME\nDIGIT: "x"', ["a1", "_b9"], ["1a", "-"]),  # a user's DIGIT stays theirs
+    ('start: C_COMMENT\n%import common.C_COMMENT', ["/* a * b */", "/**/", "/***/"], ["/* a */ */", "/* a"]),
+    ('start: ESCAPED_STRING\n%import common.ESCAPED_STRING', ['"a\\"b"', '""'], ['"a"b"', '"a\nb"']),
+    ('start: "a" b\nb: "b"\nunused: undefined_rule', ["ab"], ["a"]),
+    ('%llguidance {}\nstart: "a"', ["a"], ["b"]),
+])
+def test_the_dialect(compiler, text, good, bad):
+    language(compiler, text, good, bad)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('start: "a" missing', r"rule 'start' uses 'missing', which is not defined \(line 1\)"),
+    ('start: "a"\nstart: "b"', r"'start' is defined twice \(line 2\)"),
+    ('begin: "a"', r"no start rule 'start'"),
+    ('start: A\nA: "a" A', r"terminal A is defined through itself \(A -> A\); a recursive structure must be a rule "
+                           r"\(line 2\)"),
+    ('start: A\nA: "a"?', r"terminal A matches the empty string \(line 1\)"),
+    ('start: /a*/', r"terminal <regex> matches the empty string"),
+    ('start: "a" start', r"rule 'start' can never finish"),
+    ('start: "a" (', r"expected '\)' to close the group, found 'nl' \(line 1\)"),
+    ('start: "a"\n  "b" : c', r"expected a rule, a terminal or a %directive, found '\"b\"' \(line 2\)"),
+    ('start: "a" "b" : c', r"unexpected ':' \(line 1\)"),
+    ('start: sep{"a", ","}\nsep{x, s}: x (s x)*', r"'sep\{...\}' uses a template; templates are not supported \(line 1\)"),
+    ('%import foo.BAR\nstart: BAR', r"only the 'common' grammar is bundled \(line 1\)"),
+    ('%import common.NOPE\nstart: NOPE', r"common.NOPE does not exist"),
+    ('start: /a(?=b)/', r"lookahead is not supported at offset 1 .* \(line 1\)"),
+    ('start: /a\\1/', r"a backreference is not supported at offset 1 in regex 'a\\\\1' \(line 1\)"),
+    ('start: A\nA[stop=""]: /.*/', r"the attribute stop= on 'A' is not supported \(line 2\)"),
+    ('start: "a"{3,1}', r"the maximum is below the minimum"),
+    ('start: "a"{300000}', r"rule 'start' repeats at least 300000 times"),
+    ('start: "a"{100000} "b"{100000} "c"{100}', r"more than 200000 symbols \(rule 'start'"),
+    ('start: A\nA: B\nB: start', r"terminal B uses 'start', which is a rule"),
+    ('start: %json {"type": ', r"the JSON after %json/%llguidance does not parse"),
+    ('start: "a"\n%override start: "b"', r"%override is not supported"),
+    ('start: "a" @', r"unexpected character '@' \(line 1\)"),
+])
+def test_errors_name_the_rule_and_the_line(text, message):
+    with pytest.raises(InvalidGrammarError, match=message):
+        parse_lark(text, json_node=lambda schema: None)
+
+
+def test_nested_counts_share_their_inner_rule(compiler):
+    grammar = parse_lark('start: ("a"{1000}){1000} "b"')  # a million a's in 2,000 symbols, not a million
+    assert sum(len(rhs) + 1 for _, rhs in grammar.productions) < 10_000
+    language(compiler, 'start: ("ab"{3}){2} "c"', ["abababababab" + "c"], ["ababababab" + "c"])
+
+
+def test_a_grammar_whose_rules_need_terminals_that_match_nothing_is_refused(compiler):
+    with pytest.raises(InvalidGrammarError, match="can never finish"):
+        compiler.compile(Constraint("grammar", "%declare X\nstart: X"))
+    language(compiler, '%declare X\nstart: X | "a"', ["a"], ["X", ""])
+
+
+def test_rules_that_derive_nothing_are_dropped_with_a_warning():
+    grammar = parse_lark('start: "a" | loop\nloop: "b" loop')
+    assert grammar.warnings == ("rule 'loop' derives no finite text; the alternatives that use it are dropped",)
+
+
+_PIECES = ['start', ': ', '"a"', '"b"i', '/[a-z]+/', '/(?:x|y)*z/s', 'A', 'b', ' | ', '\n', '\n  | ', '(', ')', '[',
+           ']', '*', '+', '?', '~', ' 2', '..', '3', '{', '}', ',', '%ignore ', '%import common.WS', '%declare X',
+           '->', '.', '<|end|>', '<[5]>', '%json {"type": "string"}', '"\\', '::=', 'root', '\\x4', '#', '//']
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=30))
+def test_any_text_gives_a_grammar_or_a_typed_error(pieces):
+    text = "".join(pieces)
+    for parse in (lambda: parse_lark(text, json_node=lambda schema: literal("j")), lambda: parse_gbnf(text)):
+        try:
+            parse()
+        except UserInputError:
+            pass
