@@ -76,10 +76,12 @@ class JsonSchemaSpec(Strict):
 
 
 class ResponseFormat(Strict):
-    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+    """``text`` (no constraint), ``json_object`` (any JSON object), ``json_schema``, or ``grammar`` (Lark or
+    GBNF text in ``grammar``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "grammar"]
     json_schema: JsonSchemaSpec | None = None
+    grammar: str | None = None
 
 
 class StructuredOutputs(Strict):

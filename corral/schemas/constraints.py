@@ -36,6 +36,11 @@ def _named_constraints(req: SamplingFields) -> list[tuple[str, str, Any]]:
             raise InvalidRequestError("response_format of type 'json_schema' needs 'json_schema.schema'",
                                       param="response_format.json_schema.schema")
         found.append(("response_format", "json_schema", fmt.json_schema.schema_))
+    elif fmt is not None and fmt.type == "grammar":
+        if not fmt.grammar:
+            raise InvalidRequestError("response_format of type 'grammar' needs 'grammar' (Lark or GBNF text)",
+                                      param="response_format.grammar")
+        found.append(("response_format", "grammar", fmt.grammar))
     so = req.structured_outputs
     if so is not None:
         for key, kind in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):

@@ -141,6 +141,10 @@ def test_drafts_change_no_streamed_tool_call_and_show_in_usage(client, live):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "uniqueItems": True}}}}, "(keyword 'uniqueItems' at '#')"),
     ({"extra_body": {"guided_regex": "a(?=b)"}}, "at offset 1 in regex 'a(?=b)'"),
+    ({"extra_body": {"guided_grammar": 'start: "a" item\nitem: "b" | missing'}},
+     "Lark grammar: rule 'item' uses 'missing', which is not defined (line 2)"),
+    ({"extra_body": {"structured_outputs": {"grammar": 'root ::= [z-a]'}}}, "GBNF grammar: the range 'z'-'a' is "
+                                                                            "reversed (line 1)"),
     ({"messages": ask("word " * 1100)}, "This model's maximum context length is 1024 tokens"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"},
@@ -151,6 +155,48 @@ def test_bad_constraints_are_400_naming_the_place(client, live, body, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**request)
     assert message in info.value.body["message"], info.value.body["message"]
+
+
+ARITH = r"""
+?start: sum
+?sum: product | sum ("+" | "-") product
+?product: atom | product ("*" | "/") atom
+?atom: INT | "(" sum ")"
+%import common.INT
+%ignore " "
+"""
+ARITH_GBNF = r"""
+root ::= sum
+sum ::= product (ws ("+" | "-") ws product)*
+product ::= atom (ws ("*" | "/") ws atom)*
+atom ::= [0-9]+ | "(" ws sum ws ")"
+ws ::= " "*
+"""
+
+
+@pytest.mark.parametrize("grammar, stream", [(ARITH, False), (ARITH_GBNF, True)])
+def test_a_grammar_constrains_the_output_streamed_or_not(client, live, grammar, stream):
+    import lark
+
+    oracle = lark.Lark(ARITH, parser="lalr")
+    request = dict(model=live[1].config.model_name, messages=ask("Write an arithmetic expression."),
+                   max_tokens=40, extra_body={"structured_outputs": {"grammar": grammar}}, temperature=1.0, seed=3)
+    if stream:
+        text, reason = "", None
+        for chunk in client.chat.completions.create(stream=True, **request):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        text, reason = choice.message.content, choice.finish_reason
+    assert text
+    if reason == "stop":
+        oracle.parse(text)
+    else:  # cut by max_tokens: a prefix of the language, which lark reads up to its end
+        assert reason == "length"
+        parser = oracle.parse_interactive(text)
+        parser.exhaust_lexer()
 
 
 async def _one_client(aclient, model: str, index: int, leaves: bool) -> tuple[str, str | None]:

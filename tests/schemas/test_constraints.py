@@ -34,9 +34,15 @@ def chat(**body) -> ChatCompletionRequest:
     ({"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+")),
     ({"guided_choice": ["yes", "no"]}, Constraint("choice", ["no", "yes"])),
     ({"guided_grammar": "start: \"y\""}, Constraint("grammar", "start: \"y\"")),
+    ({"response_format": {"type": "grammar", "grammar": "root ::= \"z\""}}, Constraint("grammar", "root ::= \"z\"")),
 ])
 def test_each_source_gives_its_constraint(body, expected):
     assert request_constraint(chat(**body)) == expected
+
+
+def test_a_grammar_response_format_needs_its_text():
+    with pytest.raises(InvalidRequestError, match="response_format of type 'grammar' needs 'grammar'"):
+        request_constraint(chat(response_format={"type": "grammar"}))
 
 
 def test_completions_take_the_same_constraints():
