@@ -14,6 +14,7 @@ grammar over a long input ends its sequence with the fuel's error, never a stall
 ``MAX_CONFIGS`` configurations and the Earley table its own item cap.
 """
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -54,20 +55,26 @@ class CFGIndex:
 
 
 class ParseSession:
-    """One request's configurations, their moves and masks (shared by the copies of its guides)."""
+    """One request's configurations, their moves and masks (shared by the copies of its guides).
+
+    A configuration is a set of readings ``(Earley set, lexer state)``. With greedy lexing (Lark) there is
+    always one. With exact lexing (GBNF, JSON Schema grammars: ``Grammar.greedy`` False) a lexeme that matches
+    may also end where a longer one could go on, so each such point adds the reading where it ended: the
+    language is then exactly the grammar's over its terminals' languages, whatever the lexemes' overlaps."""
 
     def __init__(self, index: CFGIndex, max_configs: int = MAX_CONFIGS):
         self.index, self.lexer, self.max_configs = index, index.lexer, max_configs
+        self.greedy = index.grammar.greedy
         self.table = EarleyTable(index.earley, max_closure_work=index.mask_fuel)
-        self.configs: list[tuple[int, int]] = []
-        self.config_ids: dict[tuple[int, int], int] = {}
+        self.configs: list[frozenset[tuple[int, int]]] = []
+        self.config_ids: dict[frozenset[tuple[int, int]], int] = {}
         self.trans = np.full((64, 256), _UNBUILT, dtype=np.int32)
         self.masks: dict[int, np.ndarray] = {}
         self._allowed: dict[int, frozenset[int]] = {}
         self.lock = index.lock
         self.fuel_start = 0
         with self.lock:
-            self.start = self.intern(0, self.lexer.start(self.allowed(0)))
+            self.start = self.intern({self.after_lexeme(0)})
 
     # -- configurations and their byte moves
     def allowed(self, set_id: int) -> frozenset[int]:
@@ -76,8 +83,8 @@ class ParseSession:
             allowed = self._allowed[set_id] = self.table.sets[set_id].expected | self.lexer.ignore
         return allowed
 
-    def intern(self, set_id: int, lex_state: int) -> int:
-        key = (set_id, lex_state)
+    def intern(self, readings: set[tuple[int, int]]) -> int:
+        key = frozenset(readings)
         config = self.config_ids.get(key)
         if config is None:
             config = len(self.configs)
@@ -101,32 +108,41 @@ class ParseSession:
             return set_id  # an %ignore lexeme: the parser does not move
         return self.table.scan(set_id, scanned)
 
-    def after_lexeme(self, set_id: int) -> int:
-        return self.intern(set_id, self.lexer.start(self.allowed(set_id)))
+    def after_lexeme(self, set_id: int) -> tuple[int, int]:
+        return set_id, self.lexer.start(self.allowed(set_id))
 
     def move(self, config: int, byte: int) -> int:
         found = int(self.trans[config, byte])
         if found == _UNBUILT:
-            found = self._derive(config, byte)
+            readings: set[tuple[int, int]] = set()
+            for set_id, lex_state in self.configs[config]:
+                self._read(set_id, lex_state, byte, readings)
+            found = self.intern(readings) if readings else DEAD
             self.trans[config, byte] = found
             self.check_fuel()
         return found
 
-    def _derive(self, config: int, byte: int) -> int:
+    def _read(self, set_id: int, lex_state: int, byte: int, out: set) -> None:
+        """The readings after ``byte`` from one reading."""
         lexer = self.lexer
-        set_id, lex_state = self.configs[config]
         following = lexer.move(lex_state, byte)
-        if following < 0:  # the byte ends the lexeme and starts the next one
-            set_id = self.finish_lexeme(set_id, lex_state)
-            if set_id < 0:
-                return DEAD
-            following = lexer.move(lexer.start(self.allowed(set_id)), byte)
-            if following < 0:
-                return DEAD
-        if lexer.is_lazy_end[following]:
-            set_id = self.finish_lexeme(set_id, following)
-            return DEAD if set_id < 0 else self.after_lexeme(set_id)
-        return self.intern(set_id, following)
+        if following >= 0:
+            self._add(set_id, following, out)
+            if self.greedy:
+                return  # the lexeme goes on: it cannot end here
+        ended = self.finish_lexeme(set_id, lex_state)  # the byte starts the next lexeme
+        if ended >= 0:
+            following = lexer.move(lexer.start(self.allowed(ended)), byte)
+            if following >= 0:
+                self._add(ended, following, out)
+
+    def _add(self, set_id: int, lex_state: int, out: set) -> None:
+        if self.greedy and self.lexer.is_lazy_end[lex_state]:  # a lazy lexeme ends as soon as it matches
+            ended = self.finish_lexeme(set_id, lex_state)
+            if ended >= 0:
+                out.add(self.after_lexeme(ended))
+            return
+        out.add((set_id, lex_state))
 
     def gather(self, configs: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
         out = self.trans[configs, bytes_]
@@ -143,17 +159,25 @@ class ParseSession:
                                          "items (the grammar is too ambiguous for this input)")
 
     # -- what a configuration allows
+    def sets_between_lexemes(self, config: int) -> list[int]:
+        """The Earley sets of the readings whose current lexeme may end here."""
+        out = []
+        for set_id, lex_state in self.configs[config]:
+            between = set_id if self.lexer.is_start[lex_state] else self.finish_lexeme(set_id, lex_state)
+            if between >= 0:
+                out.append(between)
+        return out
+
     def is_accepting(self, config: int) -> bool:
         self.fuel_start = self.table.work
-        set_id, lex_state = self.configs[config]
-        if not self.lexer.is_start[lex_state]:
-            set_id = self.finish_lexeme(set_id, lex_state)
-        return set_id >= 0 and self.table.sets[set_id].is_accepting
+        return any(self.table.sets[s].is_accepting for s in self.sets_between_lexemes(config))
 
-    def set_between_lexemes(self, config: int) -> int:
-        """The Earley set if the current lexeme ends here (-1: it cannot)."""
-        set_id, lex_state = self.configs[config]
-        return set_id if self.lexer.is_start[lex_state] else self.finish_lexeme(set_id, lex_state)
+    def specials_allowed(self, config: int) -> frozenset[int]:
+        """The special terminals some reading expects here."""
+        specials = self.index.special_words.keys()
+        if not specials:
+            return frozenset()
+        return frozenset(j for s in self.sets_between_lexemes(config) for j in self.table.sets[s].expected & specials)
 
     def mask(self, config: int) -> np.ndarray:
         mask = self.masks.get(config)
@@ -167,10 +191,8 @@ class ParseSession:
             words = index.tables.words_of(ids)
             if self.is_accepting(config):
                 words |= index.tables.eos_words
-            between = self.set_between_lexemes(config)
-            if between >= 0 and index.special_words:
-                for j in self.table.sets[between].expected & index.special_words.keys():
-                    words |= index.special_words[j]
+            for j in self.specials_allowed(config):
+                words |= index.special_words[j]
             words.setflags(write=False)
             mask = self.masks[config] = words
         return mask
@@ -179,14 +201,14 @@ class ParseSession:
         self.fuel_start = self.table.work
         specials = self.index.special_of_token.get(token_id)
         if specials is not None:
-            between = self.set_between_lexemes(config)
-            if between < 0:
-                return DEAD
-            scanned = specials & self.table.sets[between].expected
-            if not scanned:
-                return DEAD
-            set_id = self.table.scan(between, scanned)
-            return DEAD if set_id < 0 else self.after_lexeme(set_id)
+            readings = set()
+            for between in self.sets_between_lexemes(config):
+                scanned = specials & self.table.sets[between].expected
+                if scanned:
+                    set_id = self.table.scan(between, scanned)
+                    if set_id >= 0:
+                        readings.add(self.after_lexeme(set_id))
+            return self.intern(readings) if readings else DEAD
         if token_id in self.index.vocab.special_ids:
             return DEAD
         for byte in self.index.vocab.token_bytes[token_id]:
@@ -264,8 +286,7 @@ class CFGGuide(Guide):
             with session.lock:
                 if not session.is_accepting(config) or len(session.live_bytes(config)):
                     return False
-                between = session.set_between_lexemes(config)
-                return not (session.table.sets[between].expected & session.index.special_words.keys())
+                return not session.specials_allowed(config)
         except GrammarTooComplexError as exc:
             self.error = str(exc)
             return False
@@ -290,8 +311,8 @@ class CFGGuide(Guide):
                     live = session.live_bytes(config)
                     if len(live) != 1:
                         break
-                    if session.set_between_lexemes(config) >= 0 and session.index.special_words:
-                        break  # a special token might come here instead
+                    if session.specials_allowed(config):
+                        break  # a special token may come here instead
                     out.append(int(live[0]))
                     config = session.move(config, int(live[0]))
         except GrammarTooComplexError:
@@ -316,8 +337,7 @@ def _without_dead_terminals(grammar: Grammar, dead: frozenset[int]) -> Grammar:
     if grammar.start not in _productive(productions, dead):
         raise InvalidGrammarError(f"rule '{grammar.nonterminals[grammar.start]}' can never finish: every "
                                   "alternative needs a terminal that matches no text")
-    return Grammar(grammar.terminals, grammar.nonterminals, tuple(productions), grammar.start, grammar.ignore,
-                   grammar.warnings)
+    return dataclasses.replace(grammar, productions=tuple(productions))
 
 
 def _productive(productions, dead) -> set[int]:

@@ -3,7 +3,8 @@
 The cache key is (``constraint.cache_key()``, vocabulary hash); a repeat compile is a dictionary lookup. What each
 constraint kind compiles to:
 
-- ``json_schema``: :func:`corral.grammar.json_schema.schema_to_node` with the constraint's whitespace options;
+- ``json_schema``: :func:`corral.grammar.json_schema.schema_to_rules` with the constraint's whitespace options:
+  the regular path when the schema does not recurse, else the context-free path over its rules (no depth limit);
 - ``json_object``: any JSON object, containers nested at most :data:`JSON_OBJECT_MAX_DEPTH` deep (a regular
   language cannot nest without bound; see ``json_value.py``);
 - ``regex``: a Python ``re`` pattern with ``fullmatch`` semantics;
@@ -34,7 +35,9 @@ from corral.fsm.token_index import TokenIndex
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
 from corral.grammar.gbnf_grammar import looks_like_gbnf, parse_gbnf
+from corral.grammar.cfg import Grammar
 from corral.grammar.lark_grammar import parse_lark
+from corral.grammar.schema_grammar import rules_to_grammar
 from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.tool_calls import tool_calls_node
@@ -118,6 +121,10 @@ class GrammarCompiler:
         try:
             if constraint.kind == "grammar":
                 grammar = self._build_cfg(constraint, warnings, budget)
+            elif constraint.kind == "json_schema":
+                root, rules = self._schema_rules(constraint.value, constraint, warnings, budget)
+                grammar = (self._cfg_of(rules_to_grammar(root, rules, budget.check_time), warnings, budget) if rules
+                           else self._build(root, constraint.kind, tuple(warnings), budget))
             else:
                 node = self._to_node(constraint, warnings, budget)
                 grammar = self._build(node, constraint.kind, tuple(warnings), budget)
@@ -257,6 +264,9 @@ class GrammarCompiler:
         else:
             grammar = parse_lark(text, json_node=lambda schema: self._schema_node(schema, constraint, warnings,
                                                                                   budget))
+        return self._cfg_of(grammar, warnings, budget)
+
+    def _cfg_of(self, grammar: Grammar, warnings: list[str], budget: Budget) -> CompiledCFG:
         budget.check_time()
         warnings.extend(grammar.warnings)
         index = CFGIndex(grammar, self.vocab, budget)
@@ -270,6 +280,16 @@ class GrammarCompiler:
         if not np.any(index.start_mask):
             raise InvalidGrammarError("no sequence of this model's tokens can spell the grammar's language")
         return CompiledCFG(index, tuple(warnings))
+
+    @staticmethod
+    def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget):
+        """The schema's tree and, when it recurses, its rules (``json_schema.schema_to_rules``)."""
+        from corral.grammar.json_schema import schema_to_rules
+
+        return schema_to_rules(schema, whitespace=options.whitespace, max_whitespace=options.max_whitespace,
+                               lenient=options.lenient, warnings=warnings,
+                               reject_unknown_keywords=options.reject_unknown_keywords, budget=budget,
+                               json_checked=True, recursive=True)
 
     @staticmethod
     def _schema_node(schema, options: Constraint, warnings: list[str], budget: Budget) -> Node:

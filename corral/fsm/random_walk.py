@@ -47,33 +47,50 @@ def _rank(byte: int) -> int:
 def finishing_bytes(index, state: int, byte_tokens: dict[int, int]) -> bytes | None:
     """Bytes (each with a token) that take the byte DFA from ``state`` to acceptance: a depth-first search in
     closing-first byte order, never revisiting a state; None past ``MAX_SEARCH_STATES`` visited states.
+    ``index``: a ``TokenIndex`` (``index.dfa.next_state``) or a context-free ``ParseSession`` (``move``), whose
+    states are configurations.
 
     The DFA is trimmed (every live state reaches acceptance), so the search rarely backtracks; a breadth-first
     search for the *shortest* path instead blew up on schemas with many required properties of any type.
     """
     candidates = sorted(byte_tokens, key=_rank)
+    next_state = index.dfa.next_state if hasattr(index, "dfa") else index.move
 
     def successors(current: int):
         # lazily, one byte class at a time: a whole row derives every class, and the search mostly takes the first
         for byte in candidates:
-            following = index.dfa.next_state(current, byte)
+            following = next_state(current, byte)
             if following >= 0:
                 yield byte, following
 
     if index.is_accepting(state):
         return b""
-    visited, path = {state}, []
+    # A context-free grammar can nest forever along the closing-first order (a recursive member's key sorts
+    # first): its search is depth-limited, and retried deeper when the limit cut it.
+    for limit in ((None,) if hasattr(index, "dfa") else (64, 256, 1024)):
+        found = _search(state, successors, index.is_accepting, limit)
+        if found is not None:
+            return found
+    return None
+
+
+def _search(state: int, successors, is_accepting, limit: int | None) -> bytes | None:
+    depth_of, path = {state: 0}, []
     stack = [successors(state)]
     while stack:
         for byte, following in stack[-1]:
-            if following in visited:
-                continue
-            visited.add(following)
+            seen = depth_of.get(following)
+            if seen is not None and (limit is None or seen <= len(path) + 1):
+                continue  # unlimited: never revisit; limited: only when reached by a shorter path
+            depth_of[following] = len(path) + 1
             path.append(byte)
-            if index.is_accepting(following):
+            if is_accepting(following):
                 return bytes(path)
-            if len(visited) > MAX_SEARCH_STATES:
+            if len(depth_of) > MAX_SEARCH_STATES:
                 return None
+            if limit is not None and len(path) >= limit:
+                path.pop()
+                continue
             stack.append(successors(following))
             break
         else:
@@ -118,7 +135,11 @@ def random_document(grammar, vocab: Vocabulary, byte_tokens: dict[int, int], rng
             break
         _check(guide.advance(token_id), f"the guide refused token {token_id}, which its mask allowed")
         text += vocab.token_bytes[token_id]
-    completion = finishing_bytes(grammar.index, guide.state, byte_tokens)
+    if hasattr(guide, "session"):  # the context-free path: search its configurations
+        with guide.session.lock:
+            completion = finishing_bytes(guide.session, guide.config, byte_tokens)
+    else:
+        completion = finishing_bytes(grammar.index, guide.state, byte_tokens)
     if completion is None:
         return None
     for byte in completion:

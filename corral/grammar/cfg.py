@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from corral.errors import InvalidGrammarError
-from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node, Repeat
+from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Intersect, Node, Repeat
 from corral.grammar.regex_parser import nullable
 
 MAX_SYMBOLS = 200_000  # symbols over all productions after lowering (bounds a{1000}{1000} and the like)
@@ -47,6 +47,9 @@ class Grammar:
     start: int
     ignore: tuple[int, ...] = ()  # terminal ids skipped between any two lexemes
     warnings: tuple[str, ...] = ()
+    # Greedy lexing (Lark, llguidance): a lexeme runs as long as it can. Else every way of cutting the text into
+    # lexemes is kept (GBNF and JSON Schema grammars, whose language has no lexer).
+    greedy: bool = True
 
     def symbol_name(self, symbol: int) -> str:
         return self.nonterminals[symbol] if symbol >= 0 else self.terminals[~symbol].name
@@ -68,6 +71,8 @@ class GrammarBuilder:
     terminal_options: dict[str, dict] = field(default_factory=dict)  # lazy, priority
     ignore: list[tuple[Expr, int]] = field(default_factory=list)
     kind: str = "grammar"  # "Lark grammar" / "GBNF grammar", for messages
+    greedy: bool = True  # see Grammar.greedy
+    check_time: object = None  # called every few thousand symbols while lowering (a compile budget's clock)
     json_node: object = None  # schema -> regex AST, for %json parts (None: refused)
 
     def error(self, message: str, line: int | None = None) -> InvalidGrammarError:
@@ -100,6 +105,7 @@ class _Lowering:
         self.node_cache: dict[str, Node] = {}
         self.num_symbols = 0
         self.num_helpers = 0
+        self.helper_of: dict[int, int] = {}  # id of a compound Expr -> its helper rule (an Expr DAG lowers once)
 
     def run(self, start: str) -> Grammar:
         b = self.b
@@ -118,7 +124,7 @@ class _Lowering:
                 self.production(self.nt_ids[name], alternative, rule, pending)
         ignore = tuple(sorted({self.terminal_of(expr, line) for expr, line in b.ignore}))
         return self.checked(Grammar(tuple(self.terminals), tuple(self.nonterminals), tuple(self.productions),
-                                    start_id, ignore))
+                                    start_id, ignore, greedy=b.greedy))
 
     def nonterminal(self, name: str, line: int | None = None) -> int:
         k = self.nt_ids.get(name)
@@ -136,6 +142,8 @@ class _Lowering:
         return self.nonterminal(f"{owner.name}#{self.num_helpers}", owner.line)
 
     def add(self, lhs: int, rhs: tuple[int, ...], owner: RuleDef) -> None:
+        if self.b.check_time is not None and self.num_symbols >> 12 != (self.num_symbols + len(rhs) + 1) >> 12:
+            self.b.check_time()
         self.num_symbols += len(rhs) + 1
         if self.num_symbols > MAX_SYMBOLS:
             raise self.b.error(f"the grammar lowers to more than {MAX_SYMBOLS} symbols (rule '{owner.name}': "
@@ -159,7 +167,10 @@ class _Lowering:
             raise self.b.error(f"rule '{owner.name}' uses '{name}', which is not defined", line)
         if kind in ("literal", "regex", "chars", "special", "json"):
             return ~self.terminal_of(expr, owner.line)
-        helper = self.helper(owner)
+        shared = self.helper_of.get(id(expr))
+        if shared is not None:
+            return shared
+        helper = self.helper_of[id(expr)] = self.helper(owner)
         if kind in ("seq", "alt", "empty"):
             for alternative in _alternatives(expr):
                 self.production(helper, alternative, owner, pending)
@@ -207,8 +218,10 @@ class _Lowering:
             key = ("json", json.dumps(expr[1], sort_keys=True))
             node, options, name = (None if key in self.terminal_ids else self.b.json_node(expr[1])), {}, "%json"
         else:
-            key, node, options = (kind, expr[1:]), self.lexeme_node(expr, [], line), {}
-            name = _display(expr)
+            # subtle: a regex AST is a DAG whose dataclass hash unfolds it as a tree (exponential for real schemas):
+            # anonymous lexemes are keyed by the identity of their AST (kept alive by the terminal)
+            key = (kind, id(expr[1])) if kind == "regex" else (kind, expr[1:])
+            node, options, name = self.lexeme_node(expr, [], line), {}, _display(expr)
         j = self.terminal_ids.get(key)
         if j is None:
             if node is not None and nullable(node):
@@ -271,7 +284,74 @@ class _Lowering:
                           if lhs not in productive})
         warnings = tuple(f"rule '{name}' derives no finite text; the alternatives that use it are dropped"
                          for name in dropped)
-        return Grammar(grammar.terminals, grammar.nonterminals, kept, grammar.start, grammar.ignore, warnings)
+        return Grammar(grammar.terminals, grammar.nonterminals, kept, grammar.start, grammar.ignore, warnings,
+                       grammar.greedy)
+
+
+_NONEMPTY = Repeat(CharSet.of((0, 0x10FFFF)), 1, None)
+
+
+def merged_lexemes(expr: Expr) -> Expr:
+    """``expr`` with each part that names no rule made one regex lexeme (consecutive ones in a sequence joined).
+    Exact only without greedy lexing (``Grammar.greedy`` False), where a lexeme may end wherever it matches: then
+    fewer, longer lexemes mean fewer parser steps and the same language. A lexeme that could be empty becomes
+    "nothing, or the lexeme without its empty string"."""
+    if not _names_rule(expr):
+        return lexeme_expr(regex_of(expr))
+    kind = expr[0]
+    if kind in ("name", "special", "json"):
+        return expr
+    if kind == "alt":
+        return ("alt", tuple(merged_lexemes(option) for option in expr[1]))
+    if kind == "repeat":
+        return ("repeat", merged_lexemes(expr[1]), expr[2], expr[3])
+    assert kind == "seq", expr
+    items, run = [], []
+    for part in expr[1]:
+        if _names_rule(part):
+            if run:
+                items.append(lexeme_expr(Concat(tuple(regex_of(p) for p in run))))
+                run = []
+            items.append(merged_lexemes(part))
+        else:
+            run.append(part)
+    if run:
+        items.append(lexeme_expr(Concat(tuple(regex_of(p) for p in run))))
+    return items[0] if len(items) == 1 else ("seq", tuple(items))
+
+
+def lexeme_expr(node: Node) -> Expr:
+    if node == EMPTY:
+        return ("empty",)
+    if not nullable(node):
+        return ("regex", node)
+    return ("alt", (("empty",), ("regex", Intersect((node, _NONEMPTY)))))
+
+
+def regex_of(expr: Expr) -> Node:
+    """The regex AST of an expression that names no rule."""
+    kind = expr[0]
+    if kind == "chars" or kind == "regex":
+        return expr[1]
+    if kind == "literal":
+        return _literal_node(expr[1], expr[2])
+    if kind == "empty":
+        return EMPTY
+    if kind == "seq":
+        return Concat(tuple(regex_of(part) for part in expr[1]))
+    if kind == "alt":
+        return Alt(tuple(regex_of(part) for part in expr[1]))
+    assert kind == "repeat", expr
+    return Repeat(regex_of(expr[1]), expr[2], expr[3])
+
+
+def _names_rule(expr: Expr) -> bool:
+    kind = expr[0]
+    if kind in ("name", "special", "json"):
+        return True
+    if kind in ("seq", "alt"):
+        return any(_names_rule(part) for part in expr[1])
+    return kind == "repeat" and _names_rule(expr[1])
 
 
 def _alternatives(expr: Expr) -> tuple[Expr, ...]:

@@ -5,15 +5,15 @@ escapes ``\\n \\r \\t \\\\ \\" \\xHH \\uHHHH \\UHHHHHHHH``, classes ``[a-z]`` an
 character), groups ``( )``, ``* + ?``, ``{m}``, ``{m,}``, ``{m,n}``, ``{,n}``, ``#`` comments; the start is
 ``root``. A rule runs until the next ``name ::=``, so alternatives may continue on the next line.
 
-GBNF has no lexer: its language is over characters. So every character of a literal and every class is a
-terminal of exactly one character, and a lexeme can never run past one character: greedy lexing changes
-nothing and the guide accepts exactly GBNF's language.
+GBNF has no lexer: its language is over characters. So the grammar is lexed exactly (``Grammar.greedy`` False:
+a lexeme may end wherever it matches, every cut of the text is kept), and then every part of a rule that names
+no other rule (a literal, a class, ``[^"\\]*``) can be one lexeme: the parser only steps where rules meet.
 """
 
 import re
 
 from corral.errors import InvalidGrammarError
-from corral.grammar.cfg import Expr, Grammar, GrammarBuilder
+from corral.grammar.cfg import Expr, Grammar, GrammarBuilder, merged_lexemes
 from corral.grammar.regex_ast import MAX_CODE_POINT, CharSet
 
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -61,7 +61,7 @@ class _GbnfParser:
                 raise self.error(f"expected 'name ::=' at {self.text[self.pos:self.pos + 20]!r}")
             line = self.line()
             self.pos = match.end()
-            self.b.add_rule(match.group(1), self.alternatives(nested=False), line)
+            self.b.add_rule(match.group(1), merged_lexemes(self.alternatives(nested=False)), line)
             self.space()
 
     def at_rule_start(self) -> bool:
@@ -195,6 +195,6 @@ class _GbnfParser:
 def parse_gbnf(text: str, *, start: str = "root") -> Grammar:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidGrammarError(f"GBNF grammar: longer than {MAX_GRAMMAR_CHARS} characters")
-    builder = GrammarBuilder(kind="GBNF grammar")
+    builder = GrammarBuilder(kind="GBNF grammar", greedy=False)
     _GbnfParser(text, builder).parse()
     return builder.build(start)

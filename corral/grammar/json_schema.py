@@ -9,8 +9,9 @@ be a context-free or non-regular language. The deliberate narrowings, each docum
   declared and any value (nested at most ``ANY_VALUE_DEPTH`` containers deep). Rejecting them, as some engines
   do, would refuse valid instances and buy no soundness; a generating model emits the declared ones first anyway.
   With ``patternProperties`` present, undeclared keys must match one of the patterns.
-- Recursive ``$ref`` is unrolled ``MAX_REF_DEPTH`` times along any path, then cut (the deeper branch matches
-  nothing, so a recursive structure nests at most that deep).
+- Recursive ``$ref``: :func:`schema_to_rules` (what the compiler uses) makes each recursion a rule of a
+  context-free grammar, with no depth limit; :func:`schema_to_node` (a regular language only) unrolls it
+  ``MAX_REF_DEPTH`` times along any path, then cuts it (the deeper branch matches nothing).
 - Numbers with bounds have no exponent (see ``json_numbers``); integers are canonical (no ``1.0``, no ``-0``).
 - ``oneOf`` is exact: each branch also carries the negation of every branch it may overlap (pairs that are
   provably disjoint, by type, ``enum``/``const`` or a required discriminator, need none). It is refused when
@@ -63,6 +64,16 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
                    lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
                    max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
                    budget=None, json_checked: bool = False) -> Node:
+    return schema_to_rules(schema, whitespace=whitespace, max_whitespace=max_whitespace, lenient=lenient,
+                           warnings=warnings, reject_unknown_keywords=reject_unknown_keywords, max_nodes=max_nodes,
+                           time_budget_s=time_budget_s, budget=budget, json_checked=json_checked)[0]
+
+
+def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
+                    lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
+                    max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+                    budget=None, json_checked: bool = False,
+                    recursive: bool = False) -> tuple[Node, dict[str, Node]]:
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
@@ -74,6 +85,9 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
     (:class:`GrammarTooComplexError` past either); ``budget``, a ``corral.budget.Budget``, replaces the clock.
     ``json_checked``: the caller has already proved ``schema`` is JSON (``Constraint.cache_key`` does), so the
     serialization that checks it is skipped (about 60 ms, holding the GIL, for a 2 MB schema).
+
+    ``recursive`` (:func:`schema_to_rules`): a recursive ``$ref`` becomes a :class:`~corral.grammar.regex_ast.Ref`
+    to one of the returned rules instead of being unrolled ``MAX_REF_DEPTH`` times (no rules: no recursion).
 
     Raises :class:`InvalidSchemaError` (not JSON, wrong keyword types, dangling ``$ref``, no value possible),
     :class:`UnsupportedSchemaError`, :class:`UnknownKeywordError` and :class:`GrammarTooComplexError`.
@@ -90,14 +104,15 @@ def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whit
         raise GrammarTooComplexError("the schema is nested too deeply") from None
     compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), sp, lenient=lenient,
                               warnings=warnings if warnings is not None else [],
-                              reject_unknown=reject_unknown_keywords)
+                              reject_unknown=reject_unknown_keywords, recursive=recursive)
     try:
         node = compiler.node(schema, "#")
+        compiler.build_rules()
     except RecursionError:
         raise GrammarTooComplexError("the schema is nested too deeply") from None
     compiler.finish_warnings()
     if node == NOTHING:
         raise InvalidSchemaError("the schema accepts no value at all (its constraints contradict each other)"
                                  + compiler.contradiction_hint())
-    return node
+    return node, compiler.rules
 

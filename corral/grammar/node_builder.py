@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 
 from corral.errors import GrammarTooComplexError
-from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Intersect, Node, Repeat
+from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Intersect, Node, Ref, Repeat
 
 DEFAULT_MAX_NODES = 250_000
 DEFAULT_TIME_BUDGET_S = 5.0
@@ -158,4 +158,4 @@ def children_of(node: Node) -> tuple[Node, ...]:
         return (node.node,)
     if isinstance(node, Alt):
         return node.options
-    return () if isinstance(node, CharSet) else node.parts
+    return () if isinstance(node, (CharSet, Ref)) else node.parts

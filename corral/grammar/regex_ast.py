@@ -78,7 +78,15 @@ class Intersect:
     parts: tuple["Node", ...]
 
 
-Node = CharSet | Concat | Alt | Repeat | Intersect
+@dataclass(frozen=True)
+class Ref:
+    """A named rule of a context-free grammar, standing where a recursive ``$ref`` recurs. Never reaches an
+    automaton: :mod:`corral.grammar.schema_grammar` turns a tree holding refs into grammar rules."""
+
+    name: str
+
+
+Node = CharSet | Concat | Alt | Repeat | Intersect | Ref
 
 EMPTY = Concat(())  # matches the empty string
 NOTHING = CharSet(())  # matches no string

@@ -3,7 +3,10 @@
 The walk: a schema becomes a list of *atoms* (itself, its ``allOf`` members and ``$ref`` targets, recursively),
 the atoms merge into one ``MergedSchema``, an ``anyOf``/``oneOf`` group expands into one alternative per branch
 (each merged with the rest), and what is left dispatches on type to the builders in ``schema_values``.
-``$ref`` expansions are counted along the current path; past ``MAX_REF_DEPTH`` a branch matches nothing.
+``$ref`` expansions are counted along the current path; past ``MAX_REF_DEPTH`` a branch matches nothing. With
+``recursive=True`` a ``$ref`` met again inside its own expansion becomes a :class:`Ref` to a rule instead (built
+once, in :attr:`SchemaCompiler.rules`), so a recursive schema has no depth limit; the context-free path compiles
+the result. A schema without recursion gives the same tree either way.
 """
 
 import math
@@ -12,7 +15,7 @@ from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnknownKey
 from corral.grammar.json_containers import Spacing
 from corral.grammar.matcher import Fuel, Matcher
 from corral.grammar.node_builder import NodeBuilder
-from corral.grammar.regex_ast import NOTHING, Node
+from corral.grammar.regex_ast import NOTHING, Node, Ref
 from corral.grammar.schema_check import ValueChecker
 from corral.grammar.schema_keywords import (TYPES, UNSUPPORTED, check_keywords, is_unknown_keyword,
                                             unknown_keyword_reason)
@@ -28,10 +31,15 @@ MAX_WARNINGS = 50  # past it, one more line counts the rest
 
 class SchemaCompiler(ValueBuilders):
     def __init__(self, root, builder: NodeBuilder, sp: Spacing, *, lenient: bool, warnings: list[str],
-                 reject_unknown: bool = False):
+                 reject_unknown: bool = False, recursive: bool = False):
         """``warnings`` collects what was ignored (at most ``MAX_WARNINGS`` lines, then a count); ``reject_unknown``
-        refuses keywords that are no JSON Schema vocabulary instead of reporting them."""
+        refuses keywords that are no JSON Schema vocabulary instead of reporting them; ``recursive``: recursion
+        becomes :class:`Ref` rules instead of a cut."""
         super().__init__(builder, sp)
+        self.recursive = recursive
+        self.rules: dict[str, Node] = {}  # rule name -> its tree (recursive mode)
+        self._rule_names: dict[tuple, str] = {}
+        self._pending_rules: list[tuple[str, list[Atom], list[str]]] = []
         self.root, self.lenient, self.warnings, self.reject_unknown = root, lenient, warnings, reject_unknown
         self.num_unshown_warnings = 0
         self.refs = RefResolver(root)
@@ -177,6 +185,8 @@ class SchemaCompiler(ValueBuilders):
         return bool(self.checker.pattern_matches(pattern, name, pointer))
 
     def build(self, atoms: list[Atom], refs: list[str]) -> Node:
+        if self.recursive and any(self.active.get(ref, 0) for ref in refs):
+            return self.rule_ref(atoms, refs)
         if any(self.active.get(ref, 0) >= MAX_REF_DEPTH for ref in refs):
             return NOTHING  # recursion cut: this branch nests too deep
         key = (tuple((id(s), skip) for s, _, skip in atoms), tuple(sorted(self.active.items())))
@@ -191,6 +201,25 @@ class SchemaCompiler(ValueBuilders):
                 self.active[ref] -= 1
         self.memo[key] = node
         return node
+
+    def rule_ref(self, atoms: list[Atom], refs: list[str]) -> Ref:
+        """The rule for ``atoms`` (made on first use, built by :meth:`build_rules`)."""
+        key = tuple((id(s), skip) for s, _, skip in atoms)
+        name = self._rule_names.get(key)
+        if name is None:
+            name = self._rule_names[key] = f"ref{len(self._rule_names)}:{atoms[0][1]}"
+            self._pending_rules.append((name, atoms, refs))
+        return Ref(name)
+
+    def build_rules(self) -> None:
+        """Build every rule a :class:`Ref` names (rules can name further rules)."""
+        while self._pending_rules:
+            name, atoms, refs = self._pending_rules.pop()
+            saved, self.active = self.active, {ref: 1 for ref in refs}
+            try:
+                self.rules[name] = self.build_merged(atoms)
+            finally:
+                self.active = saved
 
     def build_merged(self, atoms: list[Atom]) -> Node:
         if not atoms:
