@@ -290,14 +290,15 @@ def _worker(name, args, entries, connection):
         connection.send(run_schema(engine, entry, encoded, vocab.eos_token_ids[0], num_words))
 
 
-def run_engine(name, args, entries) -> list[dict]:
-    """All schemas through one engine in a watched worker process (restarted after a timeout or crash)."""
+def run_engine(name, args, entries, worker_main=None) -> list[dict]:
+    """All schemas through one engine in a watched worker process (restarted after a timeout or crash);
+    ``worker_main`` replaces ``_worker`` (``bench/grammars.py``'s documents are text, not JSON values)."""
     context = mp.get_context("fork")
     results, worker, parent = [], None, None
     for index, entry in enumerate(entries):
         if worker is None:
             parent, child = context.Pipe()
-            worker = context.Process(target=_worker, args=(name, args, entries, child), daemon=True)
+            worker = context.Process(target=worker_main or _worker, args=(name, args, entries, child), daemon=True)
             worker.start()
             if not parent.poll(300) or parent.recv() != "ready":
                 raise RuntimeError(f"{name}: worker failed to start")

@@ -26,12 +26,15 @@ from corral.fsm.earley import EarleyTable, EarleyTables
 from corral.fsm.guide import Guide
 from corral.fsm.lazy_dfa import DEAD
 from corral.fsm.token_index import vocab_tables
+from corral.fsm.token_trie import _runs
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.cfg import Grammar
 
 ENDED = -2  # after EOS
 _UNBUILT = -3
 MAX_CONFIGS = 32_768  # per session: the move table is 1 kB a configuration
+ROOT_WALK_CACHE_BYTES = 64 << 20  # per compiled grammar: CFGIndex.root_walk's answers kept
+_SCALAR_ROWS, _SCALAR_NODES = 24, 512  # a mask's walk goes on depth first in Python below so many rows and nodes
 _MAX_FORCED_BYTES = 256
 
 
@@ -47,30 +50,66 @@ class CFGIndex:
         self.lock = threading.RLock()
         self.on_growth = None  # the compile cache's hook (this index does not grow after compilation)
         self.start_mask: np.ndarray | None = None
+        self._root_walks: dict[int, tuple] = {}  # lexer state -> root_walk's answer
+        self._root_walk_bytes = 0
 
     def nbytes(self) -> int:
         dfas = [d for d in self.lexer.dfas if d is not None]
-        return sum(d.trans.nbytes + d.terms.nbytes() for d in dfas) + 200 * len(self.lexer.states) + \
-            (0 if self.start_mask is None else self.start_mask.nbytes)
+        return sum(d.trans.nbytes + d.terms.nbytes() for d in dfas) + self.lexer.nbytes() + \
+            self._root_walk_bytes + (0 if self.start_mask is None else self.start_mask.nbytes)
+
+    def root_walk(self, lex_state: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens whose bytes all stay inside the current lexeme from ``lex_state`` (a bitmask row: allowed
+        whatever the parser's state, since the lexer state holds only terminals the parser allows), and the
+        *exits*: each trie node where the lexeme may end inside a token, as (node, lexer state before its byte,
+        byte). Found by the lexer alone, once per lexer state for every session of the grammar (at most
+        ``ROOT_WALK_CACHE_BYTES`` of them are kept)."""
+        found = self._root_walks.get(lex_state)
+        if found is not None:
+            return found
+        trie, lexer = self.tables.trie, self.lexer
+        nodes, states = np.zeros(1, dtype=np.int64), np.asarray([lex_state], dtype=np.int32)
+        inside, exits = [], []
+        while len(nodes):
+            children, parents, bytes_, following = _children(trie, lexer, nodes, states)
+            plain, ending = _plain_and_ending(lexer, parents, following)
+            exits.append((children[ending], parents[ending], bytes_[ending]))
+            children, states = children[plain], following[plain]
+            inside.append(children)
+            keep = trie.has_children[children]
+            nodes, states = children[keep], states[keep]
+        reached = np.concatenate(inside) if inside else np.zeros(0, dtype=np.int64)
+        words = self.tables.words_of(_token_ids(trie, reached))
+        words.setflags(write=False)
+        found = (words, *(np.concatenate(column) for column in zip(*exits)))
+        size = words.nbytes + sum(column.nbytes for column in found[1:])
+        if self._root_walk_bytes + size <= ROOT_WALK_CACHE_BYTES:
+            self._root_walks[lex_state] = found
+            self._root_walk_bytes += size
+        return found
 
 
 class ParseSession:
     """One request's configurations, their moves and masks (shared by the copies of its guides).
 
     A configuration is a set of readings ``(Earley set, lexer state)``. With greedy lexing (Lark) there is
-    always one. With exact lexing (GBNF, JSON Schema grammars: ``Grammar.greedy`` False) a lexeme that matches
-    may also end where a longer one could go on, so each such point adds the reading where it ended: the
-    language is then exactly the grammar's over its terminals' languages, whatever the lexemes' overlaps."""
+    one. With exact lexing (GBNF, JSON Schema grammars: ``Grammar.greedy`` False; in a Lark grammar, the
+    ``Terminal.exact`` lexemes of an inline ``%json``) a lexeme that matches may also end where a longer one
+    could go on, so each such point adds the reading where it ended: the language is then exactly the grammar's
+    over its terminals' languages, whatever the lexemes' overlaps."""
 
     def __init__(self, index: CFGIndex, max_configs: int = MAX_CONFIGS):
         self.index, self.lexer, self.max_configs = index, index.lexer, max_configs
         self.greedy = index.grammar.greedy
+        self.exact = frozenset(j for j, t in enumerate(index.grammar.terminals) if t.exact)  # (greedy grammars)
         self.table = EarleyTable(index.earley, max_closure_work=index.mask_fuel)
         self.configs: list[frozenset[tuple[int, int]]] = []
         self.config_ids: dict[frozenset[tuple[int, int]], int] = {}
         self.trans = np.full((64, 256), _UNBUILT, dtype=np.int32)
         self.masks: dict[int, np.ndarray] = {}
         self._allowed: dict[int, frozenset[int]] = {}
+        self._ends: dict[int, tuple[tuple[int, int], ...]] = {}  # see _ended
+        self._starts: dict[int, tuple[int, int]] = {}  # see _finish_start
         self.lock = index.lock
         self.fuel_start = 0
         with self.lock:
@@ -98,9 +137,11 @@ class ParseSession:
                 self.trans = grown
         return config
 
-    def finish_lexeme(self, set_id: int, lex_state: int) -> int:
-        """The Earley set after the lexeme read so far ends here (-1 when it matches no terminal)."""
-        matched = self.lexer.accepts[lex_state]
+    def finish_lexeme(self, set_id: int, lex_state: int, matched: frozenset[int] | None = None) -> int:
+        """The Earley set after the lexeme read so far ends here as one of ``matched`` (by default every terminal
+        it matches; -1 when none)."""
+        if matched is None:
+            matched = self.lexer.accepts[lex_state]
         if not matched:
             return -1
         scanned = matched & self.table.sets[set_id].expected
@@ -125,12 +166,14 @@ class ParseSession:
     def _read(self, set_id: int, lex_state: int, byte: int, out: set) -> None:
         """The readings after ``byte`` from one reading."""
         lexer = self.lexer
-        following = lexer.move(lex_state, byte)
+        following, matched = lexer.move(lex_state, byte), None
         if following >= 0:
             self._add(set_id, following, out)
-            if self.greedy:
-                return  # the lexeme goes on: it cannot end here
-        ended = self.finish_lexeme(set_id, lex_state)  # the byte starts the next lexeme
+            if self.greedy:  # the lexeme goes on: it cannot end here, unless as an exact terminal
+                matched = lexer.accepts[lex_state] & self.exact if self.exact else None
+                if not matched:
+                    return
+        ended = self.finish_lexeme(set_id, lex_state, matched)  # the byte starts the next lexeme
         if ended >= 0:
             following = lexer.move(lexer.start(self.allowed(ended)), byte)
             if following >= 0:
@@ -186,9 +229,7 @@ class ParseSession:
             if config == self.start and index.start_mask is not None:
                 return index.start_mask
             self.fuel_start = self.table.work
-            trie = index.tables.trie
-            ids = trie.walk_levels(np.zeros(1, dtype=np.int64), np.asarray([config], dtype=np.int32), self.gather)
-            words = index.tables.words_of(ids)
+            words = self._walk(config)
             if self.is_accepting(config):
                 words |= index.tables.eos_words
             for j in self.specials_allowed(config):
@@ -196,6 +237,160 @@ class ParseSession:
             words.setflags(write=False)
             mask = self.masks[config] = words
         return mask
+
+    def _walk(self, config: int) -> np.ndarray:
+        """The bitmask row of the tokens allowed from ``config``: for each reading, the tokens inside its lexeme
+        (``CFGIndex.root_walk``), and below each exit, where the parser moves, the trie walked on with one row
+        per (node, Earley set, lexer state)."""
+        index = self.index
+        words = np.zeros(index.tables.num_words, dtype=np.int32)
+        rows = []
+        for set_id, lex_state in self.configs[config]:
+            inside, nodes, states, bytes_ = index.root_walk(lex_state)
+            words |= inside
+            if len(nodes):
+                rows.append(self._resolve(nodes, np.full(len(nodes), set_id, dtype=np.int32), states, bytes_))
+        if rows:
+            nodes, sets, states = (np.concatenate(column) for column in zip(*rows))
+            reached = self._walk_rows(nodes, sets, states, many=len(self.configs[config]) > 1)
+            words |= index.tables.words_of(_token_ids(index.tables.trie, np.concatenate([nodes, *reached])))
+        return words
+
+    def _walk_rows(self, nodes: np.ndarray, sets: np.ndarray, states: np.ndarray, many: bool) -> list[np.ndarray]:
+        """The nodes below ``nodes`` that the rows (node, Earley set, lexer state) reach, level by level: a byte
+        inside the lexeme is one lookup in the lexer's table, a lexeme's end one ``_ended`` per distinct
+        (set, state, byte). ``many``: a node may hold several rows (they are then deduplicated)."""
+        trie, lexer, reached = self.index.tables.trie, self.lexer, []
+        keep = trie.has_children[nodes]
+        nodes, sets, states = nodes[keep], sets[keep], states[keep]
+        while len(nodes):
+            if len(nodes) <= _SCALAR_ROWS and int((trie.subtree_end_node[nodes] - nodes).sum()) <= _SCALAR_NODES:
+                # a narrow subtree (long runs of one byte, comments): numpy's per-call cost would dominate
+                reached.append(self._walk_scalar(nodes.tolist(), sets.tolist(), states.tolist()))
+                break
+            children, parents, bytes_, following = _children(trie, lexer, nodes, states)
+            parent_sets = np.repeat(sets, trie.child_start[nodes + 1] - trie.child_start[nodes])
+            plain, ending = _plain_and_ending(lexer, parents, following)
+            nodes, sets, states = children[plain], parent_sets[plain], following[plain]
+            if ending.any():
+                ended = self._resolve(children[ending], parent_sets[ending], parents[ending], bytes_[ending])
+                many = many or len(ended[0]) > int(ending.sum()) or bool((plain & ending).any())
+                nodes, sets, states = (np.concatenate(pair) for pair in zip((nodes, sets, states), ended))
+                self.check_fuel()
+            if many and len(nodes) > 1:
+                keys = np.unique((nodes << 40) | (sets.astype(np.int64) << 18) | states)
+                nodes, sets, states = keys >> 40, ((keys >> 18) & 0x3FFFFF).astype(np.int32), \
+                    (keys & 0x3FFFF).astype(np.int32)
+            reached.append(nodes)
+            keep = trie.has_children[nodes]
+            nodes, sets, states = nodes[keep], sets[keep], states[keep]
+        return reached
+
+    def _walk_scalar(self, nodes: list[int], sets: list[int], states: list[int]) -> np.ndarray:
+        """``_walk_rows`` depth first in plain Python, for a few rows."""
+        trie, lexer = self.index.tables.trie, self.lexer
+        child_start, child_byte, child_node = trie._child_start_list, trie._child_byte_list, trie._child_node_list
+        has_children, moves, accepts, lazy = trie._has_children_list, lexer.moves, lexer.accepts, lexer.is_lazy_end
+        greedy, exact, seen, out = self.greedy, self.exact, set(), []
+        stack = list(zip(nodes, sets, states))
+        while stack:
+            node, set_id, lex_state = stack.pop()
+            matched = accepts[lex_state]
+            may_end = bool(matched) and (not greedy or not exact.isdisjoint(matched))
+            for k in range(child_start[node], child_start[node + 1]):
+                byte, child = child_byte[k], child_node[k]
+                following = moves.get(lex_state << 8 | byte)
+                if following is None:
+                    following = lexer.move(lex_state, byte)
+                rows = []
+                if following >= 0 and not (greedy and lazy[following]):
+                    rows.append((set_id, following))
+                if (following < 0 and matched) or may_end or (following >= 0 and greedy and lazy[following]):
+                    rows.extend(self._ended(set_id, lex_state, byte))
+                if rows:
+                    out.append(child)
+                    if has_children[child]:
+                        for row in rows:
+                            key = (child, *row)
+                            if key not in seen:
+                                seen.add(key)
+                                stack.append(key)
+        self.check_fuel()
+        return np.asarray(out, dtype=np.int64)
+
+    def _resolve(self, nodes: np.ndarray, sets: np.ndarray, states: np.ndarray, bytes_: np.ndarray):
+        """The rows after lexemes end at ``nodes`` (one per reading; none where the parser refuses). Where the
+        byte cannot go on in the lexeme (the common case) the lexeme's end is one parser step per distinct
+        (Earley set, lexer state) and the byte one lookup; the rest (exact or lazy lexemes) goes through
+        ``_ended``."""
+        lexer = self.lexer
+        pairs = (sets.astype(np.int64) << 18) | states
+        common = lexer.table[states, bytes_] == DEAD  # (every move here was just looked up)
+        slow = ~common
+        out_nodes, out_sets, out_states = [], [], []
+        if common.any():
+            rows = np.flatnonzero(common)
+            unique, inverse = np.unique(pairs[rows], return_inverse=True)
+            after = np.asarray([self._finish_start(k >> 18, k & 0x3FFFF) for k in unique.tolist()],
+                               dtype=np.int32).reshape(-1, 2)[inverse]
+            ok = after[:, 0] >= 0
+            rows, after = rows[ok], after[ok]
+            following = lexer.gather(after[:, 1], bytes_[rows])
+            live = following >= 0
+            lazy = np.zeros(len(following), dtype=bool)
+            lazy[live] = lexer.lazy_ends[following[live]]
+            plain = live & ~lazy
+            out_nodes.append(nodes[rows[plain]])
+            out_sets.append(after[plain, 0])
+            out_states.append(following[plain])
+            slow[rows[lazy]] = True  # a lazy lexeme that ends on the byte that starts it
+        if slow.any():
+            keys = (pairs[slow] << 8) | bytes_[slow]
+            unique, inverse = np.unique(keys, return_inverse=True)
+            results = [self._ended(k >> 26, (k >> 8) & 0x3FFFF, k & 255) for k in unique.tolist()]
+            sizes = np.asarray([len(r) for r in results], dtype=np.int64)
+            flat = np.asarray([reading for r in results for reading in r], dtype=np.int32).reshape(-1, 2)
+            counts = sizes[inverse]
+            firsts = (np.cumsum(sizes) - sizes)[inverse]
+            picks = _runs(firsts, firsts + counts)
+            out_nodes.append(np.repeat(nodes[slow], counts))
+            out_sets.append(flat[picks, 0])
+            out_states.append(flat[picks, 1])
+        if not out_nodes:
+            return nodes[:0], sets[:0], states[:0]
+        return np.concatenate(out_nodes), np.concatenate(out_sets), np.concatenate(out_states)
+
+    def _finish_start(self, set_id: int, lex_state: int) -> tuple[int, int]:
+        """(the Earley set after the lexeme at ``lex_state`` ends, the lexer state that starts the next one);
+        (-1, -1) when the parser refuses the lexeme."""
+        key = (set_id << 18) | lex_state
+        found = self._starts.get(key)
+        if found is None:
+            ended = self.finish_lexeme(set_id, lex_state)
+            found = self._starts[key] = (ended, self.lexer.start(self.allowed(ended))) if ended >= 0 else (-1, -1)
+        return found
+
+    def _ended(self, set_id: int, lex_state: int, byte: int) -> tuple[tuple[int, int], ...]:
+        """The readings after ``byte`` where the lexeme read so far ends (before ``byte``, which starts the next
+        one, or on it, a lazy one): ``_read`` without the reading that goes on inside the lexeme."""
+        key = (set_id << 26) | (lex_state << 8) | byte
+        found = self._ends.get(key)
+        if found is None:
+            lexer, out = self.lexer, set()
+            following = lexer.move(lex_state, byte)
+            if following >= 0 and lexer.lazy_ends[following]:
+                ended = self.finish_lexeme(set_id, following)
+                if ended >= 0:
+                    out.add(self.after_lexeme(ended))
+            if lexer.accepting[lex_state] and (following < 0 or lexer.forks[lex_state]):
+                matched = None if following < 0 or not self.greedy else lexer.accepts[lex_state] & self.exact
+                ended = self.finish_lexeme(set_id, lex_state, matched)
+                if ended >= 0:
+                    after = lexer.move(lexer.start(self.allowed(ended)), byte)
+                    if after >= 0:
+                        self._add(ended, after, out)
+            found = self._ends[key] = tuple(sorted(out))
+        return found
 
     def advance(self, config: int, token_id: int) -> int:
         self.fuel_start = self.table.work
@@ -318,6 +513,34 @@ class CFGGuide(Guide):
         except GrammarTooComplexError:
             pass  # a shorter forced span is still forced
         return bytes(out)
+
+
+def _children(trie, lexer, nodes: np.ndarray, states: np.ndarray):
+    """Every child of ``nodes``: the child, its parent's lexer state, the byte into it, the lexer state after."""
+    starts, ends = trie.child_start[nodes], trie.child_start[nodes + 1]
+    offsets = _runs(starts, ends)
+    parents, bytes_ = np.repeat(states, ends - starts), trie.child_byte[offsets]
+    return trie.child_node[offsets], parents, bytes_, lexer.gather(parents, bytes_)
+
+
+def _plain_and_ending(lexer, parents: np.ndarray, following: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per move: it stays inside the lexeme (and it is no lazy end); the lexeme may end there."""
+    live = following >= 0
+    lazy = np.zeros(len(following), dtype=bool)
+    lazy[live] = lexer.lazy_ends[following[live]]
+    plain = live & ~lazy
+    return plain, lazy | (lexer.accepting[parents] & (~live | lexer.forks[parents]))
+
+
+def _token_ids(trie, nodes: np.ndarray) -> np.ndarray:
+    """The token ids at ``nodes`` (with a node's duplicate tokens)."""
+    ids = trie.node_token[nodes]
+    ids = ids[ids >= 0]
+    if len(trie.duplicate_nodes):
+        extra = nodes[np.isin(nodes, trie.duplicate_nodes)]
+        if len(extra):
+            ids = np.concatenate([ids] + [np.asarray(trie.duplicate_ids[int(n)]) for n in np.unique(extra)])
+    return ids
 
 
 def _without_dead_terminals(grammar: Grammar, dead: frozenset[int]) -> Grammar:

@@ -12,12 +12,15 @@ Each terminal's automaton is a :class:`LazyDFA` (the same derivative machinery a
 terminal regex never reaches a backtracking engine.
 """
 
+import numpy as np
+
 from corral.budget import Budget
 from corral.errors import GrammarTooComplexError
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.grammar.cfg import Grammar
 
 MAX_LEXER_STATES = 200_000
+_UNBUILT = -3
 
 
 class Lexer:
@@ -34,6 +37,14 @@ class Lexer:
         self.is_start: list[bool] = []  # nothing consumed yet
         self.moves: dict[int, int] = {}  # state << 8 | byte -> state or DEAD
         self._starts: dict[frozenset[int], int] = {}
+        # The same moves as a table for vectorised walks (rows grow with the states; _UNBUILT until looked up),
+        # and per state: a lexeme ending here matches something; it may end here while it could go on (exact
+        # lexing); a lazy terminal ends it here.
+        self.greedy, self.exact = grammar.greedy, frozenset(j for j, t in enumerate(grammar.terminals) if t.exact)
+        self.table = np.full((64, 256), _UNBUILT, dtype=np.int32)
+        self.accepting = np.zeros(64, dtype=bool)
+        self.forks = np.zeros(64, dtype=bool)
+        self.lazy_ends = np.zeros(64, dtype=bool)
 
     def start(self, allowed: frozenset[int]) -> int:
         """The state before the first byte of a lexeme that may match any of ``allowed``."""
@@ -56,6 +67,16 @@ class Lexer:
             found = self.moves[key] = self._intern(tuple(members), is_start=False) if members else DEAD
         return found
 
+    def gather(self, states: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
+        """``move`` over arrays (DEAD where the lexeme cannot go on)."""
+        out = self.table[states, bytes_]
+        missing = out == _UNBUILT
+        if missing.any():
+            for pair in np.unique((states[missing].astype(np.int64) << 8) | bytes_[missing]).tolist():
+                self.table[pair >> 8, pair & 255] = self.move(pair >> 8, pair & 255)
+            out = self.table[states, bytes_]
+        return out
+
     def _intern(self, members: tuple[tuple[int, int], ...], is_start: bool) -> int:
         key = (members, is_start)
         state = self.ids.get(key)
@@ -71,4 +92,22 @@ class Lexer:
                 matched = [j for j in matched if self.terminals[j].priority == top]
             self.accepts.append(frozenset(matched))
             self.is_lazy_end.append(any(self.terminals[j].lazy for j in matched))
+            if state >= len(self.accepting):
+                self._grow()
+            self.accepting[state] = bool(matched)
+            self.forks[state] = bool(matched) and (not self.greedy or bool(self.exact.intersection(matched)))
+            self.lazy_ends[state] = self.greedy and self.is_lazy_end[-1]
         return state
+
+    def _grow(self) -> None:
+        size = 2 * len(self.accepting)
+        table = np.full((size, 256), _UNBUILT, dtype=np.int32)
+        table[:len(self.table)] = self.table
+        self.table = table
+        for name in ("accepting", "forks", "lazy_ends"):
+            grown = np.zeros(size, dtype=bool)
+            grown[:len(getattr(self, name))] = getattr(self, name)
+            setattr(self, name, grown)
+
+    def nbytes(self) -> int:
+        return self.table.nbytes + 3 * len(self.accepting) + 200 * len(self.states)

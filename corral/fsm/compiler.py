@@ -26,7 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 from corral.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
-from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError
+from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
 from corral.fsm.cfg_guide import CFGGuide, CFGIndex, ParseSession
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
@@ -35,7 +35,7 @@ from corral.fsm.token_index import TokenIndex
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
 from corral.grammar.gbnf_grammar import looks_like_gbnf, parse_gbnf
-from corral.grammar.cfg import Grammar
+from corral.grammar.cfg import Grammar, RefTreeExprs
 from corral.grammar.lark_grammar import parse_lark
 from corral.grammar.schema_grammar import rules_to_grammar
 from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Node
@@ -262,8 +262,8 @@ class GrammarCompiler:
         if looks_like_gbnf(text):
             grammar = parse_gbnf(text)
         else:
-            grammar = parse_lark(text, json_node=lambda schema: self._schema_node(schema, constraint, warnings,
-                                                                                  budget))
+            grammar = parse_lark(text, json_node=lambda schema: self._json_part(schema, constraint, warnings,
+                                                                                budget))
         return self._cfg_of(grammar, warnings, budget)
 
     def _cfg_of(self, grammar: Grammar, warnings: list[str], budget: Budget) -> CompiledCFG:
@@ -282,14 +282,42 @@ class GrammarCompiler:
         return CompiledCFG(index, tuple(warnings))
 
     @staticmethod
-    def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget):
-        """The schema's tree and, when it recurses, its rules (``json_schema.schema_to_rules``)."""
+    def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget, exact_any: bool = False):
+        """The schema's tree and, when it recurses, its rules (``json_schema.schema_to_rules``). A schema that
+        recurses compiles through the context-free path anyway, so there "any value" nests without a limit too;
+        one that does not keeps the regular path, where any-value is unrolled (``exact_any``: always a rule, as
+        an inline ``%json`` of a grammar wants it)."""
         from corral.grammar.json_schema import schema_to_rules
 
-        return schema_to_rules(schema, whitespace=options.whitespace, max_whitespace=options.max_whitespace,
-                               lenient=options.lenient, warnings=warnings,
-                               reject_unknown_keywords=options.reject_unknown_keywords, budget=budget,
-                               json_checked=True, recursive=True)
+        def rules(exact: bool, sink: list[str]):
+            root, found = schema_to_rules(schema, whitespace=options.whitespace,
+                                          max_whitespace=options.max_whitespace, lenient=options.lenient,
+                                          warnings=sink, reject_unknown_keywords=options.reject_unknown_keywords,
+                                          budget=budget, json_checked=True, recursive=True, exact_any=exact)
+            if exact and found:  # a rule inside an intersection cannot lower: raises UnsupportedSchemaError
+                exprs = RefTreeExprs()
+                for node in (root, *found.values()):
+                    exprs.expr(node)
+            return root, found
+
+        first: list[str] = []
+        root, found = rules(exact_any, first)
+        if found and not exact_any:
+            exact: list[str] = []
+            try:
+                root, found, first = *rules(True, exact), exact
+            except UnsupportedSchemaError:  # any-value inside an intersection: it stays unrolled there
+                pass
+        warnings.extend(first)
+        return root, found
+
+    def _json_part(self, schema, options: Constraint, warnings: list[str], budget: Budget):
+        """An inline ``%json`` schema of a grammar: its tree, with its rules when it nests without a limit."""
+        try:
+            root, rules = self._schema_rules(schema, options, warnings, budget, exact_any=True)
+        except UnsupportedSchemaError:
+            root, rules = self._schema_rules(schema, options, warnings, budget)
+        return (root, rules) if rules else root
 
     @staticmethod
     def _schema_node(schema, options: Constraint, warnings: list[str], budget: Budget) -> Node:

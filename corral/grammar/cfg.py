@@ -12,16 +12,18 @@ Symbols: a nonterminal is its index ``k >= 0``; terminal ``j`` is ``~j`` (negati
 aliases and ``?``/``!``/``_`` rule modifiers (they shape lark's parse tree, not the language).
 """
 
+import _sre
 import json
 from dataclasses import dataclass, field
 
-from corral.errors import InvalidGrammarError
-from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Intersect, Node, Repeat
+from corral.errors import InvalidGrammarError, UnsupportedSchemaError
+from corral.grammar.regex_ast import EMPTY, Alt, CharSet, Concat, Intersect, Node, Ref, Repeat
 from corral.grammar.regex_parser import nullable
 
 MAX_SYMBOLS = 200_000  # symbols over all productions after lowering (bounds a{1000}{1000} and the like)
 
 # Expr: ("name", text, line) | ("literal", text, ignore_case) | ("regex", Node) | ("chars", CharSet)
+#       | ("lexeme", Node): an exact lexeme (Terminal.exact) | ("json", schema)
 #       | ("seq", (Expr, ...)) | ("alt", (Expr, ...)) | ("repeat", Expr, min, max | None)
 #       | ("special", token text or id range) | ("empty",)
 Expr = tuple
@@ -30,13 +32,16 @@ Expr = tuple
 @dataclass(frozen=True)
 class Terminal:
     """A lexeme: text matching ``node`` (``special``: a special token the vocabulary names, ``node`` None).
-    ``lazy``: it ends at its shortest match instead of its longest."""
+    ``lazy``: it ends at its shortest match instead of its longest. ``exact``: in a greedy grammar, it may also
+    end where it matches while a longer match could go on (the parts of an inline ``%json`` schema, whose
+    lexemes are cut from a language that has no lexer)."""
 
     name: str
     node: Node | None
     special: str | tuple[int, int] | None = None
     lazy: bool = False
     priority: int = 0
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class GrammarBuilder:
     kind: str = "grammar"  # "Lark grammar" / "GBNF grammar", for messages
     greedy: bool = True  # see Grammar.greedy
     check_time: object = None  # called every few thousand symbols while lowering (a compile budget's clock)
-    json_node: object = None  # schema -> regex AST, for %json parts (None: refused)
+    json_node: object = None  # schema -> regex AST, or (AST, rules) when it recurses, for %json (None: refused)
 
     def error(self, message: str, line: int | None = None) -> InvalidGrammarError:
         return InvalidGrammarError(f"{self.kind}: {message}" + (f" (line {line})" if line else ""))
@@ -106,6 +111,7 @@ class _Lowering:
         self.num_symbols = 0
         self.num_helpers = 0
         self.helper_of: dict[int, int] = {}  # id of a compound Expr -> its helper rule (an Expr DAG lowers once)
+        self.json_cache: dict[str, tuple[Node | None, Expr | None]] = {}  # see json_parts
 
     def run(self, start: str) -> Grammar:
         b = self.b
@@ -165,7 +171,11 @@ class _Lowering:
             if name in self.b.terminal_defs:
                 return ~self.terminal_of(expr, line)
             raise self.b.error(f"rule '{owner.name}' uses '{name}', which is not defined", line)
-        if kind in ("literal", "regex", "chars", "special", "json"):
+        if kind == "json":
+            expansion = self.json_parts(expr, owner.line)[1]
+            return ~self.terminal_of(expr, owner.line) if expansion is None else \
+                self.symbol(expansion, owner, pending)
+        if kind in ("literal", "regex", "chars", "special", "lexeme"):
             return ~self.terminal_of(expr, owner.line)
         shared = self.helper_of.get(id(expr))
         if shared is not None:
@@ -213,14 +223,12 @@ class _Lowering:
             key, node, options = ("special", expr[1]), None, {}
             name = expr[1] if isinstance(expr[1], str) else f"<[{expr[1][0]}-{expr[1][1]}]>"
         elif kind == "json":
-            if self.b.json_node is None:
-                raise self.b.error("%json is not available here", line)
             key = ("json", json.dumps(expr[1], sort_keys=True))
-            node, options, name = (None if key in self.terminal_ids else self.b.json_node(expr[1])), {}, "%json"
+            node, options, name = self.json_parts(expr, line)[0], {}, "%json"
         else:
             # subtle: a regex AST is a DAG whose dataclass hash unfolds it as a tree (exponential for real schemas):
             # anonymous lexemes are keyed by the identity of their AST (kept alive by the terminal)
-            key = (kind, id(expr[1])) if kind == "regex" else (kind, expr[1:])
+            key = (kind, id(expr[1])) if kind in ("regex", "lexeme") else (kind, expr[1:])
             node, options, name = self.lexeme_node(expr, [], line), {}, _display(expr)
         j = self.terminal_ids.get(key)
         if j is None:
@@ -229,8 +237,29 @@ class _Lowering:
             j = self.terminal_ids[key] = len(self.terminals)
             special = expr[1] if kind == "special" else None
             self.terminals.append(Terminal(name, node, special, options.get("lazy", False),
-                                           options.get("priority", 0)))
+                                           options.get("priority", 0), exact=kind == "lexeme"))
         return j
+
+    def json_parts(self, expr: Expr, line: int) -> tuple[Node | None, Expr | None]:
+        """An inline ``%json`` schema: its regex AST (one lexeme), or, when it nests without a limit (a recursive
+        ``$ref``, any-value), the Expr of its tree, whose rules join the grammar as ``%jsonK.name``."""
+        key = json.dumps(expr[1], sort_keys=True)
+        found = self.json_cache.get(key)
+        if found is None:
+            if self.b.json_node is None:
+                raise self.b.error("%json is not available here", line)
+            result = self.b.json_node(expr[1])
+            root, rules = result if isinstance(result, tuple) else (result, {})
+            if not rules:
+                found = (root, None)
+            else:
+                prefix = f"%json{len(self.json_cache)}."
+                exprs = RefTreeExprs(lambda name: prefix + name, line)
+                for name, node in rules.items():
+                    self.b.rules[prefix + name] = RuleDef(prefix + name, exprs.expr(node), line)
+                found = (None, exprs.expr(root))
+            self.json_cache[key] = found
+        return found
 
     def terminal_node(self, name: str, stack: list[str]) -> Node:
         node = self.node_cache.get(name)
@@ -247,7 +276,7 @@ class _Lowering:
         kind = expr[0]
         if kind == "literal":
             return _literal_node(expr[1], expr[2])
-        if kind in ("regex", "chars"):
+        if kind in ("regex", "chars", "lexeme"):
             return expr[1]
         if kind == "empty":
             return EMPTY
@@ -320,18 +349,78 @@ def merged_lexemes(expr: Expr) -> Expr:
     return items[0] if len(items) == 1 else ("seq", tuple(items))
 
 
-def lexeme_expr(node: Node) -> Expr:
-    if node == EMPTY:
+def lexeme_expr(node: Node, exact: bool = False) -> Expr:
+    """One lexeme of ``node`` (``exact``: a :attr:`Terminal.exact` one); "nothing, or the lexeme without its empty
+    string" when ``node`` matches the empty string (the lexer never reads an empty lexeme)."""
+    kind = "lexeme" if exact else "regex"
+    if node == EMPTY or node == Concat(()):
         return ("empty",)
     if not nullable(node):
-        return ("regex", node)
-    return ("alt", (("empty",), ("regex", Intersect((node, _NONEMPTY)))))
+        return (kind, node)
+    return ("alt", (("empty",), (kind, Intersect((node, _NONEMPTY)))))
+
+
+class RefTreeExprs:
+    """Regex ASTs that name rules (:class:`Ref`, the JSON Schema compiler's recursive mode) as :data:`Expr`:
+    each ``Ref`` becomes the name ``rename(name)``, and each part that holds none stays one exact lexeme
+    (consecutive ones in a sequence joined), so only the recursive skeleton is parsed. The trees are DAGs and
+    stay DAGs (one Expr per node)."""
+
+    def __init__(self, rename=lambda name: name, line: int = 0):
+        self.rename, self.line = rename, line
+        self.holds_ref: dict[int, bool] = {}
+        self.exprs: dict[int, Expr] = {}
+
+    def expr(self, node: Node) -> Expr:
+        found = self.exprs.get(id(node))
+        if found is None:
+            found = self.exprs[id(node)] = self._expr_of(node)
+        return found
+
+    def has_ref(self, node: Node) -> bool:
+        found = self.holds_ref.get(id(node))
+        if found is None:
+            if isinstance(node, Ref):
+                found = True
+            elif isinstance(node, CharSet):
+                found = False
+            elif isinstance(node, Repeat):
+                found = self.has_ref(node.node)
+            else:
+                found = any(self.has_ref(part) for part in (node.options if isinstance(node, Alt) else node.parts))
+            self.holds_ref[id(node)] = found
+        return found
+
+    def _expr_of(self, node: Node) -> Expr:
+        if not self.has_ref(node):
+            return lexeme_expr(node, exact=True)
+        if isinstance(node, Ref):
+            return ("name", self.rename(node.name), self.line)
+        if isinstance(node, Alt):
+            return ("alt", tuple(self.expr(option) for option in node.options))
+        if isinstance(node, Repeat):
+            return ("repeat", self.expr(node.node), node.min, node.max)
+        if isinstance(node, Concat):
+            items, run = [], []
+            for part in node.parts:
+                if self.has_ref(part):
+                    if run:
+                        items.append(lexeme_expr(Concat(tuple(run)) if len(run) > 1 else run[0], exact=True))
+                        run = []
+                    items.append(self.expr(part))
+                else:
+                    run.append(part)
+            if run:
+                items.append(lexeme_expr(Concat(tuple(run)) if len(run) > 1 else run[0], exact=True))
+            return items[0] if len(items) == 1 else ("seq", tuple(items))
+        raise UnsupportedSchemaError("a recursive $ref (or an unbounded any-value) inside an intersection (allOf "
+                                     "with a pattern or a length, or a not) cannot compile", keyword="$ref")
 
 
 def regex_of(expr: Expr) -> Node:
     """The regex AST of an expression that names no rule."""
     kind = expr[0]
-    if kind == "chars" or kind == "regex":
+    if kind in ("chars", "regex", "lexeme"):
         return expr[1]
     if kind == "literal":
         return _literal_node(expr[1], expr[2])
@@ -371,12 +460,37 @@ def _literal_node(text: str, ignore_case: bool) -> Node:
 
 
 def case_folded(chars: CharSet) -> CharSet:
-    """``chars`` with the other case of every letter in it (simple one-to-one case mappings)."""
-    extra = []
-    for lo, hi in chars.ranges:
-        for cp in range(lo, min(hi, 0x1FFFF) + 1) if hi - lo < 70_000 else ():
-            c = chr(cp)
-            for other in (c.lower(), c.upper()):
-                if len(other) == 1 and other != c:
-                    extra.append((ord(other), ord(other)))
+    """``chars`` with every character that matches one of them case-insensitively, as Python's ``re`` (and so
+    lark) reads the ``i`` flag: the classes that one-to-one lower/upper mappings join, so ``s`` also matches ``S``
+    and ``ſ``, and ``k`` the Kelvin sign."""
+    extra = [(cp, cp) for members in _case_classes() if any(cp in chars for cp in members) for cp in members]
     return CharSet.of(*chars.ranges, *extra) if extra else chars
+
+
+_CASE_CLASSES: list[tuple[int, ...]] = []
+
+
+def _case_classes() -> list[tuple[int, ...]]:
+    """The code points that case mappings join, as classes of two or more (computed once, ~0.1 s)."""
+    if not _CASE_CLASSES:
+        parent = list(range(0x20000))
+
+        def root(cp: int) -> int:
+            while parent[cp] != cp:
+                parent[cp] = parent[parent[cp]]
+                cp = parent[cp]
+            return cp
+
+        simple_lower = getattr(_sre, "unicode_tolower", None)  # re's own one-to-one mapping (U+0130 -> i)
+        for cp in range(0x20000):
+            others = [ord(o) for o in (chr(cp).lower(), chr(cp).upper()) if len(o) == 1]
+            if simple_lower is not None:
+                others.append(simple_lower(cp))
+            for other in others:
+                if other != cp and other < 0x20000:
+                    parent[root(cp)] = root(other)
+        classes: dict[int, list[int]] = {}
+        for cp in range(0x20000):
+            classes.setdefault(root(cp), []).append(cp)
+        _CASE_CLASSES.extend(tuple(members) for members in classes.values() if len(members) > 1)
+    return _CASE_CLASSES

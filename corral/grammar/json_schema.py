@@ -73,7 +73,7 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
                     lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
                     max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
                     budget=None, json_checked: bool = False,
-                    recursive: bool = False) -> tuple[Node, dict[str, Node]]:
+                    recursive: bool = False, exact_any: bool = False) -> tuple[Node, dict[str, Node]]:
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
@@ -88,6 +88,8 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
 
     ``recursive`` (:func:`schema_to_rules`): a recursive ``$ref`` becomes a :class:`~corral.grammar.regex_ast.Ref`
     to one of the returned rules instead of being unrolled ``MAX_REF_DEPTH`` times (no rules: no recursion).
+    ``exact_any`` (with ``recursive``): "any JSON value" (``{}``, undeclared members) is the rule ``"any"``, with no
+    depth limit, instead of being unrolled ``ANY_VALUE_DEPTH`` containers deep.
 
     Raises :class:`InvalidSchemaError` (not JSON, wrong keyword types, dangling ``$ref``, no value possible),
     :class:`UnsupportedSchemaError`, :class:`UnknownKeywordError` and :class:`GrammarTooComplexError`.
@@ -104,7 +106,8 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
         raise GrammarTooComplexError("the schema is nested too deeply") from None
     compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), sp, lenient=lenient,
                               warnings=warnings if warnings is not None else [],
-                              reject_unknown=reject_unknown_keywords, recursive=recursive)
+                              reject_unknown=reject_unknown_keywords, recursive=recursive,
+                              exact_any=exact_any)
     try:
         node = compiler.node(schema, "#")
         compiler.build_rules()

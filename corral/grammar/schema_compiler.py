@@ -22,7 +22,7 @@ from corral.grammar.schema_keywords import (TYPES, UNSUPPORTED, check_keywords, 
 from corral.grammar.schema_merge import Atom, MergedSchema, Source, json_key, merge_atoms, property_sources
 from corral.grammar.schema_not import EXCLUDE, negate
 from corral.grammar.schema_refs import RefResolver, escape_pointer_token
-from corral.grammar.schema_values import ValueBuilders
+from corral.grammar.schema_values import ANY_RULE, ANY_VALUE_DEPTH, ValueBuilders
 
 MAX_REF_DEPTH = 4
 MAX_BRANCH_EXPANSIONS = 2000  # anyOf/oneOf/not alternatives built per schema: past it, an allOf of anyOfs explodes
@@ -31,12 +31,13 @@ MAX_WARNINGS = 50  # past it, one more line counts the rest
 
 class SchemaCompiler(ValueBuilders):
     def __init__(self, root, builder: NodeBuilder, sp: Spacing, *, lenient: bool, warnings: list[str],
-                 reject_unknown: bool = False, recursive: bool = False):
+                 reject_unknown: bool = False, recursive: bool = False, exact_any: bool = False):
         """``warnings`` collects what was ignored (at most ``MAX_WARNINGS`` lines, then a count); ``reject_unknown``
         refuses keywords that are no JSON Schema vocabulary instead of reporting them; ``recursive``: recursion
-        becomes :class:`Ref` rules instead of a cut."""
+        becomes :class:`Ref` rules instead of a cut; ``exact_any`` (with it): "any JSON value" is the rule
+        ``ANY_RULE`` too, which nests without a depth limit."""
         super().__init__(builder, sp)
-        self.recursive = recursive
+        self.recursive, self.exact_any = recursive, exact_any and recursive
         self.rules: dict[str, Node] = {}  # rule name -> its tree (recursive mode)
         self._rule_names: dict[tuple, str] = {}
         self._pending_rules: list[tuple[str, list[Atom], list[str]]] = []
@@ -210,6 +211,13 @@ class SchemaCompiler(ValueBuilders):
             name = self._rule_names[key] = f"ref{len(self._rule_names)}:{atoms[0][1]}"
             self._pending_rules.append((name, atoms, refs))
         return Ref(name)
+
+    def any_value(self, depth: int = ANY_VALUE_DEPTH) -> Node:
+        if not self.exact_any:
+            return super().any_value(depth)
+        if ANY_RULE not in self.rules:
+            self.rules[ANY_RULE] = self.exact_any_value(Ref(ANY_RULE))
+        return Ref(ANY_RULE)
 
     def build_rules(self) -> None:
         """Build every rule a :class:`Ref` names (rules can name further rules)."""

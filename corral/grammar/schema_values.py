@@ -1,8 +1,9 @@
 """ValueBuilders: the type-by-type builders of ``SchemaCompiler`` (null, boolean, numbers, strings, arrays,
 objects, ``enum`` literals and the "any JSON value" of the schema ``true``).
 
-"Any value" is a context-free language (containers nest without bound); it is unrolled ``ANY_VALUE_DEPTH``
-containers deep, which is where a ``{}`` property value or an undeclared member's value can nest.
+"Any value" is a context-free language (containers nest without bound); on the regular path it is unrolled
+``ANY_VALUE_DEPTH`` containers deep, which is where a ``{}`` property value or an undeclared member's value can
+nest. On the context-free path (``exact_any_value``) it is a rule that names itself, with no depth limit.
 """
 
 import json
@@ -21,6 +22,7 @@ from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
 
 ANY_VALUE_DEPTH = 5
+ANY_RULE = "any"  # the rule of "any JSON value" when it nests without a limit (SchemaCompiler's exact_any)
 MAX_ENUMERATED_MULTIPLES = 256
 # Declared properties of one object: beyond this a schema would not compile inside the default budget anyway
 # (3,000 required take about 3 s on a slow core, optional ones cost more), so it is refused at once instead of
@@ -56,6 +58,13 @@ class ValueBuilders:
                                            None))
             self._any[depth] = b.alt(options)
         return self._any[depth]
+
+    def exact_any_value(self, inner: Node) -> Node:
+        """Any JSON value whose members and items are ``inner`` (a :class:`Ref` to this very value)."""
+        b = self.b
+        return b.alt([b.literal("null"), b.literal("true"), b.literal("false"), number_node(b), self.any_string(),
+                      array_node(b, self.sp, [], inner, 0, None),
+                      object_node(b, self.sp, [], member_node(b, self.sp, self.any_string(), inner), 0, None)])
 
     def any_string(self) -> Node:
         if "string" not in self._any:

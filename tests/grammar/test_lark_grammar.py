@@ -40,6 +40,7 @@ def language(compiler, text: str, good: list[str], bad: list[str]) -> None:
     ('start: "x"{3}', ["xxx"], ["xx"]),
     ('start: D+\nD: "0".."9"', ["0", "42"], ["a", ""]),
     ('start: "AbC"i', ["abc", "ABC", "aBc"], ["abd"]),
+    ('start: "ski"i', ["SKI", "\u017fki", "s\u212ai", "sk\u0131", "sk\u0130"], ["sk\u00ed"]),  # as re/lark fold
     ('start: /[a-c]+/i', ["aB", "CCC"], ["d"]),
     ('start: /a.b/s', ["a\nb", "axb"], ["ab"]),
     ('start: /a.b/', ["axb"], ["a\nb"]),
@@ -57,6 +58,14 @@ def language(compiler, text: str, good: list[str], bad: list[str]) -> None:
 ])
 def test_the_dialect(compiler, text, good, bad):
     language(compiler, text, good, bad)
+
+
+def test_inline_json_nests_without_a_limit_and_keeps_its_lexemes_exact(compiler):
+    grammar = 'start: "<" %json {"type": "object", "properties": {"a": {}}, "required": ["a"]} ">"'
+    deep = "[" * 40 + "1" + "]" * 40
+    good = ['<{"a":1}>', '<{"a":{"b":[{}]}}>', '<{"a":' + deep + '}>', '<{"a":null,"c":{"d":[true]}}>']
+    bad = ['<{"a":' + deep[:-1] + '}>', '<{}>', '<{"a":1,}>', '<{"a":[1 2]}>']
+    language(compiler, grammar, good, bad)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -68,6 +68,18 @@ def test_a_recursive_schema_nests_without_a_limit_and_stays_exact(compiler):
     assert not accepts(grammar, deep_bad)
 
 
+def test_any_values_inside_a_recursive_schema_nest_without_a_limit(compiler):
+    schema = {"$defs": {"node": {"type": "object", "properties": {"meta": {}, "kids": {"type": "array", "items": {
+        "$ref": "#/$defs/node"}}}, "required": ["kids"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+    grammar = compiler.compile(Constraint("json_schema", schema))
+    deep_meta = {"x": [[[[[[[[{"y": [[[[1]]]]}]]]]]]]]}  # past the regular path's any-value depth of 5
+    good = {"kids": [{"meta": deep_meta, "kids": []}]}
+    jsonschema.validate(good, schema)
+    assert accepts(grammar, json.dumps(good, separators=(",", ":")))
+    assert not accepts(grammar, json.dumps(good, separators=(",", ":")).replace("[1]", "[1,]"))
+    assert not accepts(grammar, '{"kids":[],"other":1}')
+
+
 def test_lexemes_that_start_alike_are_kept_apart(compiler):
     grammar = compiler.compile(Constraint("json_schema", DOCUMENT))
     for good in ['{}', '{"a":"x"}', '{"a":{"$oid":"x"}}', '{"a":{"b":{"c":1}}}', '{"a":{"b":{"$oid":"y"}},"c":2}']:
