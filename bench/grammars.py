@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import maskbench  # noqa: E402
 from maskbench import cpu_summary, load_vocabulary, run_engine, run_schema  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grammars")
@@ -105,15 +106,7 @@ class CorralGBNFEngine(CorralEngine):
     source = "gbnf"
 
 
-class LLGuidanceEngine:
-    def __init__(self, tokenizer, vocab, timeout_s):
-        import llguidance
-        import llguidance.numpy
-
-        self.llg = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab.size,
-                                                eos_token=vocab.eos_token_ids[0])
-
+class LLGuidanceEngine(maskbench.LLGuidanceEngine):
     def expressible(self, spec) -> bool:
         return "lark" in spec or "schema" in spec
 
@@ -128,24 +121,8 @@ class LLGuidanceEngine:
             raise ValueError(matcher.get_error())
         return matcher
 
-    def start(self, template):
-        return template.deep_copy()
 
-    def fill(self, matcher, row):
-        self.llg.numpy.fill_next_token_bitmask(matcher, row.reshape(1, -1), 0)
-
-    def consume(self, matcher, token_id):
-        return matcher.consume_token(token_id)
-
-
-class XGrammarEngine:
-    def __init__(self, tokenizer, vocab, timeout_s):
-        import xgrammar as xgr
-
-        info = xgr.TokenizerInfo(list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.size,
-                                 stop_token_ids=list(vocab.eos_token_ids))
-        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
-
+class XGrammarEngine(maskbench.XGrammarEngine):
     def expressible(self, spec) -> bool:
         return "gbnf" in spec or "schema" in spec
 
@@ -154,15 +131,6 @@ class XGrammarEngine:
             return self.compiler.compile_json_schema(json.dumps(spec["schema"]), any_whitespace=False,
                                                      separators=(",", ":"))
         return self.compiler.compile_grammar(spec["gbnf"])
-
-    def start(self, compiled):
-        return self.xgr.GrammarMatcher(compiled)
-
-    def fill(self, matcher, row):
-        matcher.fill_next_token_bitmask(row.reshape(1, -1))
-
-    def consume(self, matcher, token_id):
-        return matcher.accept_token(token_id)
 
 
 ENGINES = {"corral": CorralEngine, "corral-gbnf": CorralGBNFEngine, "llguidance": LLGuidanceEngine,

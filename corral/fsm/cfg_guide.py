@@ -79,7 +79,7 @@ class CFGIndex:
             keep = trie.has_children[children]
             nodes, states = children[keep], states[keep]
         reached = np.concatenate(inside) if inside else np.zeros(0, dtype=np.int64)
-        words = self.tables.words_of(_token_ids(trie, reached))
+        words = self.tables.words_of(trie.token_ids_at(reached))
         words.setflags(write=False)
         found = (words, *(np.concatenate(column) for column in zip(*exits)))
         size = words.nbytes + sum(column.nbytes for column in found[1:])
@@ -253,7 +253,7 @@ class ParseSession:
         if rows:
             nodes, sets, states = (np.concatenate(column) for column in zip(*rows))
             reached = self._walk_rows(nodes, sets, states, many=len(self.configs[config]) > 1)
-            words |= index.tables.words_of(_token_ids(index.tables.trie, np.concatenate([nodes, *reached])))
+            words |= index.tables.words_of(index.tables.trie.token_ids_at(np.concatenate([nodes, *reached])))
         return words
 
     def _walk_rows(self, nodes: np.ndarray, sets: np.ndarray, states: np.ndarray, many: bool) -> list[np.ndarray]:
@@ -530,17 +530,6 @@ def _plain_and_ending(lexer, parents: np.ndarray, following: np.ndarray) -> tupl
     lazy[live] = lexer.lazy_ends[following[live]]
     plain = live & ~lazy
     return plain, lazy | (lexer.accepting[parents] & (~live | lexer.forks[parents]))
-
-
-def _token_ids(trie, nodes: np.ndarray) -> np.ndarray:
-    """The token ids at ``nodes`` (with a node's duplicate tokens)."""
-    ids = trie.node_token[nodes]
-    ids = ids[ids >= 0]
-    if len(trie.duplicate_nodes):
-        extra = nodes[np.isin(nodes, trie.duplicate_nodes)]
-        if len(extra):
-            ids = np.concatenate([ids] + [np.asarray(trie.duplicate_ids[int(n)]) for n in np.unique(extra)])
-    return ids
 
 
 def _without_dead_terminals(grammar: Grammar, dead: frozenset[int]) -> Grammar:

@@ -161,16 +161,18 @@ class TokenTrie:
             reached.append(children)
             keep = self.has_children[children]
             nodes, states = children[keep], states[keep]
-        ids = np.zeros(0, dtype=np.int64)
-        if reached:
-            reached_nodes = np.concatenate(reached)
-            ids = self.node_token[reached_nodes]
-            ids = ids[ids >= 0]
-            if len(self.duplicate_nodes):
-                extra = reached_nodes[np.isin(reached_nodes, self.duplicate_nodes)]
-                if len(extra):
-                    ids = np.concatenate([ids] + [np.asarray(self.duplicate_ids[int(n)]) for n in extra])
+        ids = self.token_ids_at(np.concatenate(reached)) if reached else np.zeros(0, dtype=np.int64)
         return np.concatenate([ids, *resolved]) if resolved else ids
+
+    def token_ids_at(self, nodes: np.ndarray) -> np.ndarray:
+        """The token ids at ``nodes`` (with each node's duplicate tokens)."""
+        ids = self.node_token[nodes]
+        ids = ids[ids >= 0]
+        if len(self.duplicate_nodes):
+            extra = nodes[np.isin(nodes, self.duplicate_nodes)]
+            if len(extra):
+                ids = np.concatenate([ids] + [np.asarray(self.duplicate_ids[int(n)]) for n in extra])
+        return ids
 
     def _resolve_pieces(self, nodes: np.ndarray, states: np.ndarray, pieces, resolved: list):
         """Frontier nodes whose state holds repeat pieces: the pieces' tokens in their subtrees come from the
