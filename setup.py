@@ -16,7 +16,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["module.cpp", "terms.cpp", "kernels.cpp", "kernels_baseline.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp", "qmatmul.cpp",
-           "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "decode_step.cpp"]
+           "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "decode_step.cpp", "cfg.cpp"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
 # denormals-are-zero for the whole process when the module loads (numpy, torch and every test after it would lose
@@ -47,7 +47,7 @@ def extension(name: str, target: list[str]) -> Extension:
     return Extension(
         f"corral.{name}",
         sources=[f"corral/csrc/{source}" for source in SOURCES],
-        depends=[f"corral/csrc/{header}" for header in ("arrays.h", "common.h", "kernels.h", "kernels_impl.h", "qmatmul.h")],
+        depends=[f"corral/csrc/{header}" for header in ("arrays.h", "automata.h", "common.h", "kernels.h", "kernels_impl.h", "qmatmul.h")],
         language="c++",
         extra_compile_args=[*FLAGS, *target],
         extra_link_args=["-fopenmp"],

@@ -18,12 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fsm subset run against the installed wheel: the native walk against the Python oracle, the token index,
 # the term tables, and the native module's own tests.
 SUBSET = ["fsm/test_native_walk.py", "fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py",
+          *(f"fsm/test_native_cfg.py::{name}" for name in (  # (the corpus documents are not copied)
+              "test_native_masks_equal_the_oracle_along_random_walks",
+              "test_the_native_session_bounds_its_configurations_and_its_fuel",
+              "test_the_native_session_checks_its_arguments", "test_the_gil_is_released_during_a_native_grammar_mask")),
           "test_native.py"]
 # Run again on the x86-64-v2 build with its baseline kernels (what a CPU without AVX2 imports).
 BASELINE = ["fsm/test_native_walk.py", "test_native.py", "kernels/test_cpu_ops.py",
             "kernels/test_paged_attention_cpu.py"]
 # The oracle tests on toy vocabularies, run with the native module off.
-ORACLE = ["fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py"]
+ORACLE = ["fsm/test_token_pieces.py", "fsm/test_token_index.py", "fsm/test_lazy_dfa.py", "fsm/test_cfg_guide.py"]
 
 
 def _run(args, cwd, env=None, timeout=600) -> subprocess.CompletedProcess:

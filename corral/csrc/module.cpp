@@ -3,6 +3,7 @@
 // It holds the mask core (terms.cpp: derivative terms, the lazy DFA, the token-trie walk) and the CPU kernels
 // (kernels.cpp, one variant per instruction set chosen at load). corral/native.py loads it and says which paths run.
 
+#include "automata.h"
 #include "common.h"
 
 #include <atomic>
@@ -95,7 +96,7 @@ PyMODINIT_FUNC CORRAL_CAT(PyInit_, CORRAL_MODULE)() {
     if (LimitError == nullptr || PyModule_AddObjectRef(module, "LimitError", LimitError) < 0 ||
         PyModule_AddStringConstant(module, "build_info", CORRAL_BUILD_INFO " (" __VERSION__ ")") < 0 ||
         !add_hook(module) || !add_terms(module) || !add_kernels(module) || !add_qmatmul(module) ||
-        !add_decode_step(module)) {
+        !add_decode_step(module) || !add_cfg(module)) {
         Py_DECREF(module);
         return nullptr;
     }

@@ -18,6 +18,7 @@
 // Threads: the walks run with the GIL released (they take it back only to call Python), so every entry point
 // holds the table's mutex; a thread that must wait for it waits without the GIL.
 
+#include "automata.h"
 #include "common.h"
 
 #include <algorithm>
@@ -1619,6 +1620,34 @@ PyMethodDef module_methods[] = {
 };
 
 }  // namespace
+
+bool trie_view(PyObject* object, TrieView* out) {
+    if (!PyObject_TypeCheck(object, &TrieType)) {
+        PyErr_SetString(PyExc_TypeError, "a corral._native.Trie was expected");
+        return false;
+    }
+    const Trie& trie = *reinterpret_cast<TrieObject*>(object)->trie;
+    *out = TrieView{trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(), trie.node_token.data(), trie.own_ids.data(),
+                    trie.roots.data(), trie.own_start.data(), trie.own_end.data(), int64_t(trie.node_byte.size()),
+                    int64_t(trie.roots.size()), trie.num_words};
+    return true;
+}
+
+void* dfa_of(PyObject* object) {
+    if (!PyObject_TypeCheck(object, &DfaType)) {
+        PyErr_SetString(PyExc_TypeError, "a corral._native.Dfa was expected");
+        return nullptr;
+    }
+    return reinterpret_cast<DfaObject*>(object)->dfa;
+}
+
+int32_t dfa_next(void* handle, int32_t state, int byte) {
+    Dfa* dfa = static_cast<Dfa*>(handle);
+    TableLock lock(dfa->table);
+    return dfa->next_state(state, byte);
+}
+
+bool dfa_accepting(void* handle, int32_t state) { return static_cast<Dfa*>(handle)->accepting[state] != 0; }
 
 bool add_terms(PyObject* module) {
     ViewType.tp_name = "corral._native.View";

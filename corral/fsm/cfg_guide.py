@@ -21,9 +21,10 @@ import numpy as np
 
 from corral.budget import Budget
 from corral.errors import GrammarTooComplexError, InvalidGrammarError
-from corral.fsm.cfg_lexer import Lexer
+from corral.fsm.cfg_lexer import MAX_LEXER_STATES, Lexer
 from corral.fsm.earley import EarleyTable, EarleyTables
 from corral.fsm.guide import Guide
+from corral.fsm.derivatives import native_module
 from corral.fsm.lazy_dfa import DEAD
 from corral.fsm.token_index import vocab_tables
 from corral.fsm.token_trie import _runs
@@ -52,11 +53,58 @@ class CFGIndex:
         self.start_mask: np.ndarray | None = None
         self._root_walks: dict[int, tuple] = {}  # lexer state -> root_walk's answer
         self._root_walk_bytes = 0
+        self._native = None
+        self._native_checked = False
 
     def nbytes(self) -> int:
         dfas = [d for d in self.lexer.dfas if d is not None]
-        return sum(d.trans.nbytes + d.terms.nbytes() for d in dfas) + self.lexer.nbytes() + \
+        native_bytes = 0 if self._native is None else self._native.nbytes()
+        return sum(d.trans.nbytes + d.terms.nbytes() for d in dfas) + self.lexer.nbytes() + native_bytes + \
             self._root_walk_bytes + (0 if self.start_mask is None else self.start_mask.nbytes)
+
+    @property
+    def num_lexer_states(self) -> int:
+        return len(self.lexer.states) if self._native is None else self._native.num_lexer_states
+
+    def native_index(self):
+        """The grammar's tables in the native core's layout (``native_cfg.py``), built once; None where the
+        native module is off or a terminal's automaton is the Python one."""
+        if not self._native_checked:
+            with self.lock:
+                if not self._native_checked:
+                    self._native = self._build_native()
+                    self._native_checked = True
+        return self._native
+
+    def _build_native(self):
+        module = native_module()
+        if module is None:
+            return None
+        lexer, grammar, earley = self.lexer, self.grammar, self.earley
+        dfas = []
+        for j, dfa in enumerate(lexer.dfas):
+            if dfa is None or j in lexer.dead_terminals:
+                dfas.append(None)  # a special token, or a terminal no text matches: never in a lexer state
+            elif not hasattr(dfa, "native"):
+                return None
+            else:
+                dfas.append(dfa.native)
+        terminals = grammar.terminals
+        flags = [np.asarray([getattr(t, name) for t in terminals], dtype=dtype)
+                 for name, dtype in (("priority", np.int32), ("lazy", np.uint8), ("exact", np.uint8))]
+        offsets = np.cumsum([0, *(len(rhs) for rhs in earley.rhs)], dtype=np.int64)
+        rhs = np.asarray([s for symbols in earley.rhs for s in symbols], dtype=np.int32)
+        nullable = np.zeros(len(grammar.nonterminals), dtype=np.uint8)
+        nullable[sorted(earley.nullable)] = 1
+        specials = sorted(self.special_words)
+        special_rows = (np.stack([self.special_words[j] for j in specials]) if specials
+                        else np.zeros((0, self.tables.num_words), dtype=np.int32))
+        return module.CfgIndex(
+            self.tables.native_trie.native, dfas, *flags, grammar.greedy,
+            np.asarray(sorted(lexer.ignore), dtype=np.int32), np.asarray(earley.lhs, dtype=np.int32), offsets, rhs,
+            len(grammar.nonterminals), nullable, earley.start_production,
+            np.ascontiguousarray(self.tables.eos_words, dtype=np.int32), np.asarray(specials, dtype=np.int32),
+            np.ascontiguousarray(special_rows, dtype=np.int32), MAX_LEXER_STATES, ROOT_WALK_CACHE_BYTES)
 
     def root_walk(self, lex_state: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The tokens whose bytes all stay inside the current lexeme from ``lex_state`` (a bitmask row: allowed
@@ -221,6 +269,12 @@ class ParseSession:
         if not specials:
             return frozenset()
         return frozenset(j for s in self.sets_between_lexemes(config) for j in self.table.sets[s].expected & specials)
+
+    def fill_mask(self, config: int, row: np.ndarray) -> None:
+        row[:] = self.mask(config)
+
+    def readings(self, config: int) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted(self.configs[config]))
 
     def mask(self, config: int) -> np.ndarray:
         mask = self.masks.get(config)
@@ -441,7 +495,7 @@ class CFGGuide(Guide):
         else:
             try:
                 with self.session.lock:
-                    row[:] = self.session.mask(config)
+                    self.session.fill_mask(config, row)
             except GrammarTooComplexError as exc:
                 self.error = str(exc)
                 row[:] = 0

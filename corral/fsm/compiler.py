@@ -27,7 +27,8 @@ import numpy as np
 
 from corral.budget import DEFAULT_MAX_STATES, DEFAULT_TIME_BUDGET_S, Budget
 from corral.errors import GrammarTooComplexError, InvalidGrammarError, InvalidSchemaError, UnsupportedSchemaError
-from corral.fsm.cfg_guide import CFGGuide, CFGIndex, ParseSession
+from corral.fsm.cfg_guide import CFGGuide, CFGIndex
+from corral.fsm.native_cfg import new_session
 from corral.fsm.fsm_guide import FSMGuide
 from corral.fsm.json_value import json_value_node
 from corral.fsm.lazy_dfa import LazyDFA
@@ -75,13 +76,13 @@ class CompiledCFG:
 
     @property
     def num_states(self) -> int:
-        return len(self.index.lexer.states)
+        return self.index.num_lexer_states
 
     def nbytes(self) -> int:
         return self.index.nbytes()
 
     def new_guide(self) -> CFGGuide:
-        return CFGGuide(ParseSession(self.index))
+        return CFGGuide(new_session(self.index))
 
 
 class GrammarCompiler:
@@ -270,7 +271,7 @@ class GrammarCompiler:
         budget.check_time()
         warnings.extend(grammar.warnings)
         index = CFGIndex(grammar, self.vocab, budget)
-        start = ParseSession(index)
+        start = new_session(index)
         fuel, index.mask_fuel = index.mask_fuel, 1 << 62  # the compile's clock bounds the start mask
         try:
             index.start_mask = start.mask(start.start)

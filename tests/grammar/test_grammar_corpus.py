@@ -176,8 +176,8 @@ def _explained(guide, vocab, ours: set[int], theirs: set[int], grammar_text: str
 def _is_ignored_text(guide, token_id: int) -> bool:
     """The token is %ignore text: after it the parser stands where it stood (only the lexer moved)."""
     session, probe = guide.session, guide.copy()
-    before = {s for s, _ in session.configs[guide.config]} | set(session.sets_between_lexemes(guide.config))
-    return probe.advance(token_id) and {s for s, _ in session.configs[probe.config]} <= before
+    before = {s for s, _ in session.readings(guide.config)} | set(session.sets_between_lexemes(guide.config))
+    return probe.advance(token_id) and {s for s, _ in session.readings(probe.config)} <= before
 
 
 def _compare_along(tokenizer, vocab, grammar, matcher, token_ids: list[int], grammar_text: str, seen: dict) -> None:

@@ -1,0 +1,35 @@
+// What the context-free core (cfg.cpp) uses of terms.cpp: the vocabulary trie in its checked layout, and one
+// terminal automaton's moves. Borrowed from the Python objects, which the caller keeps alive.
+#pragma once
+
+#include "common.h"
+
+#include <cstdint>
+
+namespace corral_native {
+
+struct TrieView {
+    const int32_t* node_byte;
+    const int32_t* node_depth;  // the root 0, its children 1, ...
+    const int32_t* node_end;    // preorder: the subtree of node n is n .. node_end[n] - 1
+    const int32_t* node_token;  // the id ending at the node, -1 none, -2 several (own_ids[own_start:own_end])
+    const int32_t* own_ids;
+    const int32_t* roots;       // the first-level nodes
+    const int64_t* own_start;
+    const int64_t* own_end;
+    int64_t num_nodes, num_roots, num_words;
+};
+
+// False, with a TypeError set, when `object` is not a corral._native.Trie.
+bool trie_view(PyObject* object, TrieView* out);
+
+// A corral._native.Dfa's automaton, or null with a TypeError set.
+void* dfa_of(PyObject* object);
+// The move of `state` on `byte` (DEAD = -1 when the terminal cannot go on), derived when not built yet, under the
+// automaton's table lock. Throws PyFailure past the automaton's caps.
+int32_t dfa_next(void* dfa, int32_t state, int byte);
+bool dfa_accepting(void* dfa, int32_t state);
+
+bool add_cfg(PyObject* module);
+
+}  // namespace corral_native

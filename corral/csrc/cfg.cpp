@@ -1,0 +1,1049 @@
+// The context-free core: cfg_guide.py's lexer, Earley parser and token walk in C++, behind a few coarse calls
+// (a whole mask, a whole token's advance) that release the GIL and never call back into Python.
+//
+// CfgIndex is what every session of one compiled grammar shares: the terminals' automata (terms.cpp's Dfa, one
+// per terminal), the lexer's interned states and their byte moves, the productions, and per lexer state the
+// *root walk*: the tokens whose bytes stay inside the lexeme (a bitmask row) and the trie nodes where the lexeme
+// may end inside a token. CfgSession is one request's parse (shared by the copies of its guides): interned Earley
+// sets (a parse state is the id of its last set), interned configurations (sets of readings (Earley set, lexer
+// state)), their byte moves and their masks. The algorithm, its names and its error messages are those of
+// cfg_guide.py, earley.py and cfg_lexer.py, which stay as the oracle the tests compare this with.
+//
+// Bounds: a lexer state cap per grammar, a configuration cap and an Earley item cap per session, and per call
+// (one mask, one advance) a fuel of Earley work; past one the call raises LimitError naming it.
+//
+// Threads: the Python side calls every entry point under the compiled grammar's lock (CFGIndex.lock), so the
+// shared lexer is never mutated by two threads at once; the GIL is released for the whole call.
+
+#include "automata.h"
+#include "common.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace corral_native {
+namespace {
+
+constexpr int32_t DEAD = -1, UNBUILT = -3;
+
+using Ints = std::vector<int32_t>;  // sorted, distinct: a set of terminals
+
+struct IntsHash {
+    size_t operator()(const Ints& v) const {
+        uint64_t h = 0xCBF29CE484222325ull ^ v.size();
+        for (int32_t x : v) {
+            h = (h ^ uint64_t(uint32_t(x))) * 0x100000001B3ull;
+            h ^= h >> 29;
+        }
+        return size_t(h);
+    }
+};
+
+Ints intersection(const Ints& a, const Ints& b) {
+    Ints out;
+    std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(out));
+    return out;
+}
+
+[[noreturn]] void limit(const std::string& message) {
+    WithGil gil;
+    PyErr_SetString(LimitError, message.c_str());
+    throw PyFailure();
+}
+
+// ---------------------------------------------------------------------------------------------------- the lexer
+
+// The walk of the trie below one node from one lexer state, within the lexeme: the tokens whose bytes (below
+// the node) stay inside it, and the nodes where it may end inside a token. It depends on the node and the lexer
+// state only, so one is kept per (node, state) for every session of the grammar; the root's is the mask of a
+// lexeme's inside. Many tokens: a bitmask row; few: their ids.
+struct SubWalk {
+    Ints ids;
+    std::vector<uint32_t> words;
+    Ints exit_node, exit_state;  // the node, the lexer state before its byte
+    std::vector<uint8_t> exit_byte;
+    int64_t nbytes() const { return int64_t(ids.size() * 4 + words.size() * 4 + exit_node.size() * 9) + 64; }
+    void mark(uint32_t* out, int64_t num_words) const {
+        if (!words.empty()) {
+            for (int64_t w = 0; w < num_words; ++w) out[w] |= words[w];
+        } else {
+            for (int32_t id : ids) out[id >> 5] |= 1u << (id & 31);
+        }
+    }
+};
+
+struct Lexer {
+    std::vector<void*> dfas;  // per terminal; null: a special token or a terminal no text matches
+    Ints priority;
+    std::vector<uint8_t> lazy, exact;
+    bool greedy = true;
+    int64_t max_states = 200000, walk_budget = 64 << 20, walk_bytes = 0;
+
+    std::vector<Ints> members;  // per state: terminal, automaton state, terminal, ... (terminals ascending)
+    std::vector<Ints> accepts;  // per state: the terminals a lexeme ending here matches (top priority only)
+    std::vector<uint8_t> is_start, accepting, forks, lazy_end;
+    std::vector<int32_t> moves;  // [state * 256 + byte]
+    std::unordered_map<Ints, int32_t, IntsHash> ids;     // members + is_start
+    std::unordered_map<Ints, int32_t, IntsHash> starts;  // allowed terminals -> state
+    std::unordered_map<int64_t, SubWalk> walks;  // node * 2^18 + lexer state (the cap keeps states below 2^18)
+
+    int32_t intern(Ints state_members, bool start) {
+        Ints key = state_members;
+        key.push_back(start);
+        auto found = ids.find(key);
+        if (found != ids.end()) return found->second;
+        const int32_t state = int32_t(members.size());
+        if (state >= max_states)
+            limit("the grammar's lexer reached its cap of " + std::to_string(max_states) + " states");
+        Ints matched;
+        if (!start) {
+            int32_t top = INT32_MIN;
+            for (size_t k = 0; k < state_members.size(); k += 2)
+                if (dfa_accepting(dfas[state_members[k]], state_members[k + 1]))
+                    top = std::max(top, priority[state_members[k]]);
+            for (size_t k = 0; k < state_members.size(); k += 2)
+                if (dfa_accepting(dfas[state_members[k]], state_members[k + 1]) && priority[state_members[k]] == top)
+                    matched.push_back(state_members[k]);
+        }
+        bool lazy_match = false, exact_match = false;
+        for (int32_t j : matched) {
+            lazy_match |= lazy[j] != 0;
+            exact_match |= exact[j] != 0;
+        }
+        members.push_back(std::move(state_members));
+        is_start.push_back(start);
+        accepting.push_back(!matched.empty());
+        forks.push_back(!matched.empty() && (!greedy || exact_match));
+        lazy_end.push_back(greedy && lazy_match);
+        accepts.push_back(std::move(matched));
+        moves.resize(moves.size() + 256, UNBUILT);
+        ids.emplace(std::move(key), state);
+        return state;
+    }
+
+    int32_t start(const Ints& allowed) {
+        auto found = starts.find(allowed);
+        if (found != starts.end()) return found->second;
+        Ints state_members;
+        for (int32_t j : allowed)
+            if (dfas[j] != nullptr) {
+                state_members.push_back(j);
+                state_members.push_back(0);
+            }
+        const int32_t state = intern(std::move(state_members), true);
+        starts.emplace(allowed, state);
+        return state;
+    }
+
+    int32_t move(int32_t state, int byte) {
+        const int32_t known = moves[size_t(state) * 256 + byte];
+        if (known != UNBUILT) return known;
+        Ints following;
+        const Ints& from = members[state];
+        for (size_t k = 0; k < from.size(); k += 2) {
+            const int32_t q = dfa_next(dfas[from[k]], from[k + 1], byte);
+            if (q >= 0) {
+                following.push_back(from[k]);
+                following.push_back(q);
+            }
+        }
+        const int32_t found = following.empty() ? DEAD : intern(std::move(following), false);
+        moves[size_t(state) * 256 + byte] = found;
+        return found;
+    }
+
+    // A move stays inside the lexeme (and is no lazy end); the lexeme may end on it.
+    bool is_plain(int32_t following) const { return following >= 0 && !lazy_end[following]; }
+    bool may_end(int32_t state, int32_t following) const {
+        return (following >= 0 && lazy_end[following]) || (accepting[state] && (following < 0 || forks[state]));
+    }
+
+    // The walk below `node` from `state`, kept while the cache has room (else built into `scratch`): one
+    // preorder pass over the subtree, each node's parent state in a per-depth stack, a move that leaves the lexeme
+    // skipping the node's own subtree.
+    const SubWalk& sub_walk(int32_t node, int32_t state, const TrieView& trie, SubWalk& scratch) {
+        const int64_t key = (int64_t(node) << 18) | state;
+        auto found = walks.find(key);
+        if (found != walks.end()) return found->second;
+        SubWalk walk;
+        std::vector<int32_t> stack(1024 + 1);  // the Trie checks depths below 1024
+        const int32_t end = trie.node_end[node], base = trie.node_depth[node];
+        stack[0] = state;
+        int32_t i = node + 1;
+        while (i < end) {
+            const int32_t level = trie.node_depth[i] - base;
+            const int32_t parent = stack[level - 1], byte = trie.node_byte[i];
+            const int32_t following = move(parent, byte);
+            if (may_end(parent, following)) {
+                walk.exit_node.push_back(i);
+                walk.exit_state.push_back(parent);
+                walk.exit_byte.push_back(uint8_t(byte));
+            }
+            if (!is_plain(following)) {
+                i = trie.node_end[i];
+                continue;
+            }
+            const int32_t id = trie.node_token[i];
+            if (id >= 0) {
+                walk.ids.push_back(id);
+            } else if (id == -2) {
+                for (int64_t j = trie.own_start[i]; j < trie.own_end[i]; ++j) walk.ids.push_back(trie.own_ids[j]);
+            }
+            stack[level] = following;
+            ++i;
+        }
+        if (int64_t(walk.ids.size()) > trie.num_words / 8) {
+            walk.words.assign(size_t(trie.num_words), 0);
+            for (int32_t id : walk.ids) walk.words[id >> 5] |= 1u << (id & 31);
+            Ints().swap(walk.ids);
+        }
+        const int64_t size = walk.nbytes();
+        if (walk_bytes + size > walk_budget) {
+            scratch = std::move(walk);
+            return scratch;
+        }
+        walk_bytes += size;
+        return walks.emplace(key, std::move(walk)).first->second;
+    }
+
+    static void mark(const TrieView& trie, int32_t node, uint32_t* words) {
+        const int32_t id = trie.node_token[node];
+        if (id >= 0) {
+            words[id >> 5] |= 1u << (id & 31);
+        } else if (id == -2) {
+            for (int64_t j = trie.own_start[node]; j < trie.own_end[node]; ++j)
+                words[trie.own_ids[j] >> 5] |= 1u << (trie.own_ids[j] & 31);
+        }
+    }
+
+    int64_t nbytes() const {
+        int64_t total = int64_t(moves.size()) * 4 + walk_bytes + int64_t(members.size()) * 64;
+        for (const Ints& m : members) total += int64_t(m.size()) * 4;
+        return total;
+    }
+
+};
+
+// ------------------------------------------------------------------------------------------ the productions
+
+struct Productions {
+    Ints lhs;                     // -1 for the augmented start
+    std::vector<Ints> rhs;        // symbols: nonterminal k >= 0, terminal j as ~j
+    std::vector<Ints> by_lhs;     // per nonterminal
+    std::vector<uint8_t> nullable;
+    int32_t start_production = 0;
+};
+
+struct Item {
+    int32_t p, dot, origin;
+    bool operator==(const Item& o) const { return p == o.p && dot == o.dot && origin == o.origin; }
+    bool operator<(const Item& o) const {
+        return p != o.p ? p < o.p : dot != o.dot ? dot < o.dot : origin < o.origin;
+    }
+};
+
+struct ItemHash {
+    size_t operator()(const Item& i) const {
+        return size_t((uint64_t(uint32_t(i.p)) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(uint32_t(i.dot)) << 40) ^
+                      (uint64_t(uint32_t(i.origin)) * 0xC2B2AE3D27D4EB4Full));
+    }
+};
+
+struct ItemsHash {
+    size_t operator()(const std::vector<Item>& v) const {
+        uint64_t h = 0xCBF29CE484222325ull ^ v.size();
+        for (const Item& i : v) h = (h ^ ItemHash()(i)) * 0x100000001B3ull;
+        return size_t(h);
+    }
+};
+
+struct EarleySet {
+    std::unordered_map<int32_t, std::vector<Item>> waiting;  // nonterminal -> items with the dot before it
+    std::unordered_map<int32_t, std::vector<Item>> scans;    // terminal -> items with the dot before it
+    Ints expected;                                           // terminals some item can scan next
+    bool is_accepting = false;
+    int32_t lex_start = UNBUILT;  // the lexer state that starts a lexeme here (allowed: expected + ignore)
+};
+
+// ------------------------------------------------------------------------------------------------ the index
+
+struct Index {
+    PyObject* trie_object = nullptr;  // owned
+    std::vector<PyObject*> dfa_objects;  // owned
+    TrieView trie{};
+    Lexer lexer;
+    Productions grammar;
+    Ints ignore;
+    Ints specials;                           // special terminals
+    std::vector<std::vector<uint32_t>> special_words;  // per special terminal (same order)
+    std::vector<uint32_t> eos_words;
+
+    ~Index() {
+        Py_XDECREF(trie_object);
+        for (PyObject* o : dfa_objects) Py_XDECREF(o);
+    }
+};
+
+struct IndexObject {
+    PyObject_HEAD
+    Index* index;
+};
+
+// ---------------------------------------------------------------------------------------------- the session
+
+using Reading = std::pair<int32_t, int32_t>;  // (Earley set, lexer state)
+using Readings = std::vector<Reading>;        // sorted, distinct
+
+struct ReadingsHash {
+    size_t operator()(const Readings& v) const {
+        uint64_t h = 0xCBF29CE484222325ull ^ v.size();
+        for (const Reading& r : v)
+            h = (h ^ ((uint64_t(uint32_t(r.first)) << 32) | uint32_t(r.second))) * 0x100000001B3ull;
+        return size_t(h);
+    }
+};
+
+struct Row {
+    int32_t node, set, lex;
+    bool operator==(const Row& o) const { return node == o.node && set == o.set && lex == o.lex; }
+};
+struct RowHash {
+    size_t operator()(const Row& r) const {
+        return size_t((uint64_t(uint32_t(r.node)) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(uint32_t(r.set)) << 20) ^
+                      uint64_t(uint32_t(r.lex)) * 0xC2B2AE3D27D4EB4Full);
+    }
+};
+
+struct Session {
+    IndexObject* owner;  // owned reference
+    Index& index;
+    Lexer& lexer;
+    const Productions& grammar;
+    // the Earley table
+    std::vector<EarleySet> sets;
+    std::unordered_map<std::vector<Item>, int32_t, ItemsHash> kernels;
+    std::unordered_map<Ints, int32_t, IntsHash> scan_memo;  // set, terminals... -> set or -1
+    int64_t num_items = 0, max_items = 4000000, work = 0, max_closure_work = int64_t(1) << 62;
+    // configurations
+    std::vector<Readings> configs;
+    std::unordered_map<Readings, int32_t, ReadingsHash> config_ids;
+    std::vector<int32_t> trans;                   // [config * 256 + byte]
+    std::vector<std::vector<uint32_t>> masks;     // per config; empty: not computed
+    std::unordered_map<int64_t, Readings> ended_memo;  // (set, lexer state, byte) -> readings
+    int64_t max_configs = 32768, fuel = int64_t(1) << 62, fuel_start = 0, mask_bytes = 0;
+    int32_t start = 0;
+
+    Session(IndexObject* o) : owner(o), index(*o->index), lexer(o->index->lexer), grammar(o->index->grammar) {
+        Py_INCREF(owner);
+    }
+    ~Session() { Py_XDECREF(owner); }
+
+    // -- the Earley table (earley.py)
+    int32_t scan(int32_t set_id, const Ints& terminals) {
+        Ints key;
+        key.reserve(terminals.size() + 1);
+        key.push_back(set_id);
+        key.insert(key.end(), terminals.begin(), terminals.end());
+        auto found = scan_memo.find(key);
+        if (found != scan_memo.end()) return found->second;
+        std::vector<Item> kernel;
+        for (int32_t t : terminals) {
+            auto items = sets[set_id].scans.find(t);
+            if (items == sets[set_id].scans.end()) continue;
+            for (const Item& i : items->second) kernel.push_back(Item{i.p, i.dot + 1, i.origin});
+        }
+        std::sort(kernel.begin(), kernel.end());
+        kernel.erase(std::unique(kernel.begin(), kernel.end()), kernel.end());
+        const int32_t result = kernel.empty() ? -1 : intern_set(std::move(kernel));
+        scan_memo.emplace(std::move(key), result);
+        return result;
+    }
+
+    int32_t intern_set(std::vector<Item> kernel) {
+        auto found = kernels.find(kernel);
+        if (found != kernels.end()) return found->second;
+        const int32_t set_id = int32_t(sets.size());
+        EarleySet built = closure(set_id, kernel);  // registered only once it is whole
+        sets.push_back(std::move(built));
+        kernels.emplace(std::move(kernel), set_id);
+        return set_id;
+    }
+
+    EarleySet closure(int32_t set_id, const std::vector<Item>& kernel) {
+        EarleySet out;
+        std::vector<Item> items;
+        items.reserve(kernel.size() * 4);
+        for (const Item& i : kernel) items.push_back(Item{i.p, i.dot, i.origin < 0 ? set_id : i.origin});
+        std::sort(items.begin(), items.end());
+        std::unordered_set<Item, ItemHash> seen(items.begin(), items.end());
+        std::unordered_set<int32_t> predicted;
+        int64_t completions = 0;
+        const int64_t cap = max_closure_work;
+        auto add = [&](const Item& item) {
+            if (seen.insert(item).second) items.push_back(item);
+        };
+        for (size_t k = 0; k < items.size(); ++k) {
+            const Item item = items[k];
+            const Ints& rhs = grammar.rhs[item.p];
+            if (item.dot == int32_t(rhs.size())) {
+                if (item.origin != set_id) {  // completions in this very set were made at prediction (nullable)
+                    const EarleySet& origin = sets[item.origin];
+                    auto advanced = origin.waiting.find(grammar.lhs[item.p]);
+                    if (advanced == origin.waiting.end()) continue;
+                    completions += int64_t(advanced->second.size());
+                    if (completions > cap)
+                        limit("one Earley set needed more than " + std::to_string(cap) +
+                              " completions (the grammar is too ambiguous for this input)");
+                    for (const Item& q : advanced->second) add(Item{q.p, q.dot + 1, q.origin});
+                }
+                continue;
+            }
+            const int32_t symbol = rhs[item.dot];
+            if (symbol < 0) {
+                out.scans[~symbol].push_back(item);
+                continue;
+            }
+            out.waiting[symbol].push_back(item);
+            if (predicted.insert(symbol).second)
+                for (int32_t q : grammar.by_lhs[symbol]) add(Item{q, 0, set_id});
+            if (grammar.nullable[symbol]) add(Item{item.p, item.dot + 1, item.origin});
+        }
+        for (const auto& entry : out.scans) out.expected.push_back(entry.first);
+        std::sort(out.expected.begin(), out.expected.end());
+        for (const Item& i : items)
+            if (i.p == grammar.start_production && i.dot == 1) out.is_accepting = true;
+        num_items += int64_t(items.size());
+        work += int64_t(items.size()) + completions;
+        if (num_items > max_items)
+            limit("the parse reached its cap of " + std::to_string(max_items) + " Earley items");
+        return out;
+    }
+
+    // -- lexemes (cfg_guide.py's ParseSession)
+    int32_t lex_start(int32_t set_id) {
+        int32_t state = sets[set_id].lex_start;
+        if (state == UNBUILT) {
+            Ints allowed;
+            std::set_union(sets[set_id].expected.begin(), sets[set_id].expected.end(), index.ignore.begin(),
+                           index.ignore.end(), std::back_inserter(allowed));
+            state = lexer.start(allowed);
+            sets[set_id].lex_start = state;
+        }
+        return state;
+    }
+
+    Reading after_lexeme(int32_t set_id) { return Reading(set_id, lex_start(set_id)); }
+
+    // The Earley set after the lexeme read so far ends here as one of `matched` (null: every terminal it
+    // matches); -1 when none.
+    int32_t finish_lexeme(int32_t set_id, int32_t lex, const Ints* matched = nullptr) {
+        const Ints& terminals = matched != nullptr ? *matched : lexer.accepts[lex];
+        if (terminals.empty()) return -1;
+        const Ints scanned = intersection(terminals, sets[set_id].expected);
+        if (scanned.empty()) return set_id;  // an %ignore lexeme: the parser does not move
+        return scan(set_id, scanned);
+    }
+
+    void add(int32_t set_id, int32_t lex, Readings& out) {
+        if (lexer.lazy_end[lex]) {  // a lazy lexeme ends as soon as it matches
+            const int32_t ended = finish_lexeme(set_id, lex);
+            if (ended >= 0) out.push_back(after_lexeme(ended));
+            return;
+        }
+        out.emplace_back(set_id, lex);
+    }
+
+    Ints exact_matches(int32_t lex) const {
+        Ints out;
+        for (int32_t j : lexer.accepts[lex])
+            if (lexer.exact[j]) out.push_back(j);
+        return out;
+    }
+
+    void read(int32_t set_id, int32_t lex, int byte, Readings& out) {
+        const int32_t following = lexer.move(lex, byte);
+        Ints matched;
+        bool restricted = false;
+        if (following >= 0) {
+            add(set_id, following, out);
+            if (lexer.greedy) {  // the lexeme goes on: it cannot end here, unless as an exact terminal
+                matched = exact_matches(lex);
+                if (matched.empty()) return;
+                restricted = true;
+            }
+        }
+        const int32_t ended = finish_lexeme(set_id, lex, restricted ? &matched : nullptr);
+        if (ended >= 0) {
+            const int32_t next = lexer.move(lex_start(ended), byte);
+            if (next >= 0) add(ended, next, out);
+        }
+    }
+
+    // The readings after `byte` where the lexeme read so far ends (before `byte`, which starts the next one, or
+    // on it, a lazy one).
+    const Readings& ended(int32_t set_id, int32_t lex, int byte) {
+        const int64_t key = (int64_t(set_id) << 26) | (int64_t(lex) << 8) | byte;
+        auto found = ended_memo.find(key);
+        if (found != ended_memo.end()) return found->second;
+        Readings out;
+        const int32_t following = lexer.move(lex, byte);
+        if (following >= 0 && lexer.lazy_end[following]) {
+            const int32_t end = finish_lexeme(set_id, following);
+            if (end >= 0) out.push_back(after_lexeme(end));
+        }
+        if (lexer.accepting[lex] && (following < 0 || lexer.forks[lex])) {
+            Ints matched;
+            const bool restricted = following >= 0 && lexer.greedy;
+            if (restricted) matched = exact_matches(lex);
+            const int32_t end = finish_lexeme(set_id, lex, restricted ? &matched : nullptr);
+            if (end >= 0) {
+                const int32_t after = lexer.move(lex_start(end), byte);
+                if (after >= 0) add(end, after, out);
+            }
+        }
+        std::sort(out.begin(), out.end());
+        out.erase(std::unique(out.begin(), out.end()), out.end());
+        check_fuel();
+        return ended_memo.emplace(key, std::move(out)).first->second;
+    }
+
+    // -- configurations
+    int32_t intern(Readings readings) {
+        std::sort(readings.begin(), readings.end());
+        readings.erase(std::unique(readings.begin(), readings.end()), readings.end());
+        auto found = config_ids.find(readings);
+        if (found != config_ids.end()) return found->second;
+        const int32_t config = int32_t(configs.size());
+        if (config >= max_configs)
+            limit("the parse reached its cap of " + std::to_string(max_configs) + " states");
+        configs.push_back(readings);
+        config_ids.emplace(std::move(readings), config);
+        trans.resize(trans.size() + 256, UNBUILT);
+        masks.emplace_back();
+        return config;
+    }
+
+    int32_t move(int32_t config, int byte) {
+        const int32_t known = trans[size_t(config) * 256 + byte];
+        if (known != UNBUILT) return known;
+        Readings readings;
+        const Readings from = configs[config];  // (configs may grow below)
+        for (const Reading& r : from) read(r.first, r.second, byte, readings);
+        const int32_t found = readings.empty() ? DEAD : intern(std::move(readings));
+        trans[size_t(config) * 256 + byte] = found;
+        check_fuel();
+        return found;
+    }
+
+    void check_fuel() const {
+        if (work - fuel_start > fuel)
+            limit("one step of the parse built more than " + std::to_string(fuel) +
+                  " Earley items (the grammar is too ambiguous for this input)");
+    }
+
+    Ints between_lexemes(int32_t config) {
+        Ints out;
+        const Readings readings = configs[config];
+        for (const Reading& r : readings) {
+            const int32_t between = lexer.is_start[r.second] ? r.first : finish_lexeme(r.first, r.second);
+            if (between >= 0) out.push_back(between);
+        }
+        return out;
+    }
+
+    bool is_accepting(int32_t config) {
+        for (int32_t s : between_lexemes(config))
+            if (sets[s].is_accepting) return true;
+        return false;
+    }
+
+    Ints specials_allowed(int32_t config) {
+        Ints out;
+        if (index.specials.empty()) return out;
+        for (int32_t s : between_lexemes(config)) {
+            const Ints both = intersection(sets[s].expected, index.specials);
+            out.insert(out.end(), both.begin(), both.end());
+        }
+        std::sort(out.begin(), out.end());
+        out.erase(std::unique(out.begin(), out.end()), out.end());
+        return out;
+    }
+
+    // -- masks
+    const std::vector<uint32_t>& mask(int32_t config) {
+        if (!masks[config].empty()) return masks[config];
+        std::vector<uint32_t> words(size_t(index.trie.num_words), 0);
+        walk(config, words.data());
+        if (is_accepting(config))
+            for (size_t w = 0; w < words.size(); ++w) words[w] |= index.eos_words[w];
+        for (int32_t j : specials_allowed(config)) {
+            const size_t k = size_t(std::lower_bound(index.specials.begin(), index.specials.end(), j) -
+                                    index.specials.begin());
+            for (size_t w = 0; w < words.size(); ++w) words[w] |= index.special_words[k][w];
+        }
+        mask_bytes += int64_t(words.size()) * 4;
+        masks[config] = std::move(words);
+        return masks[config];
+    }
+
+    // Rows (node, Earley set, lexer state) from each reading at the trie's root: a row takes the tokens of its
+    // sub-walk, and at each node where the lexeme ends the parser is asked (`ended`, memoized) which rows go on
+    // below it. Each row is taken once.
+    void walk(int32_t config, uint32_t* words) {
+        const TrieView& trie = index.trie;
+        std::vector<Row> stack;
+        std::unordered_set<Row, RowHash> seen;
+        for (const Reading& r : configs[config]) stack.push_back(Row{0, r.first, r.second});
+        SubWalk scratch;
+        while (!stack.empty()) {
+            const Row row = stack.back();
+            stack.pop_back();
+            const SubWalk& sub = lexer.sub_walk(row.node, row.lex, trie, scratch);
+            sub.mark(words, trie.num_words);
+            const size_t num_exits = sub.exit_node.size();
+            for (size_t k = 0; k < num_exits; ++k) {
+                const int32_t node = sub.exit_node[k];
+                const Readings& rows = ended(row.set, sub.exit_state[k], sub.exit_byte[k]);
+                if (rows.empty()) continue;
+                Lexer::mark(trie, node, words);
+                if (trie.node_end[node] == node + 1) continue;
+                for (const Reading& r : rows) {
+                    const Row below{node, r.first, r.second};
+                    if (seen.insert(below).second) stack.push_back(below);
+                }
+            }
+        }
+    }
+
+    int32_t advance_bytes(int32_t config, const uint8_t* bytes, Py_ssize_t n) {
+        for (Py_ssize_t k = 0; k < n && config >= 0; ++k) config = move(config, bytes[k]);
+        return config < 0 ? DEAD : config;
+    }
+
+    int32_t advance_special(int32_t config, const Ints& terminals) {
+        Readings readings;
+        for (int32_t between : between_lexemes(config)) {
+            const Ints scanned = intersection(terminals, sets[between].expected);
+            if (scanned.empty()) continue;
+            const int32_t set_id = scan(between, scanned);
+            if (set_id >= 0) readings.push_back(after_lexeme(set_id));
+        }
+        return readings.empty() ? DEAD : intern(std::move(readings));
+    }
+
+    int64_t nbytes() const {
+        return int64_t(trans.size()) * 4 + mask_bytes + num_items * 40 + int64_t(configs.size()) * 64 +
+               int64_t(ended_memo.size()) * 48;
+    }
+};
+
+struct SessionObject {
+    PyObject_HEAD
+    Session* session;
+};
+
+PyTypeObject IndexType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject SessionType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ------------------------------------------------------------------------------------------- Python glue
+
+template <typename T>
+std::vector<T> vector_of(PyObject* array, const char* what) {
+    HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
+    (void)what;
+    return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
+}
+
+int64_t long_of(PyObject* value) {
+    const long long number = PyLong_AsLongLong(value);
+    if (number == -1 && PyErr_Occurred()) throw PyFailure();
+    return number;
+}
+
+// CfgIndex(trie, dfas, priority, lazy, exact, greedy, ignore, lhs, rhs_offsets, rhs, num_nonterminals, nullable,
+//          start_production, eos_words, special_terminals, special_words, max_lexer_states, walk_bytes)
+// dfas: a list with a corral._native.Dfa or None per terminal; int32 arrays but lazy/exact/nullable (uint8),
+// rhs_offsets (int64, one more than productions), eos_words/special_words (int32 words, special_words
+// [num_specials, num_words]). Every id is checked here.
+PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    PyObject *trie, *dfas, *priority, *lazy, *exact, *ignore, *lhs, *offsets, *rhs, *nullable, *eos, *specials,
+        *special_words;
+    int greedy = 1;
+    Py_ssize_t num_nonterminals = 0, start_production = 0, max_states = 0, root_bytes = 0;
+    if (!PyArg_ParseTuple(args, "OO!OOOpOOOOnOnOOOnn", &trie, &PyList_Type, &dfas, &priority, &lazy, &exact, &greedy,
+                          &ignore, &lhs, &offsets, &rhs, &num_nonterminals, &nullable, &start_production, &eos,
+                          &specials, &special_words, &max_states, &root_bytes))
+        return nullptr;
+    GUARDED(
+        auto index = std::make_unique<Index>();
+        if (!trie_view(trie, &index->trie)) return nullptr;
+        Py_INCREF(trie);
+        index->trie_object = trie;
+        const Py_ssize_t num_terminals = PyList_GET_SIZE(dfas);
+        Lexer& lexer = index->lexer;
+        for (Py_ssize_t j = 0; j < num_terminals; ++j) {
+            PyObject* item = PyList_GET_ITEM(dfas, j);
+            void* dfa = nullptr;
+            if (item != Py_None) {
+                dfa = dfa_of(item);
+                if (dfa == nullptr) return nullptr;
+                Py_INCREF(item);
+                index->dfa_objects.push_back(item);
+            }
+            lexer.dfas.push_back(dfa);
+        }
+        lexer.priority = vector_of<int32_t>(priority, "priority");
+        lexer.lazy = vector_of<uint8_t>(lazy, "lazy");
+        lexer.exact = vector_of<uint8_t>(exact, "exact");
+        lexer.greedy = greedy != 0;
+        lexer.max_states = max_states;
+        lexer.walk_budget = root_bytes;
+        if (int64_t(lexer.priority.size()) != num_terminals || int64_t(lexer.lazy.size()) != num_terminals ||
+            int64_t(lexer.exact.size()) != num_terminals)
+            fail(PyExc_ValueError, "CfgIndex: the terminal arrays differ in length");
+        auto check_terminals = [&](const Ints& ids) {
+            for (size_t k = 0; k < ids.size(); ++k)
+                if (ids[k] < 0 || ids[k] >= num_terminals || (k && ids[k] <= ids[k - 1]))
+                    fail(PyExc_ValueError, "CfgIndex: terminal ids must be sorted, distinct and in range");
+        };
+        index->ignore = vector_of<int32_t>(ignore, "ignore");
+        check_terminals(index->ignore);
+        index->specials = vector_of<int32_t>(specials, "special_terminals");
+        check_terminals(index->specials);
+        Productions& g = index->grammar;
+        g.lhs = vector_of<int32_t>(lhs, "lhs");
+        const std::vector<int64_t> starts = vector_of<int64_t>(offsets, "rhs_offsets");
+        const Ints symbols = vector_of<int32_t>(rhs, "rhs");
+        const size_t num_productions = g.lhs.size();
+        if (starts.size() != num_productions + 1 || starts.front() != 0 || starts.back() != int64_t(symbols.size()))
+            fail(PyExc_ValueError, "CfgIndex: rhs_offsets do not cut rhs into the productions");
+        g.nullable = vector_of<uint8_t>(nullable, "nullable");
+        if (num_nonterminals < 0 || int64_t(g.nullable.size()) != num_nonterminals)
+            fail(PyExc_ValueError, "CfgIndex: nullable is not one flag per nonterminal");
+        g.by_lhs.assign(size_t(num_nonterminals), Ints());
+        for (size_t p = 0; p < num_productions; ++p) {
+            if (starts[p] > starts[p + 1]) fail(PyExc_ValueError, "CfgIndex: rhs_offsets decrease");
+            Ints one(symbols.begin() + starts[p], symbols.begin() + starts[p + 1]);
+            for (int32_t s : one)
+                if (s >= num_nonterminals || (s < 0 && ~s >= num_terminals))
+                    fail(PyExc_ValueError, "CfgIndex: a symbol outside the grammar");
+            g.rhs.push_back(std::move(one));
+            if (g.lhs[p] >= num_nonterminals || (g.lhs[p] < 0 && int64_t(p) != start_production))
+                fail(PyExc_ValueError, "CfgIndex: a production's left side outside the grammar");
+            if (g.lhs[p] >= 0) g.by_lhs[size_t(g.lhs[p])].push_back(int32_t(p));
+        }
+        if (start_production < 0 || size_t(start_production) >= num_productions ||
+            g.rhs[size_t(start_production)].size() != 1)
+            fail(PyExc_ValueError, "CfgIndex: the start production is not one symbol");
+        g.start_production = int32_t(start_production);
+        const int64_t num_words = index->trie.num_words;
+        const std::vector<uint32_t> eos_words = vector_of<uint32_t>(eos, "eos_words");
+        if (int64_t(eos_words.size()) != num_words) fail(PyExc_ValueError, "CfgIndex: eos_words is not one row");
+        index->eos_words = eos_words;
+        const std::vector<uint32_t> rows = vector_of<uint32_t>(special_words, "special_words");
+        if (int64_t(rows.size()) != num_words * int64_t(index->specials.size()))
+            fail(PyExc_ValueError, "CfgIndex: special_words is not one row per special terminal");
+        for (size_t k = 0; k < index->specials.size(); ++k)
+            index->special_words.emplace_back(rows.begin() + int64_t(k) * num_words,
+                                              rows.begin() + int64_t(k + 1) * num_words);
+        IndexObject* self = reinterpret_cast<IndexObject*>(type->tp_alloc(type, 0));
+        if (self == nullptr) return nullptr;
+        self->index = index.release();
+        return reinterpret_cast<PyObject*>(self);
+    )
+}
+
+void index_dealloc(IndexObject* self) {
+    delete self->index;
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyObject* index_nbytes(IndexObject* self, PyObject*) { return PyLong_FromLongLong(self->index->lexer.nbytes()); }
+
+PyObject* index_num_lexer_states(IndexObject* self, void*) {
+    return PyLong_FromSsize_t(Py_ssize_t(self->index->lexer.members.size()));
+}
+
+PyMethodDef index_methods[] = {
+    {"nbytes", reinterpret_cast<PyCFunction>(index_nbytes), METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef index_getset[] = {
+    {"num_lexer_states", reinterpret_cast<getter>(index_num_lexer_states), nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+// CfgSession(index, max_configs, max_items, max_closure_work): the start configuration is built here.
+PyObject* session_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    PyObject* owner;
+    long long max_configs, max_items, closure;
+    if (!PyArg_ParseTuple(args, "O!LLL", &IndexType, &owner, &max_configs, &max_items, &closure)) return nullptr;
+    SessionObject* self = reinterpret_cast<SessionObject*>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    try {
+        self->session = new Session(reinterpret_cast<IndexObject*>(owner));
+        Session& s = *self->session;
+        s.max_configs = max_configs;
+        s.max_items = max_items;
+        s.max_closure_work = closure;
+        NoGil nogil;
+        const int32_t first = s.intern_set({Item{s.grammar.start_production, 0, -1}});
+        s.start = s.intern({s.after_lexeme(first)});
+    } catch (PyFailure&) {
+        Py_DECREF(self);
+        return nullptr;
+    } catch (std::bad_alloc&) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void session_dealloc(SessionObject* self) {
+    delete self->session;
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// Every call names a configuration of this session and the fuel of Earley work it may spend.
+int32_t config_arg(Session& s, PyObject* value) {
+    const int64_t config = long_of(value);
+    if (config < 0 || config >= int64_t(s.configs.size())) {
+        PyErr_Format(PyExc_IndexError, "no configuration %lld in a session of %zd", static_cast<long long>(config),
+                     s.configs.size());
+        throw PyFailure();
+    }
+    return int32_t(config);
+}
+
+void begin(Session& s, PyObject* fuel) {
+    s.fuel = long_of(fuel);
+    s.fuel_start = s.work;
+}
+
+// fill_mask(config, row, fuel): the configuration's bitmask row (int32 words, one per 32 tokens) into `row`.
+PyObject* session_fill_mask(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "fill_mask")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        HeldBuffer row(args[1], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+        if (row.count() != s.index.trie.num_words) fail(PyExc_ValueError, "fill_mask: the row is not one mask long");
+        begin(s, args[2]);
+        {
+            NoGil nogil;
+            maybe_wait();
+            const std::vector<uint32_t>& words = s.mask(config);
+            std::memcpy(row.data<uint32_t>(), words.data(), words.size() * 4);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
+// advance(config, token_bytes, fuel): the configuration after a token's bytes, or -1 where one is refused.
+PyObject* session_advance(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "advance")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        HeldBuffer bytes(args[1], PyBUF_C_CONTIGUOUS, 1);
+        begin(s, args[2]);
+        int32_t following;
+        {
+            NoGil nogil;
+            following = s.advance_bytes(config, bytes.data<const uint8_t>(), bytes.count());
+        }
+        return PyLong_FromLong(following);
+    )
+}
+
+// advance_special(config, terminals, fuel): after a special token that is each of `terminals` (sorted int32).
+PyObject* session_advance_special(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "advance_special")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        const Ints terminals = vector_of<int32_t>(args[1], "terminals");
+        for (size_t k = 0; k < terminals.size(); ++k)
+            if (terminals[k] < 0 || size_t(terminals[k]) >= s.lexer.dfas.size() || (k && terminals[k] <= terminals[k - 1]))
+                fail(PyExc_ValueError, "advance_special: terminals must be sorted, distinct and in range");
+        begin(s, args[2]);
+        int32_t following;
+        {
+            NoGil nogil;
+            following = s.advance_special(config, terminals);
+        }
+        return PyLong_FromLong(following);
+    )
+}
+
+// move(config, byte, fuel)
+PyObject* session_move(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 3, "move")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        const int64_t byte = long_of(args[1]);
+        if (byte < 0 || byte > 255) fail(PyExc_ValueError, "move: a byte is 0..255");
+        begin(s, args[2]);
+        int32_t following;
+        {
+            NoGil nogil;
+            following = s.move(config, int(byte));
+        }
+        return PyLong_FromLong(following);
+    )
+}
+
+// is_accepting(config, fuel)
+PyObject* session_is_accepting(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "is_accepting")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        begin(s, args[1]);
+        bool accepting;
+        {
+            NoGil nogil;
+            accepting = s.is_accepting(config);
+        }
+        return PyBool_FromLong(accepting);
+    )
+}
+
+PyObject* tuple_of(const Ints& values) {
+    PyObject* out = PyTuple_New(Py_ssize_t(values.size()));
+    if (out == nullptr) throw PyFailure();
+    for (size_t k = 0; k < values.size(); ++k) PyTuple_SET_ITEM(out, Py_ssize_t(k), PyLong_FromLong(values[k]));
+    return out;
+}
+
+// specials_allowed(config, fuel): the special terminals some reading expects here.
+PyObject* session_specials_allowed(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "specials_allowed")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        begin(s, args[1]);
+        Ints found;
+        {
+            NoGil nogil;
+            found = s.specials_allowed(config);
+        }
+        return tuple_of(found);
+    )
+}
+
+// live_bytes(config, fuel): the bytes that can follow.
+PyObject* session_live_bytes(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "live_bytes")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        begin(s, args[1]);
+        Ints live;
+        {
+            NoGil nogil;
+            for (int byte = 0; byte < 256; ++byte)
+                if (s.move(config, byte) >= 0) live.push_back(byte);
+        }
+        return tuple_of(live);
+    )
+}
+
+// readings(config): the (Earley set, lexer state) pairs; sets_between_lexemes(config, fuel).
+PyObject* session_readings(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "readings")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        const Readings& readings = s.configs[config];
+        PyObject* out = PyTuple_New(Py_ssize_t(readings.size()));
+        if (out == nullptr) return nullptr;
+        for (size_t k = 0; k < readings.size(); ++k)
+            PyTuple_SET_ITEM(out, Py_ssize_t(k), Py_BuildValue("(ii)", readings[k].first, readings[k].second));
+        return out;
+    )
+}
+
+PyObject* session_between(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "sets_between_lexemes")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        begin(s, args[1]);
+        Ints sets;
+        {
+            NoGil nogil;
+            sets = s.between_lexemes(config);
+        }
+        return tuple_of(sets);
+    )
+}
+
+PyObject* session_nbytes(SessionObject* self, PyObject*) { return PyLong_FromLongLong(self->session->nbytes()); }
+
+PyObject* session_get_start(SessionObject* self, void*) { return PyLong_FromLong(self->session->start); }
+PyObject* session_get_num_configs(SessionObject* self, void*) {
+    return PyLong_FromSsize_t(Py_ssize_t(self->session->configs.size()));
+}
+PyObject* session_get_work(SessionObject* self, void*) { return PyLong_FromLongLong(self->session->work); }
+
+PyMethodDef session_methods[] = {
+    FAST("fill_mask", session_fill_mask),
+    FAST("advance", session_advance),
+    FAST("advance_special", session_advance_special),
+    FAST("move", session_move),
+    FAST("is_accepting", session_is_accepting),
+    FAST("specials_allowed", session_specials_allowed),
+    FAST("live_bytes", session_live_bytes),
+    FAST("readings", session_readings),
+    FAST("sets_between_lexemes", session_between),
+    {"nbytes", reinterpret_cast<PyCFunction>(session_nbytes), METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef session_getset[] = {
+    {"start", reinterpret_cast<getter>(session_get_start), nullptr, nullptr, nullptr},
+    {"num_configs", reinterpret_cast<getter>(session_get_num_configs), nullptr, nullptr, nullptr},
+    {"work", reinterpret_cast<getter>(session_get_work), nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+bool add_type(PyObject* module, PyTypeObject* type, const char* name) {
+    if (PyType_Ready(type) < 0) return false;
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, reinterpret_cast<PyObject*>(type)) < 0) {
+        Py_DECREF(type);
+        return false;
+    }
+    return true;
+}
+
+}  // namespace
+
+bool add_cfg(PyObject* module) {
+    IndexType.tp_name = "corral._native.CfgIndex";
+    IndexType.tp_basicsize = sizeof(IndexObject);
+    IndexType.tp_dealloc = reinterpret_cast<destructor>(index_dealloc);
+    IndexType.tp_flags = Py_TPFLAGS_DEFAULT;
+    IndexType.tp_methods = index_methods;
+    IndexType.tp_getset = index_getset;
+    IndexType.tp_new = index_new;
+    SessionType.tp_name = "corral._native.CfgSession";
+    SessionType.tp_basicsize = sizeof(SessionObject);
+    SessionType.tp_dealloc = reinterpret_cast<destructor>(session_dealloc);
+    SessionType.tp_flags = Py_TPFLAGS_DEFAULT;
+    SessionType.tp_methods = session_methods;
+    SessionType.tp_getset = session_getset;
+    SessionType.tp_new = session_new;
+    return add_type(module, &IndexType, "CfgIndex") && add_type(module, &SessionType, "CfgSession");
+}
+
+}  // namespace corral_native

@@ -1,0 +1,179 @@
+"""The native context-free core (``native_cfg.py``, ``corral/csrc/cfg.cpp``) against its oracle, the Python
+``ParseSession``: the same masks, advances, acceptance, live bytes and forced bytes at every step, on the bundled
+grammar corpus with the default model's vocabulary and on random walks over a toy vocabulary; its bounds; its
+argument checks; the GIL released during a mask."""
+
+import json
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from corral import native
+from corral.budget import Budget
+from corral.errors import GrammarTooComplexError
+from corral.fsm.cfg_guide import CFGGuide, CFGIndex, ParseSession
+from corral.fsm.compiler import GrammarCompiler
+from corral.fsm.native_cfg import NativeParseSession, new_session
+from corral.fsm.vocabulary import Vocabulary
+from corral.grammar.constraint import Constraint
+from corral.grammar.lark_grammar import parse_lark
+
+pytestmark = pytest.mark.skipif(native.mode() == "off" or native.module() is None,
+                                reason="the native module is off or missing")
+CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "grammars")
+# (grammar, format): every Lark grammar of the corpus, and the GBNF twins whose oracle runs fast enough here
+CASES = [(name, "lark") for name in ("json", "arithmetic", "sql", "c_like", "pgn", "yaml_flow", "tool_call")] + \
+        [(name, "gbnf") for name in ("json", "pgn", "yaml_flow")]
+EOS, SPECIAL = 256, 257
+TOY_GRAMMARS = [
+    r"""start: value
+?value: "{" [pair ("," pair)*] "}" | "[" [value ("," value)*] "]" | ESCAPED_STRING | SIGNED_NUMBER | "null"
+pair: ESCAPED_STRING ":" value
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS""",
+    r"""?start: sum
+?sum: product | sum "+" product | sum "-" product
+?product: atom | product "*" atom
+?atom: NUMBER | NAME "(" [sum ("," sum)*] ")" | "(" sum ")"
+NAME: /[a-z]+/
+%import common.NUMBER
+%ignore " "
+""",
+    'start: "say " WORD (" " WORD)* <|end|> "!"\nWORD: /[a-z]+/',
+    'start: item+\nitem: A | B\nA: /a+?/\nB: "ab"',  # a lazy lexeme beside a greedy one
+    'root ::= ("x" | "xy") ("y" | "yz")* "!"',  # GBNF: exact lexing, several readings at once
+]
+
+
+def _step_equal(ours: CFGGuide, oracle: CFGGuide, words: int) -> None:
+    a, b = np.zeros(words, dtype=np.int32), np.zeros(words, dtype=np.int32)
+    oracle.fill_mask(a)
+    ours.fill_mask(b)
+    assert np.array_equal(a, b), np.flatnonzero(a != b)[:8]
+    assert ours.is_accepting() == oracle.is_accepting()
+    assert ours.is_finished() == oracle.is_finished()
+
+
+@pytest.fixture(scope="module")
+def real():
+    from corral.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    vocab = Vocabulary.from_tokenizer(tokenizer)
+    return tokenizer, vocab, GrammarCompiler(vocab)
+
+
+@pytest.mark.parametrize("name,ext", CASES, ids=[f"{n}.{e}" for n, e in CASES])
+def test_native_masks_equal_the_oracle_along_the_corpus_documents(real, name, ext):
+    tokenizer, vocab, compiler = real
+    with open(os.path.join(CORPUS, f"{name}.json")) as f:
+        entry = json.load(f)
+    with open(os.path.join(CORPUS, f"{name}.{ext}")) as f:
+        index = compiler.compile(Constraint("grammar", f.read())).index
+    words = index.tables.num_words
+    rng = random.Random(name)
+    docs = rng.sample(entry["valid"], 6) + rng.sample(entry["invalid"], 6)
+    for doc in docs:
+        ours, oracle = CFGGuide(NativeParseSession(index)), CFGGuide(ParseSession(index))
+        for token_id in [*tokenizer.encode(doc, add_special_tokens=False), vocab.eos_token_ids[0]]:
+            _step_equal(ours, oracle, words)
+            assert ours.forced_bytes() == oracle.forced_bytes()
+            assert ours.advance(token_id) == oracle.advance(token_id)
+            if oracle.is_error():
+                break
+        assert ours.is_error() == oracle.is_error() and ours.is_accepting() == oracle.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def toy():
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>", b"<|end|>"] + \
+        [b'{"', b'":', b'",', b'"}', b'null', b', "', b'12', b'3,', b'],', b'[{', b' +', b'(1', b'ab', b'xy', b'yz',
+         b'say ', b'aab', b'e5', b'.5', b'\\"', b'x"', b'"]}']
+    vocab = Vocabulary.from_token_bytes(tokens, special_ids=[EOS, SPECIAL], eos_token_ids=[EOS])
+    return vocab, GrammarCompiler(vocab)
+
+
+@pytest.mark.parametrize("grammar", TOY_GRAMMARS, ids=["json", "arith", "special", "lazy", "gbnf"])
+def test_native_masks_equal_the_oracle_along_random_walks(toy, grammar):
+    vocab, compiler = toy
+    index = compiler.compile(Constraint("grammar", grammar)).index
+    words = index.tables.num_words
+    rng = random.Random(grammar)
+    for _ in range(40):
+        ours, oracle = CFGGuide(NativeParseSession(index)), CFGGuide(ParseSession(index))
+        for _ in range(30):
+            _step_equal(ours, oracle, words)
+            row = np.zeros(words, dtype=np.int32)
+            oracle.fill_mask(row)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab.size])
+            # mostly allowed tokens, now and then any token (the dead path must agree too)
+            token_id = int(rng.choice(allowed)) if len(allowed) and rng.random() < 0.9 else rng.randrange(vocab.size)
+            assert ours.advance(token_id) == oracle.advance(token_id)
+            if oracle.is_finished():
+                break
+        assert ours.is_error() == oracle.is_error()
+
+
+def test_the_native_session_bounds_its_configurations_and_its_fuel(toy):
+    vocab, _ = toy
+    nested = CFGIndex(parse_lark('start: "(" start ")" | "x"'), vocab, Budget())
+    session = NativeParseSession(nested, max_configs=50)
+    config = session.start
+    with pytest.raises(GrammarTooComplexError, match="cap of 50 states"):
+        for _ in range(100):  # every level of nesting is a new Earley set (its origin differs)
+            config = session.advance(config, ord("("))
+            session.mask(config)
+    budget = Budget()
+    budget.mask_fuel = 20_000
+    ambiguous = CFGIndex(parse_lark('start: x\nx: x x | x x x | "a"'), vocab, budget)
+    guide = CFGGuide(new_session(ambiguous))
+    assert isinstance(guide.session, NativeParseSession)
+    for step in range(2000):
+        if not guide.advance(ord("a")):
+            break
+    assert guide.is_error() and "too ambiguous" in guide.error and 50 < step < 2000
+
+
+def test_the_native_session_checks_its_arguments(toy):
+    vocab, compiler = toy
+    session = compiler.compile(Constraint("grammar", TOY_GRAMMARS[1])).new_guide().session
+    words = session.index.tables.num_words
+    with pytest.raises(IndexError, match="no configuration"):
+        session.native.fill_mask(10_000, np.zeros(words, dtype=np.int32), 1 << 30)
+    with pytest.raises(ValueError, match="one mask long"):
+        session.native.fill_mask(session.start, np.zeros(words + 1, dtype=np.int32), 1 << 30)
+    with pytest.raises(TypeError):
+        session.native.fill_mask(session.start, np.zeros(words, dtype=np.int64), 1 << 30)
+    with pytest.raises(ValueError, match="byte is 0..255"):
+        session.native.move(session.start, 256, 1 << 30)
+    with pytest.raises(ValueError, match="sorted"):
+        session.native.advance_special(session.start, np.asarray([3, 1], dtype=np.int32), 1 << 30)
+
+
+def test_the_gil_is_released_during_a_native_grammar_mask(real):
+    """A hook inside the native mask call waits for a Python thread to release it: only possible without the GIL."""
+    _, _, compiler = real
+    module = native.module()
+    guide = compiler.compile(Constraint("grammar", TOY_GRAMMARS[1])).new_guide()
+    session = guide.session
+    config = session.advance(session.start, list(session.index.vocab.token_bytes).index(b"1"))
+    assert config >= 0  # past the start, whose mask was made at compile time
+    helper_saw_it = threading.Event()
+
+    def helper():
+        while not module._hook_waiting():
+            pass
+        helper_saw_it.set()
+        module._hook_release()
+
+    module._hook_arm(10.0)
+    thread = threading.Thread(target=helper)
+    thread.start()
+    session.mask(config)
+    thread.join(timeout=15)
+    assert helper_saw_it.is_set() and module._hook_outcome() == 1
