@@ -8,7 +8,15 @@
 
 namespace corral_native {
 
+// One trie node as the context-free walk reads it: one stream of 12-byte records instead of four arrays.
+struct TrieNode {
+    int32_t end;         // the subtree is this node .. end - 1 (preorder)
+    int32_t token;       // as node_token
+    int32_t depth_byte;  // depth << 8 | byte
+};
+
 struct TrieView {
+    const TrieNode* nodes;
     const int32_t* node_byte;
     const int32_t* node_depth;  // the root 0, its children 1, ...
     const int32_t* node_end;    // preorder: the subtree of node n is n .. node_end[n] - 1

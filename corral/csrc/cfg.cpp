@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -31,6 +32,7 @@ namespace corral_native {
 namespace {
 
 constexpr int32_t DEAD = -1, UNBUILT = -3;
+constexpr uint8_t ACCEPTING = 1, FORKS = 2, LAZY_END = 4;
 
 using Ints = std::vector<int32_t>;  // sorted, distinct: a set of terminals
 
@@ -57,6 +59,72 @@ Ints intersection(const Ints& a, const Ints& b) {
     throw PyFailure();
 }
 
+// A map from non-negative int64 keys to int32 values by open addressing: one probe is usually one cache line,
+// where std::unordered_map's lookup chases a bucket and a node. Keys are never removed. With `stamped`, clear()
+// forgets every key in O(1) (the slots of older generations count as free), for the per-mask sets.
+struct FlatMap {
+    std::vector<int64_t> keys;
+    std::vector<int32_t> values;
+    std::vector<uint32_t> stamps;
+    uint32_t stamp = 1;
+    size_t size = 0;
+
+    static size_t slot_of(int64_t key, size_t mask) {  // splitmix64's finalizer: every key bit reaches the low bits
+        uint64_t x = uint64_t(key);
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        return size_t(x ^ (x >> 31)) & mask;
+    }
+    bool live(size_t k) const { return stamps[k] == stamp; }
+    // The value of `key`, or null.
+    const int32_t* find(int64_t key) const {
+        if (keys.empty()) return nullptr;
+        const size_t mask = keys.size() - 1;
+        for (size_t k = slot_of(key, mask);; k = (k + 1) & mask) {
+            if (!live(k)) return nullptr;
+            if (keys[k] == key) return &values[k];
+        }
+    }
+    // Inserts `key` with `value` unless present; whether it was inserted.
+    bool insert(int64_t key, int32_t value) {
+        if (2 * (size + 1) > keys.size()) rehash(std::max<size_t>(64, keys.size() * 2));
+        const size_t mask = keys.size() - 1;
+        for (size_t k = slot_of(key, mask);; k = (k + 1) & mask) {
+            if (!live(k)) {
+                keys[k] = key;
+                values[k] = value;
+                stamps[k] = stamp;
+                ++size;
+                return true;
+            }
+            if (keys[k] == key) return false;
+        }
+    }
+    void clear() {
+        if (++stamp == 0) {
+            std::fill(stamps.begin(), stamps.end(), 0u);
+            stamp = 1;
+        }
+        size = 0;
+    }
+    int64_t nbytes() const { return int64_t(keys.size()) * 16; }
+
+  private:
+    void rehash(size_t capacity) {
+        std::vector<int64_t> old_keys(capacity, 0);
+        std::vector<int32_t> old_values(capacity, 0);
+        std::vector<uint32_t> old_stamps(capacity, 0u);
+        old_keys.swap(keys);
+        old_values.swap(values);
+        old_stamps.swap(stamps);
+        const uint32_t old_stamp = stamp;
+        stamp = 1;
+        size = 0;
+        for (size_t k = 0; k < old_keys.size(); ++k)
+            if (old_stamps[k] == old_stamp) insert(old_keys[k], old_values[k]);
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------- the lexer
 
 // The walk of the trie below one node from one lexer state, within the lexeme: the tokens whose bytes (below
@@ -66,15 +134,35 @@ Ints intersection(const Ints& a, const Ints& b) {
 struct SubWalk {
     Ints ids;
     std::vector<uint32_t> words;
-    Ints exit_node, exit_state;  // the node, the lexer state before its byte
-    std::vector<uint8_t> exit_byte;
-    int64_t nbytes() const { return int64_t(ids.size() * 4 + words.size() * 4 + exit_node.size() * 9) + 64; }
+    // The exits grouped by (lexer state before the byte, byte), which is all the parser is asked about: nodes
+    // group_start[g] .. group_start[g + 1] - 1 of exit_node share group g's state and byte.
+    Ints exit_node, group_state, group_start;
+    std::vector<uint8_t> group_byte;
+    std::vector<uint8_t> group_ends;  // the byte cannot go on in the lexeme (the lexeme surely ends before it)
+    int64_t nbytes() const {
+        return int64_t(ids.size() * 4 + words.size() * 4 + exit_node.size() * 4 + group_state.size() * 9) + 64;
+    }
     void mark(uint32_t* out, int64_t num_words) const {
         if (!words.empty()) {
             for (int64_t w = 0; w < num_words; ++w) out[w] |= words[w];
         } else {
             for (int32_t id : ids) out[id >> 5] |= 1u << (id & 31);
         }
+    }
+    // keyed: (state << 41 | byte << 33 | ends << 32 | node), grouped by state and byte
+    void group(std::vector<int64_t>& keyed) {
+        std::sort(keyed.begin(), keyed.end());
+        for (size_t k = 0; k < keyed.size(); ++k) {
+            const int64_t key = keyed[k] >> 32;
+            if (k == 0 || key != (keyed[k - 1] >> 32)) {
+                group_state.push_back(int32_t(key >> 9));
+                group_byte.push_back(uint8_t((key >> 1) & 255));
+                group_ends.push_back(uint8_t(key & 1));
+                group_start.push_back(int32_t(k));
+            }
+            exit_node.push_back(int32_t(keyed[k] & 0xFFFFFFFF));
+        }
+        group_start.push_back(int32_t(keyed.size()));
     }
 };
 
@@ -88,10 +176,12 @@ struct Lexer {
     std::vector<Ints> members;  // per state: terminal, automaton state, terminal, ... (terminals ascending)
     std::vector<Ints> accepts;  // per state: the terminals a lexeme ending here matches (top priority only)
     std::vector<uint8_t> is_start, accepting, forks, lazy_end;
+    std::vector<uint8_t> kind;  // per state: ACCEPTING | FORKS | LAZY_END, for the walk's inner loop
     std::vector<int32_t> moves;  // [state * 256 + byte]
     std::unordered_map<Ints, int32_t, IntsHash> ids;     // members + is_start
     std::unordered_map<Ints, int32_t, IntsHash> starts;  // allowed terminals -> state
-    std::unordered_map<int64_t, SubWalk> walks;  // node * 2^18 + lexer state (the cap keeps states below 2^18)
+    std::deque<SubWalk> walks;  // kept sub-walks (a deque: references stay valid as it grows)
+    FlatMap walk_ids;           // node * 2^18 + lexer state (the cap keeps states below 2^18) -> index in walks
 
     int32_t intern(Ints state_members, bool start) {
         Ints key = state_members;
@@ -121,6 +211,8 @@ struct Lexer {
         accepting.push_back(!matched.empty());
         forks.push_back(!matched.empty() && (!greedy || exact_match));
         lazy_end.push_back(greedy && lazy_match);
+        kind.push_back(uint8_t((accepting.back() ? ACCEPTING : 0) | (forks.back() ? FORKS : 0) |
+                               (lazy_end.back() ? LAZY_END : 0)));
         accepts.push_back(std::move(matched));
         moves.resize(moves.size() + 256, UNBUILT);
         ids.emplace(std::move(key), state);
@@ -169,39 +261,55 @@ struct Lexer {
     // skipping the node's own subtree.
     const SubWalk& sub_walk(int32_t node, int32_t state, const TrieView& trie, SubWalk& scratch) {
         const int64_t key = (int64_t(node) << 18) | state;
-        auto found = walks.find(key);
-        if (found != walks.end()) return found->second;
+        if (const int32_t* found = walk_ids.find(key)) return walks[size_t(*found)];
         SubWalk walk;
-        std::vector<int32_t> stack(1024 + 1);  // the Trie checks depths below 1024
-        const int32_t end = trie.node_end[node], base = trie.node_depth[node];
+        walk.words.assign(size_t(trie.num_words), 0);
+        uint32_t* words = walk.words.data();
+        int64_t num_ids = 0;
+        std::vector<int64_t> exits;
+        int32_t stack[1024 + 1];  // the Trie checks depths below 1024
+        const TrieNode* nodes = trie.nodes;
+        const int32_t end = nodes[node].end, base = nodes[node].depth_byte >> 8;
+        // Hot values in locals, read again after a move is derived (it may grow the tables).
+        const int32_t* table = moves.data();
+        const uint8_t* kinds = kind.data();
         stack[0] = state;
         int32_t i = node + 1;
         while (i < end) {
-            const int32_t level = trie.node_depth[i] - base;
-            const int32_t parent = stack[level - 1], byte = trie.node_byte[i];
-            const int32_t following = move(parent, byte);
-            if (may_end(parent, following)) {
-                walk.exit_node.push_back(i);
-                walk.exit_state.push_back(parent);
-                walk.exit_byte.push_back(uint8_t(byte));
+            const TrieNode n = nodes[i];
+            const int32_t level = (n.depth_byte >> 8) - base, byte = n.depth_byte & 255;
+            const int32_t parent = stack[level - 1];
+            int32_t following = table[size_t(parent) * 256 + byte];
+            if (__builtin_expect(following == UNBUILT, 0)) {
+                following = move(parent, byte);
+                table = moves.data();
+                kinds = kind.data();
             }
-            if (!is_plain(following)) {
-                i = trie.node_end[i];
+            const uint8_t from = kinds[parent], to = following >= 0 ? kinds[following] : uint8_t(0);
+            if ((to & LAZY_END) || ((from & ACCEPTING) && (following < 0 || (from & FORKS))))
+                exits.push_back((int64_t(parent) << 41) | (int64_t(byte) << 33) | (int64_t(following < 0) << 32) | i);
+            if (following < 0 || (to & LAZY_END)) {
+                i = n.end;
                 continue;
             }
-            const int32_t id = trie.node_token[i];
-            if (id >= 0) {
-                walk.ids.push_back(id);
-            } else if (id == -2) {
-                for (int64_t j = trie.own_start[i]; j < trie.own_end[i]; ++j) walk.ids.push_back(trie.own_ids[j]);
+            if (n.token >= 0) {
+                words[n.token >> 5] |= 1u << (n.token & 31);
+                ++num_ids;
+            } else if (__builtin_expect(n.token == -2, 0)) {
+                for (int64_t j = trie.own_start[i]; j < trie.own_end[i]; ++j) {
+                    words[trie.own_ids[j] >> 5] |= 1u << (trie.own_ids[j] & 31);
+                    ++num_ids;
+                }
             }
             stack[level] = following;
             ++i;
         }
-        if (int64_t(walk.ids.size()) > trie.num_words / 8) {
-            walk.words.assign(size_t(trie.num_words), 0);
-            for (int32_t id : walk.ids) walk.words[id >> 5] |= 1u << (id & 31);
-            Ints().swap(walk.ids);
+        walk.group(exits);
+        if (num_ids <= trie.num_words / 8) {  // few: kept as ids
+            for (int64_t w = 0; w < trie.num_words; ++w)
+                for (uint32_t bits = words[w]; bits; bits &= bits - 1)
+                    walk.ids.push_back(int32_t(w * 32 + __builtin_ctz(bits)));
+            std::vector<uint32_t>().swap(walk.words);
         }
         const int64_t size = walk.nbytes();
         if (walk_bytes + size > walk_budget) {
@@ -209,7 +317,9 @@ struct Lexer {
             return scratch;
         }
         walk_bytes += size;
-        return walks.emplace(key, std::move(walk)).first->second;
+        walk_ids.insert(key, int32_t(walks.size()));
+        walks.push_back(std::move(walk));
+        return walks.back();
     }
 
     static void mark(const TrieView& trie, int32_t node, uint32_t* words) {
@@ -263,9 +373,66 @@ struct ItemsHash {
     }
 };
 
+using Entries = std::vector<std::pair<int32_t, Item>>;
+
+// The items of `entries` (sorted by symbol) filed under `symbol`.
+std::pair<Entries::const_iterator, Entries::const_iterator> filed(const Entries& entries, int32_t symbol) {
+    auto below = [](const std::pair<int32_t, Item>& e, int32_t s) { return e.first < s; };
+    auto first = std::lower_bound(entries.begin(), entries.end(), symbol, below);
+    auto last = first;
+    while (last != entries.end() && last->first == symbol) ++last;
+    return {first, last};
+}
+
+// The items of one closure, deduplicated: open addressing over a buffer reused from closure to closure (a slot
+// belongs to this closure when its stamp is the current one).
+struct ItemSet {
+    std::vector<Item> slots;
+    std::vector<uint32_t> stamps;
+    uint32_t stamp = 0;
+    size_t size = 0;
+
+    void clear() {
+        if (++stamp == 0) {  // wrapped: forget every old stamp
+            std::fill(stamps.begin(), stamps.end(), 0u);
+            stamp = 1;
+        }
+        size = 0;
+        if (slots.empty()) grow(64);
+    }
+    bool insert(const Item& item) {
+        if (2 * (size + 1) > slots.size()) rehash();
+        const size_t mask = slots.size() - 1;
+        for (size_t k = ItemHash()(item) & mask;; k = (k + 1) & mask) {
+            if (stamps[k] != stamp) {
+                stamps[k] = stamp;
+                slots[k] = item;
+                ++size;
+                return true;
+            }
+            if (slots[k] == item) return false;
+        }
+    }
+
+  private:
+    void grow(size_t capacity) {
+        slots.assign(capacity, Item{0, 0, 0});
+        stamps.assign(capacity, 0u);
+    }
+    void rehash() {
+        std::vector<Item> kept;
+        for (size_t k = 0; k < slots.size(); ++k)
+            if (stamps[k] == stamp) kept.push_back(slots[k]);
+        grow(slots.size() * 2);
+        stamp = 1;
+        size = 0;
+        for (const Item& item : kept) insert(item);
+    }
+};
+
 struct EarleySet {
-    std::unordered_map<int32_t, std::vector<Item>> waiting;  // nonterminal -> items with the dot before it
-    std::unordered_map<int32_t, std::vector<Item>> scans;    // terminal -> items with the dot before it
+    // (symbol, item) sorted by symbol: the items with the dot before a nonterminal (waiting) or a terminal (scans)
+    std::vector<std::pair<int32_t, Item>> waiting, scans;
     Ints expected;                                           // terminals some item can scan next
     bool is_accepting = false;
     int32_t lex_start = UNBUILT;  // the lexer state that starts a lexeme here (allowed: expected + ignore)
@@ -311,13 +478,6 @@ struct ReadingsHash {
 
 struct Row {
     int32_t node, set, lex;
-    bool operator==(const Row& o) const { return node == o.node && set == o.set && lex == o.lex; }
-};
-struct RowHash {
-    size_t operator()(const Row& r) const {
-        return size_t((uint64_t(uint32_t(r.node)) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(uint32_t(r.set)) << 20) ^
-                      uint64_t(uint32_t(r.lex)) * 0xC2B2AE3D27D4EB4Full);
-    }
 };
 
 struct Session {
@@ -329,13 +489,19 @@ struct Session {
     std::vector<EarleySet> sets;
     std::unordered_map<std::vector<Item>, int32_t, ItemsHash> kernels;
     std::unordered_map<Ints, int32_t, IntsHash> scan_memo;  // set, terminals... -> set or -1
+    FlatMap scan_one;                                       // set << 32 | terminal -> set or -1
+    ItemSet seen_items;                                     // the closure's, reused
+    Ints predicted;                                         // per nonterminal: the closure that predicted it
+    int32_t closure_stamp = 0;
     int64_t num_items = 0, max_items = 4000000, work = 0, max_closure_work = int64_t(1) << 62;
     // configurations
     std::vector<Readings> configs;
     std::unordered_map<Readings, int32_t, ReadingsHash> config_ids;
     std::vector<int32_t> trans;                   // [config * 256 + byte]
     std::vector<std::vector<uint32_t>> masks;     // per config; empty: not computed
-    std::unordered_map<int64_t, Readings> ended_memo;  // (set, lexer state, byte) -> readings
+    FlatMap ended_ids;                // (set, lexer state, byte) -> index in ended_rows
+    std::deque<Readings> ended_rows;  // (a deque: references stay valid as it grows)
+    FlatMap seen_rows;                // one walk's rows, as node << 40 | set << 18 | lexer state
     int64_t max_configs = 32768, fuel = int64_t(1) << 62, fuel_start = 0, mask_bytes = 0;
     int32_t start = 0;
 
@@ -346,23 +512,34 @@ struct Session {
 
     // -- the Earley table (earley.py)
     int32_t scan(int32_t set_id, const Ints& terminals) {
+        if (terminals.size() == 1) {  // the common case, without a vector key
+            const int64_t one = (int64_t(set_id) << 32) | uint32_t(terminals[0]);
+            if (const int32_t* found = scan_one.find(one)) return *found;
+            const int32_t result = scan_uncached(set_id, terminals);
+            scan_one.insert(one, result);
+            return result;
+        }
         Ints key;
         key.reserve(terminals.size() + 1);
         key.push_back(set_id);
         key.insert(key.end(), terminals.begin(), terminals.end());
         auto found = scan_memo.find(key);
         if (found != scan_memo.end()) return found->second;
+        const int32_t result = scan_uncached(set_id, terminals);
+        scan_memo.emplace(std::move(key), result);
+        return result;
+    }
+
+    int32_t scan_uncached(int32_t set_id, const Ints& terminals) {
         std::vector<Item> kernel;
         for (int32_t t : terminals) {
-            auto items = sets[set_id].scans.find(t);
-            if (items == sets[set_id].scans.end()) continue;
-            for (const Item& i : items->second) kernel.push_back(Item{i.p, i.dot + 1, i.origin});
+            const auto range = filed(sets[set_id].scans, t);
+            for (auto e = range.first; e != range.second; ++e)
+                kernel.push_back(Item{e->second.p, e->second.dot + 1, e->second.origin});
         }
         std::sort(kernel.begin(), kernel.end());
         kernel.erase(std::unique(kernel.begin(), kernel.end()), kernel.end());
-        const int32_t result = kernel.empty() ? -1 : intern_set(std::move(kernel));
-        scan_memo.emplace(std::move(key), result);
-        return result;
+        return kernel.empty() ? -1 : intern_set(std::move(kernel));
     }
 
     int32_t intern_set(std::vector<Item> kernel) {
@@ -381,41 +558,53 @@ struct Session {
         items.reserve(kernel.size() * 4);
         for (const Item& i : kernel) items.push_back(Item{i.p, i.dot, i.origin < 0 ? set_id : i.origin});
         std::sort(items.begin(), items.end());
-        std::unordered_set<Item, ItemHash> seen(items.begin(), items.end());
-        std::unordered_set<int32_t> predicted;
+        ItemSet& seen = seen_items;
+        seen.clear();
+        for (const Item& i : items) seen.insert(i);
+        if (predicted.size() != grammar.by_lhs.size()) predicted.assign(grammar.by_lhs.size(), 0);
+        if (++closure_stamp == INT32_MAX) {
+            std::fill(predicted.begin(), predicted.end(), 0);
+            closure_stamp = 1;
+        }
         int64_t completions = 0;
         const int64_t cap = max_closure_work;
         auto add = [&](const Item& item) {
-            if (seen.insert(item).second) items.push_back(item);
+            if (seen.insert(item)) items.push_back(item);
         };
         for (size_t k = 0; k < items.size(); ++k) {
             const Item item = items[k];
             const Ints& rhs = grammar.rhs[item.p];
             if (item.dot == int32_t(rhs.size())) {
                 if (item.origin != set_id) {  // completions in this very set were made at prediction (nullable)
-                    const EarleySet& origin = sets[item.origin];
-                    auto advanced = origin.waiting.find(grammar.lhs[item.p]);
-                    if (advanced == origin.waiting.end()) continue;
-                    completions += int64_t(advanced->second.size());
+                    const auto advanced = filed(sets[item.origin].waiting, grammar.lhs[item.p]);
+                    completions += int64_t(advanced.second - advanced.first);
                     if (completions > cap)
                         limit("one Earley set needed more than " + std::to_string(cap) +
                               " completions (the grammar is too ambiguous for this input)");
-                    for (const Item& q : advanced->second) add(Item{q.p, q.dot + 1, q.origin});
+                    for (auto e = advanced.first; e != advanced.second; ++e)  // (sets[] does not move here)
+                        add(Item{e->second.p, e->second.dot + 1, e->second.origin});
                 }
                 continue;
             }
             const int32_t symbol = rhs[item.dot];
             if (symbol < 0) {
-                out.scans[~symbol].push_back(item);
+                out.scans.emplace_back(~symbol, item);
                 continue;
             }
-            out.waiting[symbol].push_back(item);
-            if (predicted.insert(symbol).second)
+            out.waiting.emplace_back(symbol, item);
+            if (predicted[symbol] != closure_stamp) {
+                predicted[symbol] = closure_stamp;
                 for (int32_t q : grammar.by_lhs[symbol]) add(Item{q, 0, set_id});
+            }
             if (grammar.nullable[symbol]) add(Item{item.p, item.dot + 1, item.origin});
         }
-        for (const auto& entry : out.scans) out.expected.push_back(entry.first);
-        std::sort(out.expected.begin(), out.expected.end());
+        auto by_symbol = [](const std::pair<int32_t, Item>& a, const std::pair<int32_t, Item>& b) {
+            return a.first < b.first;
+        };
+        std::stable_sort(out.scans.begin(), out.scans.end(), by_symbol);
+        std::stable_sort(out.waiting.begin(), out.waiting.end(), by_symbol);
+        for (const auto& entry : out.scans)
+            if (out.expected.empty() || out.expected.back() != entry.first) out.expected.push_back(entry.first);
         for (const Item& i : items)
             if (i.p == grammar.start_production && i.dot == 1) out.is_accepting = true;
         num_items += int64_t(items.size());
@@ -445,6 +634,11 @@ struct Session {
     int32_t finish_lexeme(int32_t set_id, int32_t lex, const Ints* matched = nullptr) {
         const Ints& terminals = matched != nullptr ? *matched : lexer.accepts[lex];
         if (terminals.empty()) return -1;
+        if (terminals.size() == 1) {
+            const Ints& expected = sets[set_id].expected;
+            if (!std::binary_search(expected.begin(), expected.end(), terminals[0])) return set_id;
+            return scan(set_id, terminals);
+        }
         const Ints scanned = intersection(terminals, sets[set_id].expected);
         if (scanned.empty()) return set_id;  // an %ignore lexeme: the parser does not move
         return scan(set_id, scanned);
@@ -489,8 +683,7 @@ struct Session {
     // on it, a lazy one).
     const Readings& ended(int32_t set_id, int32_t lex, int byte) {
         const int64_t key = (int64_t(set_id) << 26) | (int64_t(lex) << 8) | byte;
-        auto found = ended_memo.find(key);
-        if (found != ended_memo.end()) return found->second;
+        if (const int32_t* found = ended_ids.find(key)) return ended_rows[size_t(*found)];
         Readings out;
         const int32_t following = lexer.move(lex, byte);
         if (following >= 0 && lexer.lazy_end[following]) {
@@ -510,7 +703,9 @@ struct Session {
         std::sort(out.begin(), out.end());
         out.erase(std::unique(out.begin(), out.end()), out.end());
         check_fuel();
-        return ended_memo.emplace(key, std::move(out)).first->second;
+        ended_ids.insert(key, int32_t(ended_rows.size()));
+        ended_rows.push_back(std::move(out));
+        return ended_rows.back();
     }
 
     // -- configurations
@@ -598,7 +793,8 @@ struct Session {
     void walk(int32_t config, uint32_t* words) {
         const TrieView& trie = index.trie;
         std::vector<Row> stack;
-        std::unordered_set<Row, RowHash> seen;
+        FlatMap& seen = seen_rows;
+        seen.clear();
         for (const Reading& r : configs[config]) stack.push_back(Row{0, r.first, r.second});
         SubWalk scratch;
         while (!stack.empty()) {
@@ -606,16 +802,41 @@ struct Session {
             stack.pop_back();
             const SubWalk& sub = lexer.sub_walk(row.node, row.lex, trie, scratch);
             sub.mark(words, trie.num_words);
-            const size_t num_exits = sub.exit_node.size();
-            for (size_t k = 0; k < num_exits; ++k) {
-                const int32_t node = sub.exit_node[k];
-                const Readings& rows = ended(row.set, sub.exit_state[k], sub.exit_byte[k]);
+            const size_t num_groups = sub.group_state.size();
+            int32_t state = -1, after = -1, start = -1;
+            Readings one(1);
+            for (size_t g = 0; g < num_groups; ++g) {
+                const Readings* found = &one;
+                if (sub.group_ends[g]) {
+                    // The common case, as _resolve's: the lexeme ends before the byte, so its end is one parser
+                    // step per exit state and the byte one lexer move.
+                    if (sub.group_state[g] != state) {
+                        state = sub.group_state[g];
+                        after = finish_lexeme(row.set, state);
+                        start = after >= 0 ? lex_start(after) : -1;
+                        check_fuel();
+                    }
+                    if (after < 0) continue;
+                    const int32_t next = lexer.move(start, sub.group_byte[g]);
+                    if (next < 0) continue;
+                    if (lexer.lazy_end[next])
+                        found = &ended(row.set, state, sub.group_byte[g]);
+                    else
+                        one[0] = Reading(after, next);
+                } else {
+                    found = &ended(row.set, sub.group_state[g], sub.group_byte[g]);
+                }
+                const Readings& rows = *found;
                 if (rows.empty()) continue;
-                Lexer::mark(trie, node, words);
-                if (trie.node_end[node] == node + 1) continue;
-                for (const Reading& r : rows) {
-                    const Row below{node, r.first, r.second};
-                    if (seen.insert(below).second) stack.push_back(below);
+                for (int32_t k = sub.group_start[g]; k < sub.group_start[g + 1]; ++k) {
+                    const int32_t node = sub.exit_node[k];
+                    Lexer::mark(trie, node, words);
+                    if (trie.nodes[node].end == node + 1) continue;
+                    for (const Reading& r : rows) {
+                        const Row below{node, r.first, r.second};
+                        const int64_t key = (int64_t(node) << 40) | (int64_t(r.first) << 18) | r.second;
+                        if (seen.insert(key, 0)) stack.push_back(below);
+                    }
                 }
             }
         }
@@ -639,7 +860,7 @@ struct Session {
 
     int64_t nbytes() const {
         return int64_t(trans.size()) * 4 + mask_bytes + num_items * 40 + int64_t(configs.size()) * 64 +
-               int64_t(ended_memo.size()) * 48;
+               int64_t(ended_rows.size()) * 48 + ended_ids.nbytes() + scan_one.nbytes();
     }
 };
 
@@ -683,6 +904,8 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
     GUARDED(
         auto index = std::make_unique<Index>();
         if (!trie_view(trie, &index->trie)) return nullptr;
+        if (index->trie.num_nodes >= (int64_t(1) << 23) || max_states > (int64_t(1) << 18))
+            fail(PyExc_ValueError, "CfgIndex: at most 2^23 trie nodes and 2^18 lexer states (the walk's keys)");
         Py_INCREF(trie);
         index->trie_object = trie;
         const Py_ssize_t num_terminals = PyList_GET_SIZE(dfas);
@@ -785,6 +1008,10 @@ PyObject* session_new(PyTypeObject* type, PyObject* args, PyObject*) {
     PyObject* owner;
     long long max_configs, max_items, closure;
     if (!PyArg_ParseTuple(args, "O!LLL", &IndexType, &owner, &max_configs, &max_items, &closure)) return nullptr;
+    if (max_items < 1 || max_items > 4000000 || max_configs < 1 || max_configs > INT32_MAX) {  // keys hold 2^22 sets
+        PyErr_SetString(PyExc_ValueError, "CfgSession: max_items is 1..4,000,000 and max_configs positive");
+        return nullptr;
+    }
     SessionObject* self = reinterpret_cast<SessionObject*>(type->tp_alloc(type, 0));
     if (self == nullptr) return nullptr;
     try {

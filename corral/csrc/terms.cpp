@@ -997,6 +997,7 @@ constexpr uint8_t FLAG_UNKNOWN = 0, FLAG_PLAIN = 1, FLAG_PIECES = 2;
 constexpr int32_t MAX_DEPTH = 1024;
 
 struct Trie {
+    std::vector<TrieNode> nodes;  // the same nodes packed, for the context-free walk
     std::vector<int32_t> node_byte, node_depth, node_end, node_token, own_ids, roots;
     std::vector<int64_t> own_start, own_end, subtree_end;
     int64_t num_words = 0;
@@ -1345,6 +1346,10 @@ PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject*) {
             listed += token >= 0 ? 1 : token == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
         }
         if (listed > ids) fail(PyExc_ValueError, "Trie: more tokens at nodes than ids");
+        trie->nodes.resize(n);
+        for (size_t i = 0; i < n; ++i)
+            trie->nodes[i] = TrieNode{trie->node_end[i], trie->node_token[i],
+                                      (trie->node_depth[i] << 8) | trie->node_byte[i]};
         for (int32_t id : trie->own_ids)
             if (id < 0 || id >= limit) fail(PyExc_ValueError, "Trie: a token id outside the mask");
         for (int32_t root : trie->roots)
@@ -1627,7 +1632,7 @@ bool trie_view(PyObject* object, TrieView* out) {
         return false;
     }
     const Trie& trie = *reinterpret_cast<TrieObject*>(object)->trie;
-    *out = TrieView{trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(), trie.node_token.data(), trie.own_ids.data(),
+    *out = TrieView{trie.nodes.data(), trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(), trie.node_token.data(), trie.own_ids.data(),
                     trie.roots.data(), trie.own_start.data(), trie.own_end.data(), int64_t(trie.node_byte.size()),
                     int64_t(trie.roots.size()), trie.num_words};
     return true;
