@@ -5,8 +5,9 @@ constraint kind compiles to:
 
 - ``json_schema``: :func:`corral.grammar.json_schema.schema_to_rules` with the constraint's whitespace options:
   the regular path when the schema does not recurse, else the context-free path over its rules (no depth limit);
-- ``json_object``: any JSON object, containers nested at most :data:`JSON_OBJECT_MAX_DEPTH` deep (a regular
-  language cannot nest without bound; see ``json_value.py``);
+- ``json_object``: any JSON object, nested without a limit: the schema ``{"type": "object"}`` with "any value" as
+  a rule, on the context-free path (inside a ``tools`` answer, where the call envelope is regular, containers
+  nest at most :data:`JSON_OBJECT_MAX_DEPTH` deep; see ``json_value.py``);
 - ``regex``: a Python ``re`` pattern with ``fullmatch`` semantics;
 - ``choice``: exactly one of the listed strings;
 - ``tools``: tool calls whose arguments match each function's ``parameters`` (``grammar.tool_calls``), every
@@ -122,8 +123,10 @@ class GrammarCompiler:
         try:
             if constraint.kind == "grammar":
                 grammar = self._build_cfg(constraint, warnings, budget)
-            elif constraint.kind == "json_schema":
-                root, rules = self._schema_rules(constraint.value, constraint, warnings, budget)
+            elif constraint.kind in ("json_schema", "json_object"):
+                schema = constraint.value if constraint.kind == "json_schema" else {"type": "object"}
+                root, rules = self._schema_rules(schema, constraint, warnings, budget,
+                                                 exact_any=constraint.kind == "json_object")
                 grammar = (self._cfg_of(rules_to_grammar(root, rules, budget.check_time), warnings, budget) if rules
                            else self._build(root, constraint.kind, tuple(warnings), budget))
             else:

@@ -45,12 +45,14 @@ def nest(depth: int) -> str:
     return '{"k": ' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
 
 
-def test_json_object_accepts_objects_up_to_the_depth_limit(compiler):
+def test_json_object_accepts_objects_nested_without_a_limit(compiler):
     grammar = compiler.compile(Constraint("json_object", whitespace="flexible"))
-    for text in ['{}', '{"a": 1, "b": [true, null, -1.5e3, "x\\u00e9\\n"]}', '{ "a" :{"b":{}} }', nest(6)]:
+    for text in ['{}', '{"a": 1, "b": [true, null, -1.5e3, "x\\u00e9\\n"]}', '{ "a" :{"b":{}} }', nest(6), nest(7),
+                 nest(200), '{"a": ' * 60 + '{}' + '}' * 60]:
         assert accepts(grammar, text), text
         json.loads(text)
-    for text in ['[]', '1', '{"a": 1,}', '{"a" 1}', '{"a": 01}', '{"a": "\x01"}', nest(7), '{"a":      1}']:
+    for text in ['[]', '1', '{"a": 1,}', '{"a" 1}', '{"a": 01}', '{"a": "\x01"}', '{"a":      1}', nest(200)[:-1],
+                 nest(50) + "}"]:
         assert not accepts(grammar, text), text
 
 
