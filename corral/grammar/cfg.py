@@ -463,11 +463,24 @@ def case_folded(chars: CharSet) -> CharSet:
     """``chars`` with every character that matches one of them case-insensitively, as Python's ``re`` (and so
     lark) reads the ``i`` flag: the classes that one-to-one lower/upper mappings join, so ``s`` also matches ``S``
     and ``ſ``, and ``k`` the Kelvin sign."""
-    extra = [(cp, cp) for members in _case_classes() if any(cp in chars for cp in members) for cp in members]
+    if sum(high - low + 1 for low, high in chars.ranges) <= 256:  # a literal's characters: look each one up
+        class_of = _case_class_of()
+        extra = [(other, other) for low, high in chars.ranges for cp in range(low, high + 1)
+                 for other in class_of.get(cp, ())]
+    else:
+        extra = [(cp, cp) for members in _case_classes() if any(cp in chars for cp in members) for cp in members]
     return CharSet.of(*chars.ranges, *extra) if extra else chars
 
 
 _CASE_CLASSES: list[tuple[int, ...]] = []
+_CASE_CLASS_OF: dict[int, tuple[int, ...]] = {}
+
+
+def _case_class_of() -> dict[int, tuple[int, ...]]:
+    """Each code point of a case class -> its class."""
+    if not _CASE_CLASS_OF:
+        _CASE_CLASS_OF.update((cp, members) for members in _case_classes() for cp in members)
+    return _CASE_CLASS_OF
 
 
 def _case_classes() -> list[tuple[int, ...]]:
