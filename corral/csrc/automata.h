@@ -34,9 +34,11 @@ bool trie_view(PyObject* object, TrieView* out);
 // A corral._native.Dfa's automaton, or null with a TypeError set.
 void* dfa_of(PyObject* object);
 // The move of `state` on `byte` (DEAD = -1 when the terminal cannot go on), derived when not built yet, under the
-// automaton's table lock. Throws PyFailure past the automaton's caps.
-int32_t dfa_next(void* dfa, int32_t state, int byte);
+// automaton's table lock. `fuel`: the new terms the caller may still make (-1: no cap), decremented here; past it,
+// or past the automaton's caps, throws PyFailure with LimitError set (`fuel_given` is named in the message).
+int32_t dfa_next(void* dfa, int32_t state, int byte, int64_t* fuel, int64_t fuel_given);
 bool dfa_accepting(void* dfa, int32_t state);
+int32_t dfa_num_states(void* dfa);
 
 bool add_cfg(PyObject* module);
 

@@ -1,5 +1,6 @@
 // The context-free core: cfg_guide.py's lexer, Earley parser and token walk in C++, behind a few coarse calls
-// (a whole mask, a whole token's advance) that release the GIL and never call back into Python.
+// (a whole mask, a whole token's advance) that release the GIL and never call back into Python (but for the
+// compile budget's clock, which the terminals' automata check while a grammar compiles).
 //
 // CfgIndex is what every session of one compiled grammar shares: the terminals' automata (terms.cpp's Dfa, one
 // per terminal), the lexer's interned states and their byte moves, the productions, and per lexer state the
@@ -10,7 +11,8 @@
 // cfg_guide.py, earley.py and cfg_lexer.py, which stay as the oracle the tests compare this with.
 //
 // Bounds: a lexer state cap per grammar, a configuration cap and an Earley item cap per session, and per call
-// (one mask, one advance) a fuel of Earley work; past one the call raises LimitError naming it.
+// (one mask, one advance) a fuel of Earley work and as many new derivative terms in the terminals' automata; past
+// one the call raises LimitError naming it.
 //
 // Threads: the Python side calls every entry point under the compiled grammar's lock (CFGIndex.lock), so the
 // shared lexer is never mutated by two threads at once; the GIL is released for the whole call.
@@ -19,6 +21,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -139,8 +142,10 @@ struct SubWalk {
     Ints exit_node, group_state, group_start;
     std::vector<uint8_t> group_byte;
     std::vector<uint8_t> group_ends;  // the byte cannot go on in the lexeme (the lexeme surely ends before it)
-    int64_t nbytes() const {
-        return int64_t(ids.size() * 4 + words.size() * 4 + exit_node.size() * 4 + group_state.size() * 9) + 64;
+    int64_t nbytes() const {  // the struct, its vectors' buffers and allocator overhead, and its map slot
+        return int64_t(sizeof(SubWalk) + 32 * 7 + 32 + ids.capacity() * 4 + words.capacity() * 4 +
+                       exit_node.capacity() * 4 + (group_state.capacity() + group_start.capacity()) * 4 +
+                       group_byte.capacity() + group_ends.capacity());
     }
     void mark(uint32_t* out, int64_t num_words) const {
         if (!words.empty()) {
@@ -171,7 +176,12 @@ struct Lexer {
     Ints priority;
     std::vector<uint8_t> lazy, exact;
     bool greedy = true;
-    int64_t max_states = 200000, walk_budget = 64 << 20, walk_bytes = 0;
+    int64_t max_states = 200000, walk_budget = 64 << 20;
+    int64_t term_fuel = -1, term_fuel_given = -1;  // new derivative terms this call may still make (-1: no cap)
+    // What the memory accounting reads, kept as running totals: CFGIndex.nbytes() runs on other threads, without
+    // the grammar's lock, so it must never walk the containers that a mask may be growing.
+    std::atomic<int64_t> walk_bytes{0}, state_bytes{0};
+    std::atomic<int32_t> num_states{0};
 
     std::vector<Ints> members;  // per state: terminal, automaton state, terminal, ... (terminals ascending)
     std::vector<Ints> accepts;  // per state: the terminals a lexeme ending here matches (top priority only)
@@ -213,9 +223,11 @@ struct Lexer {
         lazy_end.push_back(greedy && lazy_match);
         kind.push_back(uint8_t((accepting.back() ? ACCEPTING : 0) | (forks.back() ? FORKS : 0) |
                                (lazy_end.back() ? LAZY_END : 0)));
+        state_bytes += int64_t(256 * 4 + 3 * 64 + 8 * (members.back().size() + matched.size()) + 96);
         accepts.push_back(std::move(matched));
         moves.resize(moves.size() + 256, UNBUILT);
         ids.emplace(std::move(key), state);
+        num_states = state + 1;
         return state;
     }
 
@@ -239,7 +251,7 @@ struct Lexer {
         Ints following;
         const Ints& from = members[state];
         for (size_t k = 0; k < from.size(); k += 2) {
-            const int32_t q = dfa_next(dfas[from[k]], from[k + 1], byte);
+            const int32_t q = dfa_next(dfas[from[k]], from[k + 1], byte, &term_fuel, term_fuel_given);
             if (q >= 0) {
                 following.push_back(from[k]);
                 following.push_back(q);
@@ -263,7 +275,9 @@ struct Lexer {
         const int64_t key = (int64_t(node) << 18) | state;
         if (const int32_t* found = walk_ids.find(key)) return walks[size_t(*found)];
         SubWalk walk;
-        walk.words.assign(size_t(trie.num_words), 0);
+        // Below the root, a subtree is small: its tokens are listed; the root's are marked in a row directly.
+        const bool wide = node == 0;
+        if (wide) walk.words.assign(size_t(trie.num_words), 0);
         uint32_t* words = walk.words.data();
         int64_t num_ids = 0;
         std::vector<int64_t> exits;
@@ -293,11 +307,12 @@ struct Lexer {
                 continue;
             }
             if (n.token >= 0) {
-                words[n.token >> 5] |= 1u << (n.token & 31);
+                if (wide) words[n.token >> 5] |= 1u << (n.token & 31); else walk.ids.push_back(n.token);
                 ++num_ids;
             } else if (__builtin_expect(n.token == -2, 0)) {
                 for (int64_t j = trie.own_start[i]; j < trie.own_end[i]; ++j) {
-                    words[trie.own_ids[j] >> 5] |= 1u << (trie.own_ids[j] & 31);
+                    const int32_t id = trie.own_ids[j];
+                    if (wide) words[id >> 5] |= 1u << (id & 31); else walk.ids.push_back(id);
                     ++num_ids;
                 }
             }
@@ -305,12 +320,17 @@ struct Lexer {
             ++i;
         }
         walk.group(exits);
-        if (num_ids <= trie.num_words / 8) {  // few: kept as ids
+        if (wide && num_ids <= trie.num_words / 8) {  // few: kept as ids
             for (int64_t w = 0; w < trie.num_words; ++w)
                 for (uint32_t bits = words[w]; bits; bits &= bits - 1)
                     walk.ids.push_back(int32_t(w * 32 + __builtin_ctz(bits)));
             std::vector<uint32_t>().swap(walk.words);
+        } else if (!wide && num_ids > trie.num_words / 8) {  // many: a row
+            walk.words.assign(size_t(trie.num_words), 0);
+            for (int32_t id : walk.ids) walk.words[id >> 5] |= 1u << (id & 31);
+            Ints().swap(walk.ids);
         }
+        walk.ids.shrink_to_fit();
         const int64_t size = walk.nbytes();
         if (walk_bytes + size > walk_budget) {
             scratch = std::move(walk);
@@ -332,11 +352,7 @@ struct Lexer {
         }
     }
 
-    int64_t nbytes() const {
-        int64_t total = int64_t(moves.size()) * 4 + walk_bytes + int64_t(members.size()) * 64;
-        for (const Ints& m : members) total += int64_t(m.size()) * 4;
-        return total;
-    }
+    int64_t nbytes() const { return state_bytes + walk_bytes; }
 
 };
 
@@ -916,6 +932,7 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
             if (item != Py_None) {
                 dfa = dfa_of(item);
                 if (dfa == nullptr) return nullptr;
+                if (dfa_num_states(dfa) < 1) fail(PyExc_ValueError, "CfgIndex: a terminal's automaton has no start state");
                 Py_INCREF(item);
                 index->dfa_objects.push_back(item);
             }
@@ -990,7 +1007,7 @@ void index_dealloc(IndexObject* self) {
 PyObject* index_nbytes(IndexObject* self, PyObject*) { return PyLong_FromLongLong(self->index->lexer.nbytes()); }
 
 PyObject* index_num_lexer_states(IndexObject* self, void*) {
-    return PyLong_FromSsize_t(Py_ssize_t(self->index->lexer.members.size()));
+    return PyLong_FromLong(self->index->lexer.num_states.load());
 }
 
 PyMethodDef index_methods[] = {
@@ -1020,6 +1037,7 @@ PyObject* session_new(PyTypeObject* type, PyObject* args, PyObject*) {
         s.max_configs = max_configs;
         s.max_items = max_items;
         s.max_closure_work = closure;
+        s.lexer.term_fuel = s.lexer.term_fuel_given = -1;  // the start: bounded by the compile's clock
         NoGil nogil;
         const int32_t first = s.intern_set({Item{s.grammar.start_production, 0, -1}});
         s.start = s.intern({s.after_lexeme(first)});
@@ -1052,6 +1070,7 @@ int32_t config_arg(Session& s, PyObject* value) {
 void begin(Session& s, PyObject* fuel) {
     s.fuel = long_of(fuel);
     s.fuel_start = s.work;
+    s.lexer.term_fuel = s.lexer.term_fuel_given = s.fuel < 0 ? -1 : s.fuel;  // and as many new terms
 }
 
 // fill_mask(config, row, fuel): the configuration's bitmask row (int32 words, one per 32 tokens) into `row`.
@@ -1147,7 +1166,14 @@ PyObject* session_is_accepting(SessionObject* self, PyObject* const* args, Py_ss
 PyObject* tuple_of(const Ints& values) {
     PyObject* out = PyTuple_New(Py_ssize_t(values.size()));
     if (out == nullptr) throw PyFailure();
-    for (size_t k = 0; k < values.size(); ++k) PyTuple_SET_ITEM(out, Py_ssize_t(k), PyLong_FromLong(values[k]));
+    for (size_t k = 0; k < values.size(); ++k) {
+        PyObject* value = PyLong_FromLong(values[k]);
+        if (value == nullptr) {
+            Py_DECREF(out);
+            throw PyFailure();
+        }
+        PyTuple_SET_ITEM(out, Py_ssize_t(k), value);
+    }
     return out;
 }
 
@@ -1193,8 +1219,14 @@ PyObject* session_readings(SessionObject* self, PyObject* const* args, Py_ssize_
         const Readings& readings = s.configs[config];
         PyObject* out = PyTuple_New(Py_ssize_t(readings.size()));
         if (out == nullptr) return nullptr;
-        for (size_t k = 0; k < readings.size(); ++k)
-            PyTuple_SET_ITEM(out, Py_ssize_t(k), Py_BuildValue("(ii)", readings[k].first, readings[k].second));
+        for (size_t k = 0; k < readings.size(); ++k) {
+            PyObject* pair = Py_BuildValue("(ii)", readings[k].first, readings[k].second);
+            if (pair == nullptr) {
+                Py_DECREF(out);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(out, Py_ssize_t(k), pair);
+        }
         return out;
     )
 }

@@ -1646,13 +1646,28 @@ void* dfa_of(PyObject* object) {
     return reinterpret_cast<DfaObject*>(object)->dfa;
 }
 
-int32_t dfa_next(void* handle, int32_t state, int byte) {
+int32_t dfa_next(void* handle, int32_t state, int byte, int64_t* fuel, int64_t fuel_given) {
     Dfa* dfa = static_cast<Dfa*>(handle);
     TableLock lock(dfa->table);
-    return dfa->next_state(state, byte);
+    Table* table = dfa->table;
+    struct Fuel {  // the table's fuel is the caller's for this move, and none after it
+        Table* table;
+        ~Fuel() { table->fuel = -1; }
+    } scope{table};
+    table->fuel = *fuel < 0 ? -1 : *fuel;
+    table->fuel_given = fuel_given;
+    const int32_t following = dfa->next_state(state, byte);
+    if (*fuel >= 0) *fuel = table->fuel;
+    return following;
 }
 
-bool dfa_accepting(void* handle, int32_t state) { return static_cast<Dfa*>(handle)->accepting[state] != 0; }
+bool dfa_accepting(void* handle, int32_t state) {
+    Dfa* dfa = static_cast<Dfa*>(handle);
+    TableLock lock(dfa->table);
+    return dfa->accepting[state] != 0;
+}
+
+int32_t dfa_num_states(void* handle) { return static_cast<Dfa*>(handle)->num_states(); }
 
 bool add_terms(PyObject* module) {
     ViewType.tp_name = "corral._native.View";

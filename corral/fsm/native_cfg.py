@@ -3,7 +3,8 @@ Earley table, configurations and token walk in C++ (``corral/csrc/cfg.cpp``).
 
 Each call is coarse (a whole mask, a whole token's advance, the bytes that may follow), releases the GIL for its
 whole length and never calls back into Python, so a grammar's mask is computed while the model runs. It computes
-what ``ParseSession`` computes, step for step (the same interning, the same walk, the same errors and bounds);
+the masks, advances and acceptance ``ParseSession`` computes (the same algorithm, errors and bounds; its walk is
+depth first, so Earley set and lexer state ids are numbered in another order);
 ``ParseSession`` stays as the oracle the tests compare it with, and as the path ``CORRAL_NATIVE=off`` runs.
 
 What the native side holds per compiled grammar (``CFGIndex.native_index``): the terminals' automata (the lexer's
@@ -74,7 +75,8 @@ class NativeParseSession:
         return np.asarray(self.native.live_bytes(config, self.index.mask_fuel), dtype=np.int64)
 
     def readings(self, config: int) -> tuple[tuple[int, int], ...]:
-        return self.native.readings(config)
+        with self.lock:
+            return self.native.readings(config)
 
     def sets_between_lexemes(self, config: int) -> list[int]:
         return list(self.native.sets_between_lexemes(config, self.index.mask_fuel))

@@ -177,3 +177,21 @@ def test_the_gil_is_released_during_a_native_grammar_mask(real):
     session.mask(config)
     thread.join(timeout=15)
     assert helper_saw_it.is_set() and module._hook_outcome() == 1
+
+
+def test_new_terms_in_the_terminals_automata_are_bounded_per_call(toy):
+    """A terminal whose automaton makes new derivative terms as it reads (nested counted repeats) spends the call's
+    fuel in terms too: the sequence ends with the fuel's error; the Python oracle has no such fuel and goes on."""
+    vocab, _ = toy
+    budget = Budget()
+    budget.mask_fuel = 20
+    index = CFGIndex(parse_lark("start: X\nX: /(a[ab]{0,30}b){1,40}/"), vocab, budget)
+    guide, oracle = CFGGuide(NativeParseSession(index)), CFGGuide(ParseSession(index))
+    rng = random.Random(3)
+    for _ in range(200):
+        byte = ord(rng.choice("ab"))
+        if not guide.advance(byte):
+            break
+        assert oracle.advance(byte)
+    assert guide.is_error() and "fuel of 20 new terms" in guide.error, guide.error
+    assert not oracle.is_error()
