@@ -4,7 +4,6 @@ hold while decoding, and several processes importing it at once."""
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -86,24 +85,10 @@ def test_two_processes_import_at_once_on_an_empty_cache(tmp_path):
 
 
 @needs_native
-def test_the_gil_is_released_during_a_mask(vocab_index):
+def test_the_gil_is_released_during_a_mask(vocab_index, released_gil):
     """A hook inside the native walk waits for a Python thread to release it: only possible without the GIL."""
-    module = native.module()
     index = vocab_index("[a-z]+")
-    helper_saw_it = threading.Event()
-
-    def helper():
-        while not module._hook_waiting():  # runs only while the walk lets go of the GIL
-            pass
-        helper_saw_it.set()
-        module._hook_release()
-
-    module._hook_arm(10.0)
-    thread = threading.Thread(target=helper)
-    thread.start()
-    index.mask(0)
-    thread.join(timeout=15)
-    assert helper_saw_it.is_set() and module._hook_outcome() == 1
+    assert released_gil(lambda: index.mask(0))
 
 
 @needs_native

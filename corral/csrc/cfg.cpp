@@ -185,8 +185,8 @@ struct Lexer {
 
     std::vector<Ints> members;  // per state: terminal, automaton state, terminal, ... (terminals ascending)
     std::vector<Ints> accepts;  // per state: the terminals a lexeme ending here matches (top priority only)
-    std::vector<uint8_t> is_start, accepting, forks, lazy_end;
-    std::vector<uint8_t> kind;  // per state: ACCEPTING | FORKS | LAZY_END, for the walk's inner loop
+    std::vector<uint8_t> is_start;
+    std::vector<uint8_t> kind;  // per state: ACCEPTING | FORKS | LAZY_END
     std::vector<int32_t> moves;  // [state * 256 + byte]
     std::unordered_map<Ints, int32_t, IntsHash> ids;     // members + is_start
     std::unordered_map<Ints, int32_t, IntsHash> starts;  // allowed terminals -> state
@@ -218,11 +218,10 @@ struct Lexer {
         }
         members.push_back(std::move(state_members));
         is_start.push_back(start);
-        accepting.push_back(!matched.empty());
-        forks.push_back(!matched.empty() && (!greedy || exact_match));
-        lazy_end.push_back(greedy && lazy_match);
-        kind.push_back(uint8_t((accepting.back() ? ACCEPTING : 0) | (forks.back() ? FORKS : 0) |
-                               (lazy_end.back() ? LAZY_END : 0)));
+        // a lexeme ending here matches something; it may end here while it could go on (exact lexing); a lazy
+        // terminal ends it here
+        kind.push_back(uint8_t((matched.empty() ? 0 : ACCEPTING) | (!matched.empty() && (!greedy || exact_match) ? FORKS : 0) |
+                               (greedy && lazy_match ? LAZY_END : 0)));
         state_bytes += int64_t(256 * 4 + 3 * 64 + 8 * (members.back().size() + matched.size()) + 96);
         accepts.push_back(std::move(matched));
         moves.resize(moves.size() + 256, UNBUILT);
@@ -262,11 +261,9 @@ struct Lexer {
         return found;
     }
 
-    // A move stays inside the lexeme (and is no lazy end); the lexeme may end on it.
-    bool is_plain(int32_t following) const { return following >= 0 && !lazy_end[following]; }
-    bool may_end(int32_t state, int32_t following) const {
-        return (following >= 0 && lazy_end[following]) || (accepting[state] && (following < 0 || forks[state]));
-    }
+    bool accepting(int32_t state) const { return kind[state] & ACCEPTING; }
+    bool forks(int32_t state) const { return kind[state] & FORKS; }
+    bool lazy_end(int32_t state) const { return kind[state] & LAZY_END; }
 
     // The walk below `node` from `state`, kept while the cache has room (else built into `scratch`): one
     // preorder pass over the subtree, each node's parent state in a per-depth stack, a move that leaves the lexeme
@@ -661,7 +658,7 @@ struct Session {
     }
 
     void add(int32_t set_id, int32_t lex, Readings& out) {
-        if (lexer.lazy_end[lex]) {  // a lazy lexeme ends as soon as it matches
+        if (lexer.lazy_end(lex)) {  // a lazy lexeme ends as soon as it matches
             const int32_t ended = finish_lexeme(set_id, lex);
             if (ended >= 0) out.push_back(after_lexeme(ended));
             return;
@@ -702,11 +699,11 @@ struct Session {
         if (const int32_t* found = ended_ids.find(key)) return ended_rows[size_t(*found)];
         Readings out;
         const int32_t following = lexer.move(lex, byte);
-        if (following >= 0 && lexer.lazy_end[following]) {
+        if (following >= 0 && lexer.lazy_end(following)) {
             const int32_t end = finish_lexeme(set_id, following);
             if (end >= 0) out.push_back(after_lexeme(end));
         }
-        if (lexer.accepting[lex] && (following < 0 || lexer.forks[lex])) {
+        if (lexer.accepting(lex) && (following < 0 || lexer.forks(lex))) {
             Ints matched;
             const bool restricted = following >= 0 && lexer.greedy;
             if (restricted) matched = exact_matches(lex);
@@ -835,7 +832,7 @@ struct Session {
                     if (after < 0) continue;
                     const int32_t next = lexer.move(start, sub.group_byte[g]);
                     if (next < 0) continue;
-                    if (lexer.lazy_end[next])
+                    if (lexer.lazy_end(next))
                         found = &ended(row.set, state, sub.group_byte[g]);
                     else
                         one[0] = Reading(after, next);
@@ -891,9 +888,8 @@ PyTypeObject SessionType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // ------------------------------------------------------------------------------------------- Python glue
 
 template <typename T>
-std::vector<T> vector_of(PyObject* array, const char* what) {
+std::vector<T> vector_of(PyObject* array) {
     HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
-    (void)what;
     return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
 }
 
@@ -938,9 +934,9 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
             }
             lexer.dfas.push_back(dfa);
         }
-        lexer.priority = vector_of<int32_t>(priority, "priority");
-        lexer.lazy = vector_of<uint8_t>(lazy, "lazy");
-        lexer.exact = vector_of<uint8_t>(exact, "exact");
+        lexer.priority = vector_of<int32_t>(priority);
+        lexer.lazy = vector_of<uint8_t>(lazy);
+        lexer.exact = vector_of<uint8_t>(exact);
         lexer.greedy = greedy != 0;
         lexer.max_states = max_states;
         lexer.walk_budget = root_bytes;
@@ -952,18 +948,18 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
                 if (ids[k] < 0 || ids[k] >= num_terminals || (k && ids[k] <= ids[k - 1]))
                     fail(PyExc_ValueError, "CfgIndex: terminal ids must be sorted, distinct and in range");
         };
-        index->ignore = vector_of<int32_t>(ignore, "ignore");
+        index->ignore = vector_of<int32_t>(ignore);
         check_terminals(index->ignore);
-        index->specials = vector_of<int32_t>(specials, "special_terminals");
+        index->specials = vector_of<int32_t>(specials);
         check_terminals(index->specials);
         Productions& g = index->grammar;
-        g.lhs = vector_of<int32_t>(lhs, "lhs");
-        const std::vector<int64_t> starts = vector_of<int64_t>(offsets, "rhs_offsets");
-        const Ints symbols = vector_of<int32_t>(rhs, "rhs");
+        g.lhs = vector_of<int32_t>(lhs);
+        const std::vector<int64_t> starts = vector_of<int64_t>(offsets);
+        const Ints symbols = vector_of<int32_t>(rhs);
         const size_t num_productions = g.lhs.size();
         if (starts.size() != num_productions + 1 || starts.front() != 0 || starts.back() != int64_t(symbols.size()))
             fail(PyExc_ValueError, "CfgIndex: rhs_offsets do not cut rhs into the productions");
-        g.nullable = vector_of<uint8_t>(nullable, "nullable");
+        g.nullable = vector_of<uint8_t>(nullable);
         if (num_nonterminals < 0 || int64_t(g.nullable.size()) != num_nonterminals)
             fail(PyExc_ValueError, "CfgIndex: nullable is not one flag per nonterminal");
         g.by_lhs.assign(size_t(num_nonterminals), Ints());
@@ -983,10 +979,10 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
             fail(PyExc_ValueError, "CfgIndex: the start production is not one symbol");
         g.start_production = int32_t(start_production);
         const int64_t num_words = index->trie.num_words;
-        const std::vector<uint32_t> eos_words = vector_of<uint32_t>(eos, "eos_words");
+        const std::vector<uint32_t> eos_words = vector_of<uint32_t>(eos);
         if (int64_t(eos_words.size()) != num_words) fail(PyExc_ValueError, "CfgIndex: eos_words is not one row");
         index->eos_words = eos_words;
-        const std::vector<uint32_t> rows = vector_of<uint32_t>(special_words, "special_words");
+        const std::vector<uint32_t> rows = vector_of<uint32_t>(special_words);
         if (int64_t(rows.size()) != num_words * int64_t(index->specials.size()))
             fail(PyExc_ValueError, "CfgIndex: special_words is not one row per special terminal");
         for (size_t k = 0; k < index->specials.size(); ++k)
@@ -1115,7 +1111,7 @@ PyObject* session_advance_special(SessionObject* self, PyObject* const* args, Py
     Session& s = *self->session;
     GUARDED(
         const int32_t config = config_arg(s, args[0]);
-        const Ints terminals = vector_of<int32_t>(args[1], "terminals");
+        const Ints terminals = vector_of<int32_t>(args[1]);
         for (size_t k = 0; k < terminals.size(); ++k)
             if (terminals[k] < 0 || size_t(terminals[k]) >= s.lexer.dfas.size() || (k && terminals[k] <= terminals[k - 1]))
                 fail(PyExc_ValueError, "advance_special: terminals must be sorted, distinct and in range");

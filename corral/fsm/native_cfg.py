@@ -9,7 +9,7 @@ depth first, so Earley set and lexer state ids are numbered in another order);
 
 What the native side holds per compiled grammar (``CFGIndex.native_index``): the terminals' automata (the lexer's
 ``NativeLazyDFA`` objects, shared), the lexer's states and moves, the productions, the special tokens' rows and
-the root walks per lexer state (``ROOT_WALK_CACHE_BYTES`` of them); per session: the Earley sets,
+the sub-walks per (trie node, lexer state) (``ROOT_WALK_CACHE_BYTES`` of them); per session: the Earley sets,
 configurations, moves and masks.
 """
 

@@ -6,7 +6,6 @@ argument checks; the GIL released during a mask."""
 import json
 import os
 import random
-import threading
 
 import numpy as np
 import pytest
@@ -155,28 +154,13 @@ def test_the_native_session_checks_its_arguments(toy):
         session.native.advance_special(session.start, np.asarray([3, 1], dtype=np.int32), 1 << 30)
 
 
-def test_the_gil_is_released_during_a_native_grammar_mask(real):
+def test_the_gil_is_released_during_a_native_grammar_mask(real, released_gil):
     """A hook inside the native mask call waits for a Python thread to release it: only possible without the GIL."""
     _, _, compiler = real
-    module = native.module()
-    guide = compiler.compile(Constraint("grammar", TOY_GRAMMARS[1])).new_guide()
-    session = guide.session
+    session = compiler.compile(Constraint("grammar", TOY_GRAMMARS[1])).new_guide().session
     config = session.advance(session.start, list(session.index.vocab.token_bytes).index(b"1"))
     assert config >= 0  # past the start, whose mask was made at compile time
-    helper_saw_it = threading.Event()
-
-    def helper():
-        while not module._hook_waiting():
-            pass
-        helper_saw_it.set()
-        module._hook_release()
-
-    module._hook_arm(10.0)
-    thread = threading.Thread(target=helper)
-    thread.start()
-    session.mask(config)
-    thread.join(timeout=15)
-    assert helper_saw_it.is_set() and module._hook_outcome() == 1
+    assert released_gil(lambda: session.mask(config))
 
 
 def test_new_terms_in_the_terminals_automata_are_bounded_per_call(toy):
