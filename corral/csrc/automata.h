@@ -26,6 +26,7 @@ struct TrieView {
     const int64_t* own_start;
     const int64_t* own_end;
     int64_t num_nodes, num_roots, num_words;
+    const int64_t* subtree_end;  // own_ids[own_start[n]:subtree_end[n]] are the ids at or below node n
 };
 
 // False, with a TypeError set, when `object` is not a corral._native.Trie.

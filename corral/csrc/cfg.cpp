@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -175,6 +176,7 @@ struct Lexer {
     std::vector<void*> dfas;  // per terminal; null: a special token or a terminal no text matches
     Ints priority;
     std::vector<uint8_t> lazy, exact;
+    std::vector<std::string> replay;  // per terminal: the text of its hidden stop, read again after it ends
     bool greedy = true;
     int64_t max_states = 200000, walk_budget = 64 << 20;
     int64_t term_fuel = -1, term_fuel_given = -1;  // new derivative terms this call may still make (-1: no cap)
@@ -192,6 +194,34 @@ struct Lexer {
     std::unordered_map<Ints, int32_t, IntsHash> starts;  // allowed terminals -> state
     std::deque<SubWalk> walks;  // kept sub-walks (a deque: references stay valid as it grows)
     FlatMap walk_ids;           // node * 2^18 + lexer state (the cap keeps states below 2^18) -> index in walks
+
+    // Repeat pieces (token_pieces.py). A lexer state whose one terminal is inside X{lo,hi} R (a JSON string
+    // body, the free-form member of a property-name alternation) would walk nearly the whole trie at the root,
+    // and every position of a document is a new state. What a token does inside X* depends on X alone, so
+    // Python registers, per such state, the pieces' shared token facts and the state of the other members
+    // (set_pieces); the state's root walk is then the facts' rows, the walks of the few tokens that leave X* into
+    // R (each from the trie node where it leaves), and the other members' walk. Only where lexing is not greedy
+    // (JSON Schema and GBNF grammars): there every lexeme end forks, so the walks of a state's members, taken
+    // apart, are together the walk of the state.
+    struct PieceTokens {
+        const uint32_t* unbounded = nullptr;   // bitmask row: the tokens that never leave X*
+        const int32_t* units = nullptr;        // per token: the units of X it starts
+        const uint8_t* never_exits = nullptr;  // per token
+        Ints cross_node, cross_units;          // where tokens leave X* at a unit boundary, and the units before
+        int32_t max_units = 0;                 // over the tokens that never leave
+    };
+    struct PieceRef {
+        int32_t tokens, low, high, rest;  // high -1: no bound; rest: the lexer state of R
+    };
+    struct PieceSplit {
+        int32_t other = -1;  // the lexer state of the other members, -1 none
+        std::vector<PieceRef> pieces;
+    };
+    std::vector<PieceTokens> piece_tokens;
+    // per state, met at the root (offset 0) and one byte into a token (offset 1; only under a root walk): 0 not
+    // registered, 1 no pieces, 2 a split in `splits`, keyed state << 1 | offset
+    std::vector<int8_t> piece_status[2];
+    std::unordered_map<int64_t, PieceSplit> splits;
 
     int32_t intern(Ints state_members, bool start) {
         Ints key = state_members;
@@ -218,6 +248,8 @@ struct Lexer {
         }
         members.push_back(std::move(state_members));
         is_start.push_back(start);
+        piece_status[0].push_back(0);
+        piece_status[1].push_back(0);
         // a lexeme ending here matches something; it may end here while it could go on (exact lexing); a lazy
         // terminal ends it here
         kind.push_back(uint8_t((matched.empty() ? 0 : ACCEPTING) | (!matched.empty() && (!greedy || exact_match) ? FORKS : 0) |
@@ -274,6 +306,83 @@ struct Lexer {
         SubWalk walk;
         // Below the root, a subtree is small: its tokens are listed; the root's are marked in a row directly.
         const bool wide = node == 0;
+        const int64_t num_ids = wide && piece_status[0][state] == 2 ? piece_walk(walk, state, trie)
+                                                                 : plain_walk(walk, node, state, trie);
+        if (wide && num_ids <= trie.num_words / 8) {  // few: kept as ids
+            for (int64_t w = 0; w < trie.num_words; ++w)
+                for (uint32_t bits = walk.words[w]; bits; bits &= bits - 1)
+                    walk.ids.push_back(int32_t(w * 32 + __builtin_ctz(bits)));
+            std::vector<uint32_t>().swap(walk.words);
+        } else if (!wide && num_ids > trie.num_words / 8) {  // many: a row
+            walk.words.assign(size_t(trie.num_words), 0);
+            for (int32_t id : walk.ids) walk.words[id >> 5] |= 1u << (id & 31);
+            Ints().swap(walk.ids);
+        }
+        walk.ids.shrink_to_fit();
+        const int64_t size = walk.nbytes();
+        if (walk_bytes + size > walk_budget) {
+            scratch = std::move(walk);
+            return scratch;
+        }
+        walk_bytes += size;
+        walk_ids.insert(key, int32_t(walks.size()));
+        walks.push_back(std::move(walk));
+        return walks.back();
+    }
+
+    // The root walk of a state registered with pieces (see PieceTokens): the number of tokens marked.
+    int64_t piece_walk(SubWalk& walk, int32_t state, const TrieView& trie) {
+        const PieceSplit& split = splits.at(int64_t(state) << 1);  // node-based: the reference outlives inserts
+        walk.words.assign(size_t(trie.num_words), 0);
+        uint32_t* words = walk.words.data();
+        std::vector<int64_t> keyed;
+        for (const PieceRef& piece : split.pieces) {
+            const PieceTokens& facts = piece_tokens[size_t(piece.tokens)];
+            if (piece.high < 0 || piece.high >= facts.max_units) {
+                for (int64_t w = 0; w < trie.num_words; ++w) words[w] |= facts.unbounded[w];
+            } else {
+                for (int64_t t = 0; t < trie.num_words * 32; ++t)
+                    if (facts.never_exits[t] && facts.units[t] <= piece.high) words[t >> 5] |= 1u << (t & 31);
+            }
+            crossings(piece, 0, int32_t(trie.num_nodes), trie, words, keyed);
+        }
+        if (split.other >= 0) {
+            SubWalk scratch;
+            take(sub_walk(0, split.other, trie, scratch), words, trie, keyed);
+        }
+        walk.group(keyed);
+        int64_t count = 0;
+        for (int64_t w = 0; w < trie.num_words; ++w) count += __builtin_popcount(words[w]);
+        return count;
+    }
+
+    // A part's tokens into `words` and its exits into `keyed` (as plain_walk keys them).
+    static void take(const SubWalk& part, uint32_t* words, const TrieView& trie, std::vector<int64_t>& keyed) {
+        part.mark(words, trie.num_words);
+        for (size_t g = 0; g + 1 < part.group_start.size(); ++g)
+            for (int32_t k = part.group_start[g]; k < part.group_start[g + 1]; ++k)
+                keyed.push_back((int64_t(part.group_state[g]) << 41) | (int64_t(part.group_byte[g]) << 33) |
+                                (int64_t(part.group_ends[g]) << 32) | part.exit_node[k]);
+    }
+
+    // The tokens that leave `piece` into its rest at a trie node in [first, end): each such node's walk from the
+    // rest's state, where the units before it are within the piece's bounds.
+    void crossings(const PieceRef& piece, int32_t first, int32_t end, const TrieView& trie, uint32_t* words,
+                   std::vector<int64_t>& keyed) {
+        const PieceTokens& facts = piece_tokens[size_t(piece.tokens)];
+        const auto from = std::lower_bound(facts.cross_node.begin(), facts.cross_node.end(), first);
+        for (size_t k = size_t(from - facts.cross_node.begin()); k < facts.cross_node.size(); ++k) {
+            if (facts.cross_node[k] >= end) break;
+            const int32_t units = facts.cross_units[k];
+            if (units < piece.low || (piece.high >= 0 && units > piece.high)) continue;
+            SubWalk scratch;
+            take(sub_walk(facts.cross_node[k], piece.rest, trie, scratch), words, trie, keyed);
+        }
+    }
+
+    // The walk below `node` from `state`, trie node by trie node: the number of tokens marked or listed.
+    int64_t plain_walk(SubWalk& walk, int32_t node, int32_t state, const TrieView& trie) {
+        const bool wide = node == 0;
         if (wide) walk.words.assign(size_t(trie.num_words), 0);
         uint32_t* words = walk.words.data();
         int64_t num_ids = 0;
@@ -313,30 +422,36 @@ struct Lexer {
                     ++num_ids;
                 }
             }
+            if (wide && level == 1 && piece_status[1][size_t(following)] == 2) {
+                // one byte in, a state registered with pieces: the subtree's tokens from the pieces' facts, the
+                // tokens that leave a piece from where they leave, and below the node the other members' walk
+                const PieceSplit& split = splits.at((int64_t(following) << 1) | 1);
+                for (const PieceRef& piece : split.pieces) {
+                    const PieceTokens& facts = piece_tokens[size_t(piece.tokens)];
+                    for (int64_t j = trie.own_start[i]; j < trie.subtree_end[i]; ++j) {
+                        const int32_t id = trie.own_ids[j];
+                        if (facts.never_exits[id] && (piece.high < 0 || facts.units[id] <= piece.high)) {
+                            words[id >> 5] |= 1u << (id & 31);
+                            ++num_ids;
+                        }
+                    }
+                    crossings(piece, i, n.end, trie, words, exits);
+                }
+                table = moves.data();
+                kinds = kind.data();
+                if (split.other < 0) {
+                    i = n.end;
+                    continue;
+                }
+                stack[level] = split.other;
+                ++i;
+                continue;
+            }
             stack[level] = following;
             ++i;
         }
         walk.group(exits);
-        if (wide && num_ids <= trie.num_words / 8) {  // few: kept as ids
-            for (int64_t w = 0; w < trie.num_words; ++w)
-                for (uint32_t bits = words[w]; bits; bits &= bits - 1)
-                    walk.ids.push_back(int32_t(w * 32 + __builtin_ctz(bits)));
-            std::vector<uint32_t>().swap(walk.words);
-        } else if (!wide && num_ids > trie.num_words / 8) {  // many: a row
-            walk.words.assign(size_t(trie.num_words), 0);
-            for (int32_t id : walk.ids) walk.words[id >> 5] |= 1u << (id & 31);
-            Ints().swap(walk.ids);
-        }
-        walk.ids.shrink_to_fit();
-        const int64_t size = walk.nbytes();
-        if (walk_bytes + size > walk_budget) {
-            scratch = std::move(walk);
-            return scratch;
-        }
-        walk_bytes += size;
-        walk_ids.insert(key, int32_t(walks.size()));
-        walks.push_back(std::move(walk));
-        return walks.back();
+        return num_ids;
     }
 
     static void mark(const TrieView& trie, int32_t node, uint32_t* words) {
@@ -463,6 +578,8 @@ struct Index {
     Ints specials;                           // special terminals
     std::vector<std::vector<uint32_t>> special_words;  // per special terminal (same order)
     std::vector<uint32_t> eos_words;
+
+    std::deque<HeldBuffer> piece_arrays;  // the buffers behind lexer.piece_tokens
 
     ~Index() {
         Py_XDECREF(trie_object);
@@ -659,11 +776,32 @@ struct Session {
 
     void add(int32_t set_id, int32_t lex, Readings& out) {
         if (lexer.lazy_end(lex)) {  // a lazy lexeme ends as soon as it matches
-            const int32_t ended = finish_lexeme(set_id, lex);
-            if (ended >= 0) out.push_back(after_lexeme(ended));
+            lazy_end(set_id, lex, out);
             return;
         }
         out.emplace_back(set_id, lex);
+    }
+
+    // The readings after a lazy lexeme that ends at `lex` (cfg_guide.py's _lazy_end and Lexer.replays): only its
+    // lazy terminals match. A terminal with a hidden stop (Lexer::replay) ends before its stop's text, which is
+    // then read again from the next lexeme.
+    void lazy_end(int32_t set_id, int32_t lex, Readings& out) {
+        std::map<std::string, Ints> by_text;  // accepts ascend, so each group does too
+        for (int32_t j : lexer.accepts[lex])
+            if (lexer.lazy[size_t(j)]) by_text[lexer.replay[size_t(j)]].push_back(j);
+        for (const auto& [text, terminals] : by_text) {
+            const int32_t ended = finish_lexeme(set_id, lex, &terminals);
+            if (ended < 0) continue;
+            Readings readings{after_lexeme(ended)};
+            for (const char c : text) {
+                Readings following;
+                for (const Reading& r : readings) read(r.first, r.second, uint8_t(c), following);
+                std::sort(following.begin(), following.end());
+                following.erase(std::unique(following.begin(), following.end()), following.end());
+                readings = std::move(following);
+            }
+            out.insert(out.end(), readings.begin(), readings.end());
+        }
     }
 
     Ints exact_matches(int32_t lex) const {
@@ -699,10 +837,7 @@ struct Session {
         if (const int32_t* found = ended_ids.find(key)) return ended_rows[size_t(*found)];
         Readings out;
         const int32_t following = lexer.move(lex, byte);
-        if (following >= 0 && lexer.lazy_end(following)) {
-            const int32_t end = finish_lexeme(set_id, following);
-            if (end >= 0) out.push_back(after_lexeme(end));
-        }
+        if (following >= 0 && lexer.lazy_end(following)) lazy_end(set_id, following, out);
         if (lexer.accepting(lex) && (following < 0 || lexer.forks(lex))) {
             Ints matched;
             const bool restricted = following >= 0 && lexer.greedy;
@@ -900,7 +1035,8 @@ int64_t long_of(PyObject* value) {
 }
 
 // CfgIndex(trie, dfas, priority, lazy, exact, greedy, ignore, lhs, rhs_offsets, rhs, num_nonterminals, nullable,
-//          start_production, eos_words, special_terminals, special_words, max_lexer_states, walk_bytes)
+//          start_production, eos_words, special_terminals, special_words, max_lexer_states, walk_bytes, replays)
+// replays: a list with the bytes of each terminal's hidden stop (b"" none; only a lazy terminal has one).
 // dfas: a list with a corral._native.Dfa or None per terminal; int32 arrays but lazy/exact/nullable (uint8),
 // rhs_offsets (int64, one more than productions), eos_words/special_words (int32 words, special_words
 // [num_specials, num_words]). Every id is checked here.
@@ -908,10 +1044,11 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
     PyObject *trie, *dfas, *priority, *lazy, *exact, *ignore, *lhs, *offsets, *rhs, *nullable, *eos, *specials,
         *special_words;
     int greedy = 1;
+    PyObject* replays;
     Py_ssize_t num_nonterminals = 0, start_production = 0, max_states = 0, root_bytes = 0;
-    if (!PyArg_ParseTuple(args, "OO!OOOpOOOOnOnOOOnn", &trie, &PyList_Type, &dfas, &priority, &lazy, &exact, &greedy,
-                          &ignore, &lhs, &offsets, &rhs, &num_nonterminals, &nullable, &start_production, &eos,
-                          &specials, &special_words, &max_states, &root_bytes))
+    if (!PyArg_ParseTuple(args, "OO!OOOpOOOOnOnOOOnnO!", &trie, &PyList_Type, &dfas, &priority, &lazy, &exact,
+                          &greedy, &ignore, &lhs, &offsets, &rhs, &num_nonterminals, &nullable, &start_production,
+                          &eos, &specials, &special_words, &max_states, &root_bytes, &PyList_Type, &replays))
         return nullptr;
     GUARDED(
         auto index = std::make_unique<Index>();
@@ -941,8 +1078,15 @@ PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
         lexer.max_states = max_states;
         lexer.walk_budget = root_bytes;
         if (int64_t(lexer.priority.size()) != num_terminals || int64_t(lexer.lazy.size()) != num_terminals ||
-            int64_t(lexer.exact.size()) != num_terminals)
+            int64_t(lexer.exact.size()) != num_terminals || PyList_GET_SIZE(replays) != num_terminals)
             fail(PyExc_ValueError, "CfgIndex: the terminal arrays differ in length");
+        for (Py_ssize_t j = 0; j < num_terminals; ++j) {
+            PyObject* text = PyList_GET_ITEM(replays, j);
+            if (!PyBytes_Check(text)) fail(PyExc_TypeError, "CfgIndex: a replay text is not bytes");
+            if (PyBytes_GET_SIZE(text) && !lexer.lazy[size_t(j)])
+                fail(PyExc_ValueError, "CfgIndex: a terminal with a replay text must be lazy");
+            lexer.replay.emplace_back(PyBytes_AS_STRING(text), size_t(PyBytes_GET_SIZE(text)));
+        }
         auto check_terminals = [&](const Ints& ids) {
             for (size_t k = 0; k < ids.size(); ++k)
                 if (ids[k] < 0 || ids[k] >= num_terminals || (k && ids[k] <= ids[k - 1]))
@@ -1006,13 +1150,152 @@ PyObject* index_num_lexer_states(IndexObject* self, void*) {
     return PyLong_FromLong(self->index->lexer.num_states.load());
 }
 
+PyObject* tuple_of(const Ints& values);
+
+// lexer_members(state): (is_start, (terminal, automaton state, terminal, ...)).
+PyObject* index_lexer_members(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "lexer_members")) return nullptr;
+    Lexer& lexer = self->index->lexer;
+    GUARDED(
+        const int64_t state = long_of(args[0]);
+        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
+        PyObject* members = tuple_of(lexer.members[size_t(state)]);
+        return Py_BuildValue("(ON)", lexer.is_start[size_t(state)] ? Py_True : Py_False, members);
+    )
+}
+
+// lexer_moves(state, fuel): (the number of bytes that do not end the lexeme, the distinct states they lead to),
+// deriving at most `fuel` new terms (-1: no cap) as a mask would.
+PyObject* index_lexer_moves(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "lexer_moves")) return nullptr;
+    Lexer& lexer = self->index->lexer;
+    GUARDED(
+        const int64_t state = long_of(args[0]), fuel = long_of(args[1]);
+        lexer.term_fuel = lexer.term_fuel_given = fuel < 0 ? -1 : fuel;
+        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
+        Ints found;
+        int live = 0;
+        for (int byte = 0; byte < 256; ++byte) {
+            const int32_t following = lexer.move(int32_t(state), byte);
+            if (following < 0) continue;
+            ++live;
+            if (std::find(found.begin(), found.end(), following) == found.end()) found.push_back(following);
+        }
+        return Py_BuildValue("(iN)", live, tuple_of(found));
+    )
+}
+
+// add_piece_tokens(unbounded_words, units, never_exits, cross_nodes, cross_units, max_units): one piece's token
+// facts at offset 0 (token_pieces.PieceTokens: int32 words; int32 and uint8 per token of whole words; int32
+// trie nodes and their units), kept by the index; returns their id for set_pieces.
+PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 6, "add_piece_tokens")) return nullptr;
+    Index& index = *self->index;
+    GUARDED(
+        const int64_t num_words = index.trie.num_words;
+        HeldBuffer unbounded(args[0], PyBUF_C_CONTIGUOUS, 4), units(args[1], PyBUF_C_CONTIGUOUS, 4),
+            never(args[2], PyBUF_C_CONTIGUOUS, 1);
+        if (unbounded.count() != num_words || units.count() != num_words * 32 || never.count() != num_words * 32)
+            fail(PyExc_ValueError, "add_piece_tokens: a row of words, and one unit count and flag per token");
+        Lexer::PieceTokens facts;
+        facts.cross_node = vector_of<int32_t>(args[3]);
+        facts.cross_units = vector_of<int32_t>(args[4]);
+        if (facts.cross_node.size() != facts.cross_units.size())
+            fail(PyExc_ValueError, "add_piece_tokens: one unit count per crossing node");
+        for (size_t k = 0; k < facts.cross_node.size(); ++k)
+            if (facts.cross_node[k] < 0 || facts.cross_node[k] >= index.trie.num_nodes ||
+                (k && facts.cross_node[k] <= facts.cross_node[k - 1]))
+                fail(PyExc_ValueError, "add_piece_tokens: crossing nodes must be trie nodes, ascending");
+        facts.max_units = int32_t(long_of(args[5]));
+        facts.unbounded = unbounded.data<const uint32_t>();
+        facts.units = units.data<const int32_t>();
+        facts.never_exits = never.data<const uint8_t>();
+        index.piece_arrays.push_back(std::move(unbounded));
+        index.piece_arrays.push_back(std::move(units));
+        index.piece_arrays.push_back(std::move(never));
+        Lexer& lexer = index.lexer;
+        lexer.state_bytes += int64_t(facts.cross_node.size()) * 8 + 64;
+        lexer.piece_tokens.push_back(std::move(facts));
+        return PyLong_FromSize_t(lexer.piece_tokens.size() - 1);
+    )
+}
+
+// set_pieces(state, offset, other, pieces): register a lexer state met `offset` bytes into a token (0 or 1):
+// `other` its members that are no piece (terminal,
+// automaton state, ...: terminals ascending), `pieces` a list of (terminal, tokens id, low, high or -1, automaton
+// state of the rest); an empty list says the state has none. Ignored where lexing is greedy, the members'
+// priorities differ (a union of their walks would keep matches the top priority drops) or the state is known.
+PyObject* index_set_pieces(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 4, "set_pieces")) return nullptr;
+    Lexer& lexer = self->index->lexer;
+    GUARDED(
+        const int64_t state = long_of(args[0]), offset = long_of(args[1]);
+        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
+        if (offset != 0 && offset != 1) fail(PyExc_ValueError, "set_pieces: offset 0 or 1");
+        if (!PyList_Check(args[3])) fail(PyExc_TypeError, "set_pieces: pieces must be a list");
+        int8_t& status = lexer.piece_status[offset][size_t(state)];
+        if (status != 0) Py_RETURN_NONE;
+        const Ints& members = lexer.members[size_t(state)];
+        bool one_priority = true;
+        for (size_t k = 2; k < members.size(); k += 2)
+            one_priority &= lexer.priority[size_t(members[k])] == lexer.priority[size_t(members[0])];
+        const Py_ssize_t num_pieces = PyList_GET_SIZE(args[3]);
+        if (num_pieces == 0 || lexer.greedy || !one_priority || lexer.is_start[size_t(state)]) {
+            status = 1;
+            Py_RETURN_NONE;
+        }
+        auto member_terminal = [&](int64_t terminal) {
+            for (size_t k = 0; k < members.size(); k += 2)
+                if (members[k] == terminal) return int32_t(terminal);
+            fail(PyExc_ValueError, "set_pieces: a terminal that is no member of the state");
+        };
+        auto checked_state = [&](int32_t terminal, int64_t q) {
+            if (q < 0 || q >= dfa_num_states(lexer.dfas[size_t(terminal)]))
+                fail(PyExc_ValueError, "set_pieces: no such automaton state");
+            return int32_t(q);
+        };
+        Lexer::PieceSplit split;
+        for (Py_ssize_t k = 0; k < num_pieces; ++k) {
+            int64_t terminal = 0, tokens = 0, low = 0, high = 0, rest = 0;
+            if (!PyArg_ParseTuple(PyList_GET_ITEM(args[3], k), "LLLLL", &terminal, &tokens, &low, &high, &rest))
+                throw PyFailure();
+            if (tokens < 0 || tokens >= int64_t(lexer.piece_tokens.size()) || low < 0 || high < -1 ||
+                low > INT32_MAX || high > INT32_MAX)
+                fail(PyExc_ValueError, "set_pieces: a piece's facts or bounds are out of range");
+            const int32_t t = member_terminal(terminal);
+            const int32_t rest_state = lexer.intern(Ints{t, checked_state(t, rest)}, false);
+            split.pieces.push_back(Lexer::PieceRef{int32_t(tokens), int32_t(low), int32_t(high), rest_state});
+        }
+        const Ints other = vector_of<int32_t>(args[2]);
+        if (other.size() % 2) fail(PyExc_ValueError, "set_pieces: other members come in pairs");
+        for (size_t k = 0; k < other.size(); k += 2) {
+            if (k && other[k] <= other[k - 2]) fail(PyExc_ValueError, "set_pieces: other terminals must ascend");
+            checked_state(member_terminal(other[k]), other[k + 1]);
+        }
+        if (!other.empty()) split.other = lexer.intern(other, false);
+        lexer.state_bytes += int64_t(num_pieces) * 16 + 64;
+        lexer.splits.emplace((state << 1) | offset, std::move(split));
+        lexer.piece_status[offset][size_t(state)] = 2;  // not `status`: interning may have moved the vector
+        Py_RETURN_NONE;
+    )
+}
+
 PyMethodDef index_methods[] = {
+    FAST("lexer_members", index_lexer_members),
+    FAST("lexer_moves", index_lexer_moves),
+    FAST("add_piece_tokens", index_add_piece_tokens),
+    FAST("set_pieces", index_set_pieces),
     {"nbytes", reinterpret_cast<PyCFunction>(index_nbytes), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 
+PyObject* index_num_piece_splits(IndexObject* self, void*) {
+    return PyLong_FromSize_t(self->index->lexer.splits.size());
+}
+
 PyGetSetDef index_getset[] = {
     {"num_lexer_states", reinterpret_cast<getter>(index_num_lexer_states), nullptr, nullptr, nullptr},
+    {"num_piece_splits", reinterpret_cast<getter>(index_num_piece_splits), nullptr, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -1227,6 +1510,26 @@ PyObject* session_readings(SessionObject* self, PyObject* const* args, Py_ssize_
     )
 }
 
+// unregistered_roots(config): where its mask is not known yet, the lexer states of its readings (inside a
+// lexeme) that have not been through set_pieces.
+PyObject* session_unregistered_roots(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 1, "unregistered_roots")) return nullptr;
+    Session& s = *self->session;
+    GUARDED(
+        const int32_t config = config_arg(s, args[0]);
+        Ints found;
+        const Lexer& lexer = s.lexer;
+        if (s.masks[size_t(config)].empty() && !lexer.greedy)
+            for (const Reading& r : s.configs[size_t(config)]) {
+                const size_t lex = size_t(r.second);
+                if (lexer.piece_status[0][lex] == 0 && !lexer.is_start[lex] &&
+                    std::find(found.begin(), found.end(), r.second) == found.end())
+                    found.push_back(r.second);
+            }
+        return tuple_of(found);
+    )
+}
+
 PyObject* session_between(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 2, "sets_between_lexemes")) return nullptr;
     Session& s = *self->session;
@@ -1260,6 +1563,7 @@ PyMethodDef session_methods[] = {
     FAST("live_bytes", session_live_bytes),
     FAST("readings", session_readings),
     FAST("sets_between_lexemes", session_between),
+    FAST("unregistered_roots", session_unregistered_roots),
     {"nbytes", reinterpret_cast<PyCFunction>(session_nbytes), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };

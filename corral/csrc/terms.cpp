@@ -1634,7 +1634,7 @@ bool trie_view(PyObject* object, TrieView* out) {
     const Trie& trie = *reinterpret_cast<TrieObject*>(object)->trie;
     *out = TrieView{trie.nodes.data(), trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(), trie.node_token.data(), trie.own_ids.data(),
                     trie.roots.data(), trie.own_start.data(), trie.own_end.data(), int64_t(trie.node_byte.size()),
-                    int64_t(trie.roots.size()), trie.num_words};
+                    int64_t(trie.roots.size()), trie.num_words, trie.subtree_end.data()};
     return true;
 }
 

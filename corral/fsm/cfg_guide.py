@@ -49,6 +49,7 @@ class CFGIndex:
         self.mask_fuel = budget.mask_fuel
         self.special_of_token, self.special_words = _special_tokens(grammar, vocab)
         self.lock = threading.RLock()
+        self.piece_tokens_ids: dict[int, tuple] = {}  # id(PieceTokens) -> (it, its id in the native index)
         self.on_growth = None  # the compile cache's hook (this index does not grow after compilation)
         self.start_mask: np.ndarray | None = None
         self._root_walks: dict[int, tuple] = {}  # lexer state -> root_walk's answer
@@ -104,7 +105,8 @@ class CFGIndex:
             np.asarray(sorted(lexer.ignore), dtype=np.int32), np.asarray(earley.lhs, dtype=np.int32), offsets, rhs,
             len(grammar.nonterminals), nullable, earley.start_production,
             np.ascontiguousarray(self.tables.eos_words, dtype=np.int32), np.asarray(specials, dtype=np.int32),
-            np.ascontiguousarray(special_rows, dtype=np.int32), MAX_LEXER_STATES, ROOT_WALK_CACHE_BYTES)
+            np.ascontiguousarray(special_rows, dtype=np.int32), MAX_LEXER_STATES, ROOT_WALK_CACHE_BYTES,
+            [t.replay for t in terminals])
 
     def root_walk(self, lex_state: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The tokens whose bytes all stay inside the current lexeme from ``lex_state`` (a bitmask row: allowed
@@ -229,11 +231,25 @@ class ParseSession:
 
     def _add(self, set_id: int, lex_state: int, out: set) -> None:
         if self.greedy and self.lexer.is_lazy_end[lex_state]:  # a lazy lexeme ends as soon as it matches
-            ended = self.finish_lexeme(set_id, lex_state)
-            if ended >= 0:
-                out.add(self.after_lexeme(ended))
+            self._lazy_end(set_id, lex_state, out)
             return
         out.add((set_id, lex_state))
+
+    def _lazy_end(self, set_id: int, lex_state: int, out: set) -> None:
+        """The readings after a lazy lexeme that ends at ``lex_state`` (as its lazy terminals: ``Lexer.replays``).
+        A terminal with a hidden stop (``Terminal.replay``) ends before its stop's text, which is then read again
+        from the next lexeme."""
+        for matched, replay in self.lexer.replays(lex_state):
+            ended = self.finish_lexeme(set_id, lex_state, matched)
+            if ended < 0:
+                continue
+            readings = {self.after_lexeme(ended)}
+            for byte in replay:
+                following: set[tuple[int, int]] = set()
+                for reading in readings:
+                    self._read(*reading, byte, following)
+                readings = following
+            out |= readings
 
     def gather(self, configs: np.ndarray, bytes_: np.ndarray) -> np.ndarray:
         out = self.trans[configs, bytes_]
@@ -433,9 +449,7 @@ class ParseSession:
             lexer, out = self.lexer, set()
             following = lexer.move(lex_state, byte)
             if following >= 0 and lexer.lazy_ends[following]:
-                ended = self.finish_lexeme(set_id, following)
-                if ended >= 0:
-                    out.add(self.after_lexeme(ended))
+                self._lazy_end(set_id, following, out)
             if lexer.accepting[lex_state] and (following < 0 or lexer.forks[lex_state]):
                 matched = None if following < 0 or not self.greedy else lexer.accepts[lex_state] & self.exact
                 ended = self.finish_lexeme(set_id, lex_state, matched)

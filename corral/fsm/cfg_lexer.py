@@ -16,6 +16,7 @@ import numpy as np
 
 from corral.budget import Budget
 from corral.errors import GrammarTooComplexError
+from corral.fsm.derivatives import new_table
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
 from corral.grammar.cfg import Grammar
 
@@ -26,7 +27,12 @@ _UNBUILT = -3
 class Lexer:
     def __init__(self, grammar: Grammar, budget: Budget):
         self.terminals = grammar.terminals
-        self.dfas = [None if t.node is None else LazyDFA(t.node, budget) for t in grammar.terminals]
+        # One term table for every terminal: their regexes share most of their parts (a JSON Schema grammar's
+        # lexemes are pieces of one document), which are converted and derived once. Its term cap is the
+        # grammar's; every use of it holds the grammar's lock (CFGIndex.lock), or the native table's own.
+        terms = new_table(budget)
+        self.dfas = [None if t.node is None else LazyDFA(t.node, budget, terms=terms) for t in grammar.terminals]
+        terms.forget_nodes()
         self.dead_terminals = frozenset(j for j, dfa in enumerate(self.dfas) if dfa is not None and dfa.is_empty)
         self.special_terminals = frozenset(j for j, t in enumerate(grammar.terminals) if t.node is None)
         self.ignore = frozenset(grammar.ignore) - self.dead_terminals
@@ -98,6 +104,16 @@ class Lexer:
             self.forks[state] = bool(matched) and (not self.greedy or bool(self.exact.intersection(matched)))
             self.lazy_ends[state] = self.greedy and self.is_lazy_end[-1]
         return state
+
+    def replays(self, state: int) -> list[tuple[frozenset[int], bytes]]:
+        """How a lazy lexeme that ends at ``state`` ends: (the terminals it matches, the text read again after
+        it), one pair per hidden stop text. Only the lazy terminals match: a greedy one that matches here too
+        would go on, so the lexeme is not its (llguidance: text, then a lazy ``<function`` head, is no text)."""
+        by_replay: dict[bytes, set[int]] = {}
+        for j in self.accepts[state]:
+            if self.terminals[j].lazy:
+                by_replay.setdefault(self.terminals[j].replay, set()).add(j)
+        return [(frozenset(terminals), replay) for replay, terminals in sorted(by_replay.items())]
 
     def _grow(self) -> None:
         size = 2 * len(self.accepting)

@@ -125,9 +125,10 @@ class GrammarCompiler:
                 grammar = self._build_cfg(constraint, warnings, budget)
             elif constraint.kind in ("json_schema", "json_object"):
                 schema = constraint.value if constraint.kind == "json_schema" else {"type": "object"}
-                root, rules = self._schema_rules(schema, constraint, warnings, budget,
-                                                 exact_any=constraint.kind == "json_object")
-                grammar = (self._cfg_of(rules_to_grammar(root, rules, budget.check_time), warnings, budget) if rules
+                root, rules, exprs = self._schema_rules(schema, constraint, warnings, budget,
+                                                        exact_any=constraint.kind == "json_object")
+                grammar = (self._cfg_of(rules_to_grammar(root, rules, budget.check_time, exprs), warnings, budget)
+                           if rules
                            else self._build(root, constraint.kind, tuple(warnings), budget))
             else:
                 node = self._to_node(constraint, warnings, budget)
@@ -287,10 +288,13 @@ class GrammarCompiler:
 
     @staticmethod
     def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget, exact_any: bool = False):
-        """The schema's tree and, when it recurses, its rules (``json_schema.schema_to_rules``). A schema that
-        recurses compiles through the context-free path anyway, so there "any value" nests without a limit too;
-        one that does not keeps the regular path, where any-value is unrolled (``exact_any``: always a rule, as
-        an inline ``%json`` of a grammar wants it)."""
+        """The schema's tree, its rules, and their expressions (``json_schema.schema_to_rules``), chosen per
+        sub-schema: a recursive ``$ref`` and "any JSON value" (a ``{}`` value, an undeclared member's, the items
+        of an array without ``items``) become rules that nest without a limit, and every part around them stays
+        a regex tree, one lexeme on the context-free path. A schema with neither has no rules and keeps the
+        regular path. Where any-value sits inside an intersection (``allOf`` of two open objects), no rule can
+        stand for it and it is unrolled ``ANY_VALUE_DEPTH`` deep instead (``exact_any``: refused; an inline
+        ``%json`` of a grammar then takes the unrolled form itself)."""
         from corral.grammar.json_schema import schema_to_rules
 
         def rules(exact: bool, sink: list[str]):
@@ -298,29 +302,30 @@ class GrammarCompiler:
                                           max_whitespace=options.max_whitespace, lenient=options.lenient,
                                           warnings=sink, reject_unknown_keywords=options.reject_unknown_keywords,
                                           budget=budget, json_checked=True, recursive=True, exact_any=exact)
+            exprs = None
             if exact and found:  # a rule inside an intersection cannot lower: raises UnsupportedSchemaError
                 exprs = RefTreeExprs()
                 for node in (root, *found.values()):
                     exprs.expr(node)
-            return root, found
+            return root, found, exprs
 
-        first: list[str] = []
-        root, found = rules(exact_any, first)
-        if found and not exact_any:
-            exact: list[str] = []
-            try:
-                root, found, first = *rules(True, exact), exact
-            except UnsupportedSchemaError:  # any-value inside an intersection: it stays unrolled there
-                pass
-        warnings.extend(first)
-        return root, found
+        sink: list[str] = []
+        try:
+            root, found, exprs = rules(True, sink)
+        except UnsupportedSchemaError:
+            if exact_any:
+                raise
+            sink = []
+            root, found, exprs = rules(False, sink)
+        warnings.extend(sink)
+        return root, found, exprs
 
     def _json_part(self, schema, options: Constraint, warnings: list[str], budget: Budget):
         """An inline ``%json`` schema of a grammar: its tree, with its rules when it nests without a limit."""
         try:
-            root, rules = self._schema_rules(schema, options, warnings, budget, exact_any=True)
+            root, rules, _ = self._schema_rules(schema, options, warnings, budget, exact_any=True)
         except UnsupportedSchemaError:
-            root, rules = self._schema_rules(schema, options, warnings, budget)
+            root, rules, _ = self._schema_rules(schema, options, warnings, budget)
         return (root, rules) if rules else root
 
     @staticmethod

@@ -19,6 +19,7 @@ from corral import native
 from corral.fsm.cfg_guide import MAX_CONFIGS, CFGIndex, ParseSession
 from corral.fsm.earley import MAX_TABLE_ITEMS
 from corral.fsm.lazy_dfa import DEAD
+from corral.fsm.token_pieces import MIN_PIECE_BYTES, split_pieces
 
 
 def new_session(index: CFGIndex, max_configs: int = MAX_CONFIGS):
@@ -44,6 +45,9 @@ class NativeParseSession:
         if config == self.start and index.start_mask is not None:
             row[:] = index.start_mask
         else:
+            pending = self.native.unregistered_roots(config)
+            if pending:
+                register_pieces(index, pending)
             self.native.fill_mask(config, row, index.mask_fuel)
 
     def mask(self, config: int) -> np.ndarray:
@@ -80,3 +84,63 @@ class NativeParseSession:
 
     def sets_between_lexemes(self, config: int) -> list[int]:
         return list(self.native.sets_between_lexemes(config, self.index.mask_fuel))
+
+
+def register_pieces(index: CFGIndex, states) -> None:
+    """Tell the native lexer which of ``states`` (a mask's root states) hold repeat pieces, and which of the
+    states one byte further do, so that their walks take the pieces' shared token facts instead of the trie
+    (``cfg.cpp``'s ``PieceTokens``; each member split as the regular path splits a state,
+    ``token_pieces.split_pieces``). Called before a mask that starts from them, under the grammar's lock; each
+    state is asked once per offset."""
+    native_index = index.native_index()
+    for state in states:
+        _register(index, native_index, state, 0)
+        live, following = native_index.lexer_moves(state, index.mask_fuel)
+        if live > MIN_PIECE_BYTES:  # a narrow state's walk is a few trie nodes anyway
+            for after in following:
+                _register(index, native_index, after, 1)
+
+
+def _register(index: CFGIndex, native_index, state: int, offset: int) -> None:
+    is_start, members = native_index.lexer_members(state)
+    other, pieces = [], []
+    if not is_start and not index.grammar.greedy:
+        for terminal, q in zip(members[::2], members[1::2]):
+            rest_of_member, found = _split(index, native_index, terminal, q, offset)
+            pieces += found
+            if rest_of_member != DEAD:
+                other += [terminal, rest_of_member]
+    native_index.set_pieces(state, offset, np.asarray(other, dtype=np.int32), pieces)
+
+
+def _split(index: CFGIndex, native_index, terminal: int, state: int, offset: int) -> tuple[int, list]:
+    """One member: (the automaton state of its parts that are no piece, or DEAD; [(terminal, tokens id, low, high
+    or -1, rest state)]). Where the plain walk is the one to take, the member whole and no pieces."""
+    dfa = index.lexer.dfas[terminal]
+    with dfa.lock:
+        found, others = split_pieces(dfa.terms, dfa.term_of(state), index.tables.piece_facts)
+    pieces = []
+    for piece in found:
+        tokens = piece.facts.at(offset)
+        rest = dfa.state_of_term(piece.rest)
+        # no facts at offset 0, or a rest that may be empty (the lexeme could end at any unit boundary: exits
+        # the facts do not list)
+        if tokens is None or rest == DEAD or dfa.accepting[rest]:
+            return state, []
+        pieces.append((terminal, _tokens_id(index, native_index, tokens), piece.low,
+                       -1 if piece.high is None else piece.high, rest))
+    if not pieces:
+        return state, []
+    with dfa.lock:
+        return (dfa.state_of_term(dfa.terms.alt(others)) if others else DEAD), pieces
+
+
+def _tokens_id(index: CFGIndex, native_index, tokens) -> int:
+    """The native id of one piece's token facts in this grammar's index (registered on first use)."""
+    known = index.piece_tokens_ids.get(id(tokens))
+    if known is None:
+        nodes, units = tokens.crossing_nodes(index.tables.trie, index.vocab.token_bytes)
+        never = tokens.never_exits.view(np.uint8)
+        known = index.piece_tokens_ids[id(tokens)] = (tokens, native_index.add_piece_tokens(
+            tokens.unbounded_words, tokens.units, never, nodes, units, tokens.max_units))
+    return known[1]

@@ -57,6 +57,24 @@ class PieceTokens:
         self.unbounded_words = np.packbits(never_exits, bitorder="little").view(np.int32)
         self.max_units = int(units[never_exits].max(initial=0))
         self._bounded_words: dict[int, np.ndarray] = {}
+        self._crossing_nodes: tuple[np.ndarray, np.ndarray] | None = None
+
+    def crossing_nodes(self, trie, token_bytes) -> tuple[np.ndarray, np.ndarray]:
+        """The trie nodes where tokens leave the piece at a unit boundary (each token's prefix up to its exit),
+        ascending and without repeats, and the units before each (int32 arrays; computed once)."""
+        if self._crossing_nodes is None:
+            found: dict[int, int] = {}
+            child_of = trie.child_of
+            for token_id, offset, units in zip(self.cross_ids.tolist(), self.cross_offsets.tolist(),
+                                               self.cross_units.tolist()):
+                node = 0
+                for byte in token_bytes[token_id][:offset]:
+                    node = child_of[node << 8 | byte]
+                found[node] = units  # one prefix, one count
+            nodes = sorted(found)
+            self._crossing_nodes = (np.asarray(nodes, dtype=np.int32),
+                                    np.asarray([found[node] for node in nodes], dtype=np.int32))
+        return self._crossing_nodes
 
     def bounded_words(self, high: int) -> np.ndarray:
         """Bitmask words of the tokens that never exit and start at most ``high`` units (read-only, cached: every

@@ -34,7 +34,9 @@ class Terminal:
     """A lexeme: text matching ``node`` (``special``: a special token the vocabulary names, ``node`` None).
     ``lazy``: it ends at its shortest match instead of its longest. ``exact``: in a greedy grammar, it may also
     end where it matches while a longer match could go on (the parts of an inline ``%json`` schema, whose
-    lexemes are cut from a language that has no lexer)."""
+    lexemes are cut from a language that has no lexer). ``replay``: the text of a hidden stop (llguidance's
+    ``stop=``): the lexeme ends lazily on it, the parser takes it as ending before it, and those bytes are then
+    read again as the start of what follows."""
 
     name: str
     node: Node | None
@@ -42,6 +44,7 @@ class Terminal:
     lazy: bool = False
     priority: int = 0
     exact: bool = False
+    replay: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class GrammarBuilder:
     greedy: bool = True  # see Grammar.greedy
     check_time: object = None  # called every few thousand symbols while lowering (a compile budget's clock)
     json_node: object = None  # schema -> regex AST, or (AST, rules) when it recurses, for %json (None: refused)
+    notes: list[str] = field(default_factory=list)  # warnings the front-end found (options it ignores)
 
     def error(self, message: str, line: int | None = None) -> InvalidGrammarError:
         return InvalidGrammarError(f"{self.kind}: {message}" + (f" (line {line})" if line else ""))
@@ -237,7 +241,8 @@ class _Lowering:
             j = self.terminal_ids[key] = len(self.terminals)
             special = expr[1] if kind == "special" else None
             self.terminals.append(Terminal(name, node, special, options.get("lazy", False),
-                                           options.get("priority", 0), exact=kind == "lexeme"))
+                                           options.get("priority", 0), exact=kind == "lexeme",
+                                           replay=options.get("replay", b"")))
         return j
 
     def json_parts(self, expr: Expr, line: int) -> tuple[Node | None, Expr | None]:
@@ -311,8 +316,8 @@ class _Lowering:
                      if lhs in productive and all(s < 0 or s in productive for s in rhs))
         dropped = sorted({grammar.nonterminals[lhs].split("#")[0] for lhs, _ in grammar.productions
                           if lhs not in productive})
-        warnings = tuple(f"rule '{name}' derives no finite text; the alternatives that use it are dropped"
-                         for name in dropped)
+        warnings = tuple(self.b.notes) + tuple(f"rule '{name}' derives no finite text; the alternatives that use "
+                                               "it are dropped" for name in dropped)
         return Grammar(grammar.terminals, grammar.nonterminals, kept, grammar.start, grammar.ignore, warnings,
                        grammar.greedy)
 
@@ -378,7 +383,8 @@ class RefTreeExprs:
         return found
 
     def has_ref(self, node: Node) -> bool:
-        found = self.holds_ref.get(id(node))
+        memo = self.holds_ref
+        found = memo.get(id(node))
         if found is None:
             if isinstance(node, Ref):
                 found = True
@@ -386,9 +392,16 @@ class RefTreeExprs:
                 found = False
             elif isinstance(node, Repeat):
                 found = self.has_ref(node.node)
-            else:
-                found = any(self.has_ref(part) for part in (node.options if isinstance(node, Alt) else node.parts))
-            self.holds_ref[id(node)] = found
+            else:  # a DAG: most parts are known already, so they are looked up here rather than called
+                found = False
+                for part in node.options if isinstance(node, Alt) else node.parts:
+                    holds = memo.get(id(part))
+                    if holds is None:
+                        holds = self.has_ref(part)
+                    if holds:
+                        found = True
+                        break
+            memo[id(node)] = found
         return found
 
     def _expr_of(self, node: Node) -> Expr:

@@ -6,10 +6,16 @@ change nothing here), ranges ``"a".."z"``, ``(...)``, ``[...]`` (optional), ``? 
 aliases ``-> name`` (ignored: they name tree nodes), rule modifiers ``? ! _`` (ignored), ``%import common.NAME``
 (``-> ALIAS``) and ``%import common (A, B)``, ``%ignore``, ``%declare``. llguidance's additions: ``x{m,n}``
 repetition, ``%json { schema }`` inline JSON Schemas, special tokens ``<|name|>`` and ``<[id]>`` / ``<[a-b]>``,
-``[lazy]`` and ``[capture]`` on a definition, ``%llguidance {...}`` (options, ignored).
+``%llguidance {...}`` (options, ignored), and lexeme options on a definition whose body is terminals only (a rule
+then becomes one lexeme): ``[lazy]`` (the shortest match), ``suffix=S`` (lazy, ending with ``S``: a string, a
+regex or a terminal), ``stop="s"`` (lazy, ending with ``s``, which the rule does not keep: the text goes on with
+``s`` read again as the start of what follows, llguidance's result wherever it needs no backtracking, since a
+sent token is never taken back), ``capture``/``stop_capture`` (names for the caller; ignored), ``temperature=``
+(ignored, with a warning).
 
-Refused with :class:`InvalidGrammarError` naming the line: templates, ``%override``/``%extend``, imports from
-anything but ``common``, and llguidance's ``stop=``/``suffix=``/``max_tokens=`` lexemes (not implemented).
+Refused with :class:`InvalidGrammarError` naming the line: templates (llguidance refuses them too),
+``%override``/``%extend``, imports from anything but ``common``, ``stop=`` with a regex or ``""`` (the end of
+sequence, which llguidance takes back) and ``max_tokens=`` (a bound on tokens, not on text).
 
 Why not lark's own loader: it cannot read llguidance's additions, and it compiles terminal regexes with Python's
 ``re``. Here every regex goes through Corral's own parser (no user regex reaches a backtracking engine); lark
@@ -140,36 +146,79 @@ class _LarkParser:
             if kind != "number":
                 raise _error(f"expected a priority number after '{name}.'", line)
             options["priority"] = int(number)
+        lexeme: dict = {}
         if t.accept("["):
-            self.attributes(name, options, line)
+            self.attributes(name, options, lexeme, line)
         t.expect(":", f"after '{name}'")
         expr = self.expansions()
+        if lexeme:  # llguidance's lexeme options: the body, terminals only, becomes one lazy lexeme
+            options["lazy"] = True
+            if "suffix" in lexeme:
+                expr = ("seq", (expr, lexeme["suffix"]))
+            if "stop" in lexeme:
+                expr = ("seq", (expr, ("literal", lexeme["stop"], False)))
+                options["replay"] = lexeme["stop"].encode()
         if name.lstrip("_")[:1].isupper():
             self.b.add_terminal(name, expr, line, **options)
+        elif options.get("lazy"):  # a rule whose body is one lexeme: a terminal of its own under it
+            hidden = f"{name}[lexeme]"
+            self.b.add_terminal(hidden, expr, line, **options)
+            self.b.add_rule(name, ("name", hidden, line), line)
         else:
-            if options.get("lazy"):
-                raise _error(f"rule '{name}' is marked lazy; only terminals (UPPER case) can be lazy here", line)
             self.b.add_rule(name, expr, line)
 
-    def attributes(self, name: str, options: dict, line: int) -> None:
+    def attributes(self, name: str, options: dict, lexeme: dict, line: int) -> None:
+        """``[lazy, capture, stop=..., suffix=..., ...]``: ``lexeme`` takes ``stop`` (a string) and ``suffix``
+        (a string, a regex or a terminal's name)."""
         t = self.t
         while True:
             kind, key, _ = t.next()
             if kind != "name":
                 raise _error(f"expected an attribute of '{name}', found {key!r}", line)
+            value = self.attribute_value(name, key, line) if t.accept("=") else None
             if key == "lazy":
-                options["lazy"] = True
-            elif key == "capture":
-                pass  # names a capture group for the caller; the language is the same
-            elif key in ("stop", "suffix", "max_tokens", "temperature", "stop_capture"):
-                raise _error(f"the attribute {key}= on '{name}' is not supported", line)
+                lexeme["lazy"] = True
+            elif key in ("capture", "stop_capture"):
+                pass  # name capture groups for the caller; the language is the same
+            elif key == "suffix":
+                if value is None or value[0] not in ("literal", "regex", "name") or value == ("literal", "", False):
+                    raise _error(f"suffix= on '{name}' takes a string, a /regex/ or a TERMINAL", line)
+                lexeme["suffix"] = value
+            elif key == "stop":
+                if value is None or value[0] != "literal" or value[2]:
+                    raise _error(f"stop= on '{name}' takes a string here: the stop's text is read again as the "
+                                 "start of what follows, so it must be fixed (suffix= takes a regex)", line)
+                if not value[1]:
+                    raise _error(f'stop="" on \'{name}\' (the end of sequence as the stop) is not supported: a '
+                                 "sampled end of sequence cannot be taken back; use [lazy] or suffix=", line)
+                lexeme["stop"] = value[1]
+            elif key == "temperature":
+                self.b.notes.append(f"temperature= on '{name}' (line {line}) is ignored: the request's sampling "
+                                    "settings apply inside it")
+            elif key == "max_tokens":
+                raise _error(f"max_tokens= on '{name}' is not supported: it bounds tokens, not text (bound the "
+                             "regex instead, as in /.{0,200}/)", line)
             else:
                 raise _error(f"unknown attribute '{key}' on '{name}'", line)
-            if t.accept("="):
-                t.next()
             if t.accept("]"):
                 return
             t.expect(",", "between attributes")
+
+    def attribute_value(self, name: str, key: str, line: int):
+        kind, text, _ = self.t.next()
+        if kind == "string":
+            return ("literal", _string_value(text, line), text.endswith("i"))
+        if kind == "regex":
+            return ("regex", _regex_node(text, line))
+        if kind == "name":
+            return ("name", text, line)
+        if kind == "number":  # 10, or 0.7 (which the tokens split at the dot)
+            if self.t.accept("."):
+                fraction = self.t.next()
+                if fraction[0] != "number":
+                    raise _error(f"expected a number for {key}= on '{name}'", line)
+            return ("number", text)
+        raise _error(f"expected a value for {key}= on '{name}', found {text!r}", line)
 
     def directive(self) -> None:
         t = self.t

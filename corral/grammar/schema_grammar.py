@@ -11,10 +11,12 @@ from corral.grammar.cfg import Grammar, GrammarBuilder, RefTreeExprs
 from corral.grammar.regex_ast import Node
 
 
-def rules_to_grammar(root: Node, rules: dict[str, Node], check_time=None) -> Grammar:
-    """``check_time``: a compile budget's clock, called while lowering."""
+def rules_to_grammar(root: Node, rules: dict[str, Node], check_time=None,
+                     exprs: RefTreeExprs | None = None) -> Grammar:
+    """``check_time``: a compile budget's clock, called while lowering; ``exprs``: the trees' expressions when
+    they were made already (a DAG's parts are lowered once)."""
     builder = GrammarBuilder(kind="JSON Schema grammar", greedy=False, check_time=check_time)
-    exprs = RefTreeExprs()
+    exprs = exprs or RefTreeExprs()
     builder.add_rule("start", exprs.expr(root), 0)
     for name, node in rules.items():
         builder.add_rule(name, exprs.expr(node), 0)

@@ -1,9 +1,9 @@
 """ValueBuilders: the type-by-type builders of ``SchemaCompiler`` (null, boolean, numbers, strings, arrays,
 objects, ``enum`` literals and the "any JSON value" of the schema ``true``).
 
-"Any value" is a context-free language (containers nest without bound); on the regular path it is unrolled
-``ANY_VALUE_DEPTH`` containers deep, which is where a ``{}`` property value or an undeclared member's value can
-nest. On the context-free path (``exact_any_value``) it is a rule that names itself, with no depth limit.
+"Any value" is a context-free language (containers nest without bound): a rule that names itself
+(``exact_any_value``), which sends a schema that holds it down the context-free path, with no depth limit. Only
+where no rule can stand (inside an intersection) is it unrolled ``ANY_VALUE_DEPTH`` containers deep instead.
 """
 
 import json

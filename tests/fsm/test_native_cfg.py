@@ -46,6 +46,9 @@ NAME: /[a-z]+/
     'start: "say " WORD (" " WORD)* <|end|> "!"\nWORD: /[a-z]+/',
     'start: item+\nitem: A | B\nA: /a+?/\nB: "ab"',  # a lazy lexeme beside a greedy one
     'root ::= ("x" | "xy") ("y" | "yz")* "!"',  # GBNF: exact lexing, several readings at once
+    # llguidance's lexeme options: a hidden stop read again after its lexeme, a suffix, a lazy rule
+    'start: (line "\\n")+ end\nline[stop="\\n"]: /[a-z "]*/\nend[suffix=/[.!]/]: /[a-z]+/',
+    'start: call* TEXT\nTEXT: /[^<]+/\nhead[lazy]: /[a-z ]*/ "<f"\ncall: head "=" /[0-9]+/ ">"',
 ]
 
 
@@ -88,6 +91,49 @@ def test_native_masks_equal_the_oracle_along_the_corpus_documents(real, name, ex
         assert ours.is_error() == oracle.is_error() and ours.is_accepting() == oracle.is_accepting()
 
 
+# Open objects (any-value members: the context-free path) whose lexemes hold repeat pieces: string bodies,
+# bounded ones, free-form keys beside declared names, a pattern's body, any-values nested inside.
+PIECE_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "note": {"type": "string", "maxLength": 6},
+                                      "meta": {}}, "required": ["name"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "object", "properties": {
+        "key": {"type": "string"}, "value": {"type": "string", "minLength": 2}}}}}},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[a-z ]+$"}},
+     "additionalProperties": True},
+]
+PIECE_DOCS = ['{"name": "Ada Lovelace", "note": "first", "meta": {"born": [1815, {"in": "London"}]}, "x": "y"}',
+              '{"name": "", "note": "toolong!", "extra": {"a": {"b": {"c": {"d": {"e": {"f": "deep"}}}}}}}',
+              '{"tags": [{"key": "colour", "value": "blue", "more": [1, 2, {"k": "v"}]}, {"key": "k"}]}',
+              '{"code": "AB-hello world", "other": {"nested": {"n": "s"}}, "code2": "CAPS"}']
+
+
+@pytest.mark.parametrize("schema", PIECE_SCHEMAS, ids=["strings", "keys", "patterns"])
+def test_native_masks_with_repeat_pieces_equal_the_oracle(real, schema):
+    tokenizer, vocab, compiler = real
+    compiled = compiler.compile(Constraint("json_schema", schema, whitespace="flexible"))
+    index = compiled.index
+    words = index.tables.num_words
+    rng = random.Random(json.dumps(schema))
+    walks = [tokenizer.encode(doc, add_special_tokens=False) for doc in PIECE_DOCS] + [None] * 6
+    for tokens in walks:
+        ours, oracle = CFGGuide(NativeParseSession(index)), CFGGuide(ParseSession(index))
+        for step in range(60):
+            _step_equal(ours, oracle, words)
+            if tokens is not None:
+                if step >= len(tokens):
+                    break
+                token_id = tokens[step]
+            else:  # a random walk through the allowed tokens
+                row = np.zeros(words, dtype=np.int32)
+                oracle.fill_mask(row)
+                token_id = int(rng.choice(np.flatnonzero(np.unpackbits(row.view(np.uint8),
+                                                                       bitorder="little")[:vocab.size])))
+            assert ours.advance(token_id) == oracle.advance(token_id)
+            if oracle.is_finished():
+                break
+    assert index.native_index().num_piece_splits > 0  # the walks did take the pieces' facts
+
+
 @pytest.fixture(scope="module")
 def toy():
     tokens = [bytes([b]) for b in range(256)] + [b"<eos>", b"<|end|>"] + \
@@ -97,7 +143,7 @@ def toy():
     return vocab, GrammarCompiler(vocab)
 
 
-@pytest.mark.parametrize("grammar", TOY_GRAMMARS, ids=["json", "arith", "special", "lazy", "gbnf"])
+@pytest.mark.parametrize("grammar", TOY_GRAMMARS, ids=["json", "arith", "special", "lazy", "gbnf", "stop", "lazy-rule"])
 def test_native_masks_equal_the_oracle_along_random_walks(toy, grammar):
     vocab, compiler = toy
     index = compiler.compile(Constraint("grammar", grammar)).index

@@ -28,7 +28,8 @@ MORE = [
                whitespace="flexible"),
     # pieces beside other members (declared names beside the free-form one; a literal beside a string body)
     Constraint("json_schema", {"type": "object", "properties": {"ab": {"type": "string"}, "b7": {"type": "integer"},
-                                                                "u": {"type": "string", "maxLength": 3}}}),
+                                                                "u": {"type": "string", "maxLength": 3}},
+                               "additionalProperties": {"type": "integer"}}),  # a value "any" would not be regular
     Constraint("regex", r'(x|\\")*"(a",|[^"\\]*"!|u\\"[^"\\]*"!)'),
 ]
 

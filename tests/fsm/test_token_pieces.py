@@ -35,7 +35,8 @@ VOCAB = _toy_vocabulary()
 CONSTRAINTS = [
     Constraint("json_schema", {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                                 "tag": {"type": "string", "minLength": 2}},
-                               "required": ["name"]}, whitespace="flexible"),
+                               "required": ["name"], "additionalProperties": {"type": "integer"}},
+               whitespace="flexible"),  # (an open object's "any" values would take the context-free path)
     Constraint("json_schema", {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 9}}),
     Constraint("json_schema", {"type": "object", "additionalProperties": {"type": "string"}}),
     Constraint("regex", r'[^"\\]{1,4}"(,|\})'),

@@ -228,3 +228,27 @@ def test_masks_equal_llguidance_along_valid_documents_and_random_walks(setup, na
     for document in documents:
         _compare_along(tokenizer, vocab, grammar, matcher, tokenizer.encode(document), entry["lark"], seen)
     assert set(seen) <= set(DIFFERENCES)
+
+
+# llguidance's lexeme options (its tool-calling pattern, suffix=, and stop= where llguidance takes nothing back):
+# (grammar, documents)
+LEXEME_OPTIONS = [
+    ('start: f_call* f_end\nf_end: TEXT\nTEXT: /(.|\\n)+/\nf_head[lazy]: /(.|\\n)*/ "<function"\n'
+     'f_call: f_head "=get_time>" %json {"type": "object", "properties": {"tz": {"type": "string"}}, '
+     '"required": ["tz"], "additionalProperties": false} "</function>"',
+     ['Let me check.<function=get_time>{"tz":"UTC"}</function> Done.', "No call here at all."]),
+    ('start: item+\nitem[suffix=";"]: /[a-z ]+/', ["one; two three;", "a;b;"]),
+    ('start: para+\npara: line "\\n"\nline[stop="\\n"]: /[a-zA-Z ,.]*/', ["Hello there.\nSecond line, here.\n"]),
+]
+
+
+@pytest.mark.parametrize("text, documents", LEXEME_OPTIONS, ids=["lazy-tool-call", "suffix", "stop"])
+def test_lexeme_options_equal_llguidance(setup, text, documents):
+    tokenizer, vocab, compiler, llg_tokenizer = setup
+    grammar = compiler.compile(Constraint("grammar", text))
+    matcher = _llg_matcher(llg_tokenizer, text)
+    seen: dict[str, int] = {}
+    for document in documents:
+        assert _accepts_tokens(grammar, vocab, tokenizer.encode(document)), document
+        _compare_along(tokenizer, vocab, grammar, matcher, tokenizer.encode(document), text, seen)
+    assert set(seen) <= set(DIFFERENCES)

@@ -55,6 +55,20 @@ def language(compiler, text: str, good: list[str], bad: list[str]) -> None:
     ('start: ESCAPED_STRING\n%import common.ESCAPED_STRING', ['"a\\"b"', '""'], ['"a"b"', '"a\nb"']),
     ('start: "a" b\nb: "b"\nunused: undefined_rule', ["ab"], ["a"]),
     ('%llguidance {}\nstart: "a"', ["a"], ["b"]),
+    # llguidance's lexeme options: a rule of terminals becomes one lazy lexeme
+    ('start: f_foo* f_end\nf_end: TEXT\nTEXT: /(.|\\n)+/\nf_foo_hd[lazy]: /(.|\\n)*/ "<fn"\n'
+     'f_foo: f_foo_hd "=foo>" /[0-9]+/ "</fn>"',
+     ["hello", "a<fn=foo>12</fn>rest", "x<fn=foo>1</fn>y<fn=foo>2</fn>.", "\n<fn=foo>3</fn>?"],
+     ["a<fn=bar>", "a<fn=foo>x</fn>", "a<fn=foo>1</fn>"]),
+    ('start: item+\nitem[suffix=";"]: /[a-z;]+/', ["a;", "ab;c;", ";;"], ["a", "ab", ";"]),
+    ('start: item+\nitem[suffix=/[.!]/, capture]: /[a-z]+/', ["ab.", "a!b."], ["ab", "ab.!"]),
+    ('start: item+\nitem[suffix=END]: /[a-z]+/\nEND: "." | "!"', ["ab.", "a!b."], ["ab", "ab.!"]),
+    # stop=: the rule does not keep its stop, whose text is read again as the start of what follows
+    ('start: with_stop "<end>" "x"\nwith_stop[stop="<end>"]: /[a-z<>]*/', ["foo<end>x", "<end>x"],
+     ["foo<end><end>x", "foox", "foo<end>"]),
+    ('start: para+\npara: line "\\n"\nline[stop="\\n", temperature=0.7]: /[a-z ]*/',
+     ["ab\n", "a b\ncd\n", "ab\n\n"], ["ab", "\nx", "ab\nc"]),
+    ('start: A ".!"\nA[stop="."]: /[a-z]+/', ["ab.!"], ["ab.", "ab!", "ab..!"]),
 ])
 def test_the_dialect(compiler, text, good, bad):
     language(compiler, text, good, bad)
@@ -85,7 +99,11 @@ def test_inline_json_nests_without_a_limit_and_keeps_its_lexemes_exact(compiler)
     ('%import common.NOPE\nstart: NOPE', r"common.NOPE does not exist"),
     ('start: /a(?=b)/', r"lookahead is not supported at offset 1 .* \(line 1\)"),
     ('start: /a\\1/', r"a backreference is not supported at offset 1 in regex 'a\\\\1' \(line 1\)"),
-    ('start: A\nA[stop=""]: /.*/', r"the attribute stop= on 'A' is not supported \(line 2\)"),
+    ('start: A\nA[stop=""]: /.*/', r'stop="" on \'A\' \(the end of sequence as the stop\) is not supported.*\(line 2\)'),
+    ('start: a\na[stop=/x+/]: /.*/', r"stop= on 'a' takes a string here.* \(line 2\)"),
+    ('start: a\na[max_tokens=10]: /.*/', r"max_tokens= on 'a' is not supported: it bounds tokens, not text"),
+    ('start: a\na[lazy]: "x" b\nb: "y"', r"terminal a\[lexeme\] uses 'b', which is a rule"),
+    ('start: a\na[flavour="x"]: "x"', r"unknown attribute 'flavour' on 'a' \(line 2\)"),
     ('start: "a"{3,1}', r"the maximum is below the minimum"),
     ('start: "a"{300000}', r"rule 'start' repeats at least 300000 times"),
     ('start: "a"{100000} "b"{100000} "c"{100}', r"more than 200000 symbols \(rule 'start'"),
@@ -109,6 +127,11 @@ def test_a_grammar_whose_rules_need_terminals_that_match_nothing_is_refused(comp
     with pytest.raises(InvalidGrammarError, match="can never finish"):
         compiler.compile(Constraint("grammar", "%declare X\nstart: X"))
     language(compiler, '%declare X\nstart: X | "a"', ["a"], ["X", ""])
+
+
+def test_an_ignored_option_is_a_warning():
+    grammar = parse_lark('start: a\na[temperature=0.5]: /[a-z]+/ "."')
+    assert any("temperature= on 'a' (line 2) is ignored" in w for w in grammar.warnings)
 
 
 def test_rules_that_derive_nothing_are_dropped_with_a_warning():

@@ -89,10 +89,43 @@ def test_lexemes_that_start_alike_are_kept_apart(compiler):
         assert not accepts(grammar, bad), bad
 
 
-def test_schemas_without_recursion_keep_the_regular_path(compiler):
+def test_schemas_without_recursion_or_open_values_keep_the_regular_path(compiler):
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}, "b": {"$ref": "#/$defs/x"}},
-              "$defs": {"x": {"type": "integer"}}}
+              "$defs": {"x": {"type": "integer"}}, "additionalProperties": False}
     assert isinstance(compiler.compile(Constraint("json_schema", schema)), CompiledGrammar)
+
+
+def nested(depth: int):
+    value = "leaf"
+    for level in range(depth):
+        value = {"k": value} if level % 2 else [value, 1]
+    return value
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"meta": {}}, "additionalProperties": False},  # a {} value
+    {"type": "object", "properties": {"id": {"type": "integer"}}},  # an undeclared member's value
+    {"type": "array", "items": True},
+    {"type": "object", "properties": {"meta": {"type": "object"}}, "required": ["meta"]},
+], ids=["empty-schema", "undeclared", "items-true", "open-object"])
+def test_open_values_nest_without_a_limit(compiler, vocab, schema):
+    grammar = compiler.compile(Constraint("json_schema", schema))
+    assert isinstance(grammar, CompiledCFG)
+    deep = nested(30)
+    document = {"object": {"meta": {"x": deep}}, "array": [deep]}[schema["type"]]
+    if schema["type"] == "object" and "id" in schema["properties"]:
+        document = {"id": 1, "x": deep}
+    jsonschema.validate(document, schema)
+    text = json.dumps(document, separators=(",", ":"))
+    assert accepts(grammar, text)
+    assert not accepts(grammar, text.replace('"leaf"', '"leaf",'))  # a trailing comma 30 levels down
+    assert not accepts(grammar, text.replace('"leaf"', "leaf"))
+    if "id" in schema.get("properties", {}):  # declared members keep their schema beside open ones
+        assert not accepts(grammar, '{"id":"x","y":{}}') and accepts(grammar, '{"id":2,"y":{}}')
+    for seed in range(5):
+        walked = random_document(grammar, vocab, single_byte_tokens(vocab), random.Random(seed))
+        if walked is not None:
+            jsonschema.validate(json.loads(walked), schema)
 
 
 @settings(max_examples=40, deadline=None)
