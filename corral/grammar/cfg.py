@@ -4,8 +4,9 @@ Both front-ends (``lark_grammar.py``, ``gbnf_grammar.py``) describe rules as :da
 alternatives, repeats, literals, regexes, names); :class:`GrammarBuilder` lowers them to plain productions
 ``lhs -> symbols`` (a repeat becomes a left-recursive helper rule, which Earley parses in linear time) and checks
 what would make a grammar unusable, each failure an :class:`InvalidGrammarError` naming the rule and its line:
-an undefined name, a terminal defined through itself, a terminal that matches the empty string, a start rule
-that derives no finite text. Rules that derive no finite text are dropped (with their alternatives that use
+an undefined name, a terminal defined through itself, a start rule that derives no finite text. A terminal that
+matches the empty string (llguidance allows them) is "nothing, or the terminal without its empty string" where a
+rule uses it. Rules that derive no finite text are dropped (with their alternatives that use
 them), so that no prefix the parser allows is a dead end.
 
 Symbols: a nonterminal is its index ``k >= 0``; terminal ``j`` is ``~j`` (negative). What is left out here: trees,
@@ -114,7 +115,9 @@ class _Lowering:
         self.node_cache: dict[str, Node] = {}
         self.num_symbols = 0
         self.num_helpers = 0
-        self.helper_of: dict[int, int] = {}  # id of a compound Expr -> its helper rule (an Expr DAG lowers once)
+        # id of a compound Expr -> its helper rule (an Expr DAG lowers once); ("optional", terminal) -> the rule of a
+        # terminal that matches the empty string
+        self.helper_of: dict[object, int] = {}
         self.json_cache: dict[str, tuple[Node | None, Expr | None]] = {}  # see json_parts
 
     def run(self, start: str) -> Grammar:
@@ -132,7 +135,7 @@ class _Lowering:
             rule = b.rules[name]
             for alternative in _alternatives(rule.expr):
                 self.production(self.nt_ids[name], alternative, rule, pending)
-        ignore = tuple(sorted({self.terminal_of(expr, line) for expr, line in b.ignore}))
+        ignore = tuple(sorted({self.terminal_of(expr, line, nonempty=True) for expr, line in b.ignore}))
         return self.checked(Grammar(tuple(self.terminals), tuple(self.nonterminals), tuple(self.productions),
                                     start_id, ignore, greedy=b.greedy))
 
@@ -173,13 +176,15 @@ class _Lowering:
                 pending.append(name)
                 return self.nonterminal(name)
             if name in self.b.terminal_defs:
-                return ~self.terminal_of(expr, line)
+                return self.lexeme_symbol(expr, line, owner)
             raise self.b.error(f"rule '{owner.name}' uses '{name}', which is not defined", line)
         if kind == "json":
             expansion = self.json_parts(expr, owner.line)[1]
             return ~self.terminal_of(expr, owner.line) if expansion is None else \
                 self.symbol(expansion, owner, pending)
-        if kind in ("literal", "regex", "chars", "special", "lexeme"):
+        if kind in ("literal", "regex", "chars"):
+            return self.lexeme_symbol(expr, owner.line, owner)
+        if kind in ("special", "lexeme"):
             return ~self.terminal_of(expr, owner.line)
         shared = self.helper_of.get(id(expr))
         if shared is not None:
@@ -213,8 +218,26 @@ class _Lowering:
         self.add(helper, (item,) * low + (() if rest is None else (rest,)), owner)
         return helper
 
-    def terminal_of(self, expr: Expr, line: int) -> int:
-        """The terminal id of a lexeme expression: a terminal's name, or an anonymous literal/regex/class."""
+    def lexeme_symbol(self, expr: Expr, line: int, owner: RuleDef) -> int:
+        """The symbol of a terminal used in a rule. One that matches the empty string (llguidance allows
+        ``TEXT: /(.|\\n)*/``; the lexer never reads an empty lexeme) is a helper rule: nothing, or the terminal
+        without its empty string; a lazy one, which ends as soon as it matches, only nothing."""
+        node = self.terminal_node(expr[1], []) if expr[0] == "name" else self.lexeme_node(expr, [], line)
+        if not nullable(node):
+            return ~self.terminal_of(expr, line)
+        key = ("optional", expr[1] if expr[0] == "name" else id(expr))
+        helper = self.helper_of.get(key)
+        if helper is None:
+            helper = self.helper_of[key] = self.helper(owner)
+            self.add(helper, (), owner)
+            lazy = expr[0] == "name" and self.b.terminal_options.get(expr[1], {}).get("lazy", False)
+            if not lazy and node != EMPTY:
+                self.add(helper, (~self.terminal_of(expr, line, nonempty=True),), owner)
+        return helper
+
+    def terminal_of(self, expr: Expr, line: int, nonempty: bool = False) -> int:
+        """The terminal id of a lexeme expression: a terminal's name, or an anonymous literal/regex/class;
+        ``nonempty``: of its text without the empty string (see :meth:`optional_lexeme`)."""
         kind = expr[0]
         if kind == "name":
             name = expr[1]
@@ -234,6 +257,8 @@ class _Lowering:
             # anonymous lexemes are keyed by the identity of their AST (kept alive by the terminal)
             key = (kind, id(expr[1])) if kind in ("regex", "lexeme") else (kind, expr[1:])
             node, options, name = self.lexeme_node(expr, [], line), {}, _display(expr)
+        if nonempty and node is not None and nullable(node):
+            key, node = ("nonempty", key), Intersect((node, _NONEMPTY))
         j = self.terminal_ids.get(key)
         if j is None:
             if node is not None and nullable(node):

@@ -11,7 +11,8 @@ then becomes one lexeme): ``[lazy]`` (the shortest match), ``suffix=S`` (lazy, e
 regex or a terminal), ``stop="s"`` (lazy, ending with ``s``, which the rule does not keep: the text goes on with
 ``s`` read again as the start of what follows, llguidance's result wherever it needs no backtracking, since a
 sent token is never taken back), ``capture``/``stop_capture`` (names for the caller; ignored), ``temperature=``
-(ignored, with a warning).
+(ignored, with a warning). A terminal may match the empty string, as in llguidance (``cfg.py``'s
+``lexeme_symbol``).
 
 Refused with :class:`InvalidGrammarError` naming the line: templates (llguidance refuses them too),
 ``%override``/``%extend``, imports from anything but ``common``, ``stop=`` with a regex or ``""`` (the end of

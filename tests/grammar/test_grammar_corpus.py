@@ -230,13 +230,15 @@ def test_masks_equal_llguidance_along_valid_documents_and_random_walks(setup, na
     assert set(seen) <= set(DIFFERENCES)
 
 
-# llguidance's lexeme options (its tool-calling pattern, suffix=, and stop= where llguidance takes nothing back):
+# llguidance's lexeme options (its tool-calling pattern as its documentation writes it, with a TEXT that may be
+# empty; suffix=; stop= where llguidance takes nothing back):
 # (grammar, documents)
 LEXEME_OPTIONS = [
-    ('start: f_call* f_end\nf_end: TEXT\nTEXT: /(.|\\n)+/\nf_head[lazy]: /(.|\\n)*/ "<function"\n'
+    ('start: f_call* f_end\nf_end: TEXT\nTEXT: /(.|\\n)*/\nf_head[lazy]: TEXT "<function"\n'
      'f_call: f_head "=get_time>" %json {"type": "object", "properties": {"tz": {"type": "string"}}, '
      '"required": ["tz"], "additionalProperties": false} "</function>"',
-     ['Let me check.<function=get_time>{"tz":"UTC"}</function> Done.', "No call here at all."]),
+     ['Let me check.<function=get_time>{"tz":"UTC"}</function> Done.', "No call here at all.",
+      '<function=get_time>{"tz":"CET"}</function>']),
     ('start: item+\nitem[suffix=";"]: /[a-z ]+/', ["one; two three;", "a;b;"]),
     ('start: para+\npara: line "\\n"\nline[stop="\\n"]: /[a-zA-Z ,.]*/', ["Hello there.\nSecond line, here.\n"]),
 ]
