@@ -320,7 +320,8 @@ struct Lexer {
         }
         walk.ids.shrink_to_fit();
         const int64_t size = walk.nbytes();
-        if (walk_bytes + size > walk_budget) {
+        // an empty walk (most crossings into a piece's rest die at their first byte) costs less to redo than to keep
+        if ((num_ids == 0 && walk.exit_node.empty()) || walk_bytes + size > walk_budget) {
             scratch = std::move(walk);
             return scratch;
         }
@@ -635,6 +636,8 @@ struct Session {
     int64_t max_configs = 32768, fuel = int64_t(1) << 62, fuel_start = 0, mask_bytes = 0;
     int32_t start = 0;
 
+    bool replaying = false;  // reading a hidden stop's text again (see lazy_end)
+
     Session(IndexObject* o) : owner(o), index(*o->index), lexer(o->index->lexer), grammar(o->index->grammar) {
         Py_INCREF(owner);
     }
@@ -790,9 +793,17 @@ struct Session {
         for (int32_t j : lexer.accepts[lex])
             if (lexer.lazy[size_t(j)]) by_text[lexer.replay[size_t(j)]].push_back(j);
         for (const auto& [text, terminals] : by_text) {
+            // a hidden stop inside the text read again would take that text as its own stop as well (with an
+            // empty body, again and again: `line[stop="\n"]` in `line*`): bytes are read once as a stop
+            if (!text.empty() && replaying) continue;
             const int32_t ended = finish_lexeme(set_id, lex, &terminals);
             if (ended < 0) continue;
             Readings readings{after_lexeme(ended)};
+            replaying = true;
+            struct Reset {
+                bool& flag;
+                ~Reset() { flag = false; }
+            } reset{replaying};
             for (const char c : text) {
                 Readings following;
                 for (const Reading& r : readings) read(r.first, r.second, uint8_t(c), following);
@@ -1164,8 +1175,9 @@ PyObject* index_lexer_members(IndexObject* self, PyObject* const* args, Py_ssize
     )
 }
 
-// lexer_moves(state, fuel): (the number of bytes that do not end the lexeme, the distinct states they lead to),
-// deriving at most `fuel` new terms (-1: no cap) as a mask would.
+// lexer_moves(state, fuel): (the number of tokens' first bytes that go on inside the lexeme, the distinct states
+// they lead to that are not registered one byte into a token yet), deriving at most `fuel` new terms (-1: no cap)
+// as a mask would.
 PyObject* index_lexer_moves(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 2, "lexer_moves")) return nullptr;
     Lexer& lexer = self->index->lexer;
@@ -1175,18 +1187,21 @@ PyObject* index_lexer_moves(IndexObject* self, PyObject* const* args, Py_ssize_t
         if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
         Ints found;
         int live = 0;
-        for (int byte = 0; byte < 256; ++byte) {
-            const int32_t following = lexer.move(int32_t(state), byte);
+        const TrieView& trie = self->index->trie;
+        for (int64_t k = 0; k < trie.num_roots; ++k) {  // the first bytes of tokens only
+            const int32_t following = lexer.move(int32_t(state), trie.node_byte[trie.roots[k]]);
             if (following < 0) continue;
             ++live;
-            if (std::find(found.begin(), found.end(), following) == found.end()) found.push_back(following);
+            if (lexer.piece_status[1][size_t(following)] == 0 &&
+                std::find(found.begin(), found.end(), following) == found.end())
+                found.push_back(following);
         }
         return Py_BuildValue("(iN)", live, tuple_of(found));
     )
 }
 
 // add_piece_tokens(unbounded_words, units, never_exits, cross_nodes, cross_units, max_units): one piece's token
-// facts at offset 0 (token_pieces.PieceTokens: int32 words; int32 and uint8 per token of whole words; int32
+// facts at one offset (token_pieces.PieceTokens: int32 words; int32 and uint8 per token of whole words; int32
 // trie nodes and their units), kept by the index; returns their id for set_pieces.
 PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 6, "add_piece_tokens")) return nullptr;
@@ -1206,7 +1221,9 @@ PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ss
             if (facts.cross_node[k] < 0 || facts.cross_node[k] >= index.trie.num_nodes ||
                 (k && facts.cross_node[k] <= facts.cross_node[k - 1]))
                 fail(PyExc_ValueError, "add_piece_tokens: crossing nodes must be trie nodes, ascending");
-        facts.max_units = int32_t(long_of(args[5]));
+        const int64_t max_units = long_of(args[5]);
+        if (max_units < 0 || max_units > INT32_MAX) fail(PyExc_ValueError, "add_piece_tokens: max_units out of range");
+        facts.max_units = int32_t(max_units);
         facts.unbounded = unbounded.data<const uint32_t>();
         facts.units = units.data<const int32_t>();
         facts.never_exits = never.data<const uint8_t>();
@@ -1223,8 +1240,8 @@ PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ss
 // set_pieces(state, offset, other, pieces): register a lexer state met `offset` bytes into a token (0 or 1):
 // `other` its members that are no piece (terminal,
 // automaton state, ...: terminals ascending), `pieces` a list of (terminal, tokens id, low, high or -1, automaton
-// state of the rest); an empty list says the state has none. Ignored where lexing is greedy, the members'
-// priorities differ (a union of their walks would keep matches the top priority drops) or the state is known.
+// state of the rest); an empty list says the state has none. Ignored where lexing is greedy, the terminals'
+// priorities differ (walks taken apart would keep matches the top priority drops) or the state is known.
 PyObject* index_set_pieces(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 4, "set_pieces")) return nullptr;
     Lexer& lexer = self->index->lexer;
@@ -1235,10 +1252,11 @@ PyObject* index_set_pieces(IndexObject* self, PyObject* const* args, Py_ssize_t 
         if (!PyList_Check(args[3])) fail(PyExc_TypeError, "set_pieces: pieces must be a list");
         int8_t& status = lexer.piece_status[offset][size_t(state)];
         if (status != 0) Py_RETURN_NONE;
-        const Ints& members = lexer.members[size_t(state)];
+        const Ints members = lexer.members[size_t(state)];  // a copy: interning below may move the vector
+        // one priority for the whole grammar: apart, two paths would each keep their own top-priority match of a
+        // later lexeme, where together the lower one would be dropped
         bool one_priority = true;
-        for (size_t k = 2; k < members.size(); k += 2)
-            one_priority &= lexer.priority[size_t(members[k])] == lexer.priority[size_t(members[0])];
+        for (int32_t p : lexer.priority) one_priority &= p == lexer.priority.front();
         const Py_ssize_t num_pieces = PyList_GET_SIZE(args[3]);
         if (num_pieces == 0 || lexer.greedy || !one_priority || lexer.is_start[size_t(state)]) {
             status = 1;

@@ -160,6 +160,7 @@ class ParseSession:
         self._allowed: dict[int, frozenset[int]] = {}
         self._ends: dict[int, tuple[tuple[int, int], ...]] = {}  # see _ended
         self._starts: dict[int, tuple[int, int]] = {}  # see _finish_start
+        self._replaying = False  # reading a hidden stop's text again (see _lazy_end)
         self.lock = index.lock
         self.fuel_start = 0
         with self.lock:
@@ -240,15 +241,23 @@ class ParseSession:
         A terminal with a hidden stop (``Terminal.replay``) ends before its stop's text, which is then read again
         from the next lexeme."""
         for matched, replay in self.lexer.replays(lex_state):
+            if replay and self._replaying:
+                # a hidden stop inside the text read again would take that text as its own stop as well (with
+                # an empty body, again and again: `line[stop="\n"]` in `line*`): bytes are read once as a stop
+                continue
             ended = self.finish_lexeme(set_id, lex_state, matched)
             if ended < 0:
                 continue
             readings = {self.after_lexeme(ended)}
-            for byte in replay:
-                following: set[tuple[int, int]] = set()
-                for reading in readings:
-                    self._read(*reading, byte, following)
-                readings = following
+            self._replaying = True
+            try:
+                for byte in replay:
+                    following: set[tuple[int, int]] = set()
+                    for reading in readings:
+                        self._read(*reading, byte, following)
+                    readings = following
+            finally:
+                self._replaying = False
             out |= readings
 
     def gather(self, configs: np.ndarray, bytes_: np.ndarray) -> np.ndarray:

@@ -314,6 +314,9 @@ class _Lowering:
             if expr[1] not in self.b.terminal_defs:
                 where = f"terminal {stack[-1]}" if stack else "a terminal"
                 what = "a rule (terminals cannot use rules)" if expr[1] in self.b.rules else "not defined"
+                if stack and stack[-1].endswith("[lexeme]") and expr[1] in self.b.rules:
+                    where, what = (f"rule '{stack[-1][:-len('[lexeme]')]}' has lexeme options (lazy, stop=, suffix=), "
+                                   "so its body must be terminals, but it", "a rule")
                 raise self.b.error(f"{where} uses '{expr[1]}', which is {what}", expr[2])
             return self.terminal_node(expr[1], stack)
         if kind == "seq":

@@ -201,6 +201,8 @@ class _LarkParser:
                              "regex instead, as in /.{0,200}/)", line)
             else:
                 raise _error(f"unknown attribute '{key}' on '{name}'", line)
+            if "stop" in lexeme and "suffix" in lexeme:
+                raise _error(f"'{name}' has both stop= and suffix=; it takes one of them", line)
             if t.accept("]"):
                 return
             t.expect(",", "between attributes")

@@ -49,6 +49,7 @@ NAME: /[a-z]+/
     # llguidance's lexeme options: a hidden stop read again after its lexeme, a suffix, a lazy rule
     'start: (line "\\n")+ end\nline[stop="\\n"]: /[a-z "]*/\nend[suffix=/[.!]/]: /[a-z]+/',
     'start: call* TEXT\nTEXT: /[^<]+/\nhead[lazy]: /[a-z ]*/ "<f"\ncall: head "=" /[0-9]+/ ">"',
+    'start: line* "!"\nline[stop="\\n"]: /[a-z]*/',  # a stop's text read again must not end another line
 ]
 
 
@@ -143,7 +144,7 @@ def toy():
     return vocab, GrammarCompiler(vocab)
 
 
-@pytest.mark.parametrize("grammar", TOY_GRAMMARS, ids=["json", "arith", "special", "lazy", "gbnf", "stop", "lazy-rule"])
+@pytest.mark.parametrize("grammar", TOY_GRAMMARS, ids=["json", "arith", "special", "lazy", "gbnf", "stop", "lazy-rule", "stop-loop"])
 def test_native_masks_equal_the_oracle_along_random_walks(toy, grammar):
     vocab, compiler = toy
     index = compiler.compile(Constraint("grammar", grammar)).index

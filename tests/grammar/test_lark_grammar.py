@@ -74,6 +74,9 @@ def language(compiler, text: str, good: list[str], bad: list[str]) -> None:
     ('start: /a*/ "b" TEXT\nTEXT: /(.|\\n)*/', ["b", "aab", "ab\nx y"], ["a", ""]),
     ('start: x "!"\nx[lazy]: /a*/', ["!"], ["a!"]),  # lazy and empty: it ends before its first byte
     ('start: "a" "" "b"\n%ignore /[ ]*/', ["ab", "a b", " a  b "], ["a", "a-b"]),
+    # a hidden stop's text is read once as a stop: it cannot also end an empty lexeme after it (which would loop)
+    ('start: line* "!"\nline[stop="\\n"]: /[a-z]*/', ["!"], ["ab\n!", "\n!", "ab"]),
+    ('start: (line "\\n")* "!"\nline[stop="\\n"]: /[a-z]*/', ["!", "ab\n!", "\n\n!"], ["ab!", "ab\n"]),
 ])
 def test_the_dialect(compiler, text, good, bad):
     language(compiler, text, good, bad)
@@ -105,7 +108,8 @@ def test_inline_json_nests_without_a_limit_and_keeps_its_lexemes_exact(compiler)
     ('start: A\nA[stop=""]: /.*/', r'stop="" on \'A\' \(the end of sequence as the stop\) is not supported.*\(line 2\)'),
     ('start: a\na[stop=/x+/]: /.*/', r"stop= on 'a' takes a string here.* \(line 2\)"),
     ('start: a\na[max_tokens=10]: /.*/', r"max_tokens= on 'a' is not supported: it bounds tokens, not text"),
-    ('start: a\na[lazy]: "x" b\nb: "y"', r"terminal a\[lexeme\] uses 'b', which is a rule"),
+    ('start: a\na[lazy]: "x" b\nb: "y"', r"rule 'a' has lexeme options .* but it uses 'b', which is a rule"),
+    ('start: a\na[stop="x", suffix="y"]: /[a-z]+/', r"'a' has both stop= and suffix=; it takes one of them"),
     ('start: a\na[flavour="x"]: "x"', r"unknown attribute 'flavour' on 'a' \(line 2\)"),
     ('start: "a"{3,1}', r"the maximum is below the minimum"),
     ('start: "a"{300000}', r"rule 'start' repeats at least 300000 times"),
