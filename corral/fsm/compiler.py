@@ -125,8 +125,7 @@ class GrammarCompiler:
                 grammar = self._build_cfg(constraint, warnings, budget)
             elif constraint.kind in ("json_schema", "json_object"):
                 schema = constraint.value if constraint.kind == "json_schema" else {"type": "object"}
-                root, rules, exprs = self._schema_rules(schema, constraint, warnings, budget,
-                                                        exact_any=constraint.kind == "json_object")
+                root, rules, exprs = self._schema_rules(schema, constraint, warnings, budget)
                 grammar = (self._cfg_of(rules_to_grammar(root, rules, budget.check_time, exprs), warnings, budget)
                            if rules
                            else self._build(root, constraint.kind, tuple(warnings), budget))
@@ -287,14 +286,13 @@ class GrammarCompiler:
         return CompiledCFG(index, tuple(warnings))
 
     @staticmethod
-    def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget, exact_any: bool = False):
+    def _schema_rules(schema, options: Constraint, warnings: list[str], budget: Budget):
         """The schema's tree, its rules, and their expressions (``json_schema.schema_to_rules``), chosen per
         sub-schema: a recursive ``$ref`` and "any JSON value" (a ``{}`` value, an undeclared member's, the items
         of an array without ``items``) become rules that nest without a limit, and every part around them stays
         a regex tree, one lexeme on the context-free path. A schema with neither has no rules and keeps the
         regular path. Where any-value sits inside an intersection (``allOf`` of two open objects), no rule can
-        stand for it and it is unrolled ``ANY_VALUE_DEPTH`` deep instead (``exact_any``: refused; an inline
-        ``%json`` of a grammar then takes the unrolled form itself)."""
+        stand for it and it is unrolled ``ANY_VALUE_DEPTH`` deep instead."""
         from corral.grammar.json_schema import schema_to_rules
 
         def rules(exact: bool, sink: list[str]):
@@ -313,8 +311,6 @@ class GrammarCompiler:
         try:
             root, found, exprs = rules(True, sink)
         except UnsupportedSchemaError:
-            if exact_any:
-                raise
             sink = []
             root, found, exprs = rules(False, sink)
         warnings.extend(sink)
@@ -322,10 +318,7 @@ class GrammarCompiler:
 
     def _json_part(self, schema, options: Constraint, warnings: list[str], budget: Budget):
         """An inline ``%json`` schema of a grammar: its tree, with its rules when it nests without a limit."""
-        try:
-            root, rules, _ = self._schema_rules(schema, options, warnings, budget, exact_any=True)
-        except UnsupportedSchemaError:
-            root, rules, _ = self._schema_rules(schema, options, warnings, budget)
+        root, rules, _ = self._schema_rules(schema, options, warnings, budget)
         return (root, rules) if rules else root
 
     @staticmethod

@@ -237,7 +237,7 @@ class _Lowering:
 
     def terminal_of(self, expr: Expr, line: int, nonempty: bool = False) -> int:
         """The terminal id of a lexeme expression: a terminal's name, or an anonymous literal/regex/class;
-        ``nonempty``: of its text without the empty string (see :meth:`optional_lexeme`)."""
+        ``nonempty``: of its text without the empty string (see :meth:`lexeme_symbol`)."""
         kind = expr[0]
         if kind == "name":
             name = expr[1]
