@@ -5,6 +5,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <atomic>
 #include <cstdint>
 #include <new>
 
@@ -43,6 +44,10 @@ inline bool check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) 
 // stretch, so the same code runs with the GIL held or not. One stretch per thread at a time.
 extern thread_local PyThreadState* released;
 
+// How many times native work took the GIL back inside a released stretch (tests read it through
+// _gil_taken_back(): a mask that calls Python, or touches a Python object, shows here).
+extern std::atomic<int64_t> gil_taken_back;
+
 struct NoGil {
     bool active = false;
     NoGil() {
@@ -66,6 +71,7 @@ struct WithGil {
     PyThreadState* state;
     WithGil() : state(released) {
         if (state != nullptr) {
+            gil_taken_back.fetch_add(1, std::memory_order_relaxed);
             released = nullptr;
             PyEval_RestoreThread(state);
         }

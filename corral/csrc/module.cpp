@@ -14,6 +14,7 @@ namespace corral_native {
 
 PyObject* LimitError = nullptr;
 thread_local PyThreadState* released = nullptr;
+std::atomic<int64_t> gil_taken_back{0};
 
 namespace {
 
@@ -43,7 +44,10 @@ PyObject* hook_release(PyObject*, PyObject*) {
 // -1: the hook was never reached; 0: it timed out (the GIL was held, or nobody released it); 1: released.
 PyObject* hook_outcome(PyObject*, PyObject*) { return PyLong_FromLong(hook_result.load()); }
 
+PyObject* gil_count(PyObject*, PyObject*) { return PyLong_FromLongLong(gil_taken_back.load()); }
+
 PyMethodDef hook_methods[] = {
+    {"_gil_taken_back", reinterpret_cast<PyCFunction>(gil_count), METH_NOARGS, nullptr},
     FAST("_hook_arm", hook_arm),
     {"_hook_waiting", reinterpret_cast<PyCFunction>(hook_waiting), METH_NOARGS, nullptr},
     {"_hook_release", reinterpret_cast<PyCFunction>(hook_release), METH_NOARGS, nullptr},

@@ -22,7 +22,9 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -981,11 +983,14 @@ PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // ---- the lazy DFA over a table's terms (lazy_dfa.py's storage and moves, in native code) ---------------------
 //
 // A state is a live term; its row holds, per byte, the state of the derivative (DEAD -1 when empty, UNBUILT -3
-// not derived yet). Rows, accepting and built flags live in bytearrays that Python views with numpy: growing
-// makes new ones (the generation counts them) and old views stay valid, holding their own buffer.
+// not derived yet). Rows, accepting and built flags live in native blocks that Python views with numpy (read
+// only): growing makes new blocks, and a view holds its block, so old views stay valid (the generation counts the
+// grows). Blocks are made and freed without the GIL.
 // The token walks (a state's mask over the vocabulary trie, tokens one by one) run here too: a move they meet
-// unbuilt is derived in place; Python is called only to flag a wide state (whether it holds repeat pieces) and to
-// answer for a state that does.
+// unbuilt is derived in place, and they never call Python. What needs the vocabulary's piece facts (whether a wide
+// state holds repeat pieces, and their mask at a depth) is registered by Python between walks: a walk that meets
+// a wide state or a depth not registered yet walks that subtree plainly (the same tokens, found the slow way) and
+// reports it, and Python registers it for the walks after.
 
 constexpr int32_t DEAD = -1, UNBUILT = -3;
 
@@ -1003,96 +1008,95 @@ struct Trie {
     int64_t num_words = 0;
 };
 
-// The answers of one trie pass for states holding pieces, by (state, depth): the pieces' mask words (null when not
-// exact there) and the state of the other members; the masks are held until the pass ends.
-struct PieceAnswer {
-    const uint32_t* allowed;
-    int32_t other;
-};
+// Native memory shared with Python's views of it: each view holds a reference.
+struct Block {
+    std::atomic<int64_t> refs{1};
+    int64_t size = 0;
+    char* data = nullptr;
 
-struct Answers {
-    std::unordered_map<int64_t, PieceAnswer> known;
-    std::vector<HeldBuffer> held;
-
-    __attribute__((noinline)) const PieceAnswer& of(int32_t state, int32_t depth, PyObject* callback,
-                                                    Py_ssize_t num_words, int32_t num_states) {
-        const int64_t key = (int64_t(state) << 16) | depth;
-        auto found = known.find(key);
-        if (found != known.end()) return found->second;
-        WithGil gil;
-        PyObject* result = PyObject_CallFunction(callback, "ii", state, depth);
-        if (result == nullptr) throw PyFailure();
-        int other = 0;
-        PyObject* mask = nullptr;
-        if (!PyArg_ParseTuple(result, "iO", &other, &mask)) {
-            Py_DECREF(result);
-            throw PyFailure();
+    static Block* make(int64_t size) {
+        auto block = std::make_unique<Block>();
+        block->data = static_cast<char*>(std::calloc(size_t(std::max<int64_t>(size, 1)), 1));
+        if (block->data == nullptr) throw std::bad_alloc();
+        block->size = size;
+        return block.release();
+    }
+    void hold() { refs.fetch_add(1, std::memory_order_relaxed); }
+    void drop() {
+        if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::free(data);
+            delete this;
         }
-        const uint32_t* allowed = nullptr;
-        if (mask != Py_None) {
-            try {
-                held.emplace_back(mask, PyBUF_C_CONTIGUOUS, 4);
-            } catch (PyFailure&) {
-                Py_DECREF(result);
-                throw;
-            }
-            allowed = held.back().data<const uint32_t>();
-            if (held.back().count() < num_words) {
-                Py_DECREF(result);
-                fail(PyExc_ValueError, "a piece's mask is shorter than the vocabulary's");
-            }
-        }
-        Py_DECREF(result);
-        if (other >= num_states) fail(PyExc_IndexError, "a piece's other state is not a state of the automaton");
-        return known.emplace(key, PieceAnswer{allowed, int32_t(other)}).first->second;
     }
 };
+
+// What Python registered for a state holding pieces, at one depth: the pieces' mask words (empty when the
+// pieces' facts are not exact there: the subtree is walked plainly) and the state of the other members.
+struct PieceAnswer {
+    std::vector<uint32_t> allowed;
+    int32_t other = DEAD;
+};
+
+// Per token index (its vocabulary's piece facts): the flags of the states it has settled and the piece answers
+// registered, by (state << 16 | depth).
+struct FlagSet {
+    std::vector<uint8_t> flags;
+    std::unordered_map<int64_t, PieceAnswer> answers;
+    size_t exact_answers = 0;
+};
+
+// Past this many exact answers a flag set keeps registering answers as "walk plainly" (about 24 MB of masks at
+// 49k tokens): correct, slower, bounded.
+constexpr size_t MAX_EXACT_ANSWERS = 4096;
+
+inline int64_t answer_key(int32_t state, int32_t depth) { return (int64_t(state) << 16) | depth; }
 
 struct Dfa {
     Table* table;
     std::vector<int32_t> state_terms;
     std::unordered_map<int32_t, int32_t> state_ids;
     std::vector<const std::vector<Mask>*> classes;  // per state, into the table's partitions; null: not yet
-    PyObject* buffers[3] = {nullptr, nullptr, nullptr};  // trans, accepting, built
+    Block* blocks[3] = {nullptr, nullptr, nullptr};  // trans, accepting, built
     int32_t* trans = nullptr;
     uint8_t* accepting = nullptr;
     uint8_t* built = nullptr;
     int64_t capacity = 0, generation = 0;
-    std::vector<std::vector<uint8_t>> flag_sets;  // per token index: FLAG_* of each state
-    int64_t max_states = -1;                      // -1: no cap
+    std::deque<FlagSet> flag_sets;  // per token index
+    std::atomic<int64_t> answer_bytes{0};  // the piece answers' masks, for the grammar's memory count
+    int64_t max_states = -1;                // -1: no cap
     int narrow_bytes = 32;  // a state whose first bytes are at most this many holds no repeat piece
 
     explicit Dfa(Table* t) : table(t) { grow(16); }
     ~Dfa() {
-        for (PyObject* buffer : buffers) Py_XDECREF(buffer);
+        for (Block* block : blocks)
+            if (block != nullptr) block->drop();
     }
 
     void grow(int64_t size) {
         if (size <= capacity) return;
-        WithGil gil;  // the rows are bytearrays, which Python views
         const int64_t grown = std::max<int64_t>(size, 2 * capacity);
         const int64_t widths[3] = {256 * 4, 1, 1};
-        PyObject* fresh[3];
-        for (int k = 0; k < 3; ++k) {
-            fresh[k] = PyByteArray_FromStringAndSize(nullptr, grown * widths[k]);
-            if (fresh[k] == nullptr) {
-                for (int j = 0; j < k; ++j) Py_DECREF(fresh[j]);
-                throw PyFailure();
-            }
-            char* data = PyByteArray_AS_STRING(fresh[k]);
-            const int64_t kept = capacity * widths[k];
-            if (kept) std::memcpy(data, PyByteArray_AS_STRING(buffers[k]), kept);
-            if (k == 0) {
-                int32_t* rows = reinterpret_cast<int32_t*>(data);
-                std::fill(rows + capacity * 256, rows + grown * 256, UNBUILT);
-            } else {
-                std::memset(data + kept, 0, grown * widths[k] - kept);
-            }
+        Block* fresh[3] = {nullptr, nullptr, nullptr};
+        try {
+            for (int k = 0; k < 3; ++k) fresh[k] = Block::make(grown * widths[k]);
+        } catch (std::bad_alloc&) {
+            for (Block* block : fresh)
+                if (block != nullptr) block->drop();
+            throw;
         }
-        for (int k = 0; k < 3; ++k) Py_XSETREF(buffers[k], fresh[k]);
-        trans = reinterpret_cast<int32_t*>(PyByteArray_AS_STRING(buffers[0]));
-        accepting = reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(buffers[1]));
-        built = reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(buffers[2]));
+        for (int k = 0; k < 3; ++k) {
+            const int64_t kept = capacity * widths[k];
+            if (kept) std::memcpy(fresh[k]->data, blocks[k]->data, size_t(kept));
+            if (k == 0) {
+                int32_t* rows = reinterpret_cast<int32_t*>(fresh[k]->data);
+                std::fill(rows + capacity * 256, rows + grown * 256, UNBUILT);
+            }
+            if (blocks[k] != nullptr) blocks[k]->drop();  // a Python view may still hold it
+            blocks[k] = fresh[k];
+        }
+        trans = reinterpret_cast<int32_t*>(blocks[0]->data);
+        accepting = reinterpret_cast<uint8_t*>(blocks[1]->data);
+        built = reinterpret_cast<uint8_t*>(blocks[2]->data);
         capacity = grown;
         ++generation;
     }
@@ -1157,33 +1161,27 @@ struct Dfa {
         built[state] = 1;
     }
 
-    __attribute__((noinline)) uint8_t flag_of(std::vector<uint8_t>& flags, int32_t state, PyObject* flag_callback) {
-        if (size_t(state) >= flags.size()) flags.resize(std::max<size_t>(size_t(capacity), size_t(state) + 1), 0);
-        if (flags[state] != FLAG_UNKNOWN) return flags[state];
-        uint8_t flag = FLAG_PLAIN;
-        if (table->first_mask(state_terms[state]).count() > narrow_bytes) {
-            WithGil gil;
-            PyObject* result = PyObject_CallFunction(flag_callback, "i", state);
-            if (result == nullptr) throw PyFailure();
-            const long value = PyLong_AsLong(result);
-            Py_DECREF(result);
-            if (value == -1 && PyErr_Occurred()) throw PyFailure();
-            flag = uint8_t(value);
-        }
-        if (size_t(state) >= flags.size()) flags.resize(size_t(state) + 1, 0);  // the callback may add states
-        flags[state] = flag;
-        return flag;
+    // A state's flag in a flag set, settled here when its first bytes are few (plain); FLAG_UNKNOWN for a wide
+    // state nobody has registered yet.
+    __attribute__((noinline)) uint8_t flag_of(FlagSet& set, int32_t state) {
+        if (size_t(state) >= set.flags.size())
+            set.flags.resize(std::max<size_t>(size_t(capacity), size_t(state) + 1), FLAG_UNKNOWN);
+        if (set.flags[state] != FLAG_UNKNOWN) return set.flags[state];
+        if (table->first_mask(state_terms[state]).count() > narrow_bytes) return FLAG_UNKNOWN;
+        if (size_t(state) >= set.flags.size()) set.flags.resize(size_t(state) + 1, FLAG_UNKNOWN);
+        set.flags[state] = FLAG_PLAIN;
+        return FLAG_PLAIN;
     }
 
     // Nodes are numbered in preorder, so the subtree of node n is the run n .. end[n] - 1 and a walk is one pass
     // over it: a node's parent state sits in a per-depth stack, a dead move skips the whole subtree.
     // node_token: the id ending at the node, -1 none, -2 several (then own_ids[own_start[n]:own_end[n]]);
     // own_ids[own_start[n]:subtree_end[n]] are all the ids at or below n.
-    // A node reached in a state flagged FLAG_PIECES asks piece_callback(state, depth) for (other members' state,
-    // the pieces' mask words or None when not exact there); answers are kept for the pass. The tokens found are
-    // or-ed into words (trie.num_words of them).
-    void walk_trie(const Trie& trie, int32_t state, int flag_set, PyObject* flag_callback, PyObject* piece_callback,
-                   uint32_t* words) {
+    // A node with children reached in a state flagged FLAG_PIECES takes the answer registered for (state, depth):
+    // its subtree's tokens from the pieces' mask, and the pass goes on below it in the other members' state. A
+    // wide state not flagged yet, or a depth with no answer, is walked plainly and its (state, depth) added to
+    // `pending` for Python to register. The tokens found are or-ed into words (trie.num_words of them).
+    void walk_trie(const Trie& trie, int32_t state, FlagSet& set, uint32_t* words, std::vector<int64_t>& pending) {
         const int32_t* node_byte = trie.node_byte.data();
         const int32_t* node_depth = trie.node_depth.data();
         const int32_t* node_end = trie.node_end.data();
@@ -1197,15 +1195,13 @@ struct Dfa {
         thread_local std::vector<int32_t> found_ids;
         found_ids.resize(trie.own_ids.size() + 1);
         int32_t* found = found_ids.data();
-        std::vector<uint8_t>& flags = flag_sets.at(size_t(flag_set));
-        Answers answers;
         int32_t stack[MAX_DEPTH];
         int64_t n_found = 0;
         // Hot values in locals (the compiler cannot keep members in registers across calls): the rows and the
-        // flags are read again after anything that may derive (a move, a Python callback).
+        // flags are read again after anything that may derive or settle a flag.
         const int32_t* rows = trans;
-        const uint8_t* known_flags = flags.data();
-        size_t n_flags = flags.size();
+        const uint8_t* known_flags = set.flags.data();
+        size_t n_flags = set.flags.size();
         for (int64_t p = 0; p < n_roots; ++p) {
             const int32_t top = roots[p], end = node_end[top], base = node_depth[top] - 1;
             stack[0] = state;
@@ -1227,10 +1223,14 @@ struct Dfa {
                 if (node_end[i] != i + 1) {  // only a node with children needs its state's flag
                     flag = size_t(t) < n_flags ? known_flags[t] : FLAG_UNKNOWN;
                     if (__builtin_expect(flag == FLAG_UNKNOWN, 0)) {
-                        flag = flag_of(flags, t, flag_callback);
+                        flag = flag_of(set, t);
                         rows = trans;
-                        known_flags = flags.data();
-                        n_flags = flags.size();
+                        known_flags = set.flags.data();
+                        n_flags = set.flags.size();
+                        if (flag == FLAG_UNKNOWN) {
+                            pending.push_back(answer_key(t, node_depth[i]));
+                            flag = FLAG_PLAIN;
+                        }
                     }
                 }
                 const int32_t id = node_token[i];
@@ -1241,25 +1241,39 @@ struct Dfa {
                 }
                 stack[level] = t;
                 if (__builtin_expect(flag == FLAG_PIECES, 0)) {
-                    const PieceAnswer& answer = answers.of(t, node_depth[i], piece_callback, trie.num_words,
-                                                           num_states());
-                    rows = trans;
-                    if (answer.allowed != nullptr) {  // exact: the subtree from the pieces' mask, below it the others
+                    const auto answer = set.answers.find(answer_key(t, node_depth[i]));
+                    if (answer == set.answers.end()) {
+                        pending.push_back(answer_key(t, node_depth[i]));
+                    } else if (!answer->second.allowed.empty()) {
+                        // exact: the subtree from the pieces' mask, below it the others
+                        const uint32_t* allowed = answer->second.allowed.data();
                         for (int64_t j = own_start[i]; j < subtree_end[i]; ++j) {
                             const int32_t below = own_ids[j];
-                            words[below >> 5] |= answer.allowed[below >> 5] & (1u << (below & 31));
+                            words[below >> 5] |= allowed[below >> 5] & (1u << (below & 31));
                         }
-                        if (answer.other < 0) {
+                        if (answer->second.other < 0) {
                             i = node_end[i];
                             continue;
                         }
-                        stack[level] = answer.other;
+                        stack[level] = answer->second.other;
                     }
                 }
                 ++i;
             }
         }
         for (int64_t j = 0; j < n_found; ++j) words[found[j] >> 5] |= 1u << (found[j] & 31);
+        std::sort(pending.begin(), pending.end());
+        pending.erase(std::unique(pending.begin(), pending.end()), pending.end());
+    }
+
+    // The state after a token's bytes from `state`, or DEAD.
+    int32_t advance(int32_t state, const uint8_t* bytes, int64_t length) {
+        for (int64_t k = 0; k < length && state >= 0; ++k) {
+            int32_t next = trans[int64_t(state) * 256 + bytes[k]];
+            if (next == UNBUILT) next = next_state(state, bytes[k]);
+            state = next;
+        }
+        return state < 0 ? DEAD : state;
     }
 
     // Each token's bytes from offsets[k] on, walked from state `start` until a dead move: units[k] counts the
@@ -1473,40 +1487,122 @@ PyObject* dfa_flags_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_IndexError, "no such flag set");
             return nullptr;
         }
-        std::vector<uint8_t> flags = self->dfa->flag_sets[flag_set];
+        std::vector<uint8_t> flags = self->dfa->flag_sets[flag_set].flags;
         flags.resize(size_t(self->dfa->num_states()), FLAG_UNKNOWN);
         return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(flags.data()), Py_ssize_t(flags.size()));
     )
 }
 
-// walk_trie(trie, state, flag_set, flag_callback, piece_callback, words, fuel): or the tokens allowed in state
-// into words (uint32, the trie's num_words), with the GIL released but for the callbacks; fuel caps the new
-// terms it may make (-1: none).
+FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
+    const int32_t flag_set = int_arg(value);
+    if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) fail(PyExc_IndexError, "no such flag set");
+    return self->dfa->flag_sets[size_t(flag_set)];
+}
+
+// walk_trie(trie, state, flag_set, words, fuel) -> [(state, depth), ...]: or the tokens allowed in state into
+// words (uint32, the trie's num_words), with the GIL released for the whole walk; fuel caps the new terms it may
+// make (-1: none). Returns the wide states, with the depths they were met at, that the flag set has no flag or no
+// piece answer for (walked plainly this time): Python registers them with set_flag and set_piece_answer.
 PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 7, "walk_trie")) return nullptr;
+    if (!check_args(nargs, 5, "walk_trie")) return nullptr;
     GUARDED(
         if (!PyObject_TypeCheck(args[0], &TrieType)) fail(PyExc_TypeError, "walk_trie: a Trie expected");
         const Trie& trie = *reinterpret_cast<TrieObject*>(args[0])->trie;
-        TableLock lock(self->dfa->table);
+        std::vector<int64_t> pending;
+        {
+            TableLock lock(self->dfa->table);
+            const int32_t state = state_arg(self, args[1]);
+            FlagSet& set = flag_set_arg(self, args[2]);
+            const HeldBuffer words(args[3], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+            if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
+            const long long fuel = PyLong_AsLongLong(args[4]);
+            if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
+            Table* table = self->dfa->table;
+            struct Fuel {  // the table's fuel is the walk's, and none after it
+                Table* table;
+                ~Fuel() { table->fuel = -1; }
+            } scope{table};
+            table->fuel = fuel < 0 ? -1 : fuel;
+            table->fuel_given = fuel;
+            NoGil nogil;
+            maybe_wait();
+            self->dfa->walk_trie(trie, state, set, words.data<uint32_t>(), pending);
+        }
+        PyObject* out = PyList_New(Py_ssize_t(pending.size()));
+        if (out == nullptr) return nullptr;
+        for (size_t k = 0; k < pending.size(); ++k) {
+            PyObject* item = Py_BuildValue("(ii)", int(pending[k] >> 16), int(pending[k] & 0xffff));
+            if (item == nullptr) {
+                Py_DECREF(out);
+                return nullptr;
+            }
+            PyList_SET_ITEM(out, Py_ssize_t(k), item);
+        }
+        return out;
+    )
+}
+
+// set_flag(flag_set, state, flag): whether state holds repeat pieces (2) or not (1), for the walks of that set.
+PyObject* dfa_set_flag(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
+    if (!check_args(nargs, 3, "set_flag")) return nullptr;
+    GUARDED(
+        FlagSet& set = flag_set_arg(self, args[0]);
         const int32_t state = state_arg(self, args[1]);
-        const int32_t flag_set = int_arg(args[2]);
-        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size())
-            fail(PyExc_IndexError, "no such flag set");
-        const HeldBuffer words(args[5], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-        if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
-        const long long fuel = PyLong_AsLongLong(args[6]);
-        if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
-        Table* table = self->dfa->table;
-        struct Fuel {  // the table's fuel is the walk's, and none after it
-            Table* table;
-            ~Fuel() { table->fuel = -1; }
-        } scope{table};
-        table->fuel = fuel < 0 ? -1 : fuel;
-        table->fuel_given = fuel;
-        NoGil nogil;
-        maybe_wait();
-        self->dfa->walk_trie(trie, state, flag_set, args[3], args[4], words.data<uint32_t>());
+        const int32_t flag = int_arg(args[2]);
+        if (flag != FLAG_PLAIN && flag != FLAG_PIECES) fail(PyExc_ValueError, "set_flag: a flag is 1 or 2");
+        if (size_t(state) >= set.flags.size()) set.flags.resize(size_t(state) + 1, FLAG_UNKNOWN);
+        set.flags[size_t(state)] = uint8_t(flag);
         Py_RETURN_NONE;
+    )
+}
+
+// set_piece_answer(flag_set, state, depth, other, allowed): for a state holding pieces met after depth bytes, the
+// state of its other members (DEAD -1 when none) and the pieces' mask words (uint32, one mask row; None when their
+// facts are not exact there). Past MAX_EXACT_ANSWERS exact answers, a new one is kept as "walk plainly".
+PyObject* dfa_set_piece_answer(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    TableLock lock(self->dfa->table);
+    if (!check_args(nargs, 5, "set_piece_answer")) return nullptr;
+    GUARDED(
+        FlagSet& set = flag_set_arg(self, args[0]);
+        const int32_t state = state_arg(self, args[1]);
+        const int32_t depth = int_arg(args[2]);
+        if (depth < 0 || depth >= MAX_DEPTH) fail(PyExc_ValueError, "set_piece_answer: a depth outside the trie's");
+        const int32_t other = int_arg(args[3]);
+        if (other != DEAD) state_arg(self, args[3]);
+        PieceAnswer answer;
+        answer.other = other;
+        if (args[4] != Py_None && set.exact_answers < MAX_EXACT_ANSWERS) {
+            const HeldBuffer allowed(args[4], PyBUF_C_CONTIGUOUS, 4);
+            if (allowed.count() < 1) fail(PyExc_ValueError, "set_piece_answer: an empty mask");
+            answer.allowed.assign(allowed.data<const uint32_t>(), allowed.data<const uint32_t>() + allowed.count());
+        }
+        const int64_t key = answer_key(state, depth);
+        auto known = set.answers.find(key);
+        if (known != set.answers.end()) {
+            self->dfa->answer_bytes -= int64_t(known->second.allowed.size() * 4);
+            set.exact_answers -= !known->second.allowed.empty();
+        }
+        self->dfa->answer_bytes += int64_t(answer.allowed.size() * 4);
+        set.exact_answers += !answer.allowed.empty();
+        set.answers[key] = std::move(answer);
+        Py_RETURN_NONE;
+    )
+}
+
+// advance(state, token_bytes) -> the state after the token's bytes, or DEAD (-1)
+PyObject* dfa_advance(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "advance")) return nullptr;
+    GUARDED(
+        TableLock lock(self->dfa->table);
+        const int32_t state = state_arg(self, args[0]);
+        const HeldBuffer bytes(args[1], PyBUF_SIMPLE, 1);
+        int32_t following;
+        {
+            NoGil nogil;
+            following = self->dfa->advance(state, bytes.data<const uint8_t>(), bytes.count());
+        }
+        return PyLong_FromLong(following);
     )
 }
 
@@ -1538,10 +1634,45 @@ PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nar
     )
 }
 
+// A read-only Python buffer over one native Block (the automaton's rows, accepting or built flags).
+struct BlockViewObject {
+    PyObject_HEAD
+    Block* block;  // held
+};
+
+void block_view_dealloc(BlockViewObject* self) {
+    if (self->block != nullptr) self->block->drop();
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+int block_view_getbuffer(BlockViewObject* self, Py_buffer* view, int flags) {
+    return PyBuffer_FillInfo(view, reinterpret_cast<PyObject*>(self), self->block->data, self->block->size, 1, flags);
+}
+
+PyBufferProcs block_view_buffer = {reinterpret_cast<getbufferproc>(block_view_getbuffer), nullptr};
+
+PyTypeObject BlockViewType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* block_view(Block* block) {
+    BlockViewObject* view = PyObject_New(BlockViewObject, &BlockViewType);
+    if (view == nullptr) return nullptr;
+    block->hold();
+    view->block = block;
+    return reinterpret_cast<PyObject*>(view);
+}
+
+// buffers() -> (trans, accepting, built, capacity): read-only buffers over the current blocks
 PyObject* dfa_buffers(DfaObject* self, PyObject*) {
     TableLock lock(self->dfa->table);
-    return Py_BuildValue("(OOOL)", self->dfa->buffers[0], self->dfa->buffers[1], self->dfa->buffers[2],
-                         static_cast<long long>(self->dfa->capacity));
+    PyObject* views[3] = {nullptr, nullptr, nullptr};
+    for (int k = 0; k < 3; ++k) {
+        views[k] = block_view(self->dfa->blocks[k]);
+        if (views[k] == nullptr) {
+            for (int j = 0; j < k; ++j) Py_DECREF(views[j]);
+            return nullptr;
+        }
+    }
+    return Py_BuildValue("(NNNL)", views[0], views[1], views[2], static_cast<long long>(self->dfa->capacity));
 }
 
 PyObject* dfa_get_num_states(DfaObject* self, void*) {
@@ -1549,6 +1680,7 @@ PyObject* dfa_get_num_states(DfaObject* self, void*) {
     return PyLong_FromLong(self->dfa->num_states());
 }
 PyObject* dfa_get_generation(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->generation); }
+PyObject* dfa_get_piece_bytes(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->answer_bytes.load()); }
 PyObject* dfa_get_max_states(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->max_states); }
 
 int dfa_set_max_states(DfaObject* self, PyObject* value, void*) {
@@ -1573,6 +1705,9 @@ PyMethodDef dfa_methods[] = {
     FAST("classes_of", dfa_classes_of),
     FAST("walk_trie", dfa_walk_trie),
     FAST("walk_tokens", dfa_walk_tokens),
+    FAST("set_flag", dfa_set_flag),
+    FAST("set_piece_answer", dfa_set_piece_answer),
+    FAST("advance", dfa_advance),
     FAST("flags_of", dfa_flags_of),
     {"states_left", reinterpret_cast<PyCFunction>(dfa_states_left), METH_NOARGS, nullptr},
     {"new_flag_set", reinterpret_cast<PyCFunction>(dfa_new_flag_set), METH_NOARGS, nullptr},
@@ -1583,6 +1718,7 @@ PyMethodDef dfa_methods[] = {
 PyGetSetDef dfa_getset[] = {
     {"num_states", reinterpret_cast<getter>(dfa_get_num_states), nullptr, nullptr, nullptr},
     {"generation", reinterpret_cast<getter>(dfa_get_generation), nullptr, nullptr, nullptr},
+    {"piece_bytes", reinterpret_cast<getter>(dfa_get_piece_bytes), nullptr, nullptr, nullptr},
     {"max_states", reinterpret_cast<getter>(dfa_get_max_states), reinterpret_cast<setter>(dfa_set_max_states), nullptr,
      nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -1686,6 +1822,13 @@ bool add_terms(PyObject* module) {
     TableType.tp_getset = table_getset;
     TableType.tp_new = table_new;
     if (PyType_Ready(&TableType) < 0) return false;
+
+    BlockViewType.tp_name = "corral._native.BlockView";
+    BlockViewType.tp_basicsize = sizeof(BlockViewObject);
+    BlockViewType.tp_dealloc = reinterpret_cast<destructor>(block_view_dealloc);
+    BlockViewType.tp_as_buffer = &block_view_buffer;
+    BlockViewType.tp_flags = Py_TPFLAGS_DEFAULT;
+    if (PyType_Ready(&BlockViewType) < 0) return false;
 
     TrieType.tp_name = "corral._native.Trie";
     TrieType.tp_basicsize = sizeof(TrieObject);

@@ -24,6 +24,7 @@ from collections import deque
 
 from corral import native
 from corral.budget import Budget
+from corral.errors import GrammarTooComplexError
 from corral.fsm.utf8 import utf8_sequences
 from corral.grammar.node_builder import SHARED_NODES, children_of
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
@@ -234,6 +235,8 @@ class TermTable(_Conversions):
         self._live: dict[int, bool] = {}
         self._live_boxes: dict[tuple, list[tuple[int, int]]] = {}  # see _intersection_is_live
         self.num_undecided = 0  # intersections whose emptiness the step limit left open (treated as empty)
+        self.fuel = -1  # the new terms the mask being computed may still make (-1: no cap), as the native table's
+        self.fuel_given = -1
         self._init_conversions()
 
     def __len__(self) -> int:
@@ -248,6 +251,10 @@ class TermTable(_Conversions):
     def _intern(self, key: tuple, kind: int, args, nullable: bool, has_and: bool) -> int:
         term = self._ids.get(key)
         if term is None:
+            if self.fuel >= 0:
+                if self.fuel == 0:
+                    raise GrammarTooComplexError(f"a token mask ran out of its fuel of {self.fuel_given} new terms")
+                self.fuel -= 1
             term = self._ids[key] = len(self.kind)
             self.kind.append(kind)
             self.args.append(args)

@@ -1,26 +1,28 @@
 """The token-trie walk in native code: a state's mask at native speed, derivations included, with the GIL
-released (it is taken back only for the Python calls below), so a mask is computed while the model runs.
+released for the whole walk, so a mask is computed while the model runs.
 
 The walk is one pass over the vocabulary trie (``token_trie.py``, nodes numbered in preorder) from one DFA state
 (``corral/csrc/terms.cpp``, ``Dfa::walk_trie``): each node looks the move on its byte up in the automaton's rows,
 from the state its parent reached, deriving it in place when it is not built yet; a dead move skips the node's whole
-subtree, a live one lists the tokens that end at the node and goes on below it. Python is called only for what needs
-the vocabulary's piece facts:
+subtree, a live one lists the tokens that end at the node and goes on below it. The walk never calls Python. What
+needs the vocabulary's piece facts (``token_pieces.py``) is registered between walks:
 
-- a node with children reached in a wide state not yet flagged (a state whose first bytes are few is plain
-  without asking): Python settles whether it holds repeat pieces (``token_pieces.py``);
-- a node reached in a state that holds pieces: Python answers, for that state and depth, the pieces' shared mask
-  and the state of the other members; the node's subtree takes its tokens from the mask and the pass goes on
-  below it in the other members' state. Answers are kept for the rest of the pass (by state and depth).
+- whether a wide state (one whose first bytes are many; a narrow one is plain without asking) holds repeat pieces;
+- for a state holding pieces, met after ``depth`` bytes of a token: the pieces' shared mask at that depth and the
+  state of the other members. The node's subtree takes its tokens from the mask and the pass goes on below it in
+  the other members' state.
 
-So a walk costs one native pass over the live part of the trie and one call per wide state and piece met; no node is
-visited twice. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the automaton's state cap
-and the table's term cap hold as well; past one, the walk raises :class:`~corral.errors.GrammarTooComplexError`
-(the native ``LimitError``) naming the limit. The trie is copied into the native module once per vocabulary and
-checked there (preorder, depths, id ranges), so a walk never reads out of bounds. Why: the trie walk in numpy costs
-a few us per numpy call and per trie level, and deriving the moves in Python cost about as much again; the first
-masks of wide states were the slow tail of time-between-masks. Without the native module (``CORRAL_NATIVE=off``) the
-automaton is the Python one and the Python walk is used.
+A walk that meets a wide state or a depth nobody has registered walks that subtree plainly (the same tokens, found
+node by node) and returns it; :meth:`NativeWalk.walk` then registers it, so the walks after take the pieces. No node
+is visited twice in a walk. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the
+automaton's state cap and the table's term cap hold as well; past one, the walk raises
+:class:`~corral.errors.GrammarTooComplexError` (the native ``LimitError``) naming the limit. The registered answers
+count in the grammar's memory, and past 4,096 exact ones a flag set registers "walk plainly" instead (terms.cpp,
+``MAX_EXACT_ANSWERS``). The trie is copied into the native module once per vocabulary and checked there (preorder,
+depths, id ranges), so a walk never reads out of bounds. Why: the trie walk in numpy costs a few us per numpy call
+and per trie level, and deriving the moves in Python cost about as much again; the first masks of wide states were
+the slow tail of time-between-masks. Without the native module (``CORRAL_NATIVE=off``) the automaton is the Python
+one and the Python walk is used.
 
 The same code walks tokens one by one (:func:`walk_tokens`) for the walks that are per token rather than per
 trie node: a piece's facts over the whole vocabulary, and the tokens that cross a piece's end into its rest.
@@ -68,9 +70,6 @@ class NativeWalk:
         self.native, self.index, self.fuel = native, index, fuel
         self.flag_set = index.dfa.native.new_flag_set()
 
-    def _flag(self, state: int) -> int:
-        return FLAG_PIECES if self.index.piece_split(state) is not None else FLAG_PLAIN
-
     def walk(self, state: int) -> np.ndarray:
         """The uint32 bitmask words of the tokens whose bytes, walked from ``state``, never hit a dead move;
         pieces met below the root resolve from their shared facts, as the Python walk does."""
@@ -78,18 +77,23 @@ class NativeWalk:
         words = np.zeros(self.native.num_words, dtype=np.uint32)
         with dfa.lock:
             try:
-                dfa.native.walk_trie(self.native.native, state, self.flag_set, self._flag, self._on_piece, words,
-                                     self.fuel)
+                unregistered = dfa.native.walk_trie(self.native.native, state, self.flag_set, words, self.fuel)
             finally:
                 dfa.refresh()
+            for met, depth in unregistered:
+                self._register(met, depth)
         return words
 
-    def _on_piece(self, state: int, depth: int) -> tuple[int, np.ndarray | None]:
-        """The pass reached a state holding repeat pieces after ``depth`` bytes: the state of the other members
-        (``DEAD`` when none) and the pieces' mask words at that depth (None when a piece's facts are not exact
-        there: then it walks on plainly)."""
-        index = self.index
-        pieces, other_state = index.piece_split(state)
+    def _register(self, state: int, depth: int) -> None:
+        """Settle whether ``state`` holds repeat pieces, and if it does, its answer after ``depth`` bytes: the
+        state of the other members (``DEAD`` when none) and the pieces' mask words at that depth (None when a
+        piece's facts are not exact there: then it is walked plainly)."""
+        index, native = self.index, self.index.dfa.native
+        split = index.piece_split(state)
+        native.set_flag(self.flag_set, state, FLAG_PLAIN if split is None else FLAG_PIECES)
+        if split is None:
+            return
+        pieces, other_state = split
         allowed = None
         for piece in pieces:
             piece_words = index.piece_words(piece, depth)
@@ -97,7 +101,8 @@ class NativeWalk:
                 allowed = None
                 break
             allowed = piece_words if allowed is None else allowed | piece_words
-        return other_state, allowed  # the pass holds the mask until it ends
+        native.set_piece_answer(self.flag_set, state, depth, other_state, allowed)
+        index.dfa.refresh()
 
 
 def walk_tokens(dfa, byte_matrix: np.ndarray, lengths: np.ndarray, ids: np.ndarray, offsets: np.ndarray,

@@ -159,18 +159,19 @@ class TokenIndex:
         self._eos_ids = frozenset(vocab.eos_token_ids)
         self._token_bytes = vocab.token_bytes
         self._special_ids = vocab.special_ids
-        fuel = dfa.terms.budget.mask_fuel
+        self._fuel = dfa.terms.budget.mask_fuel
         self.on_growth = None  # called after each new mask (set by the compile cache while this is cached)
-        self._native = (native_walk.NativeWalk(self.tables.native_trie, self, fuel) if native_walk.available(dfa)
-                        else None)
+        self._native = (native_walk.NativeWalk(self.tables.native_trie, self, self._fuel)
+                        if native_walk.available(dfa) else None)
 
     @property
     def mask_fuel(self) -> int:
-        """The new terms one mask may derive (-1: no cap; the Python walk has none)."""
-        return self._native.fuel if self._native is not None else -1
+        """The new terms one mask may derive (-1: no cap)."""
+        return self._fuel
 
     @mask_fuel.setter
     def mask_fuel(self, fuel: int) -> None:
+        self._fuel = fuel
         if self._native is not None:
             self._native.fuel = fuel
 
@@ -180,8 +181,11 @@ class TokenIndex:
         return self.dfa.num_states
 
     def nbytes(self) -> int:
-        """Memory held now: the transition rows, the masks computed so far, and the derivative terms."""
-        return self.dfa.trans.nbytes + len(self._masks) * self.tables.num_words * 4 + self.dfa.terms.nbytes()
+        """Memory held now: the transition rows, the masks computed so far (and the piece masks registered with
+        the native walk), and the derivative terms."""
+        pieces = self.dfa.native.piece_bytes if self._native is not None else 0
+        return (self.dfa.trans.nbytes + (len(self._masks) * self.tables.num_words * 4 + pieces)
+                + self.dfa.terms.nbytes())
 
     def is_accepting(self, state: int) -> bool:
         return bool(self.dfa.accepting[state])
@@ -204,6 +208,11 @@ class TokenIndex:
         """The state after ``token_id`` (EOS and special tokens are not walked here), or ``DEAD``."""
         if token_id in self._special_ids or token_id in self._eos_ids:
             return DEAD
+        if self._native is not None:  # one native call, the GIL released while it derives
+            with self.dfa.lock:
+                following = self.dfa.native.advance(state, self._token_bytes[token_id])
+                self.dfa.refresh()
+            return following
         step = self.dfa.step
         for byte in self._token_bytes[token_id]:
             state = step(state, byte)
@@ -212,6 +221,20 @@ class TokenIndex:
         return state
 
     def _compute_mask(self, state: int) -> np.ndarray:
+        if self._native is not None:  # the native walk counts its own fuel
+            return self._mask_of(state)
+        terms = self.dfa.terms
+        with self.dfa.lock:  # the Python table's fuel is this mask's while it runs (a mask inside it shares it)
+            outer = terms.fuel >= 0
+            if not outer:
+                terms.fuel = terms.fuel_given = self._fuel
+            try:
+                return self._mask_of(state)
+            finally:
+                if not outer:
+                    terms.fuel = -1
+
+    def _mask_of(self, state: int) -> np.ndarray:
         tables = self.tables
         words = self._piece_mask(state)
         if words is None:

@@ -136,3 +136,50 @@ def test_walks_of_one_grammar_in_several_threads_at_once(constraint):
     for worker_results in results.values():
         for state, mask in worker_results:
             assert np.array_equal(mask, _python_mask(index, state)), state
+
+
+_GRAMMAR = r'''
+start: value
+value: object | array | STRING | NUMBER
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+array: "[" [value ("," value)*] "]"
+STRING: /"[^"\\]*"/
+NUMBER: /-?[0-9]+/
+'''
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS + MORE + [Constraint("grammar", _GRAMMAR)],
+                         ids=lambda c: str(c.value)[:40])
+def test_masks_and_advances_never_take_the_gil_back(constraint):
+    # a fresh grammar: its first masks derive moves, grow the automaton's rows and meet wide states and pieces
+    # nobody has registered, all inside native calls that released the GIL; none may take it back (no Python
+    # callback, no Python object made or touched)
+    from corral import native
+
+    module = native.module()
+    guide = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).new_guide()
+    rng = random.Random(str(constraint.value))
+    row = np.zeros((VOCAB.size + 31) // 32, dtype=np.int32)
+    before, masks = module._gil_taken_back(), 0
+    for _ in range(6):
+        walk = guide.copy()
+        for _ in range(40):
+            walk.fill_mask(row)
+            masks += 1
+            allowed = [t for t in np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist()
+                       if t < VOCAB.size and t not in VOCAB.eos_token_ids]
+            if not allowed:
+                break
+            assert walk.advance(rng.choice(allowed))
+    assert masks >= 20
+    assert module._gil_taken_back() == before
+
+
+def test_a_walk_registers_the_pieces_it_met_and_the_next_walk_takes_them():
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[1]).index  # an array of strings
+    states = [state for state, _ in random_walk_states(index, VOCAB, random.Random(5), 30, index._native.walk)]
+    assert index.dfa.native.piece_bytes > 0  # some walk met a string body below its root, and registered it
+    assert index.nbytes() >= index.dfa.native.piece_bytes
+    for state in states:  # walked again, now with every answer registered: the same masks
+        assert np.array_equal(_native_mask(index, state), _python_mask(index, state)), state
