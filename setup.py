@@ -47,7 +47,8 @@ def extension(name: str, target: list[str]) -> Extension:
     return Extension(
         f"corral.{name}",
         sources=[f"corral/csrc/{source}" for source in SOURCES],
-        depends=[f"corral/csrc/{header}" for header in ("arrays.h", "automata.h", "common.h", "kernels.h", "kernels_impl.h", "qmatmul.h")],
+        depends=[f"corral/csrc/{header}" for header in ("arrays.h", "automata.h", "common.h", "kernels.h",
+                                                          "kernels_impl.h", "qmatmul.h", "row_table.h")],
         language="c++",
         extra_compile_args=[*FLAGS, *target],
         extra_link_args=["-fopenmp"],

@@ -223,3 +223,43 @@ def test_a_thread_gives_its_openmp_workers_back():
     assert result.returncode == 0, result.stderr
     before, during, after = map(int, result.stdout.split())
     assert during == before + 1 and after == before, (before, during, after)
+
+
+@needs_native
+def test_rows_stay_right_and_old_views_readable_across_a_large_growth():
+    # past 4,096 states the native automaton reserves room for its cap and grows in place (no copy); views taken
+    # before stay valid, and every move equals the Python automaton's
+    budget = Budget(max_states=20_000)
+    native_dfa = LazyDFA(parse_regex("[a-z]{0,9000}x"), budget)
+    python_dfa = LazyDFA(parse_regex("[a-z]{0,9000}x"), Budget(max_states=20_000), terms=derivatives.TermTable())
+    assert hasattr(native_dfa, "native") and not hasattr(python_dfa, "native")
+    early = native_dfa.trans  # a view of the rows as they are now (moves derived later may land in it or not)
+    state_n = state_p = 0
+    for k in range(8000):
+        byte = ord("a") + k % 26
+        state_n, state_p = native_dfa.step(state_n, byte), python_dfa.step(state_p, byte)
+        assert state_n == state_p
+        assert native_dfa.accepting[state_n] == python_dfa.accepting[state_p]
+    assert native_dfa.num_states > 4096 and len(native_dfa.trans) >= native_dfa.num_states
+    now = native_dfa.trans[: len(early)]
+    assert np.all((early == now) | (early == -3))  # the old view still reads memory: what it knew, or unbuilt
+    assert np.array_equal(early[0], now[0])  # the start row was built whole before it
+    assert native_dfa.step(state_n, ord("x")) >= 0 and native_dfa.step(state_n, ord("0")) == DEAD
+
+
+@needs_native
+def test_a_grammar_lexer_past_4096_states_keeps_its_moves():
+    from corral.fsm.compiler import GrammarCompiler
+    from corral.fsm.vocabulary import Vocabulary
+    from corral.grammar.constraint import Constraint
+
+    tokens = [bytes([b]) for b in b"abcx"] + [b"<eos>"]
+    vocab = Vocabulary.from_token_bytes(tokens, eos_token_ids=[4])
+    guide = GrammarCompiler(vocab, cache_bytes=0).compile(
+        Constraint("grammar", 'start: WORD "x"\nWORD: /[abc]{0,6000}/')).new_guide()
+    row = np.zeros(1, dtype=np.int32)
+    for k in range(5000):  # each position of the counted repeat is a new lexer state
+        assert guide.advance(k % 3)
+    guide.fill_mask(row)
+    assert int(row[0]) & 0b1111 == 0b1111  # a, b, c and x are all allowed, EOS not yet
+    assert guide.advance(3) and guide.is_accepting()

@@ -19,6 +19,7 @@
 
 #include "automata.h"
 #include "common.h"
+#include "row_table.h"
 
 #include <algorithm>
 #include <atomic>
@@ -189,7 +190,7 @@ struct Lexer {
     std::vector<Ints> accepts;  // per state: the terminals a lexeme ending here matches (top priority only)
     std::vector<uint8_t> is_start;
     std::vector<uint8_t> kind;  // per state: ACCEPTING | FORKS | LAZY_END
-    std::vector<int32_t> moves;  // [state * 256 + byte]
+    RowTable moves{UNBUILT};  // [state * 256 + byte]
     std::unordered_map<Ints, int32_t, IntsHash> ids;     // members + is_start
     std::unordered_map<Ints, int32_t, IntsHash> starts;  // allowed terminals -> state
     std::deque<SubWalk> walks;  // kept sub-walks (a deque: references stay valid as it grows)
@@ -256,7 +257,7 @@ struct Lexer {
                                (greedy && lazy_match ? LAZY_END : 0)));
         state_bytes += int64_t(256 * 4 + 3 * 64 + 8 * (members.back().size() + matched.size()) + 96);
         accepts.push_back(std::move(matched));
-        moves.resize(moves.size() + 256, UNBUILT);
+        moves.add_row(max_states);
         ids.emplace(std::move(key), state);
         num_states = state + 1;
         return state;
@@ -277,7 +278,7 @@ struct Lexer {
     }
 
     int32_t move(int32_t state, int byte) {
-        const int32_t known = moves[size_t(state) * 256 + byte];
+        const int32_t known = moves.data()[size_t(state) * 256 + byte];
         if (known != UNBUILT) return known;
         Ints following;
         const Ints& from = members[state];
@@ -289,7 +290,7 @@ struct Lexer {
             }
         }
         const int32_t found = following.empty() ? DEAD : intern(std::move(following), false);
-        moves[size_t(state) * 256 + byte] = found;
+        moves.data()[size_t(state) * 256 + byte] = found;
         return found;
     }
 
@@ -1188,13 +1189,16 @@ PyObject* index_lexer_moves(IndexObject* self, PyObject* const* args, Py_ssize_t
         Ints found;
         int live = 0;
         const TrieView& trie = self->index->trie;
-        for (int64_t k = 0; k < trie.num_roots; ++k) {  // the first bytes of tokens only
-            const int32_t following = lexer.move(int32_t(state), trie.node_byte[trie.roots[k]]);
-            if (following < 0) continue;
-            ++live;
-            if (lexer.piece_status[1][size_t(following)] == 0 &&
-                std::find(found.begin(), found.end(), following) == found.end())
-                found.push_back(following);
+        {
+            NoGil nogil;  // the moves may derive: work like a mask's
+            for (int64_t k = 0; k < trie.num_roots; ++k) {  // the first bytes of tokens only
+                const int32_t following = lexer.move(int32_t(state), trie.node_byte[trie.roots[k]]);
+                if (following < 0) continue;
+                ++live;
+                if (lexer.piece_status[1][size_t(following)] == 0 &&
+                    std::find(found.begin(), found.end(), following) == found.end())
+                    found.push_back(following);
+            }
         }
         return Py_BuildValue("(iN)", live, tuple_of(found));
     )
