@@ -6,6 +6,8 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <memory>
+
 #include <omp.h>
 
 #include <cstdlib>
@@ -160,6 +162,46 @@ PyObject* kernel_log_normalizers(PyObject*, PyObject* const* args, Py_ssize_t na
     )
 }
 
+// greedy_pick(logits [rows, width] float32, n, bitmask [rows, words] int32 or None, masked [rows] uint8 or None,
+// ids [rows] int64, logprobs [rows] float32, threads): per row the first largest of the first n columns its mask
+// allows (bitmask row r applies where masked[r]; no bitmask: every column), or -1 (none allowed above -inf, or a
+// NaN in the row), and its raw logit less the row's log-normalizer.
+PyObject* kernel_greedy_pick(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 7, "greedy_pick")) return nullptr;
+    GUARDED(
+        const Array logits(args[0], "logits", false), ids(args[4], "ids", true), logprobs(args[5], "logprobs", true);
+        logits.expect_ndim(2);
+        logits.expect_float32();
+        const long long n = PyLong_AsLongLong(args[1]);
+        if (n == -1 && PyErr_Occurred()) throw PyFailure();
+        if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
+        const int64_t rows = logits.dim(0);
+        ids.expect_shape({rows});
+        ids.expect_int64();
+        logprobs.expect_shape({rows});
+        logprobs.expect_float32();
+        std::unique_ptr<Array> bitmask, masked;
+        if (args[2] != Py_None) {
+            bitmask = std::make_unique<Array>(args[2], "bitmask", false);
+            bitmask->expect_format('i', 4, "int32");
+            bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
+            if (args[3] == Py_None) fail(PyExc_ValueError, "greedy_pick: a bitmask needs its masked rows");
+            masked = std::make_unique<Array>(args[3], "masked", false);
+            masked->expect_uint8();
+            masked->expect_shape({rows});
+        }
+        const int threads = threads_arg(args[6]);
+        {
+            NoGil nogil;
+            chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n,
+                                bitmask ? bitmask->data<const int32_t>() : nullptr, bitmask ? bitmask->dim(1) : 0,
+                                masked ? masked->data<const uint8_t>() : nullptr, ids.data<int64_t>(),
+                                logprobs.data<float>(), threads);
+        }
+        Py_RETURN_NONE;
+    )
+}
+
 // paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads, k_scale, v_scale): q [S, H, D]
 // float32 or bfloat16; caches [blocks, block_size, KVH, D] of q's dtype, bfloat16 under float32 queries, or int8
 // with float32 scales [blocks, block_size, KVH] (None otherwise); block_tables int64 [S, width], every entry a
@@ -261,6 +303,7 @@ PyMethodDef kernel_methods[] = {
     FAST("rope", kernel_rope),
     FAST("silu_mul", kernel_silu_mul),
     FAST("log_normalizers", kernel_log_normalizers),
+    FAST("greedy_pick", kernel_greedy_pick),
     FAST("paged_decode", kernel_paged_decode),
     {nullptr, nullptr, 0, nullptr},
 };

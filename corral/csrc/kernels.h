@@ -23,6 +23,8 @@ template <typename T>
 using SiluMul = void (*)(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
 using LogNormalizers = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, float* out,
                                int threads);
+using GreedyPick = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
+                            int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads);
 template <typename T, typename KV>
 using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
                              const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out,
@@ -44,6 +46,7 @@ struct KernelTable {
     PagedDecode<float, int8_t> paged_decode_f32_i8;
     PagedDecode<uint16_t, int8_t> paged_decode_bf16_i8;
     LogNormalizers log_normalizers;
+    GreedyPick greedy_pick;
 };
 
 template <Isa isa>

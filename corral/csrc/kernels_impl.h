@@ -128,24 +128,84 @@ static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int thre
     }
 }
 
-// out[r] = log(sum_i exp(logits[r, i])) over the first n columns (the sampler's log-normalizer): the row's max,
-// then one pass of exp(x - max) summed in float32 vectors (8 or 16 partial sums, then their sum): relative error a
-// few float32 ulp. -inf columns add 0; an all -inf row gives -inf.
+// log(sum_i exp(x[i])) over the first n columns (the sampler's log-normalizer): the row's max, then one pass of
+// exp(x - max) summed in float32 vectors (8 or 16 partial sums, then their sum): relative error a few float32 ulp.
+// -inf columns add 0; an all -inf row gives -inf.
+static inline float log_normalizer(const float* x, int64_t n) {
+    float top = -INFINITY;
+    #pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
+    if (top == -INFINITY || top != top) return top;
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += x[i] == -INFINITY ? 0.0f : exp_approx(x[i] - top);
+    return top + std::log(sum);
+}
+
+// out[r] = the log-normalizer of logits row r's first n columns.
 static void log_normalizers(const float* logits, int64_t rows, int64_t stride, int64_t n, float* out, int threads) {
+    #pragma omp parallel for num_threads(threads) if (rows * n >= 4 * PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r) out[r] = log_normalizer(logits + r * stride, n);
+}
+
+// The greedy sampler's row, where a row needs nothing but its mask: among the first n columns of logits row r
+// (those whose bit is set in bitmask row r, when masked[r]; bit i of int32 word i / 32), the first largest. ids[r]
+// is it, or -1 when no column is allowed, none is above -inf, or a NaN is met (the caller's general path then
+// decides, as torch's argmax would); logprobs[r] its raw logit less the row's log-normalizer over all n columns.
+static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
+                        int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads) {
     #pragma omp parallel for num_threads(threads) if (rows * n >= 4 * PARALLEL_MIN)
     for (int64_t r = 0; r < rows; ++r) {
         const float* x = logits + r * stride;
+        ids[r] = -1;
+        logprobs[r] = 0.0f;
+        int nan = 0;
+        #pragma omp simd reduction(| : nan)
+        for (int64_t i = 0; i < n; ++i) nan |= x[i] != x[i];
+        if (nan) continue;
         float top = -INFINITY;
-        #pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
-        if (top == -INFINITY || top != top) {
-            out[r] = top;
-            continue;
+        int64_t at = -1;
+        if (masked != nullptr && masked[r]) {
+            const uint32_t* bits = reinterpret_cast<const uint32_t*>(words + r * words_stride);
+            for (int64_t w = 0; w * 32 < n; ++w) {
+                uint32_t word = bits[w];
+                if (word == 0) continue;
+                const int64_t base = w * 32, span = std::min<int64_t>(32, n - base);
+                if (span < 32) word &= (uint32_t(1) << span) - 1;
+                if (word == 0xffffffffu) {  // a whole block allowed: its max, then the first at it
+                    float block = -INFINITY;
+                    #pragma omp simd reduction(max : block)
+                    for (int64_t i = 0; i < 32; ++i) block = x[base + i] > block ? x[base + i] : block;
+                    if (block > top) {
+                        top = block;
+                        for (int64_t i = 0; i < 32; ++i)
+                            if (x[base + i] == block) {
+                                at = base + i;
+                                break;
+                            }
+                    }
+                    continue;
+                }
+                for (; word; word &= word - 1) {
+                    const int64_t i = base + __builtin_ctz(word);
+                    if (x[i] > top) {
+                        top = x[i];
+                        at = i;
+                    }
+                }
+            }
+        } else {
+            #pragma omp simd reduction(max : top)
+            for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
+            for (int64_t i = 0; i < n; ++i)
+                if (x[i] == top) {
+                    at = i;
+                    break;
+                }
         }
-        float sum = 0.0f;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) sum += x[i] == -INFINITY ? 0.0f : exp_approx(x[i] - top);
-        out[r] = top + std::log(sum);
+        if (at < 0 || top == -INFINITY) continue;
+        ids[r] = at;
+        logprobs[r] = x[at] - log_normalizer(x, n);
     }
 }
 
@@ -308,6 +368,7 @@ const KernelTable* variant<Isa::CORRAL_VARIANT>() {
         CORRAL_VARIANT::paged_decode<float, float>, CORRAL_VARIANT::paged_decode<uint16_t, uint16_t>,
         CORRAL_VARIANT::paged_decode<float, uint16_t>, CORRAL_VARIANT::paged_decode<float, int8_t>,
         CORRAL_VARIANT::paged_decode<uint16_t, int8_t>, CORRAL_VARIANT::log_normalizers,
+        CORRAL_VARIANT::greedy_pick,
     };
     return &table;
 }

@@ -87,6 +87,10 @@ class Sampler:
         assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
         if not rows:
             return SampleResult([], [], None)
+        if all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
+            picked = cpu_ops.greedy_pick(logits, vocab_size, bitmask, masked_rows)
+            if picked is not None:
+                return SampleResult(picked[0], picked[1], None)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)
@@ -97,6 +101,14 @@ class Sampler:
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
         return SampleResult(token_ids, logprobs, top_logprobs)
+
+    @staticmethod
+    def _only_masked_greedy(row: SamplingRow) -> bool:
+        """Whether the row's token is the argmax of its masked logits alone: greedy, no top logprobs, no bias, no
+        penalty, ``min_tokens`` reached (steps 1, 3, 4 and the hold-back of step 2 change nothing)."""
+        params = row.params
+        return (params.is_greedy and not params.logprobs and not params.logit_bias and not params.has_penalties
+                and len(row.output_token_ids) >= params.min_tokens)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None,
                 masked_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -57,6 +57,36 @@ def log_normalizers(logits: torch.Tensor, n: int) -> torch.Tensor | None:
     return out
 
 
+def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
+                masked_rows: torch.Tensor | None) -> tuple[list[int], list[float]] | None:
+    """The greedy sampler's rows in one native pass each: per row of float32 CPU ``logits`` [rows, width], the
+    first largest of its first ``n`` columns that the int32 ``bitmask`` row allows (rows ``masked_rows``; no
+    bitmask: all), and that logit less the row's log-normalizer over all ``n`` columns (as
+    :func:`log_normalizers`). None where the kernel cannot take the arguments, or where a row has no allowed
+    finite column or holds a NaN: the torch path then decides, as before. A few microseconds per 49k-column row,
+    where the torch ops (copy, mask, argmax, gathers, checks) took about a tenth of a millisecond."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous() or \
+            native.module() is None:
+        return None
+    rows = logits.shape[0]
+    masked = None
+    if bitmask is not None:
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.shape != (rows, (n + 31) // 32):
+            return None
+        bitmask = bitmask.contiguous()
+        masked = torch.zeros(rows, dtype=torch.uint8)
+        masked[masked_rows if masked_rows is not None else slice(None)] = 1
+    ids = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows)
+    native.module().greedy_pick(buffer(logits), n, None if bitmask is None else buffer(bitmask),
+                                None if masked is None else buffer(masked), buffer(ids), buffer(logprobs),
+                                torch.get_num_threads())
+    ids = ids.tolist()
+    if min(ids) < 0:
+        return None
+    return ids, logprobs.tolist()
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` [rows, 2n] = [gate | up] (contiguous); [rows, n]."""
     rows, width = gate_up.shape

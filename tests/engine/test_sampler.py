@@ -210,3 +210,54 @@ def test_a_row_with_no_allowed_token_is_an_invariant_failure():
     rows = [SamplingRow(SamplingParams(), (), (), None)]
     with pytest.raises(AssertionError, match="no allowed token"):
         Sampler()(torch.zeros(1, 32), rows, torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")
+def test_the_native_greedy_pass_gives_the_general_paths_tokens_and_logprobs_bit_for_bit(monkeypatch):
+    from corral.kernels import cpu_ops
+
+    rng = np.random.default_rng(7)
+    vocab, width, rows = 1000, 1024, 6  # padded columns past the vocabulary are never chosen
+    sampler, general = Sampler(vocab), Sampler(vocab)
+    taken = []
+    pick = cpu_ops.greedy_pick
+
+    def counted(*args):
+        out = pick(*args)
+        taken.append(out is not None)
+        return out
+
+    for trial in range(40):
+        logits = torch.from_numpy(rng.integers(-6, 6, (rows, width)).astype(np.float32) / 4)  # many ties
+        logits[:, vocab:] = 100.0
+        logits[rng.random((rows, width)) < 0.1] = float("-inf")
+        bits = rng.random((rows, width)) < rng.choice([0.002, 0.05, 0.5, 1.0])
+        bits[np.arange(rows), rng.integers(0, vocab, rows)] = True  # every row allows one finite column at least
+        bitmask = torch.from_numpy(np.packbits(bits[:, :vocab], axis=1, bitorder="little").view(np.uint8).copy())
+        words = np.zeros((rows, (vocab + 31) // 32 * 4), dtype=np.uint8)
+        words[:, : bitmask.shape[1]] = bitmask.numpy()
+        bitmask = torch.from_numpy(words.view(np.int32))
+        for r in range(rows):  # a row's one sure column stays finite
+            allowed = np.flatnonzero(bits[r, :vocab])
+            logits[r, allowed[0]] = 0.5
+        masked_rows = torch.tensor(sorted(rng.choice(rows, rng.integers(1, rows + 1), replace=False)))
+        params = SamplingParams(temperature=0, min_tokens=trial % 3)
+        batch = [SamplingRow(params, (1, 2), (3,) * (trial % 4), None) for _ in range(rows)]
+        monkeypatch.setattr(cpu_ops, "greedy_pick", counted)
+        fast = sampler(logits, batch, bitmask, masked_rows)
+        monkeypatch.setattr(cpu_ops, "greedy_pick", lambda *args: None)
+        slow = general(logits, batch, bitmask, masked_rows)
+        assert fast.token_ids == slow.token_ids, trial
+        assert fast.logprobs == slow.logprobs, trial  # the same float32 arithmetic
+        assert fast.top_logprobs is None and slow.top_logprobs is None
+    assert taken and all(taken)  # every batch whose min_tokens was reached took the native pass
+
+
+@pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")
+def test_the_native_greedy_pass_leaves_nan_rows_to_the_general_path():
+    from corral.kernels import cpu_ops
+
+    logits = torch.tensor([[0.0, float("nan"), 1.0, 2.0]])
+    assert cpu_ops.greedy_pick(logits, 4, None, None) is None  # the general path decides, as before:
+    with pytest.raises(AssertionError, match="no allowed token"):  # torch's argmax picks the NaN, which fails
+        Sampler()(logits, [SamplingRow(SamplingParams(temperature=0), (), (), None)])
