@@ -229,15 +229,17 @@ class LlamaModel:
         return linears + self.embed.nbytes + head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for the flat batch ``input_ids`` [T]."""
+                kv_caches: list[KVCache], num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for the flat batch ``input_ids`` [T]. ``num_layers``:
+        only the first that many layers, then the final norm (an early exit, as ``bench/early_exit.py`` measures
+        it)."""
         cfg = self.config
         num_tokens, q_size, kv_size = len(input_ids), cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         h = self.embed(input_ids)
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         if not self.fused:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers[:num_layers], kv_caches):
             h, normed = self._add_norm(h, delta, layer["attn_norm"])
             qkv = layer["qkv"](normed)
             # Q and K heads side by side take RoPE in one pass (the same elementwise ops as two)
