@@ -5,7 +5,8 @@ mask computation lets go of the GIL. This bench runs ``--batch`` requests of ``-
 first with no constraint, then each with a different JSON Schema from the MaskBench dev set, compiled just before
 and with an empty compile cache so that its masks are met for the first time (a constrained row ends where its
 document does, so later steps hold fewer rows). It prints the mean step time of each. The comparison that counts is
-between checkouts: the same guides give the same tokens and steps in both. With ``--baseline DIR`` the same
+between checkouts: the same guides give the same tokens and steps in both. Drafts (jump-forward and prompt lookup)
+are off on both sides, so every step computes one row per sequence. With ``--baseline DIR`` the same
 measurement runs, in the same run, for the checkout in DIR (an earlier commit); the checkouts alternate per repeat,
 and the table gives each one's median.
 
@@ -40,7 +41,11 @@ def measure(src: str, batches: list[int], tokens: int) -> dict:
     from corral.fsm.compiler import GrammarCompiler
     from corral.grammar.constraint import Constraint
 
-    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=2048))
+    # no drafts: a drafted step computes several rows per sequence, which is not what this compares (a checkout
+    # from before drafts has no such switch)
+    fields = EngineConfig.__dataclass_fields__
+    no_drafts = {name: False for name in ("jump_forward", "speculation") if name in fields}
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=2048, **no_drafts))
     compiler = GrammarCompiler(engine.vocabulary)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("Describe a small red bicycle in JSON.")
