@@ -150,7 +150,7 @@ static void log_normalizers(const float* logits, int64_t rows, int64_t stride, i
 
 // The greedy sampler's row, where a row needs nothing but its mask: among the first n columns of logits row r
 // (those whose bit is set in bitmask row r, when masked[r]; bit i of int32 word i / 32), the first largest. ids[r]
-// is it, or -1 when no column is allowed, none is above -inf, or a NaN is met (the caller's general path then
+// is it, or -1 when no column is allowed, none is above -inf, or a NaN or +inf is met (the caller's general path then
 // decides, as torch's argmax would); logprobs[r] its raw logit less the row's log-normalizer over all n columns.
 static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
                         int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads) {
@@ -159,10 +159,10 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
         const float* x = logits + r * stride;
         ids[r] = -1;
         logprobs[r] = 0.0f;
-        int nan = 0;
-        #pragma omp simd reduction(| : nan)
-        for (int64_t i = 0; i < n; ++i) nan |= x[i] != x[i];
-        if (nan) continue;
+        int odd = 0;  // a NaN or +inf anywhere: the general path says what that means
+        #pragma omp simd reduction(| : odd)
+        for (int64_t i = 0; i < n; ++i) odd |= !(x[i] < INFINITY);
+        if (odd) continue;
         float top = -INFINITY;
         int64_t at = -1;
         if (masked != nullptr && masked[r]) {

@@ -13,7 +13,9 @@
 //
 // Limits, which hold while decoding as well as while compiling: max_terms caps a table's terms (its memory),
 // an automaton's max_states its states, and fuel caps the new terms one walk (one mask) may make. They count work,
-// never time, so a mask passes or fails alike on a busy machine.
+// never time, so a mask passes or fails alike on a busy machine. Fuel belongs to the thread that computes the mask
+// (thread_fuel), not to the table: the mask's registrations between native calls spend what its walk left, and a
+// move derived on another thread meanwhile spends none of it.
 //
 // Threads: the walks run with the GIL released (they take it back only to call Python), so every entry point
 // holds the table's mutex; a thread that must wait for it waits without the GIL.
@@ -110,6 +112,23 @@ struct Starts {
     std::vector<std::pair<int32_t, Mask>> wide;
 };
 
+// The new terms the mask being computed on this thread may still make (-1: no mask: no cap), and the fuel it was
+// given (named in the error). Set for a scope by FuelScope, which puts back what was there before.
+thread_local int64_t thread_fuel = -1;
+thread_local int64_t thread_fuel_given = 0;
+
+struct FuelScope {
+    int64_t saved, saved_given;
+    FuelScope(int64_t fuel, int64_t given) : saved(thread_fuel), saved_given(thread_fuel_given) {
+        thread_fuel = fuel < 0 ? -1 : fuel;
+        thread_fuel_given = given;
+    }
+    ~FuelScope() {
+        thread_fuel = saved;
+        thread_fuel_given = saved_given;
+    }
+};
+
 struct Table {
     std::vector<uint8_t> kind, nullable, has_and;
     std::vector<int32_t> a, b, c;
@@ -133,8 +152,6 @@ struct Table {
     int64_t step_limit = 5000;  // liveness search steps before an intersection is treated as empty
     PyObject* budget = nullptr;  // owned; check_time() every 4096 new terms
     int64_t max_terms = -1;      // -1: no cap
-    int64_t fuel = -1;           // new terms the current walk may still make; -1: not in a walk
-    int64_t fuel_given = 0;
     std::recursive_mutex mutex;
 
     Table() {
@@ -152,13 +169,13 @@ struct Table {
                          static_cast<long long>(max_terms));
             throw PyFailure();
         }
-        if (fuel == 0) {
+        if (thread_fuel == 0) {
             WithGil gil;
             PyErr_Format(LimitError, "a token mask ran out of its fuel of %lld new terms",
-                         static_cast<long long>(fuel_given));
+                         static_cast<long long>(thread_fuel_given));
             throw PyFailure();
         }
-        if (fuel > 0) --fuel;
+        if (thread_fuel > 0) --thread_fuel;
         kind.push_back(k);
         a.push_back(x);
         b.push_back(y);
@@ -1063,6 +1080,7 @@ struct PieceAnswer {
 // Per token index (its vocabulary's piece facts): the flags of the states it has settled and the piece answers
 // registered, by (state << 16 | depth).
 struct FlagSet {
+    int64_t num_words = 0;  // a mask row's words: every answer's, and the trie's of every walk
     std::vector<uint8_t> flags;
     std::unordered_map<int64_t, PieceAnswer> answers;
     size_t exact_answers = 0;
@@ -1106,7 +1124,8 @@ struct Dfa {
             return;
         }
         int64_t grown = std::max<int64_t>(size, 2 * capacity);
-        const int64_t limit = max_states >= 0 ? std::max<int64_t>(max_states, size) : MAP_UNCAPPED;
+        // the reservation: the cap's states, never past MAP_UNCAPPED (a larger cap grows by copying past it)
+        const int64_t limit = std::max<int64_t>(max_states >= 0 ? std::min(max_states, MAP_UNCAPPED) : MAP_UNCAPPED, size);
         const bool mapping = reserved == 0 && grown > MAP_AFTER && limit > capacity + MAP_STEP;
         if (mapping) grown = std::min(limit, std::max(size, capacity + MAP_STEP));
         const int64_t widths[3] = {256 * 4, 1, 1};
@@ -1512,10 +1531,16 @@ PyObject* dfa_states_left(DfaObject* self, PyObject*) {
     return list;
 }
 
-PyObject* dfa_new_flag_set(DfaObject* self, PyObject*) {
+// new_flag_set(num_words) -> a new flag set's number, for walks whose mask rows are num_words uint32 words
+PyObject* dfa_new_flag_set(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
     TableLock lock(self->dfa->table);
+    if (!check_args(nargs, 1, "new_flag_set")) return nullptr;
     GUARDED(
+        const long long num_words = PyLong_AsLongLong(args[0]);
+        if (num_words == -1 && PyErr_Occurred()) throw PyFailure();
+        if (num_words < 1 || num_words > (int64_t(1) << 26)) fail(PyExc_ValueError, "new_flag_set: no mask is that long");
         self->dfa->flag_sets.emplace_back();
+        self->dfa->flag_sets.back().num_words = num_words;
         return PyLong_FromSize_t(self->dfa->flag_sets.size() - 1);
     )
 }
@@ -1541,34 +1566,35 @@ FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
     return self->dfa->flag_sets[size_t(flag_set)];
 }
 
-// walk_trie(trie, state, flag_set, words, fuel) -> [(state, depth), ...]: or the tokens allowed in state into
-// words (uint32, the trie's num_words), with the GIL released for the whole walk; fuel caps the new terms it may
-// make (-1: none). Returns the wide states, with the depths they were met at, that the flag set has no flag or no
-// piece answer for (walked plainly this time): Python registers them with set_flag and set_piece_answer.
+// walk_trie(trie, state, flag_set, words, fuel) -> ([(state, depth), ...], fuel left): or the tokens allowed in
+// state into words (uint32, the trie's num_words, the flag set's), with the GIL released for the whole walk; fuel
+// caps the new terms it may make (-1: none). Returns the wide states, with the depths they were met at, that the
+// flag set has no flag or no piece answer for (walked plainly this time), which Python registers with set_flag and
+// set_piece_answer under the fuel the walk left (-1: no cap; see set_thread_fuel). A walk that fails registers
+// nothing: the states it built stay built, and the next walk that meets them returns them.
 PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 5, "walk_trie")) return nullptr;
     GUARDED(
         if (!PyObject_TypeCheck(args[0], &TrieType)) fail(PyExc_TypeError, "walk_trie: a Trie expected");
         const Trie& trie = *reinterpret_cast<TrieObject*>(args[0])->trie;
         std::vector<int64_t> pending;
+        int64_t left = -1;
         {
             TableLock lock(self->dfa->table);
             const int32_t state = state_arg(self, args[1]);
             FlagSet& set = flag_set_arg(self, args[2]);
             const HeldBuffer words(args[3], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
             if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
+            if (set.num_words != trie.num_words) fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
             const long long fuel = PyLong_AsLongLong(args[4]);
             if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
-            Table* table = self->dfa->table;
-            struct Fuel {  // the table's fuel is the walk's, and none after it
-                Table* table;
-                ~Fuel() { table->fuel = -1; }
-            } scope{table};
-            table->fuel = fuel < 0 ? -1 : fuel;
-            table->fuel_given = fuel;
-            NoGil nogil;
-            maybe_wait();
-            self->dfa->walk_trie(trie, state, set, words.data<uint32_t>(), pending);
+            FuelScope scope(fuel, fuel);
+            {
+                NoGil nogil;
+                maybe_wait();
+                self->dfa->walk_trie(trie, state, set, words.data<uint32_t>(), pending);
+            }
+            left = thread_fuel;
         }
         PyObject* out = PyList_New(Py_ssize_t(pending.size()));
         if (out == nullptr) return nullptr;
@@ -1580,7 +1606,7 @@ PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs
             }
             PyList_SET_ITEM(out, Py_ssize_t(k), item);
         }
-        return out;
+        return Py_BuildValue("(NL)", out, static_cast<long long>(left));
     )
 }
 
@@ -1616,7 +1642,7 @@ PyObject* dfa_set_piece_answer(DfaObject* self, PyObject* const* args, Py_ssize_
         answer.other = other;
         if (args[4] != Py_None && set.exact_answers < MAX_EXACT_ANSWERS) {
             const HeldBuffer allowed(args[4], PyBUF_C_CONTIGUOUS, 4);
-            if (allowed.count() < 1) fail(PyExc_ValueError, "set_piece_answer: an empty mask");
+            if (allowed.count() != set.num_words) fail(PyExc_ValueError, "set_piece_answer: allowed is not one mask row");
             answer.allowed.assign(allowed.data<const uint32_t>(), allowed.data<const uint32_t>() + allowed.count());
         }
         const int64_t key = answer_key(state, depth);
@@ -1751,10 +1777,10 @@ PyMethodDef dfa_methods[] = {
     FAST("walk_tokens", dfa_walk_tokens),
     FAST("set_flag", dfa_set_flag),
     FAST("set_piece_answer", dfa_set_piece_answer),
+    FAST("new_flag_set", dfa_new_flag_set),
     FAST("advance", dfa_advance),
     FAST("flags_of", dfa_flags_of),
     {"states_left", reinterpret_cast<PyCFunction>(dfa_states_left), METH_NOARGS, nullptr},
-    {"new_flag_set", reinterpret_cast<PyCFunction>(dfa_new_flag_set), METH_NOARGS, nullptr},
     {"buffers", reinterpret_cast<PyCFunction>(dfa_buffers), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -1799,8 +1825,23 @@ PyObject* module_or_bits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     )
 }
 
+// set_thread_fuel(fuel, given) -> the fuel this thread had left: the new terms what this thread derives next may
+// make (-1: no cap), named in the error as a fuel of `given`. For the registrations a mask makes after its walk.
+PyObject* module_set_thread_fuel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_args(nargs, 2, "set_thread_fuel")) return nullptr;
+    const long long fuel = PyLong_AsLongLong(args[0]);
+    if (fuel == -1 && PyErr_Occurred()) return nullptr;
+    const long long given = PyLong_AsLongLong(args[1]);
+    if (given == -1 && PyErr_Occurred()) return nullptr;
+    const int64_t before = thread_fuel;
+    thread_fuel = fuel < 0 ? -1 : fuel;
+    thread_fuel_given = given;
+    return PyLong_FromLongLong(before);
+}
+
 PyMethodDef module_methods[] = {
     FAST("or_bits", module_or_bits),
+    FAST("set_thread_fuel", module_set_thread_fuel),
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -1829,15 +1870,9 @@ void* dfa_of(PyObject* object) {
 int32_t dfa_next(void* handle, int32_t state, int byte, int64_t* fuel, int64_t fuel_given) {
     Dfa* dfa = static_cast<Dfa*>(handle);
     TableLock lock(dfa->table);
-    Table* table = dfa->table;
-    struct Fuel {  // the table's fuel is the caller's for this move, and none after it
-        Table* table;
-        ~Fuel() { table->fuel = -1; }
-    } scope{table};
-    table->fuel = *fuel < 0 ? -1 : *fuel;
-    table->fuel_given = fuel_given;
+    FuelScope scope(*fuel, fuel_given);  // the caller's for this move
     const int32_t following = dfa->next_state(state, byte);
-    if (*fuel >= 0) *fuel = table->fuel;
+    if (*fuel >= 0) *fuel = thread_fuel;
     return following;
 }
 

@@ -237,12 +237,13 @@ class NativeLazyDFA(LazyDFA):
 
     def refresh(self) -> None:
         """Renew the views after the native buffers grew."""
-        if self.native.generation != self._generation:
+        generation = self.native.generation  # read first: a growth after it only makes the next refresh renew
+        if generation != self._generation:
             trans, accepting, built, capacity = self.native.buffers()
             self.trans = np.frombuffer(trans, dtype=np.int32).reshape(capacity, 256)
             self.accepting = np.frombuffer(accepting, dtype=bool)
             self.built = np.frombuffer(built, dtype=bool)
-            self._generation = self.native.generation
+            self._generation = generation
 
     @property
     def num_states(self) -> int:

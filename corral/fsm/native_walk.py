@@ -14,7 +14,8 @@ needs the vocabulary's piece facts (``token_pieces.py``) is registered between w
 
 A walk that meets a wide state or a depth nobody has registered walks that subtree plainly (the same tokens, found
 node by node) and returns it; :meth:`NativeWalk.walk` then registers it, so the walks after take the pieces. No node
-is visited twice in a walk. Its work is bounded: ``fuel`` caps the new terms one walk may derive, and the
+is visited twice in a walk. Its work is bounded: ``fuel`` caps the new terms one mask may derive (the walk and the
+registrations after it, which spend what the walk left), and the
 automaton's state cap and the table's term cap hold as well; past one, the walk raises
 :class:`~corral.errors.GrammarTooComplexError` (the native ``LimitError``) naming the limit. The registered answers
 count in the grammar's memory, and past 4,096 exact ones a flag set registers "walk plainly" instead (terms.cpp,
@@ -68,20 +69,28 @@ class NativeWalk:
     def __init__(self, native: NativeTrie, index, fuel: int = -1):
         """``fuel``: the new terms one walk may derive (-1: no cap)."""
         self.native, self.index, self.fuel = native, index, fuel
-        self.flag_set = index.dfa.native.new_flag_set()
+        self.flag_set = index.dfa.native.new_flag_set(native.num_words)
 
     def walk(self, state: int) -> np.ndarray:
         """The uint32 bitmask words of the tokens whose bytes, walked from ``state``, never hit a dead move;
-        pieces met below the root resolve from their shared facts, as the Python walk does."""
+        pieces met below the root resolve from their shared facts, as the Python walk does. The registrations after
+        the walk spend the fuel it left: the whole mask is under one fuel."""
         dfa = self.index.dfa
         words = np.zeros(self.native.num_words, dtype=np.uint32)
         with dfa.lock:
             try:
-                unregistered = dfa.native.walk_trie(self.native.native, state, self.flag_set, words, self.fuel)
+                unregistered, left = dfa.native.walk_trie(self.native.native, state, self.flag_set, words, self.fuel)
             finally:
                 dfa.refresh()
-            for met, depth in unregistered:
-                self._register(met, depth)
+            if unregistered:
+                module = native.module()
+                before = module.set_thread_fuel(left, self.fuel)
+                try:
+                    for met, depth in unregistered:
+                        self._register(met, depth)
+                finally:
+                    module.set_thread_fuel(before, self.fuel)
+                    dfa.refresh()
         return words
 
     def _register(self, state: int, depth: int) -> None:

@@ -63,7 +63,7 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
     first largest of its first ``n`` columns that the int32 ``bitmask`` row allows (rows ``masked_rows``; no
     bitmask: all), and that logit less the row's log-normalizer over all ``n`` columns (as
     :func:`log_normalizers`). None where the kernel cannot take the arguments, or where a row has no allowed
-    finite column or holds a NaN: the torch path then decides, as before. A few microseconds per 49k-column row,
+    finite column or holds a NaN or +inf: the torch path then decides, as before. A few microseconds per 49k-column row,
     where the torch ops (copy, mask, argmax, gathers, checks) took about a tenth of a millisecond."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous() or \
             native.module() is None:
@@ -77,7 +77,7 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
         masked = torch.zeros(rows, dtype=torch.uint8)
         masked[masked_rows if masked_rows is not None else slice(None)] = 1
     ids = torch.empty(rows, dtype=torch.int64)
-    logprobs = torch.empty(rows)
+    logprobs = torch.empty(rows, dtype=torch.float32)
     native.module().greedy_pick(buffer(logits), n, None if bitmask is None else buffer(bitmask),
                                 None if masked is None else buffer(masked), buffer(ids), buffer(logprobs),
                                 torch.get_num_threads())

@@ -261,3 +261,16 @@ def test_the_native_greedy_pass_leaves_nan_rows_to_the_general_path():
     assert cpu_ops.greedy_pick(logits, 4, None, None) is None  # the general path decides, as before:
     with pytest.raises(AssertionError, match="no allowed token"):  # torch's argmax picks the NaN, which fails
         Sampler()(logits, [SamplingRow(SamplingParams(temperature=0), (), (), None)])
+
+
+@pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")
+def test_the_native_greedy_pass_leaves_rows_with_plus_inf_to_the_general_path():
+    from corral.kernels import cpu_ops
+
+    # +inf anywhere makes the log-normalizer inf - inf; masked out or not, the general path decides
+    logits = torch.tensor([[0.0, float("inf"), 1.0, 2.0], [0.0, 1.0, 2.0, 3.0]])
+    assert cpu_ops.greedy_pick(logits, 4, None, None) is None
+    bitmask = torch.tensor([[0b1101], [0b1111]], dtype=torch.int32)
+    assert cpu_ops.greedy_pick(logits, 4, bitmask, torch.tensor([True, True])) is None
+    picked = cpu_ops.greedy_pick(logits[1:], 4, None, None)
+    assert picked is not None and picked[0] == [3]

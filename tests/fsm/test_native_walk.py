@@ -183,3 +183,61 @@ def test_a_walk_registers_the_pieces_it_met_and_the_next_walk_takes_them():
     assert index.nbytes() >= index.dfa.native.piece_bytes
     for state in states:  # walked again, now with every answer registered: the same masks
         assert np.array_equal(_native_mask(index, state), _python_mask(index, state)), state
+
+
+def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
+    from corral.errors import GrammarTooComplexError
+
+    def run(fuel: int) -> tuple[list[int], int, int]:
+        """Along the same random walks: the new terms of each mask that completed, the new terms of all
+        registrations, and how many masks ran out of fuel."""
+        index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index  # an object of strings
+        walk = native_walk.NativeWalk(index._native.native, index, fuel=fuel)
+        terms, register = index.dfa.terms, walk._register
+        spent, registered, failed = [], 0, 0
+
+        def counted_register(state, depth):
+            nonlocal registered
+            before = len(terms)
+            try:
+                register(state, depth)
+            finally:
+                registered += len(terms) - before
+
+        walk._register = counted_register
+
+        def mask_of(state):
+            nonlocal failed
+            before = len(terms)
+            try:
+                words = walk.walk(state)
+            except GrammarTooComplexError as error:
+                assert f"fuel of {fuel} new terms" in str(error)
+                failed += 1
+                return index._native.walk(state)  # the same mask under the index's own fuel, to walk on
+            spent.append(len(terms) - before)
+            return words
+
+        list(random_walk_states(index, VOCAB, random.Random(11), 30, mask_of))
+        return spent, registered, failed
+
+    _, registered, failed = run(-1)
+    assert registered > 0 and failed == 0  # registrations do derive terms: the bound below is not empty
+    for fuel in (6, 20):  # at 20 a registration runs out (without its share of the fuel, one mask spent 27)
+        spent, _, failed = run(fuel)
+        assert failed > 0 and spent
+        assert max(spent) <= fuel  # walk and registrations together
+
+
+def test_a_piece_answer_or_a_walk_of_the_wrong_length_is_refused():
+    index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index
+    dfa, trie = index.dfa.native, index._native.native
+    flag_set = dfa.new_flag_set(trie.num_words)
+    with pytest.raises(ValueError, match="not one mask row"):  # a walk would read the answer's words by token id
+        dfa.set_piece_answer(flag_set, 0, 1, -1, np.zeros(trie.num_words - 1, dtype=np.uint32))
+    dfa.set_piece_answer(flag_set, 0, 1, -1, np.zeros(trie.num_words, dtype=np.uint32))
+    other = dfa.new_flag_set(trie.num_words + 1)
+    with pytest.raises(ValueError, match="flag set's rows are not the trie's"):
+        dfa.walk_trie(trie.native, 0, other, np.zeros(trie.num_words, dtype=np.uint32), -1)
+    with pytest.raises(ValueError):
+        dfa.new_flag_set(0)
