@@ -137,6 +137,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(seq.block_hashes):  # most steps: no block filled
+            return
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i, h in enumerate(self.chain_hashes(seq.token_ids, seq.cache_salt, parent, len(seq.block_hashes), num_full),
                               start=len(seq.block_hashes)):

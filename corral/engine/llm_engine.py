@@ -294,7 +294,9 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(at)
             at += 1 + len(seq.draft)
-        return (plain, logits[plain_rows]), (drafted, logits[draft_rows])
+        if not plain:  # every row is a draft's: no copy
+            return ([], logits[:0]), (drafted, logits)
+        return (plain, logits[torch.tensor(plain_rows)]), (drafted, logits[torch.tensor(draft_rows)])
 
     def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
                        masks: dict[int, np.ndarray], touched: dict) -> None:
@@ -302,8 +304,11 @@ class LLMEngine:
         back. Guides, hashes and detokenizers only ever see emitted tokens."""
         batch = draft_batch(drafted, masks)
         live = [d for d in batch.drafts if d is not None]
-        results = iter(self.sampler.verify(logits[batch.logits_rows], batch.rows, live, batch.bitmask,
-                                           batch.masked_rows) if live else [])
+        rows = batch.logits_rows
+        if rows != list(range(len(logits))):  # some sequence's rows end early (its grammar allows no more)
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        results = iter(self.sampler.verify(logits, batch.rows, live, batch.bitmask, batch.masked_rows)
+                       if live else [])
         now = time.monotonic()
         for seq, draft in zip(batch.seqs, batch.drafts):
             touched[seq.request_id] = self._requests[seq.request_id]

@@ -131,6 +131,15 @@ class NativeStep:
         self.model = model
         # set to float64 [7] to have each step add its seconds per part (bench/step_profile.py)
         self.profile: torch.Tensor | None = None
+        self._views: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (tensor, its buffer), for the long-lived
+
+    def _view(self, tensor: torch.Tensor):
+        """The buffer of a tensor that lives across steps (weights, tables, the KV cache), made once: a step
+        after the forward's weight stream finds the interpreter's data cold, and each conversion costs there."""
+        known = self._views.get(id(tensor))
+        if known is None or known[0] is not tensor:
+            known = self._views[id(tensor)] = (tensor, cpu_ops.buffer(tensor))
+        return known[1]
 
     PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU")
 
@@ -145,13 +154,14 @@ class NativeStep:
         if spec[7] != k_cache.shape[2]:  # the block size: known once the cache is
             spec[7] = k_cache.shape[2]
         out = torch.empty(len(input_ids), model.config.hidden_size)
+        view = self._view
         native.module().decode_step(
-            cpu_ops.buffer(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
-                                                               (input_ids, positions, slots, tables, context_lens)),
-            cpu_ops.buffer(self.embed_tiles), cpu_ops.buffer(self.layer_tiles), cpu_ops.buffer(self.norms),
-            cpu_ops.buffer(model.cos), cpu_ops.buffer(model.sin), cpu_ops.buffer(k_cache), cpu_ops.buffer(v_cache),
-            cpu_ops.buffer(out), torch.get_num_threads(), None if self.profile is None else self.profile.numpy(),
-            *(None if s is None else cpu_ops.buffer(s) for s in (k_scale, v_scale)))
+            view(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
+                                                     (input_ids, positions, slots, tables, context_lens)),
+            view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
+            view(k_cache), view(v_cache), cpu_ops.buffer(out), torch.get_num_threads(),
+            None if self.profile is None else self.profile.numpy(),
+            *(None if s is None else view(s) for s in (k_scale, v_scale)))
         return out
 
 

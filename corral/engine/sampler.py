@@ -135,6 +135,16 @@ class Sampler:
         the plain path does: with batch-invariant logits a seeded request gives the tokens of a run without
         drafts, and in every case the same distribution."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        if all(self._only_masked_greedy(row) for row in rows):  # one native pass per row, as in __call__
+            picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
+            if picked is not None:
+                argmax, row_logprobs = picked
+                out = []
+                for draft in drafts:  # every chosen token is its row's argmax: its logprob is the row's
+                    chosen, accepted = _verify_greedy(draft, argmax)
+                    out.append(Verified([t for t, _ in chosen], accepted, [r for _, r in chosen],
+                                        [row_logprobs[r] for _, r in chosen], None))
+                return out
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]

@@ -274,3 +274,48 @@ def test_the_native_greedy_pass_leaves_rows_with_plus_inf_to_the_general_path():
     assert cpu_ops.greedy_pick(logits, 4, bitmask, torch.tensor([True, True])) is None
     picked = cpu_ops.greedy_pick(logits[1:], 4, None, None)
     assert picked is not None and picked[0] == [3]
+
+
+@pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")
+def test_greedy_verification_by_the_native_pass_equals_the_general_path(monkeypatch):
+    from corral.engine.sampler import DraftRows
+    from corral.kernels import cpu_ops
+
+    rng = np.random.default_rng(11)
+    vocab, width = 500, 512
+    pick, taken = cpu_ops.greedy_pick, []
+
+    def counted(*args):
+        out = pick(*args)
+        taken.append(out is not None)
+        return out
+
+    for trial in range(30):
+        lengths = [int(k) for k in rng.integers(0, 4, rng.integers(1, 4))]  # drafts of 0-3 tokens
+        num_rows = sum(k + 1 for k in lengths)
+        logits = torch.from_numpy(rng.integers(-6, 6, (num_rows, width)).astype(np.float32) / 4)  # ties
+        bits = rng.random((num_rows, vocab)) < 0.3
+        bits[np.arange(num_rows), rng.integers(0, vocab, num_rows)] = True
+        words = np.zeros((num_rows, (vocab + 31) // 32 * 4), dtype=np.uint8)
+        packed = np.packbits(bits, axis=1, bitorder="little")
+        words[:, : packed.shape[1]] = packed
+        bitmask = torch.from_numpy(words.view(np.int32).copy())
+        masked = torch.tensor(sorted(rng.choice(num_rows, rng.integers(1, num_rows + 1), replace=False)))
+        params = SamplingParams(temperature=0, min_tokens=trial % 2)
+        rows, drafts, start = [], [], 0
+        for k in lengths:
+            work = logits[start: start + k + 1].clone()
+            for j in range(k + 1):
+                if start + j in masked.tolist():
+                    work[j, ~torch.from_numpy(np.pad(bits[start + j], (0, width - vocab)))] = float("-inf")
+            argmax = work.argmax(dim=1).tolist()
+            tokens = [argmax[j] if rng.random() < 0.7 else int(rng.integers(0, vocab)) for j in range(k)]
+            drafts.append(DraftRows(start, tokens, bool(rng.random() < 0.8), [False] * k))
+            rows += [SamplingRow(params, (1,), (2,) * (trial % 3) + tuple(tokens[:j]), None) for j in range(k + 1)]
+            start += k + 1
+        monkeypatch.setattr(cpu_ops, "greedy_pick", counted)
+        fast = Sampler(vocab).verify(logits, rows, drafts, bitmask, masked)
+        monkeypatch.setattr(cpu_ops, "greedy_pick", lambda *args: None)
+        slow = Sampler(vocab).verify(logits, rows, drafts, bitmask, masked)
+        assert fast == slow, trial  # tokens, acceptances, rows and logprobs, bit for bit
+    assert any(taken)  # the native pass ran (min_tokens 1 with no output yet keeps the general path)
