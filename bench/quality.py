@@ -16,7 +16,10 @@ Per format (``dtype/quantization/kv``):
   the share of outputs that are complete and valid (``jsonschema``), and the share identical to the
   reference's output. Every schema counts: one that fails to compile counts as invalid in every format.
 
-    .venv/bin/python bench/quality.py                          # every format, about 25 minutes on 2 cores
+A quantization ``w4a16-g64`` is W4A16 at group 64; ``w4a16-g64-awq`` the same with activation-aware scales and
+clipping (``--awq``).
+
+    .venv/bin/python bench/quality.py                          # every format, about 30 minutes on 2 cores
     .venv/bin/python bench/quality.py --formats bfloat16/gguf/auto --json-tasks 20
 """
 
@@ -47,7 +50,8 @@ TEXT = os.path.join(ROOT, "bench", "data", "kjv-genesis.txt")
 DATA = os.path.join(ROOT, "..", "shared", "data", "maskbench-dev.jsonl.gz")
 REFERENCE = "float32/none/float32"
 FORMATS = [REFERENCE, "float32/none/int8", "bfloat16/none/bfloat16", "bfloat16/w8a16/bfloat16",
-           "bfloat16/w4a16/bfloat16", "bfloat16/w4a16-g64/bfloat16", "bfloat16/gguf/bfloat16", "bfloat16/gguf/int8",
+           "bfloat16/w4a16/bfloat16", "bfloat16/w4a16-g64/bfloat16", "bfloat16/w4a16-g64-awq/bfloat16",
+           "bfloat16/gguf/bfloat16", "bfloat16/gguf/int8",
            "float32/gguf/float32"]
 WORDS = ("river mountain engine garden music letter window city history science money story market water energy "
          "language system question answer light night king road winter ship doctor school friend").split()
@@ -55,11 +59,12 @@ WORDS = ("river mountain engine garden music letter window city history science 
 
 def engine_for(spec: str) -> LLMEngine:
     dtype, quant, kv = spec.split("/")
-    group = 32
+    group, awq = 32, quant.endswith("-awq")
+    quant = quant.removesuffix("-awq")
     if "-g" in quant:
         quant, group = quant.split("-g")[0], int(quant.split("-g")[1])
-    return LLMEngine(EngineConfig(dtype=dtype, quantization=quant, quant_group_size=int(group), kv_cache_dtype=kv,
-                                  num_kv_blocks=512, max_num_seqs=64))
+    return LLMEngine(EngineConfig(dtype=dtype, quantization=quant, quant_group_size=int(group), awq=awq,
+                                  kv_cache_dtype=kv, num_kv_blocks=512, max_num_seqs=64))
 
 
 @torch.inference_mode()

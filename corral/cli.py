@@ -38,7 +38,7 @@ def _serve(args) -> int:
 
 def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "quant_group_size": args.quant_group_size, "decode_step": args.decode_step,
+            "quant_group_size": args.quant_group_size, "awq": args.awq, "decode_step": args.decode_step,
             "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
             "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost}
 
@@ -53,6 +53,9 @@ def _add_format_args(command) -> None:
                               "quantize at load (auto: w4a8 for a Q4 GGUF, gguf without the native module, else none)")
     command.add_argument("--quant-group-size", type=int, default=32, choices=(32, 64, 128),
                          help="w4a16: weights per scale along K")
+    command.add_argument("--awq", action="store_true",
+                         help="w4a16: activation-aware scales per input channel before rounding, calibrated at load "
+                              "on a small text that ships with Corral (a float32 pass and a search, seconds)")
     command.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
                          help="auto: bfloat16 under w4a8, else the activation dtype; int8 halves the KV bytes")
     command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),

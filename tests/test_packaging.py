@@ -76,6 +76,7 @@ def test_the_wheel_holds_the_built_module_for_this_python(installed):
     if platform.machine() == "x86_64":  # and the x86-64-v2 build, for CPUs without AVX2
         assert any(n.startswith("corral/_native_baseline.") and n.endswith(".so") for n in names)
     assert not any(n.endswith((".cpp", ".h")) for n in names)
+    assert "corral/engine/data/awq-calibration.txt" in names  # --awq calibrates on it at load
 
 
 def test_the_installed_wheel_passes_the_fsm_subset_without_a_compiler(installed):

@@ -27,6 +27,7 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str = "none"
     quant_group_size: int = 32
+    awq: bool = False  # w4a16: activation-aware scales before rounding (corral/engine/awq.py), calibrated at load
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None
@@ -60,6 +61,11 @@ class EngineConfig:
                                       param="decode_step")
         if self.quant_group_size not in GROUP_SIZES:
             raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
+        if not isinstance(self.awq, bool):
+            raise InvalidRequestError("awq must be a boolean", param="awq")
+        if self.awq and self.quantization != "w4a16":
+            raise InvalidRequestError("awq scales weights before w4a16 quantization: it needs quantization w4a16",
+                                      param="awq")
         for name in ("jump_forward", "speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", param=name)

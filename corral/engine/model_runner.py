@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from corral.engine import awq
 from corral.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills
 from corral.engine.config import EngineConfig, kv_torch_dtype
 from corral.engine.model import LlamaModel
@@ -18,7 +19,7 @@ from corral.engine.sequence import Sequence
 from corral.engine.weights import load_weights
 from corral.errors import InvalidRequestError
 from corral.kernels import paged_attention_cpu
-from corral.models import ModelConfig, ModelFiles
+from corral.models import ModelConfig, ModelFiles, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ class ModelRunner:
         dtype = config.torch_dtype
         weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
                                keep_q4=config.quantization in ("gguf", "w4a8"))
+        if config.awq:
+            weights = awq.scale_weights(weights, model_config, awq.calibration_ids(load_tokenizer(files).encode),
+                                        config.quant_group_size)
         self.model = LlamaModel(model_config, weights, dtype, config.quantization, config.quant_group_size)
         del weights
         self.block_size = config.block_size

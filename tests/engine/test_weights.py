@@ -45,7 +45,12 @@ def tiny_llama(folder, **overrides):
 def corral_logits(folder, dtype, token_ids):
     files = resolve_model(str(folder))
     config = load_model_config(files)
-    model = LlamaModel(config, load_weights(files, config, dtype), dtype)
+    return corral_logits_of(config, load_weights(files, config, dtype), token_ids, dtype)
+
+
+def corral_logits_of(config, weights, token_ids, dtype=torch.float32):
+    """The logits of ``token_ids`` as one prefill of the dense model over ``weights``."""
+    model = LlamaModel(config, weights, dtype)
     n = len(token_ids)
     caches = [KVCache(*(torch.zeros(-(-n // 16), 16, config.num_kv_heads, config.head_dim, dtype=dtype),) * 2)
               for _ in range(config.num_layers)]
