@@ -5,7 +5,9 @@ the C++ attention and fused elementwise kernels (with their Python wrappers), th
 batch preparation and the sampler are wrapped with a wall-clock timer (each timer adds well under a microsecond).
 Prints, per batch size, the step time and each part's share; "other torch in forward" is the forward's time not
 inside a timed part (views, splits, casts), and "engine loop" is the step's time outside the forward and the
-sampler (scheduling, guides, outputs). Where the native decode step runs (``w4a8``), it times its own parts
+sampler (scheduling, guides, drafts, outputs), also given per step (median and p90; inside ``engine.step``, so
+without ``generate``'s own work). Drafts are on as a server runs them (``--drafts off``: one row per sequence per
+step; the "Tale" prompts make prompt lookup draft often). Where the native decode step runs (``w4a8``), it times its own parts
 ("native: ..."; the prefill steps still go through the timed torch parts). No HTTP: compare with
 ``bench/engine.py`` for what the server adds.
 
@@ -16,6 +18,7 @@ sampler (scheduling, guides, outputs). Where the native decode step runs (``w4a8
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 
@@ -34,6 +37,19 @@ from corral.kernels import cpu_ops  # noqa: E402
 from servers import cpu_summary  # noqa: E402
 
 PARTS = ("linears", "LM head", "attention", "fused ops", "KV write", "embedding", "batch preparation")
+
+
+class _TimedSampler:
+    """The engine's sampler with its calls (sampling, and verifying drafts) timed as "sampler"."""
+
+    def __init__(self, sampler, timed):
+        self._sampler, self._call, self.verify = sampler, timed("sampler", sampler), timed("sampler", sampler.verify)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
 
 
 def instrument(engine: LLMEngine, spent: dict) -> None:
@@ -55,7 +71,7 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
     model_module.write_kv = timed("KV write", model_module.write_kv)
     for name in ("add_rms_norm", "rope_", "silu_mul"):
         setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
-    engine.sampler = timed("sampler", engine.sampler)
+    engine.sampler = _TimedSampler(engine.sampler, timed)
     runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
@@ -67,19 +83,34 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafts", choices=("on", "off"), default="on",
+                    help="jump-forward and prompt lookup, as a server runs them (on) or off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads")
     for spec in args.formats.split(","):
         dtype, quantization, kv = spec.split("/")
+        drafts = args.drafts == "on"
         engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
-                                        num_kv_blocks=2048, max_num_seqs=64))
+                                        num_kv_blocks=2048, max_num_seqs=64, jump_forward=drafts, speculation=drafts))
         spent = collections.defaultdict(float)
         instrument(engine, spent)
+        loops = []  # per step: its time outside the forward and the sampler
+        step_fn = engine.step
+
+        def step():
+            start, inside = time.perf_counter(), spent["forward"] + spent["sampler"]
+            try:
+                return step_fn()
+            finally:
+                loops.append(time.perf_counter() - start - (spent["forward"] + spent["sampler"] - inside))
+
+        engine.step = step
         for batch in (int(b) for b in args.batches.split(",")):
             warm = [engine.tokenizer.encode(f"Warm-up {i}: once upon a time") for i in range(batch)]
             engine.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             spent.clear()
+            loops.clear()
             native_step = engine.runner.native_step
             if native_step is not None:
                 native_step.profile.zero_()
@@ -101,6 +132,8 @@ def main() -> int:
                   f"{batch * args.tokens / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
             for name in (*native_parts, *PARTS, "other torch in forward", "sampler", "engine loop"):
                 print(f"| {name} | {per.get(name, 0.0):.3f} | {per.get(name, 0.0) / step:.1%} |")
+            print(f"\nengine loop per step (inside engine.step): median {statistics.median(loops) * 1e6:.0f} us, "
+                  f"p90 {sorted(loops)[int(len(loops) * 0.9)] * 1e6:.0f} us over {len(loops)} steps")
         del engine
     return 0
 
