@@ -31,6 +31,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sys/mman.h>
 #include <unordered_map>
 #include <unordered_set>
@@ -1568,7 +1569,7 @@ FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
 
 // walk_trie(trie, state, flag_set, words, fuel) -> ([(state, depth), ...], fuel left): or the tokens allowed in
 // state into words (uint32, the trie's num_words, the flag set's), with the GIL released for the whole walk; fuel
-// caps the new terms it may make (-1: none). Returns the wide states, with the depths they were met at, that the
+// caps the new terms it may make (-1: none; -2: whatever this thread's fuel holds, see set_thread_fuel). Returns the wide states, with the depths they were met at, that the
 // flag set has no flag or no piece answer for (walked plainly this time), which Python registers with set_flag and
 // set_piece_answer under the fuel the walk left (-1: no cap; see set_thread_fuel). A walk that fails registers
 // nothing: the states it built stay built, and the next walk that meets them returns them.
@@ -1588,7 +1589,9 @@ PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs
             if (set.num_words != trie.num_words) fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
             const long long fuel = PyLong_AsLongLong(args[4]);
             if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
-            FuelScope scope(fuel, fuel);
+            if (fuel < -2) fail(PyExc_ValueError, "walk_trie: fuel must be >= -2");
+            std::optional<FuelScope> scope;  // -2: the thread's fuel, which the rest of the mask goes on spending
+            if (fuel != -2) scope.emplace(fuel, fuel);
             {
                 NoGil nogil;
                 maybe_wait();
@@ -1825,7 +1828,7 @@ PyObject* module_or_bits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     )
 }
 
-// set_thread_fuel(fuel, given) -> the fuel this thread had left: the new terms what this thread derives next may
+// set_thread_fuel(fuel, given) -> (fuel, given) this thread had before: the new terms what this thread derives next may
 // make (-1: no cap), named in the error as a fuel of `given`. For the registrations a mask makes after its walk.
 PyObject* module_set_thread_fuel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 2, "set_thread_fuel")) return nullptr;
@@ -1833,10 +1836,10 @@ PyObject* module_set_thread_fuel(PyObject*, PyObject* const* args, Py_ssize_t na
     if (fuel == -1 && PyErr_Occurred()) return nullptr;
     const long long given = PyLong_AsLongLong(args[1]);
     if (given == -1 && PyErr_Occurred()) return nullptr;
-    const int64_t before = thread_fuel;
+    const int64_t before = thread_fuel, before_given = thread_fuel_given;
     thread_fuel = fuel < 0 ? -1 : fuel;
     thread_fuel_given = given;
-    return PyLong_FromLongLong(before);
+    return Py_BuildValue("(LL)", static_cast<long long>(before), static_cast<long long>(before_given));
 }
 
 PyMethodDef module_methods[] = {

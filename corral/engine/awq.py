@@ -6,21 +6,23 @@ of a linear layer by ``s[j]`` (``W[:, j] * s[j]``) and its input by ``1 / s[j]``
 arithmetic, yet it moves the channel to a finer part of its group's grid: large-activation channels get more of
 the codes. Following AWQ (Lin et al., 2023), ``s = mean|x|**alpha`` (normalized so the largest and smallest scale
 straddle 1), and ``alpha`` is searched on a grid per layer for the least output error of the quantized layer on
-calibration activations. ``alpha = 0`` is plain round-to-nearest, so on the calibration activations the search
-never does worse than it.
+calibration activations. ``alpha = 0`` is plain round-to-nearest, so on the sampled calibration rows the scales
+never do worse than it (before clipping, which is searched on its own objective).
 
 Where the ``1 / s`` goes, so that the model stays the same function:
 
 - the fused QKV projection and the fused gate/up projection: into the RMSNorm weight before them;
 - the down projection: into the up projection's rows (``silu(gate) * up / s`` is the down input over ``s``).
 
-The output projection keeps plain scales: its input is attention over the value heads, and with grouped-query
+The output projection gets no scales: its input is attention over the value heads, and with grouped-query
 attention one value channel feeds several query heads' columns, so no per-column scale folds into the values
 (as AutoAWQ leaves it when the shapes differ).
 
 Then AWQ's second half, clipping: each group of each projection (the output projection too) is clamped to
 ``±r * max|w|`` for the ``r`` of a small grid (1 among them) with the least error of that group's share of the
-output on the calibration inputs. An outlying weight that stretches its group's grid is cut where that costs
+output on the calibration inputs. AutoAWQ leaves the query and key rows unclipped, since the attention scores
+are their product and not their output; here clipping them by their own output error measured better (see
+``CLIP_QK``). An outlying weight that stretches its group's grid is cut where that costs
 less than the coarser grid would; unlike the scales, this changes the model.
 
 The activations come from the dense float32 model run over a small calibration text that ships with the package
@@ -43,11 +45,15 @@ log = logging.getLogger(__name__)
 CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "awq-calibration.txt")
 ALPHAS = tuple(i / 20 for i in range(20))  # 0 (round-to-nearest) .. 0.95
 WINDOW = 512  # calibration tokens per forward window
-# calibration rows the errors are measured on, per projection (256 rows and a grid of 10 halved the load time and
-# cost perplexity: 8.41 against 8.06 on the first 4k tokens of the perplexity text)
-SEARCH_ROWS = 512
+# calibration rows the errors are measured on, per projection: every (tokens / SEARCH_ROWS)-th. 512 rows did no
+# better than 256 (group 64, perplexity on 8k tokens of bench/data/kjv-genesis.txt and 4k of another text: 9.70
+# and 23.85 against 9.69 and 23.52) and take twice the search time
+SEARCH_ROWS = 256
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # the share of a group's range kept (AWQ's clipping search)
 CLIP_ROWS = 1024  # weight rows per clipping search batch
+# clip the query and key rows too, by their own output error: without it (AutoAWQ's choice) the same two texts
+# measured 9.74 and 23.53 against 9.69 and 23.52 at group 64
+CLIP_QK = True
 
 
 def calibration_ids(encode, limit: int = 2048) -> list[int]:
@@ -59,20 +65,23 @@ def calibration_ids(encode, limit: int = 2048) -> list[int]:
 class _Inputs:
     """Per input channel, the sum of |x| over every calibration row, and a sample of rows for the search."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, total: int):
+        """``total``: the calibration rows that will pass, so that every ``total / SEARCH_ROWS``-th is kept."""
         self.inner, self.abs_sum, self.count, self.rows = inner, None, 0, []
+        self.stride = max(1, -(-total // SEARCH_ROWS))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         total = x32.abs().sum(0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        first = -self.count % self.stride  # every stride-th row of the whole stream, across windows
         self.count += x32.shape[0]
-        self.rows.append(x32[:: max(1, x32.shape[0] * 8 // SEARCH_ROWS)].clone())
+        self.rows.append(x32[first:: self.stride].clone())
         return self.inner(x)
 
     def sample(self) -> torch.Tensor:
-        rows = torch.cat(self.rows)
-        return rows[torch.linspace(0, len(rows) - 1, min(SEARCH_ROWS, len(rows))).long()]
+        """Every stride-th calibration row (at most SEARCH_ROWS)."""
+        return torch.cat(self.rows)[:SEARCH_ROWS]
 
 
 def _collect(weights: dict, config: ModelConfig, ids: list[int]) -> list[dict[str, _Inputs]]:
@@ -82,7 +91,7 @@ def _collect(weights: dict, config: ModelConfig, ids: list[int]) -> list[dict[st
     model = LlamaModel(config, weights, torch.float32, "none")
     taps = []
     for layer in model.layers:
-        tap = {name: _Inputs(layer[name]) for name in ("qkv", "o", "gate_up", "down")}
+        tap = {name: _Inputs(layer[name], len(ids)) for name in ("qkv", "o", "gate_up", "down")}
         layer.update(tap)
         taps.append(tap)
     size = min(WINDOW, config.max_position)
@@ -94,6 +103,9 @@ def _collect(weights: dict, config: ModelConfig, ids: list[int]) -> list[dict[st
                       for _ in range(config.num_layers)]
             meta = AttentionMetadata(torch.arange(len(window)), (), (PrefillSpan(0, len(window), None, len(window)),))
             model.forward(torch.tensor(window), torch.arange(len(window)), meta, caches)
+    for tap in taps:  # the search needs the statistics only: let the float32 model go
+        for inputs in tap.values():
+            inputs.inner = None
     return taps
 
 
@@ -149,6 +161,8 @@ def scale_weights(weights: dict, config: ModelConfig, ids: list[int], group: int
     input channel and the scales' inverses folded before them (see above): the same function, quantized at
     ``group`` with less error. Then, with ``clip_groups``, every projection's groups are clipped where that lowers
     the error (see :func:`clip_weights`)."""
+    if len(ids) < 2:
+        raise ValueError(f"AWQ calibration needs at least 2 tokens, got {len(ids)}")
     taps = _collect(weights, config, ids)
     out = dict(weights)
     alphas = []
@@ -187,9 +201,9 @@ def clip_weights(weights: dict, taps: list[dict[str, _Inputs]], scales: list[dic
     clipped = 0
     for i, (tap, layer_scales) in enumerate(zip(taps, scales)):
         p = f"model.layers.{i}."
-        for names, tapped in ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "qkv"),
-                              (("self_attn.o_proj",), "o"), (("mlp.gate_proj", "mlp.up_proj"), "gate_up"),
-                              (("mlp.down_proj",), "down")):
+        attention = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if CLIP_QK else ("self_attn.v_proj",)
+        for names, tapped in ((attention, "qkv"), (("self_attn.o_proj",), "o"),
+                              (("mlp.gate_proj", "mlp.up_proj"), "gate_up"), (("mlp.down_proj",), "down")):
             keys = [p + name + ".weight" for name in names]
             fused = torch.cat([weights[key].float() for key in keys])
             x = tap[tapped].sample()

@@ -103,6 +103,9 @@ class _Rows:
         return self.table.rows(ids)
 
 
+_MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weights, tables, caches: about 10)
+
+
 class NativeStep:
     """The whole decode step of a W4A8 model in one native call (``corral/csrc/decode_step.cpp``): the same kernels
     as :meth:`LlamaModel.forward` on the same weights, so the same hidden states bit for bit. The layers' tiles are
@@ -136,8 +139,10 @@ class NativeStep:
     def _view(self, tensor: torch.Tensor):
         """The buffer of a tensor that lives across steps (weights, tables, the KV cache), made once: a step
         after the forward's weight stream finds the interpreter's data cold, and each conversion costs there."""
-        known = self._views.get(id(tensor))
-        if known is None or known[0] is not tensor:
+        known = self._views.get(id(tensor))  # the entry holds the tensor, so no other object takes its id
+        if known is None:
+            if len(self._views) >= _MAX_VIEWS:  # a caller passing fresh tensors: convert them, never hoard them
+                self._views.clear()
             known = self._views[id(tensor)] = (tensor, cpu_ops.buffer(tensor))
         return known[1]
 

@@ -14,6 +14,7 @@ from corral.engine import awq
 from corral.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills
 from corral.engine.config import EngineConfig, kv_torch_dtype
 from corral.engine.model import LlamaModel
+from corral.engine.quant import check_group_size
 from corral.engine.scheduler import ScheduledBatch
 from corral.engine.sequence import Sequence
 from corral.engine.weights import load_weights
@@ -34,6 +35,8 @@ class ModelRunner:
         """``config`` with its formats resolved (see :mod:`corral.engine.formats`)."""
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
+        if config.quantization == "w4a16":
+            check_group_size(config.quant_group_size, model_config)
         weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
                                keep_q4=config.quantization in ("gguf", "w4a8"))
         if config.awq:

@@ -17,8 +17,8 @@ activation dtype):
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. What this leaves out: 3-bit and K-quant kernels (those GGUF blocks are dequantized at load, with a log
-line, by :mod:`corral.engine.weights`), activation-aware scaling, and the CUDA int4 path (on a GPU the weights
-run dense).
+line, by :mod:`corral.engine.weights`) and the CUDA int4 path (on a GPU the weights run dense). Activation-aware
+scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
 
 from typing import NamedTuple
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from corral import native
+from corral.errors import InvalidRequestError
 from corral.kernels.cpu_ops import buffer
 
 GROUP_SIZES = (32, 64, 128)
@@ -50,6 +51,17 @@ def concat_q4(parts: list[Q4Blocks]) -> Q4Blocks:
     """Blocks of several layers stacked along N (the fused QKV and gate/up projections)."""
     assert len({p.group for p in parts}) == 1
     return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")), parts[0].group)
+
+
+def check_group_size(group: int, config) -> None:
+    """Refuse, before any weight is touched, an int4 ``group`` that does not divide every linear's K (the hidden
+    size, the attention output's width and the MLP's intermediate size) of the model ``config``."""
+    widths = {"hidden size": config.hidden_size, "attention width": config.num_heads * config.head_dim,
+              "intermediate size": config.intermediate_size}
+    for what, k in widths.items():
+        if k % group:
+            raise InvalidRequestError(f"quant_group_size {group} does not divide the model's {what} ({k})",
+                                      param="quant_group_size")
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> Q4Blocks:

@@ -135,6 +135,8 @@ class Sampler:
         the plain path does: with batch-invariant logits a seeded request gives the tokens of a run without
         drafts, and in every case the same distribution."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        if not drafts:
+            return []
         if all(self._only_masked_greedy(row) for row in rows):  # one native pass per row, as in __call__
             picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
             if picked is not None:

@@ -29,11 +29,35 @@ The same code walks tokens one by one (:func:`walk_tokens`) for the walks that a
 trie node: a piece's facts over the whole vocabulary, and the tokens that cross a piece's end into its rest.
 """
 
+import threading
+from contextlib import contextmanager
+
 import numpy as np
 
 from corral import native
 
 FLAG_PLAIN, FLAG_PIECES = 1, 2
+INHERIT_FUEL = -2  # walk_trie's fuel argument: spend what this thread's mask has left
+
+_mask_scope = threading.local()
+
+
+@contextmanager
+def mask_fuel(fuel: int):
+    """Everything this thread derives natively inside the block (walks, rows, registrations) spends one fuel of
+    ``fuel`` new terms (-1: no cap). Nested blocks (a mask computed while computing another) share the outer one,
+    so a mask's fuel covers the masks it is made from."""
+    if getattr(_mask_scope, "active", False):
+        yield
+        return
+    module = native.module()
+    before, before_given = module.set_thread_fuel(fuel, fuel)
+    _mask_scope.active = True
+    try:
+        yield
+    finally:
+        _mask_scope.active = False
+        module.set_thread_fuel(before, before_given)
 
 
 def available(dfa) -> bool:
@@ -77,20 +101,16 @@ class NativeWalk:
         the walk spend the fuel it left: the whole mask is under one fuel."""
         dfa = self.index.dfa
         words = np.zeros(self.native.num_words, dtype=np.uint32)
-        with dfa.lock:
+        with dfa.lock, mask_fuel(self.fuel):
             try:
-                unregistered, left = dfa.native.walk_trie(self.native.native, state, self.flag_set, words, self.fuel)
+                unregistered, _ = dfa.native.walk_trie(self.native.native, state, self.flag_set, words, INHERIT_FUEL)
             finally:
                 dfa.refresh()
-            if unregistered:
-                module = native.module()
-                before = module.set_thread_fuel(left, self.fuel)
-                try:
-                    for met, depth in unregistered:
-                        self._register(met, depth)
-                finally:
-                    module.set_thread_fuel(before, self.fuel)
-                    dfa.refresh()
+            try:
+                for met, depth in unregistered:
+                    self._register(met, depth)
+            finally:
+                dfa.refresh()
         return words
 
     def _register(self, state: int, depth: int) -> None:

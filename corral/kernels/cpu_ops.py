@@ -69,6 +69,8 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
             native.module() is None:
         return None
     rows = logits.shape[0]
+    if rows == 0:
+        return [], []
     masked = None
     if bitmask is not None:
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.shape != (rows, (n + 31) // 32):

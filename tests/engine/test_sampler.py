@@ -319,3 +319,13 @@ def test_greedy_verification_by_the_native_pass_equals_the_general_path(monkeypa
         slow = Sampler(vocab).verify(logits, rows, drafts, bitmask, masked)
         assert fast == slow, trial  # tokens, acceptances, rows and logprobs, bit for bit
     assert any(taken)  # the native pass ran (min_tokens 1 with no output yet keeps the general path)
+
+
+def test_an_empty_batch_samples_and_verifies_nothing():
+    from corral.kernels import cpu_ops
+
+    empty = torch.empty(0, 8)
+    assert Sampler()(empty, []).token_ids == []
+    assert Sampler().verify(empty, [], []) == []
+    if __import__("corral.native", fromlist=["x"]).module() is not None:
+        assert cpu_ops.greedy_pick(empty, 8, None, None) == ([], [])

@@ -229,6 +229,45 @@ def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
         assert max(spent) <= fuel  # walk and registrations together
 
 
+@pytest.mark.parametrize("constraint", CONSTRAINTS[:1] + MORE[:1], ids=lambda c: str(c.value)[:40])
+def test_one_fuel_bounds_everything_a_mask_derives(constraint):
+    # the index's mask, not the walk alone: the rows of a looping state, the masks of a piece state's other
+    # members and the walk all spend the one fuel (before, the rows and the nested masks got none of it)
+    from corral.errors import GrammarTooComplexError
+
+    def run(fuel: int) -> tuple[list[int], int]:
+        index = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
+        index.mask_fuel = fuel
+        terms, spent, failed = index.dfa.terms, [], 0
+
+        def mask_of(state):
+            nonlocal failed
+            before = len(terms)
+            try:
+                words = index.mask(state)
+            except GrammarTooComplexError as error:
+                assert f"fuel of {fuel} new terms" in str(error)
+                failed += 1
+                index.mask_fuel = -1
+                try:
+                    return index.mask(state)
+                finally:
+                    index.mask_fuel = fuel
+            spent.append(len(terms) - before)
+            return words
+
+        list(random_walk_states(index, VOCAB, random.Random(5), 30, mask_of))
+        return spent, failed
+
+    unbounded, failed = run(-1)
+    assert failed == 0
+    fuel = max(unbounded) // 2
+    assert fuel > 0
+    spent, failed = run(fuel)
+    assert failed > 0 and spent
+    assert max(spent) <= fuel
+
+
 def test_a_piece_answer_or_a_walk_of_the_wrong_length_is_refused():
     index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index
     dfa, trie = index.dfa.native, index._native.native
