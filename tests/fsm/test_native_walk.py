@@ -185,16 +185,36 @@ def test_a_walk_registers_the_pieces_it_met_and_the_next_walk_takes_them():
         assert np.array_equal(_native_mask(index, state), _python_mask(index, state)), state
 
 
-def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
+def _fuel_counted(terms, fuel: int, compute, fallback):
+    """``(mask_of, spent, failures)``: ``mask_of(state)`` computes by ``compute``, appending the new terms of each
+    mask that completed to ``spent``; one that runs out of ``fuel`` is counted in ``failures`` (its message checked)
+    and computed by ``fallback`` instead, so a walk can go on."""
     from corral.errors import GrammarTooComplexError
 
+    spent, failures = [], []
+
+    def mask_of(state):
+        before = len(terms)
+        try:
+            words = compute(state)
+        except GrammarTooComplexError as error:
+            assert f"fuel of {fuel} new terms" in str(error)
+            failures.append(state)
+            return fallback(state)
+        spent.append(len(terms) - before)
+        return words
+
+    return mask_of, spent, failures
+
+
+def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
     def run(fuel: int) -> tuple[list[int], int, int]:
         """Along the same random walks: the new terms of each mask that completed, the new terms of all
         registrations, and how many masks ran out of fuel."""
         index = GrammarCompiler(VOCAB, cache_bytes=0).compile(CONSTRAINTS[0]).index  # an object of strings
         walk = native_walk.NativeWalk(index._native.native, index, fuel=fuel)
         terms, register = index.dfa.terms, walk._register
-        spent, registered, failed = [], 0, 0
+        registered = 0
 
         def counted_register(state, depth):
             nonlocal registered
@@ -205,21 +225,9 @@ def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
                 registered += len(terms) - before
 
         walk._register = counted_register
-
-        def mask_of(state):
-            nonlocal failed
-            before = len(terms)
-            try:
-                words = walk.walk(state)
-            except GrammarTooComplexError as error:
-                assert f"fuel of {fuel} new terms" in str(error)
-                failed += 1
-                return index._native.walk(state)  # the same mask under the index's own fuel, to walk on
-            spent.append(len(terms) - before)
-            return words
-
+        mask_of, spent, failures = _fuel_counted(terms, fuel, walk.walk, index._native.walk)
         list(random_walk_states(index, VOCAB, random.Random(11), 30, mask_of))
-        return spent, registered, failed
+        return spent, registered, len(failures)
 
     _, registered, failed = run(-1)
     assert registered > 0 and failed == 0  # registrations do derive terms: the bound below is not empty
@@ -233,31 +241,20 @@ def test_the_registrations_after_a_walk_spend_the_fuel_it_left():
 def test_one_fuel_bounds_everything_a_mask_derives(constraint):
     # the index's mask, not the walk alone: the rows of a looping state, the masks of a piece state's other
     # members and the walk all spend the one fuel (before, the rows and the nested masks got none of it)
-    from corral.errors import GrammarTooComplexError
-
     def run(fuel: int) -> tuple[list[int], int]:
         index = GrammarCompiler(VOCAB, cache_bytes=0).compile(constraint).index
         index.mask_fuel = fuel
-        terms, spent, failed = index.dfa.terms, [], 0
 
-        def mask_of(state):
-            nonlocal failed
-            before = len(terms)
+        def unbounded(state):  # the same mask with no cap, to walk on
+            index.mask_fuel = -1
             try:
-                words = index.mask(state)
-            except GrammarTooComplexError as error:
-                assert f"fuel of {fuel} new terms" in str(error)
-                failed += 1
-                index.mask_fuel = -1
-                try:
-                    return index.mask(state)
-                finally:
-                    index.mask_fuel = fuel
-            spent.append(len(terms) - before)
-            return words
+                return index.mask(state)
+            finally:
+                index.mask_fuel = fuel
 
+        mask_of, spent, failures = _fuel_counted(index.dfa.terms, fuel, index.mask, unbounded)
         list(random_walk_states(index, VOCAB, random.Random(5), 30, mask_of))
-        return spent, failed
+        return spent, len(failures)
 
     unbounded, failed = run(-1)
     assert failed == 0
