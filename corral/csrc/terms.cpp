@@ -1569,10 +1569,11 @@ FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
 
 // walk_trie(trie, state, flag_set, words, fuel) -> ([(state, depth), ...], fuel left): or the tokens allowed in
 // state into words (uint32, the trie's num_words, the flag set's), with the GIL released for the whole walk; fuel
-// caps the new terms it may make (-1: none; -2: whatever this thread's fuel holds, see set_thread_fuel). Returns the wide states, with the depths they were met at, that the
-// flag set has no flag or no piece answer for (walked plainly this time), which Python registers with set_flag and
-// set_piece_answer under the fuel the walk left (-1: no cap; see set_thread_fuel). A walk that fails registers
-// nothing: the states it built stay built, and the next walk that meets them returns them.
+// caps the new terms it may make (-1: none; -2: whatever this thread's fuel holds, see set_thread_fuel). Returns
+// the wide states, with the depths they were met at, that the flag set has no flag or no piece answer for (walked
+// plainly this time), which Python registers with set_flag and set_piece_answer under the fuel the walk left. A
+// walk that fails registers nothing: the states it built stay built, and the next walk that meets them returns
+// them.
 PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 5, "walk_trie")) return nullptr;
     GUARDED(
@@ -1828,8 +1829,9 @@ PyObject* module_or_bits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     )
 }
 
-// set_thread_fuel(fuel, given) -> (fuel, given) this thread had before: the new terms what this thread derives next may
-// make (-1: no cap), named in the error as a fuel of `given`. For the registrations a mask makes after its walk.
+// set_thread_fuel(fuel, given) -> (fuel, given) this thread had before: the new terms what this thread derives next
+// may make (-1: no cap), named in the error as a fuel of `given`. Python sets it around a whole mask (its rows,
+// nested masks, walk and registrations: corral/fsm/native_walk.py mask_fuel) and restores it after.
 PyObject* module_set_thread_fuel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!check_args(nargs, 2, "set_thread_fuel")) return nullptr;
     const long long fuel = PyLong_AsLongLong(args[0]);
