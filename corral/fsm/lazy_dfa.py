@@ -250,19 +250,24 @@ class NativeLazyDFA(LazyDFA):
         return self.native.num_states
 
     def _build_rows(self, states: list[int]) -> None:
-        for state in states:
-            self.native.build_row(state)
-        self.refresh()
+        try:
+            for state in states:
+                self.native.build_row(state)
+        finally:  # a limit met mid-way (the fuel, the state cap) may leave the buffers grown
+            self.refresh()
 
     def _derive_moves(self, pairs: list[int]) -> None:
-        for pair in pairs:
-            self.native.next_state(pair >> 8, pair & 255)
-        self.refresh()
+        try:
+            for pair in pairs:
+                self.native.next_state(pair >> 8, pair & 255)
+        finally:
+            self.refresh()
 
     def next_state(self, state: int, byte: int) -> int:
         with self.lock:
-            following = self.native.next_state(state, byte)
-            if self.native.generation != self._generation:
+            try:
+                following = self.native.next_state(state, byte)
+            finally:
                 self.refresh()
         return following
 
@@ -274,14 +279,18 @@ class NativeLazyDFA(LazyDFA):
     def row(self, state: int) -> np.ndarray:
         if not self.built[state]:
             with self.lock:
-                self.native.build_row(state)
-                self.refresh()
+                try:
+                    self.native.build_row(state)
+                finally:
+                    self.refresh()
         return self.trans[state]
 
     def state_of_term(self, term: int) -> int:
         with self.lock:
-            state = self.native.state_of(term)
-            self.refresh()
+            try:
+                state = self.native.state_of(term)
+            finally:
+                self.refresh()
         return state
 
     def term_of(self, state: int) -> int:

@@ -221,12 +221,9 @@ class TokenIndex:
         return state
 
     def _compute_mask(self, state: int) -> np.ndarray:
-        if self._native is not None:  # one fuel for all this mask derives natively: rows, pieces, walk
-            with self.dfa.lock, native_walk.mask_fuel(self._fuel):
-                try:
-                    return self._mask_of(state)
-                finally:
-                    self.dfa.refresh()
+        if self._native is not None:  # one fuel (per thread) for all this mask derives natively: rows, pieces, walk
+            with native_walk.mask_fuel(self._fuel):
+                return self._mask_of(state)
         terms = self.dfa.terms
         with self.dfa.lock:  # the Python table's fuel is this mask's while it runs (a mask inside it shares it)
             outer = terms.fuel >= 0
