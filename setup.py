@@ -12,6 +12,7 @@ full C API (static types, vectorcall), so a wheel is built per Python version, n
 import os
 import platform
 
+import nanobind
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -24,6 +25,11 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 FLAGS = ["-std=c++17", "-O3", "-g0", "-fno-wrapv", "-fopenmp", "-fvisibility=hidden", "-fno-math-errno",
          "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math"]
+# nanobind, the binding library, is compiled into each build from its own sources (nb_combined.cpp, the way its
+# documentation describes builds without CMake), with the flags it asks for: NB_BUILD, no strict aliasing.
+NB_SOURCE = os.path.join(nanobind.source_dir(), "nb_combined.cpp")
+NB_INCLUDES = [nanobind.include_dir(), os.path.join(nanobind.source_dir(), os.pardir, "ext", "robin_map", "include")]
+NB_FLAGS = ["-DNB_BUILD", "-fno-strict-aliasing", "-ffunction-sections", "-fdata-sections"]
 # (module name, target flags): the first is the one a CPU with its features imports
 BUILDS = ([("_native", ["-march=x86-64-v3", "-mtune=generic"]),
            ("_native_baseline", ["-march=x86-64-v2", "-mtune=generic"])] if X86 else [("_native", [])])
@@ -31,12 +37,16 @@ BUILDS = ([("_native", ["-march=x86-64-v3", "-mtune=generic"]),
 
 class BuildExt(build_ext):
     """Each build compiles its objects in a folder of its own: the two builds share their sources, and one
-    folder would hand the second build the first one's objects (compiled for the other target)."""
+    folder would hand the second build the first one's objects (compiled for the other target). nanobind's
+    library is compiled there too, for the build's target, and linked in."""
 
     def build_extension(self, ext):
         shared = self.build_temp
         self.build_temp = os.path.join(shared, ext.name)
         try:
+            ext.extra_objects = self.compiler.compile(
+                [NB_SOURCE], output_dir=self.build_temp, macros=ext.define_macros, include_dirs=NB_INCLUDES,
+                extra_postargs=[*ext.extra_compile_args, *NB_FLAGS])
             super().build_extension(ext)
         finally:
             self.build_temp = shared
@@ -49,10 +59,13 @@ def extension(name: str, target: list[str]) -> Extension:
         sources=[f"corral/csrc/{source}" for source in SOURCES],
         depends=[f"corral/csrc/{header}" for header in ("arrays.h", "automata.h", "common.h", "kernels.h",
                                                           "kernels_impl.h", "qmatmul.h", "row_table.h")],
+        include_dirs=NB_INCLUDES,
         language="c++",
         extra_compile_args=[*FLAGS, *target],
-        extra_link_args=["-fopenmp"],
-        define_macros=[("CORRAL_BUILD_INFO", f'"{info}"'), ("CORRAL_MODULE", name)],
+        extra_link_args=["-fopenmp", "-Wl,--gc-sections"],
+        # NB_DOMAIN: each build keeps its own nanobind registry, apart from the other build's and from any other
+        # nanobind module in the process (xgrammar is one), whose types could otherwise meet Corral's
+        define_macros=[("CORRAL_BUILD_INFO", f'"{info}"'), ("CORRAL_MODULE", name), ("NB_DOMAIN", f"corral{name}")],
     )
 
 

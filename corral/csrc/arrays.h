@@ -19,6 +19,8 @@ struct Array {
         if (PyObject_GetBuffer(object, &buffer.view, flags) < 0) throw PyFailure();
         buffer.held = true;
     }
+    Array(nb::handle object, const char* what, bool writable, bool strided = false)
+        : Array(object.ptr(), what, writable, strided) {}
     Py_ssize_t itemsize() const { return buffer.view.itemsize; }
     int ndim() const { return buffer.view.ndim; }
     Py_ssize_t dim(int k) const { return buffer.view.shape[k]; }
@@ -89,6 +91,11 @@ inline int threads_arg(PyObject* value) {
     if (threads == -1 && PyErr_Occurred()) throw PyFailure();
     if (threads < 1 || threads > 1024) fail(PyExc_ValueError, "threads must be 1..1024");
     return int(threads);
+}
+
+inline int checked_threads(int threads) {
+    if (threads < 1 || threads > 1024) fail(PyExc_ValueError, "threads must be 1..1024");
+    return threads;
 }
 
 inline float float_arg(PyObject* value) {

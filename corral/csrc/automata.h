@@ -41,6 +41,6 @@ int32_t dfa_next(void* dfa, int32_t state, int byte, int64_t* fuel, int64_t fuel
 bool dfa_accepting(void* dfa, int32_t state);
 int32_t dfa_num_states(void* dfa);
 
-bool add_cfg(PyObject* module);
+void add_cfg(nb::module_& m);
 
 }  // namespace corral_native

@@ -1609,7 +1609,8 @@ bool add_type(PyObject* module, PyTypeObject* type, const char* name) {
 
 }  // namespace
 
-bool add_cfg(PyObject* module) {
+void add_cfg(nb::module_& m) {
+    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     IndexType.tp_name = "corral._native.CfgIndex";
     IndexType.tp_basicsize = sizeof(IndexObject);
     IndexType.tp_dealloc = reinterpret_cast<destructor>(index_dealloc);
@@ -1624,7 +1625,7 @@ bool add_cfg(PyObject* module) {
     SessionType.tp_methods = session_methods;
     SessionType.tp_getset = session_getset;
     SessionType.tp_new = session_new;
-    return add_type(module, &IndexType, "CfgIndex") && add_type(module, &SessionType, "CfgSession");
+    if (!(add_type(module, &IndexType, "CfgIndex") && add_type(module, &SessionType, "CfgSession"))) throw nb::python_error();
 }
 
 }  // namespace corral_native

@@ -4,14 +4,19 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <nanobind/nanobind.h>
 
 #include <atomic>
 #include <cstdint>
 #include <new>
 
+namespace nb = nanobind;
+
 namespace corral_native {
 
-struct PyFailure {};  // a Python exception is set
+// A Python exception is set. Thrown through native code with the GIL held or not (it is set with the GIL); the
+// module's exception translator lets it reach Python as it is.
+struct PyFailure {};
 
 // A limit of the native side was reached (a state cap, a memory cap, a mask's fuel): LimitError, a subclass of
 // corral.errors.GrammarTooComplexError, whose message names the limit.
@@ -116,10 +121,10 @@ struct HeldBuffer {
 // test and releasing it from another Python thread proves the GIL is not held at that point.
 void maybe_wait();
 
-bool add_hook(PyObject* module);
-bool add_terms(PyObject* module);
-bool add_kernels(PyObject* module);
-bool add_qmatmul(PyObject* module);
-bool add_decode_step(PyObject* module);
+void add_hook(nb::module_& m);
+void add_terms(nb::module_& m);
+void add_kernels(nb::module_& m);
+void add_qmatmul(nb::module_& m);
+void add_decode_step(nb::module_& m);
 
 }  // namespace corral_native

@@ -238,6 +238,8 @@ PyMethodDef step_methods[] = {
 
 }  // namespace
 
-bool add_decode_step(PyObject* module) { return PyModule_AddFunctions(module, step_methods) == 0; }
+void add_decode_step(nb::module_& m) {
+    if (PyModule_AddFunctions(m.ptr(), step_methods) != 0) throw nb::python_error();
+}
 
 }  // namespace corral_native

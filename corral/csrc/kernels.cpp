@@ -312,10 +312,11 @@ PyMethodDef kernel_methods[] = {
 
 const corral_kernels::KernelTable* kernel_table() { return chosen; }
 
-bool add_kernels(PyObject* module) {
+void add_kernels(nb::module_& m) {
+    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     chosen = choose();
-    if (PyModule_AddStringConstant(module, "kernel_isa", chosen->isa) < 0) return false;
-    return PyModule_AddFunctions(module, kernel_methods) == 0;
+    if (PyModule_AddStringConstant(module, "kernel_isa", chosen->isa) < 0) throw nb::python_error();
+    if (PyModule_AddFunctions(module, kernel_methods) != 0) throw nb::python_error();
 }
 
 }  // namespace corral_native

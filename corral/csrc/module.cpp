@@ -23,47 +23,20 @@ std::atomic<int> hook_stage{0};
 std::atomic<int64_t> hook_timeout_ms{0};
 std::atomic<int> hook_result{-1};  // -1 not reached, 0 timed out, 1 released by another thread
 
-PyObject* hook_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 1, "_hook_arm")) return nullptr;
-    const double timeout = PyFloat_AsDouble(args[0]);
-    if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+void hook_arm(double timeout) {
     hook_timeout_ms = int64_t(timeout * 1000);
     hook_result = -1;
     hook_stage = 1;
-    Py_RETURN_NONE;
 }
 
-PyObject* hook_waiting(PyObject*, PyObject*) { return PyBool_FromLong(hook_stage.load() == 2); }
-
-PyObject* hook_release(PyObject*, PyObject*) {
+void hook_release() {
     int waiting = 2;
     hook_stage.compare_exchange_strong(waiting, 3);
-    Py_RETURN_NONE;
 }
-
-// -1: the hook was never reached; 0: it timed out (the GIL was held, or nobody released it); 1: released.
-PyObject* hook_outcome(PyObject*, PyObject*) { return PyLong_FromLong(hook_result.load()); }
-
-PyObject* gil_count(PyObject*, PyObject*) { return PyLong_FromLongLong(gil_taken_back.load()); }
-
-PyMethodDef hook_methods[] = {
-    {"_gil_taken_back", reinterpret_cast<PyCFunction>(gil_count), METH_NOARGS, nullptr},
-    FAST("_hook_arm", hook_arm),
-    {"_hook_waiting", reinterpret_cast<PyCFunction>(hook_waiting), METH_NOARGS, nullptr},
-    {"_hook_release", reinterpret_cast<PyCFunction>(hook_release), METH_NOARGS, nullptr},
-    {"_hook_outcome", reinterpret_cast<PyCFunction>(hook_outcome), METH_NOARGS, nullptr},
-    {nullptr, nullptr, 0, nullptr},
-};
 
 #ifndef CORRAL_MODULE
 #define CORRAL_MODULE _native
 #endif
-#define CORRAL_STR2(x) #x
-#define CORRAL_STR(x) CORRAL_STR2(x)
-#define CORRAL_CAT2(a, b) a##b
-#define CORRAL_CAT(a, b) CORRAL_CAT2(a, b)
-
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "corral." CORRAL_STR(CORRAL_MODULE), nullptr, -1, nullptr};
 
 }  // namespace
 
@@ -79,7 +52,14 @@ void maybe_wait() {
     hook_stage = 0;
 }
 
-bool add_hook(PyObject* module) { return PyModule_AddFunctions(module, hook_methods) == 0; }
+void add_hook(nb::module_& m) {
+    m.def("_hook_arm", &hook_arm, nb::arg("timeout"));
+    m.def("_hook_waiting", [] { return hook_stage.load() == 2; });
+    m.def("_hook_release", &hook_release);
+    // -1: the hook was never reached; 0: it timed out (the GIL was held, or nobody released it); 1: released.
+    m.def("_hook_outcome", [] { return hook_result.load(); });
+    m.def("_gil_taken_back", [] { return gil_taken_back.load(); });
+}
 
 }  // namespace corral_native
 
@@ -87,22 +67,25 @@ bool add_hook(PyObject* module) { return PyModule_AddFunctions(module, hook_meth
 #define CORRAL_BUILD_INFO "unknown"
 #endif
 
-PyMODINIT_FUNC CORRAL_CAT(PyInit_, CORRAL_MODULE)() {
+NB_MODULE(CORRAL_MODULE, m) {
     using namespace corral_native;
-    PyObject* module = PyModule_Create(&module_def);
-    if (module == nullptr) return nullptr;
+    // PyFailure carries a Python exception already set: it goes to Python as it is.
+    nb::register_exception_translator([](const std::exception_ptr& thrown, void*) {
+        try {
+            std::rethrow_exception(thrown);
+        } catch (const PyFailure&) {
+        }
+    });
     // A limit is a GrammarTooComplexError (a typed 400 while compiling; a sequence's typed error while decoding).
-    PyObject* errors = PyImport_ImportModule("corral.errors");
-    PyObject* base = errors == nullptr ? nullptr : PyObject_GetAttrString(errors, "GrammarTooComplexError");
-    Py_XDECREF(errors);
-    LimitError = base == nullptr ? nullptr : PyErr_NewException("corral._native.LimitError", base, nullptr);
-    Py_XDECREF(base);
-    if (LimitError == nullptr || PyModule_AddObjectRef(module, "LimitError", LimitError) < 0 ||
-        PyModule_AddStringConstant(module, "build_info", CORRAL_BUILD_INFO " (" __VERSION__ ")") < 0 ||
-        !add_hook(module) || !add_terms(module) || !add_kernels(module) || !add_qmatmul(module) ||
-        !add_decode_step(module) || !add_cfg(module)) {
-        Py_DECREF(module);
-        return nullptr;
-    }
-    return module;
+    nb::object base = nb::module_::import_("corral.errors").attr("GrammarTooComplexError");
+    LimitError = PyErr_NewException("corral._native.LimitError", base.ptr(), nullptr);
+    if (LimitError == nullptr) throw nb::python_error();
+    m.attr("LimitError") = nb::handle(LimitError);
+    m.attr("build_info") = CORRAL_BUILD_INFO " (" __VERSION__ ")";
+    add_hook(m);
+    add_terms(m);
+    add_kernels(m);
+    add_qmatmul(m);
+    add_decode_step(m);
+    add_cfg(m);
 }

@@ -176,11 +176,12 @@ PyMethodDef qmatmul_methods[] = {
 
 }  // namespace
 
-bool add_qmatmul(PyObject* module) {
+void add_qmatmul(nb::module_& m) {
+    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     chosen_q = choose_q();
-    if (chosen_q == nullptr) return false;
-    if (PyModule_AddStringConstant(module, "qmatmul_isa", chosen_q->isa) < 0) return false;
-    return PyModule_AddFunctions(module, qmatmul_methods) == 0;
+    if (chosen_q == nullptr) throw nb::python_error();
+    if (PyModule_AddStringConstant(module, "qmatmul_isa", chosen_q->isa) < 0) throw nb::python_error();
+    if (PyModule_AddFunctions(module, qmatmul_methods) != 0) throw nb::python_error();
 }
 
 }  // namespace corral_native

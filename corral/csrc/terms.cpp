@@ -1889,13 +1889,14 @@ bool dfa_accepting(void* handle, int32_t state) {
 
 int32_t dfa_num_states(void* handle) { return static_cast<Dfa*>(handle)->num_states(); }
 
-bool add_terms(PyObject* module) {
+void add_terms(nb::module_& m) {
+    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     ViewType.tp_name = "corral._native.View";
     ViewType.tp_basicsize = sizeof(ViewObject);
     ViewType.tp_dealloc = reinterpret_cast<destructor>(view_dealloc);
     ViewType.tp_as_sequence = &view_sequence;
     ViewType.tp_flags = Py_TPFLAGS_DEFAULT;
-    if (PyType_Ready(&ViewType) < 0) return false;
+    if (PyType_Ready(&ViewType) < 0) throw nb::python_error();
 
     TableType.tp_name = "corral._native.Table";
     TableType.tp_basicsize = sizeof(TableObject);
@@ -1905,21 +1906,21 @@ bool add_terms(PyObject* module) {
     TableType.tp_methods = table_methods;
     TableType.tp_getset = table_getset;
     TableType.tp_new = table_new;
-    if (PyType_Ready(&TableType) < 0) return false;
+    if (PyType_Ready(&TableType) < 0) throw nb::python_error();
 
     BlockViewType.tp_name = "corral._native.BlockView";
     BlockViewType.tp_basicsize = sizeof(BlockViewObject);
     BlockViewType.tp_dealloc = reinterpret_cast<destructor>(block_view_dealloc);
     BlockViewType.tp_as_buffer = &block_view_buffer;
     BlockViewType.tp_flags = Py_TPFLAGS_DEFAULT;
-    if (PyType_Ready(&BlockViewType) < 0) return false;
+    if (PyType_Ready(&BlockViewType) < 0) throw nb::python_error();
 
     TrieType.tp_name = "corral._native.Trie";
     TrieType.tp_basicsize = sizeof(TrieObject);
     TrieType.tp_dealloc = reinterpret_cast<destructor>(trie_dealloc);
     TrieType.tp_flags = Py_TPFLAGS_DEFAULT;
     TrieType.tp_new = trie_new;
-    if (PyType_Ready(&TrieType) < 0) return false;
+    if (PyType_Ready(&TrieType) < 0) throw nb::python_error();
 
     DfaType.tp_name = "corral._native.Dfa";
     DfaType.tp_basicsize = sizeof(DfaObject);
@@ -1928,25 +1929,24 @@ bool add_terms(PyObject* module) {
     DfaType.tp_methods = dfa_methods;
     DfaType.tp_getset = dfa_getset;
     DfaType.tp_new = dfa_new;
-    if (PyType_Ready(&DfaType) < 0) return false;
+    if (PyType_Ready(&DfaType) < 0) throw nb::python_error();
 
-    if (PyModule_AddFunctions(module, module_methods) < 0) return false;
+    if (PyModule_AddFunctions(module, module_methods) < 0) throw nb::python_error();
     Py_INCREF(&TableType);
     if (PyModule_AddObject(module, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
         Py_DECREF(&TableType);
-        return false;
+        throw nb::python_error();
     }
     Py_INCREF(&TrieType);
     if (PyModule_AddObject(module, "Trie", reinterpret_cast<PyObject*>(&TrieType)) < 0) {
         Py_DECREF(&TrieType);
-        return false;
+        throw nb::python_error();
     }
     Py_INCREF(&DfaType);
     if (PyModule_AddObject(module, "Dfa", reinterpret_cast<PyObject*>(&DfaType)) < 0) {
         Py_DECREF(&DfaType);
-        return false;
+        throw nb::python_error();
     }
-    return true;
-}
+    }
 
 }  // namespace corral_native
