@@ -5,8 +5,9 @@ One module holds the mask core and the CPU kernels, built twice on x86: ``corral
 FMA, BMI2: what the development machines and nearly every server since 2015 have) and ``corral._native_baseline``
 for x86-64-v2 (SSE4.2, POPCNT). ``corral/native.py`` imports the one this CPU runs, by its flags: a v2-only build
 was about 7% slower on MaskBench's masks than a host-tuned one, and the v3 build measured level with that. Inside each, the kernels pick
-their instruction-set variant when the module loads. Nothing is compiled at run time. The module uses CPython's
-full C API (static types, vectorcall), so a wheel is built per Python version, not abi3.
+their instruction-set variant when the module loads. Nothing is compiled at run time. The bindings are nanobind's,
+compiled into each build from nanobind's sources; the mask core reads Python ints through CPython's full C API, so a
+wheel is built per Python version, not abi3.
 """
 
 import os

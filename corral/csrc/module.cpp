@@ -69,6 +69,8 @@ void add_hook(nb::module_& m) {
 
 NB_MODULE(CORRAL_MODULE, m) {
     using namespace corral_native;
+    // Objects that caches hold until the interpreter ends are not leaks worth a report at exit.
+    nb::set_leak_warnings(false);
     // PyFailure carries a Python exception already set: it goes to Python as it is.
     nb::register_exception_translator([](const std::exception_ptr& thrown, void*) {
         try {

@@ -31,6 +31,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <nanobind/stl/optional.h>
 #include <optional>
 #include <sys/mman.h>
 #include <unordered_map>
@@ -612,36 +613,52 @@ struct Table {
     }
 };
 
-// ---- Python glue --------------------------------------------------------------------------------------------
+// ---- Python glue (nanobind) -----------------------------------------------------------------------------------
+//
+// Every entry point takes its table's lock first (see TableLock) and checks its arguments against the table:
+// a term or state out of range is an IndexError that names it, never a read out of bounds.
 
-PyObject* mask_to_int(const Mask& mask) {
-    return _PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(mask.w), 32, 1, 0);
+// A new reference from a C API call, or the Python error that call set.
+nb::object owned(PyObject* object) {
+    if (object == nullptr) throw PyFailure();
+    return nb::steal(object);
 }
 
-Mask int_to_mask(PyObject* value) {
-    if (!PyLong_Check(value)) {
+nb::object mask_to_int(const Mask& mask) {
+    return owned(_PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(mask.w), 32, 1, 0));
+}
+
+Mask int_to_mask(nb::handle value) {
+    if (!PyLong_Check(value.ptr())) {
         PyErr_SetString(PyExc_TypeError, "a byte set is a non-negative int below 2**256");
         throw PyFailure();
     }
     Mask mask;
 #if PY_VERSION_HEX >= 0x030D0000
-    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value),
+    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value.ptr()),
                                            reinterpret_cast<unsigned char*>(mask.w), 32, 1, 0, 1);
 #else
-    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value),
+    const int failed = _PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(value.ptr()),
                                            reinterpret_cast<unsigned char*>(mask.w), 32, 1, 0);
 #endif
     if (failed) throw PyFailure();
     return mask;
 }
 
+// corral._native.Table: one term table. Python subclasses it (derivatives.py's NativeTermTable).
 struct TableObject {
-    PyObject_HEAD
-    Table* table;
+    Table* table = new Table();
+    TableObject() = default;
+    ~TableObject() {
+        Py_XDECREF(table->budget);
+        delete table;
+    }
+    TableObject(const TableObject&) = delete;
+    TableObject& operator=(const TableObject&) = delete;
 };
 
 // The table's mutex, for one entry point; a thread that must wait for it waits without the GIL (the holder may
-// need the GIL to finish: a walk calls back into Python).
+// need the GIL to finish: the budget's check_time is Python).
 struct TableLock {
     std::recursive_mutex& mutex;
     explicit TableLock(Table* table) : mutex(table->mutex) {
@@ -655,349 +672,180 @@ struct TableLock {
     TableLock& operator=(const TableLock&) = delete;
 };
 
-int32_t term_arg(TableObject* self, PyObject* value) {
-    const long term = PyLong_AsLong(value);
-    if (term == -1 && PyErr_Occurred()) throw PyFailure();
-    if (term < 0 || term >= self->table->size()) {
-        PyErr_Format(PyExc_IndexError, "no term %ld in a table of %d", term, self->table->size());
+int32_t term_arg(const TableObject& self, int64_t term) {
+    if (term < 0 || term >= self.table->size()) {
+        PyErr_Format(PyExc_IndexError, "no term %lld in a table of %d", static_cast<long long>(term),
+                     self.table->size());
         throw PyFailure();
     }
     return int32_t(term);
 }
 
-int32_t int_arg(PyObject* value) {
-    const long number = PyLong_AsLong(value);
-    if (number == -1 && PyErr_Occurred()) throw PyFailure();
-    if (number < -1 || number > INT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "a count out of range");
-        throw PyFailure();
-    }
+int32_t int_arg(int64_t number) {
+    if (number < -1 || number > INT32_MAX) fail(PyExc_OverflowError, "a count out of range");
     return int32_t(number);
 }
 
-int32_t byte_arg(PyObject* value) {
-    const int32_t byte = int_arg(value);
-    if (byte < 0 || byte > 255) {
-        PyErr_SetString(PyExc_ValueError, "a byte is 0..255");
-        throw PyFailure();
-    }
-    return byte;
+int32_t byte_arg(int64_t byte) {
+    if (byte < 0 || byte > 255) fail(PyExc_ValueError, "a byte is 0..255");
+    return int32_t(byte);
 }
 
-std::vector<int32_t> terms_arg(TableObject* self, PyObject* iterable) {
-    PyObject* sequence = PySequence_Fast(iterable, "terms must be iterable");
-    if (sequence == nullptr) throw PyFailure();
+std::vector<int32_t> terms_arg(const TableObject& self, nb::handle iterable) {
     std::vector<int32_t> terms;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
-    PyObject** items = PySequence_Fast_ITEMS(sequence);
-    terms.reserve(n);
-    try {
-        for (Py_ssize_t k = 0; k < n; ++k) terms.push_back(term_arg(self, items[k]));
-    } catch (PyFailure&) {
-        Py_DECREF(sequence);
-        throw;
-    }
-    Py_DECREF(sequence);
+    for (nb::handle item : iterable) terms.push_back(term_arg(self, nb::cast<int64_t>(item)));
     return terms;
 }
 
-PyObject* table_byte_set(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "byte_set")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->table->byte_set(int_to_mask(args[0])));)
-}
-
-PyObject* table_cat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 2, "cat")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->table->cat(term_arg(self, args[0]), term_arg(self, args[1])));)
-}
-
-PyObject* table_alt(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "alt")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->table->alt(terms_arg(self, args[0])));)
-}
-
-PyObject* table_intersect(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "intersect")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->table->intersect(terms_arg(self, args[0])));)
-}
-
-PyObject* table_repeat(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 3, "repeat")) return nullptr;
-    GUARDED(
-        const int32_t term = term_arg(self, args[0]);
-        const int32_t low = int_arg(args[1]);
-        const int32_t high = args[2] == Py_None ? -1 : int_arg(args[2]);
-        if (low < 0 || (args[2] != Py_None && high < 0)) {
-            PyErr_SetString(PyExc_ValueError, "repeat bounds must be non-negative");
-            return nullptr;
-        }
-        return PyLong_FromLong(self->table->repeat(term, low, high));
-    )
-}
-
-PyObject* table_derivative(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 2, "derivative")) return nullptr;
-    GUARDED(
-        const int32_t term = term_arg(self, args[0]);
-        return PyLong_FromLong(self->table->derivative(term, byte_arg(args[1])));
-    )
-}
-
-PyObject* table_first_mask(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "first_mask")) return nullptr;
-    GUARDED(return mask_to_int(self->table->first_mask(term_arg(self, args[0])));)
-}
-
-PyObject* mask_list(const std::vector<Mask>& found) {
-    PyObject* list = PyList_New(Py_ssize_t(found.size()));
-    if (list == nullptr) return nullptr;
-    for (size_t k = 0; k < found.size(); ++k) {
-        PyObject* item = mask_to_int(found[k]);
-        if (item == nullptr) {
-            Py_DECREF(list);
-            return nullptr;
-        }
-        PyList_SET_ITEM(list, Py_ssize_t(k), item);
-    }
+nb::list mask_list(const std::vector<Mask>& found) {
+    nb::list list;
+    for (const Mask& mask : found) list.append(mask_to_int(mask));
     return list;
 }
 
-PyObject* table_first_bytes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "first_bytes")) return nullptr;
-    GUARDED(
-        PyObject* list = mask_list(self->table->sets[self->table->first_bytes(term_arg(self, args[0]))]);
-        if (list == nullptr) return nullptr;
-        PyObject* result = PyFrozenSet_New(list);
-        Py_DECREF(list);
-        return result;
-    )
-}
-
-PyObject* table_byte_classes(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "byte_classes")) return nullptr;
-    GUARDED(return mask_list(self->table->byte_classes(term_arg(self, args[0])));)
-}
-
-PyObject* table_is_live(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "is_live")) return nullptr;
-    GUARDED(return PyBool_FromLong(self->table->is_live(term_arg(self, args[0])));)
-}
-
-PyObject* table_explore(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 1, "_explore_for_acceptance")) return nullptr;
-    GUARDED(
-        const auto [found, depth] = self->table->explore_for_acceptance(term_arg(self, args[0]));
-        if (depth < 0) return Py_BuildValue("(OO)", found ? Py_True : Py_False, Py_None);
-        return Py_BuildValue("(Oi)", found ? Py_True : Py_False, depth);
-    )
-}
-
-// piece_shape(member, narrow_bytes): None, False (the rest is empty), or (unit, low, high or None, rest)
-PyObject* table_piece_shape(TableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->table);
-    if (!check_args(nargs, 2, "piece_shape")) return nullptr;
-    GUARDED(
-        const Table::Shape shape = self->table->piece_shape(term_arg(self, args[0]), int_arg(args[1]));
-        if (shape.status == 0) Py_RETURN_NONE;
-        if (shape.status == 2) Py_RETURN_FALSE;
-        if (shape.high < 0) return Py_BuildValue("(iiOi)", shape.unit, shape.low, Py_None, shape.rest);
-        return Py_BuildValue("(iiii)", shape.unit, shape.low, shape.high, shape.rest);
-    )
-}
-
-PyObject* table_nbytes(TableObject* self, PyObject*) {
-    TableLock lock(self->table);
-    return PyLong_FromSize_t(self->table->nbytes());
-}
-
-Py_ssize_t table_length(TableObject* self) { return self->table->size(); }
-
-PyObject* table_args_of(Table* table, int32_t term) {
+nb::object args_of(Table* table, int32_t term) {
     switch (table->kind[term]) {
         case K_BYTES:
             return mask_to_int(table->masks[table->a[term]]);
         case K_CAT:
-            return Py_BuildValue("(ii)", table->a[term], table->b[term]);
+            return nb::make_tuple(table->a[term], table->b[term]);
         case K_REP:
-            if (table->c[term] < 0) return Py_BuildValue("(iiO)", table->a[term], table->b[term], Py_None);
-            return Py_BuildValue("(iii)", table->a[term], table->b[term], table->c[term]);
+            if (table->c[term] < 0) return nb::make_tuple(table->a[term], table->b[term], nb::none());
+            return nb::make_tuple(table->a[term], table->b[term], table->c[term]);
         case K_ALT:
         case K_AND: {
             const int32_t offset = table->a[term], count = table->b[term];
-            PyObject* members = PyTuple_New(count);
-            if (members == nullptr) return nullptr;
-            for (int32_t j = 0; j < count; ++j) {
-                PyObject* member = PyLong_FromLong(table->pool[offset + j]);
-                if (member == nullptr) {
-                    Py_DECREF(members);
-                    return nullptr;
-                }
-                PyTuple_SET_ITEM(members, j, member);
-            }
+            nb::object members = owned(PyTuple_New(count));
+            for (int32_t j = 0; j < count; ++j)
+                PyTuple_SET_ITEM(members.ptr(), j, owned(PyLong_FromLong(table->pool[offset + j])).release().ptr());
             return members;
         }
         default:
-            Py_RETURN_NONE;
+            return nb::none();
     }
 }
 
 // A read-only view of one per-term field, indexed like the pure table's lists (table.kind[t], table.args[t]).
-struct ViewObject {
-    PyObject_HEAD
-    TableObject* owner;  // owned reference
-    int field;           // 0 kind, 1 args, 2 nullable, 3 has_and
+struct TableView {
+    nb::object owner;  // the table, kept alive by the view
+    Table* table;
+    int field;  // 0 kind, 1 args, 2 nullable, 3 has_and
 };
 
-extern PyTypeObject ViewType;
-
-void view_dealloc(ViewObject* self) {
-    Py_XDECREF(self->owner);
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-Py_ssize_t view_length(ViewObject* self) { return self->owner->table->size(); }
-
-PyObject* view_item(ViewObject* self, Py_ssize_t index) {
-    TableLock lock(self->owner->table);
-    Table* table = self->owner->table;
+nb::object view_item(const TableView& view, Py_ssize_t index) {
+    TableLock lock(view.table);
+    Table* table = view.table;
     if (index < 0) index += table->size();
-    if (index < 0 || index >= table->size()) {
-        PyErr_SetString(PyExc_IndexError, "term index out of range");
-        return nullptr;
-    }
+    if (index < 0 || index >= table->size()) throw nb::index_error("term index out of range");
     const int32_t term = int32_t(index);
-    switch (self->field) {
-        case 0: return PyLong_FromLong(table->kind[term]);
-        case 1: return table_args_of(table, term);
-        case 2: return PyBool_FromLong(table->nullable[term]);
-        default: return PyBool_FromLong(table->has_and[term]);
+    switch (view.field) {
+        case 0: return nb::int_(table->kind[term]);
+        case 1: return args_of(table, term);
+        case 2: return nb::bool_(table->nullable[term] != 0);
+        default: return nb::bool_(table->has_and[term] != 0);
     }
 }
 
-PySequenceMethods view_sequence = {
-    reinterpret_cast<lenfunc>(view_length), nullptr, nullptr, reinterpret_cast<ssizeargfunc>(view_item),
-};
-
-PyTypeObject ViewType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
-PyObject* make_view(TableObject* self, int field) {
-    ViewObject* view = PyObject_New(ViewObject, &ViewType);
-    if (view == nullptr) return nullptr;
-    Py_INCREF(self);
-    view->owner = self;
-    view->field = field;
-    return reinterpret_cast<PyObject*>(view);
+TableView make_view(nb::handle self, int field) {
+    return TableView{nb::borrow(self), nb::cast<TableObject*>(self)->table, field};
 }
 
-PyObject* get_kind(TableObject* self, void*) { return make_view(self, 0); }
-PyObject* get_args(TableObject* self, void*) { return make_view(self, 1); }
-PyObject* get_nullable(TableObject* self, void*) { return make_view(self, 2); }
-PyObject* get_has_and(TableObject* self, void*) { return make_view(self, 3); }
-PyObject* get_undecided(TableObject* self, void*) { return PyLong_FromLongLong(self->table->num_undecided); }
-
-PyObject* get_step_limit(TableObject* self, void*) { return PyLong_FromLongLong(self->table->step_limit); }
-
-int set_step_limit(TableObject* self, PyObject* value, void*) {
-    const long long limit = value ? PyLong_AsLongLong(value) : -1;
-    if (limit < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the step limit is a non-negative int");
-        return -1;
-    }
-    self->table->step_limit = limit;
-    return 0;
+// piece_shape(member, narrow_bytes): None, False (the rest is empty), or (unit, low, high or None, rest)
+nb::object piece_shape(TableObject& self, int64_t member, int64_t narrow_bytes) {
+    TableLock lock(self.table);
+    const Table::Shape shape = self.table->piece_shape(term_arg(self, member), int_arg(narrow_bytes));
+    if (shape.status == 0) return nb::none();
+    if (shape.status == 2) return nb::bool_(false);
+    if (shape.high < 0) return nb::make_tuple(shape.unit, shape.low, nb::none(), shape.rest);
+    return nb::make_tuple(shape.unit, shape.low, shape.high, shape.rest);
 }
 
-PyObject* get_max_terms(TableObject* self, void*) { return PyLong_FromLongLong(self->table->max_terms); }
+void bind_table(nb::module_& m) {
+    nb::class_<TableView>(m, "View")
+        .def("__len__", [](const TableView& view) { return view.table->size(); })
+        .def("__getitem__", &view_item);
 
-int set_max_terms(TableObject* self, PyObject* value, void*) {
-    const long long cap = value == nullptr ? -1 : PyLong_AsLongLong(value);
-    if (cap == -1 && PyErr_Occurred()) return -1;
-    TableLock lock(self->table);
-    self->table->max_terms = cap < 0 ? -1 : cap;
-    return 0;
+    nb::class_<TableObject>(m, "Table")
+        .def(nb::init<>())
+        .def("__len__", [](const TableObject& self) { return self.table->size(); })
+        .def("byte_set", [](TableObject& self, nb::handle set) {
+            TableLock lock(self.table);
+            return self.table->byte_set(int_to_mask(set));
+        })
+        .def("cat", [](TableObject& self, int64_t first, int64_t second) {
+            TableLock lock(self.table);
+            return self.table->cat(term_arg(self, first), term_arg(self, second));
+        })
+        .def("alt", [](TableObject& self, nb::handle terms) {
+            TableLock lock(self.table);
+            return self.table->alt(terms_arg(self, terms));
+        })
+        .def("intersect", [](TableObject& self, nb::handle terms) {
+            TableLock lock(self.table);
+            return self.table->intersect(terms_arg(self, terms));
+        })
+        .def("repeat", [](TableObject& self, int64_t term, int64_t low, std::optional<int64_t> high) {
+            TableLock lock(self.table);
+            const int32_t body = term_arg(self, term);
+            if (low < 0 || (high && *high < 0)) fail(PyExc_ValueError, "repeat bounds must be non-negative");
+            return self.table->repeat(body, int_arg(low), high ? int_arg(*high) : -1);
+        })
+        .def("derivative", [](TableObject& self, int64_t term, int64_t byte) {
+            TableLock lock(self.table);
+            const int32_t of = term_arg(self, term);
+            return self.table->derivative(of, byte_arg(byte));
+        })
+        .def("first_mask", [](TableObject& self, int64_t term) {
+            TableLock lock(self.table);
+            return mask_to_int(self.table->first_mask(term_arg(self, term)));
+        })
+        .def("first_bytes", [](TableObject& self, int64_t term) {
+            TableLock lock(self.table);
+            const nb::list sets = mask_list(self.table->sets[self.table->first_bytes(term_arg(self, term))]);
+            return owned(PyFrozenSet_New(sets.ptr()));
+        })
+        .def("byte_classes", [](TableObject& self, int64_t term) {
+            TableLock lock(self.table);
+            return mask_list(self.table->byte_classes(term_arg(self, term)));
+        })
+        .def("is_live", [](TableObject& self, int64_t term) {
+            TableLock lock(self.table);
+            return self.table->is_live(term_arg(self, term));
+        })
+        .def("_explore_for_acceptance", [](TableObject& self, int64_t term) {
+            TableLock lock(self.table);
+            const auto [found, depth] = self.table->explore_for_acceptance(term_arg(self, term));
+            return nb::make_tuple(found, depth < 0 ? nb::object(nb::none()) : nb::object(nb::int_(depth)));
+        })
+        .def("piece_shape", &piece_shape)
+        .def("nbytes", [](TableObject& self) {
+            TableLock lock(self.table);
+            return self.table->nbytes();
+        })
+        .def_prop_ro("kind", [](nb::handle self) { return make_view(self, 0); })
+        .def_prop_ro("args", [](nb::handle self) { return make_view(self, 1); })
+        .def_prop_ro("nullable", [](nb::handle self) { return make_view(self, 2); })
+        .def_prop_ro("has_and", [](nb::handle self) { return make_view(self, 3); })
+        .def_prop_ro("num_undecided", [](const TableObject& self) { return self.table->num_undecided; })
+        .def_prop_rw(
+            "liveness_step_limit", [](const TableObject& self) { return self.table->step_limit; },
+            [](TableObject& self, int64_t limit) {
+                if (limit < 0) fail(PyExc_ValueError, "the step limit is a non-negative int");
+                self.table->step_limit = limit;
+            })
+        .def_prop_rw(
+            "budget",
+            [](const TableObject& self) {
+                return self.table->budget ? nb::borrow(self.table->budget) : nb::none();
+            },
+            [](TableObject& self, nb::object budget) { Py_XSETREF(self.table->budget, budget.release().ptr()); })
+        .def_prop_rw(
+            "max_terms", [](const TableObject& self) { return self.table->max_terms; },
+            [](TableObject& self, int64_t cap) {
+                TableLock lock(self.table);
+                self.table->max_terms = cap < 0 ? -1 : cap;
+            });
 }
-
-PyObject* get_budget(TableObject* self, void*) {
-    PyObject* budget = self->table->budget ? self->table->budget : Py_None;
-    Py_INCREF(budget);
-    return budget;
-}
-
-int set_budget(TableObject* self, PyObject* value, void*) {
-    if (value == nullptr) {
-        PyErr_SetString(PyExc_AttributeError, "the budget cannot be deleted");
-        return -1;
-    }
-    Py_INCREF(value);
-    Py_XSETREF(self->table->budget, value);
-    return 0;
-}
-
-PyObject* table_new(PyTypeObject* type, PyObject*, PyObject*) {
-    TableObject* self = reinterpret_cast<TableObject*>(type->tp_alloc(type, 0));
-    if (self == nullptr) return nullptr;
-    try {
-        self->table = new Table();
-    } catch (std::bad_alloc&) {
-        Py_DECREF(self);
-        return PyErr_NoMemory();
-    }
-    return reinterpret_cast<PyObject*>(self);
-}
-
-void table_dealloc(TableObject* self) {
-    if (self->table != nullptr) {
-        Py_XDECREF(self->table->budget);
-        delete self->table;
-        self->table = nullptr;
-    }
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-PyMethodDef table_methods[] = {
-    FAST("byte_set", table_byte_set),
-    FAST("cat", table_cat),
-    FAST("alt", table_alt),
-    FAST("intersect", table_intersect),
-    FAST("repeat", table_repeat),
-    FAST("derivative", table_derivative),
-    FAST("first_mask", table_first_mask),
-    FAST("first_bytes", table_first_bytes),
-    FAST("byte_classes", table_byte_classes),
-    FAST("is_live", table_is_live),
-    FAST("_explore_for_acceptance", table_explore),
-    FAST("piece_shape", table_piece_shape),
-    {"nbytes", reinterpret_cast<PyCFunction>(table_nbytes), METH_NOARGS, nullptr},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyGetSetDef table_getset[] = {
-    {"kind", reinterpret_cast<getter>(get_kind), nullptr, nullptr, nullptr},
-    {"args", reinterpret_cast<getter>(get_args), nullptr, nullptr, nullptr},
-    {"nullable", reinterpret_cast<getter>(get_nullable), nullptr, nullptr, nullptr},
-    {"has_and", reinterpret_cast<getter>(get_has_and), nullptr, nullptr, nullptr},
-    {"num_undecided", reinterpret_cast<getter>(get_undecided), nullptr, nullptr, nullptr},
-    {"liveness_step_limit", reinterpret_cast<getter>(get_step_limit), reinterpret_cast<setter>(set_step_limit),
-     nullptr, nullptr},
-    {"budget", reinterpret_cast<getter>(get_budget), reinterpret_cast<setter>(set_budget), nullptr, nullptr},
-    {"max_terms", reinterpret_cast<getter>(get_max_terms), reinterpret_cast<setter>(set_max_terms), nullptr, nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-PySequenceMethods table_sequence = {reinterpret_cast<lenfunc>(table_length)};
-
-PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ---- the lazy DFA over a table's terms (lazy_dfa.py's storage and moves, in native code) ---------------------
 //
@@ -1371,200 +1219,96 @@ struct Dfa {
     }
 };
 
+// The instance behind a handle, or null where it is not a ready instance of T.
+template <typename T>
+T* instance_of(PyObject* object) {
+    const nb::handle handle(object);
+    if (!nb::isinstance<T>(handle) || !nb::inst_ready(handle)) return nullptr;
+    return nb::inst_ptr<T>(handle);
+}
+
+// corral._native.Trie: the vocabulary's trie, copied in and checked once.
 struct TrieObject {
-    PyObject_HEAD
-    Trie* trie;
+    std::unique_ptr<Trie> trie;
 };
 
 template <typename T>
-std::vector<T> copied(PyObject* array) {
-    const HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
+std::vector<T> copied(nb::handle array) {
+    const HeldBuffer held(array.ptr(), PyBUF_C_CONTIGUOUS, sizeof(T));
     return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
 }
 
 // Trie(node_byte, node_depth, node_end, node_token, own_start, own_end, subtree_end, own_ids, roots, num_words):
 // int32 arrays but own_start, own_end, subtree_end (int64); checked here, so that no walk reads out of bounds.
-PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject*) {
-    PyObject* a[9];
-    Py_ssize_t num_words = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOn", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8],
-                          &num_words))
-        return nullptr;
-    GUARDED(
-        auto trie = std::make_unique<Trie>();
-        trie->node_byte = copied<int32_t>(a[0]);
-        trie->node_depth = copied<int32_t>(a[1]);
-        trie->node_end = copied<int32_t>(a[2]);
-        trie->node_token = copied<int32_t>(a[3]);
-        trie->own_start = copied<int64_t>(a[4]);
-        trie->own_end = copied<int64_t>(a[5]);
-        trie->subtree_end = copied<int64_t>(a[6]);
-        trie->own_ids = copied<int32_t>(a[7]);
-        trie->roots = copied<int32_t>(a[8]);
-        trie->num_words = num_words;
-        const size_t n = trie->node_byte.size();
-        const int64_t ids = int64_t(trie->own_ids.size()), limit = int64_t(num_words) * 32;
-        if (trie->node_depth.size() != n || trie->node_end.size() != n || trie->node_token.size() != n ||
-            trie->own_start.size() != n || trie->own_end.size() != n || trie->subtree_end.size() != n ||
-            num_words < 0)
-            fail(PyExc_ValueError, "Trie: the node arrays differ in length");
-        int64_t listed = 0;
-        for (size_t i = 0; i < n; ++i) {
-            const int32_t depth = trie->node_depth[i];
-            if (trie->node_byte[i] < 0 || trie->node_byte[i] > 255 || depth < 0 || depth >= MAX_DEPTH ||
-                (i > 0 && depth < 1) || (i + 1 < n && trie->node_depth[i + 1] > depth + 1) ||
-                trie->node_end[i] <= int32_t(i) || size_t(trie->node_end[i]) > n ||
-                trie->node_token[i] < -2 || trie->node_token[i] >= limit ||
-                trie->own_start[i] < 0 || trie->own_start[i] > trie->own_end[i] ||
-                trie->own_end[i] > trie->subtree_end[i] || trie->subtree_end[i] > ids)
-                fail(PyExc_ValueError, "Trie: a node out of shape (preorder, depths, ranges, ids)");
-            const int32_t token = trie->node_token[i];
-            listed += token >= 0 ? 1 : token == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
-        }
-        if (listed > ids) fail(PyExc_ValueError, "Trie: more tokens at nodes than ids");
-        trie->nodes.resize(n);
-        for (size_t i = 0; i < n; ++i)
-            trie->nodes[i] = TrieNode{trie->node_end[i], trie->node_token[i],
-                                      (trie->node_depth[i] << 8) | trie->node_byte[i]};
-        for (int32_t id : trie->own_ids)
-            if (id < 0 || id >= limit) fail(PyExc_ValueError, "Trie: a token id outside the mask");
-        for (int32_t root : trie->roots)
-            if (root < 1 || size_t(root) >= n || trie->node_depth[root] != 1)
-                fail(PyExc_ValueError, "Trie: a root that is not a first-level node");
-        TrieObject* self = reinterpret_cast<TrieObject*>(type->tp_alloc(type, 0));
-        if (self == nullptr) return nullptr;
-        self->trie = trie.release();
-        return reinterpret_cast<PyObject*>(self);
-    )
+void trie_init(TrieObject* self, nb::handle node_byte, nb::handle node_depth, nb::handle node_end,
+               nb::handle node_token, nb::handle own_start, nb::handle own_end, nb::handle subtree_end,
+               nb::handle own_ids, nb::handle roots, int64_t num_words) {
+    auto trie = std::make_unique<Trie>();
+    trie->node_byte = copied<int32_t>(node_byte);
+    trie->node_depth = copied<int32_t>(node_depth);
+    trie->node_end = copied<int32_t>(node_end);
+    trie->node_token = copied<int32_t>(node_token);
+    trie->own_start = copied<int64_t>(own_start);
+    trie->own_end = copied<int64_t>(own_end);
+    trie->subtree_end = copied<int64_t>(subtree_end);
+    trie->own_ids = copied<int32_t>(own_ids);
+    trie->roots = copied<int32_t>(roots);
+    trie->num_words = num_words;
+    const size_t n = trie->node_byte.size();
+    const int64_t ids = int64_t(trie->own_ids.size()), limit = num_words * 32;
+    if (trie->node_depth.size() != n || trie->node_end.size() != n || trie->node_token.size() != n ||
+        trie->own_start.size() != n || trie->own_end.size() != n || trie->subtree_end.size() != n ||
+        num_words < 0)
+        fail(PyExc_ValueError, "Trie: the node arrays differ in length");
+    int64_t listed = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const int32_t depth = trie->node_depth[i];
+        if (trie->node_byte[i] < 0 || trie->node_byte[i] > 255 || depth < 0 || depth >= MAX_DEPTH ||
+            (i > 0 && depth < 1) || (i + 1 < n && trie->node_depth[i + 1] > depth + 1) ||
+            trie->node_end[i] <= int32_t(i) || size_t(trie->node_end[i]) > n ||
+            trie->node_token[i] < -2 || trie->node_token[i] >= limit ||
+            trie->own_start[i] < 0 || trie->own_start[i] > trie->own_end[i] ||
+            trie->own_end[i] > trie->subtree_end[i] || trie->subtree_end[i] > ids)
+            fail(PyExc_ValueError, "Trie: a node out of shape (preorder, depths, ranges, ids)");
+        const int32_t token = trie->node_token[i];
+        listed += token >= 0 ? 1 : token == -2 ? trie->own_end[i] - trie->own_start[i] : 0;
+    }
+    if (listed > ids) fail(PyExc_ValueError, "Trie: more tokens at nodes than ids");
+    trie->nodes.resize(n);
+    for (size_t i = 0; i < n; ++i)
+        trie->nodes[i] = TrieNode{trie->node_end[i], trie->node_token[i],
+                                  (trie->node_depth[i] << 8) | trie->node_byte[i]};
+    for (int32_t id : trie->own_ids)
+        if (id < 0 || id >= limit) fail(PyExc_ValueError, "Trie: a token id outside the mask");
+    for (int32_t root : trie->roots)
+        if (root < 1 || size_t(root) >= n || trie->node_depth[root] != 1)
+            fail(PyExc_ValueError, "Trie: a root that is not a first-level node");
+    new (self) TrieObject{std::move(trie)};
 }
 
-void trie_dealloc(TrieObject* self) {
-    delete self->trie;
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-PyTypeObject TrieType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
+// corral._native.Dfa: the lazy automaton over one table's terms.
 struct DfaObject {
-    PyObject_HEAD
-    TableObject* owner;  // owned reference: the table outlives the automaton
+    nb::object owner;  // the table, which outlives the automaton
+    TableObject* table;
     Dfa* dfa;
+    DfaObject(nb::object owner_, TableObject* table_) : owner(std::move(owner_)), table(table_), dfa(new Dfa(table->table)) {}
+    ~DfaObject() { delete dfa; }  // before the table goes
+    DfaObject(const DfaObject&) = delete;
+    DfaObject& operator=(const DfaObject&) = delete;
 };
 
-extern PyTypeObject TableType;
-
-int32_t state_arg(DfaObject* self, PyObject* value) {
-    const long state = PyLong_AsLong(value);
-    if (state == -1 && PyErr_Occurred()) throw PyFailure();
-    if (state < 0 || state >= self->dfa->num_states()) {
-        PyErr_Format(PyExc_IndexError, "no state %ld in an automaton of %d", state, self->dfa->num_states());
+int32_t state_arg(const DfaObject& self, int64_t state) {
+    if (state < 0 || state >= self.dfa->num_states()) {
+        PyErr_Format(PyExc_IndexError, "no state %lld in an automaton of %d", static_cast<long long>(state),
+                     self.dfa->num_states());
         throw PyFailure();
     }
     return int32_t(state);
 }
 
-PyObject* dfa_new(PyTypeObject* type, PyObject* args, PyObject*) {
-    PyObject* owner;
-    if (!PyArg_ParseTuple(args, "O!", &TableType, &owner)) return nullptr;
-    DfaObject* self = reinterpret_cast<DfaObject*>(type->tp_alloc(type, 0));
-    if (self == nullptr) return nullptr;
-    Py_INCREF(owner);
-    self->owner = reinterpret_cast<TableObject*>(owner);
-    try {
-        self->dfa = new Dfa(self->owner->table);
-    } catch (PyFailure&) {
-        Py_DECREF(self);
-        return nullptr;
-    } catch (std::bad_alloc&) {
-        Py_DECREF(self);
-        return PyErr_NoMemory();
-    }
-    return reinterpret_cast<PyObject*>(self);
-}
-
-void dfa_dealloc(DfaObject* self) {
-    delete self->dfa;
-    Py_XDECREF(self->owner);
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-PyObject* dfa_state_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "state_of")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->dfa->state_of(term_arg(self->owner, args[0])));)
-}
-
-PyObject* dfa_term_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "term_of")) return nullptr;
-    GUARDED(return PyLong_FromLong(self->dfa->state_terms[state_arg(self, args[0])]);)
-}
-
-PyObject* dfa_next_state(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 2, "next_state")) return nullptr;
-    GUARDED(
-        const int32_t state = state_arg(self, args[0]);
-        return PyLong_FromLong(self->dfa->next_state(state, byte_arg(args[1])));
-    )
-}
-
-PyObject* dfa_build_row(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "build_row")) return nullptr;
-    GUARDED(self->dfa->build_row(state_arg(self, args[0])); Py_RETURN_NONE;)
-}
-
-PyObject* dfa_states_left(DfaObject* self, PyObject*) {
-    TableLock lock(self->dfa->table);
-    PyObject* list = PyList_New(0);
-    if (list == nullptr) return nullptr;
-    for (int32_t state = 0; state < self->dfa->num_states(); ++state) {
-        if (self->dfa->classes[state] == nullptr) continue;
-        PyObject* item = PyLong_FromLong(state);
-        if (item == nullptr || PyList_Append(list, item) < 0) {
-            Py_XDECREF(item);
-            Py_DECREF(list);
-            return nullptr;
-        }
-        Py_DECREF(item);
-    }
-    return list;
-}
-
-// new_flag_set(num_words) -> a new flag set's number, for walks whose mask rows are num_words uint32 words
-PyObject* dfa_new_flag_set(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "new_flag_set")) return nullptr;
-    GUARDED(
-        const long long num_words = PyLong_AsLongLong(args[0]);
-        if (num_words == -1 && PyErr_Occurred()) throw PyFailure();
-        if (num_words < 1 || num_words > (int64_t(1) << 26)) fail(PyExc_ValueError, "new_flag_set: no mask is that long");
-        self->dfa->flag_sets.emplace_back();
-        self->dfa->flag_sets.back().num_words = num_words;
-        return PyLong_FromSize_t(self->dfa->flag_sets.size() - 1);
-    )
-}
-
-PyObject* dfa_flags_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "flags_of")) return nullptr;
-    GUARDED(
-        const int32_t flag_set = int_arg(args[0]);
-        if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) {
-            PyErr_SetString(PyExc_IndexError, "no such flag set");
-            return nullptr;
-        }
-        std::vector<uint8_t> flags = self->dfa->flag_sets[flag_set].flags;
-        flags.resize(size_t(self->dfa->num_states()), FLAG_UNKNOWN);
-        return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(flags.data()), Py_ssize_t(flags.size()));
-    )
-}
-
-FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
-    const int32_t flag_set = int_arg(value);
-    if (flag_set < 0 || size_t(flag_set) >= self->dfa->flag_sets.size()) fail(PyExc_IndexError, "no such flag set");
-    return self->dfa->flag_sets[size_t(flag_set)];
+FlagSet& flag_set_arg(DfaObject& self, int64_t value) {
+    if (value < 0 || uint64_t(value) >= self.dfa->flag_sets.size()) fail(PyExc_IndexError, "no such flag set");
+    return self.dfa->flag_sets[size_t(value)];
 }
 
 // walk_trie(trie, state, flag_set, words, fuel) -> ([(state, depth), ...], fuel left): or the tokens allowed in
@@ -1574,302 +1318,258 @@ FlagSet& flag_set_arg(DfaObject* self, PyObject* value) {
 // plainly this time), which Python registers with set_flag and set_piece_answer under the fuel the walk left. A
 // walk that fails registers nothing: the states it built stay built, and the next walk that meets them returns
 // them.
-PyObject* dfa_walk_trie(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 5, "walk_trie")) return nullptr;
-    GUARDED(
-        if (!PyObject_TypeCheck(args[0], &TrieType)) fail(PyExc_TypeError, "walk_trie: a Trie expected");
-        const Trie& trie = *reinterpret_cast<TrieObject*>(args[0])->trie;
-        std::vector<int64_t> pending;
-        int64_t left = -1;
+nb::tuple walk_trie(DfaObject& self, const TrieObject& trie_object, int64_t state_number, int64_t flag_set,
+                    nb::handle words_array, int64_t fuel) {
+    const Trie& trie = *trie_object.trie;
+    std::vector<int64_t> pending;
+    int64_t left = -1;
+    {
+        TableLock lock(self.dfa->table);
+        const int32_t state = state_arg(self, state_number);
+        FlagSet& set = flag_set_arg(self, flag_set);
+        const HeldBuffer words(words_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+        if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
+        if (set.num_words != trie.num_words) fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
+        if (fuel < -2) fail(PyExc_ValueError, "walk_trie: fuel must be >= -2");
+        std::optional<FuelScope> scope;  // -2: the thread's fuel, which the rest of the mask goes on spending
+        if (fuel != -2) scope.emplace(fuel, fuel);
         {
-            TableLock lock(self->dfa->table);
-            const int32_t state = state_arg(self, args[1]);
-            FlagSet& set = flag_set_arg(self, args[2]);
-            const HeldBuffer words(args[3], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-            if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
-            if (set.num_words != trie.num_words) fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
-            const long long fuel = PyLong_AsLongLong(args[4]);
-            if (fuel == -1 && PyErr_Occurred()) throw PyFailure();
-            if (fuel < -2) fail(PyExc_ValueError, "walk_trie: fuel must be >= -2");
-            std::optional<FuelScope> scope;  // -2: the thread's fuel, which the rest of the mask goes on spending
-            if (fuel != -2) scope.emplace(fuel, fuel);
-            {
-                NoGil nogil;
-                maybe_wait();
-                self->dfa->walk_trie(trie, state, set, words.data<uint32_t>(), pending);
-            }
-            left = thread_fuel;
+            NoGil nogil;
+            maybe_wait();
+            self.dfa->walk_trie(trie, state, set, words.data<uint32_t>(), pending);
         }
-        PyObject* out = PyList_New(Py_ssize_t(pending.size()));
-        if (out == nullptr) return nullptr;
-        for (size_t k = 0; k < pending.size(); ++k) {
-            PyObject* item = Py_BuildValue("(ii)", int(pending[k] >> 16), int(pending[k] & 0xffff));
-            if (item == nullptr) {
-                Py_DECREF(out);
-                return nullptr;
-            }
-            PyList_SET_ITEM(out, Py_ssize_t(k), item);
-        }
-        return Py_BuildValue("(NL)", out, static_cast<long long>(left));
-    )
-}
-
-// set_flag(flag_set, state, flag): whether state holds repeat pieces (2) or not (1), for the walks of that set.
-PyObject* dfa_set_flag(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 3, "set_flag")) return nullptr;
-    GUARDED(
-        FlagSet& set = flag_set_arg(self, args[0]);
-        const int32_t state = state_arg(self, args[1]);
-        const int32_t flag = int_arg(args[2]);
-        if (flag != FLAG_PLAIN && flag != FLAG_PIECES) fail(PyExc_ValueError, "set_flag: a flag is 1 or 2");
-        if (size_t(state) >= set.flags.size()) set.flags.resize(size_t(state) + 1, FLAG_UNKNOWN);
-        set.flags[size_t(state)] = uint8_t(flag);
-        Py_RETURN_NONE;
-    )
+        left = thread_fuel;
+    }
+    nb::list out;
+    for (int64_t entry : pending) out.append(nb::make_tuple(int(entry >> 16), int(entry & 0xffff)));
+    return nb::make_tuple(out, left);
 }
 
 // set_piece_answer(flag_set, state, depth, other, allowed): for a state holding pieces met after depth bytes, the
 // state of its other members (DEAD -1 when none) and the pieces' mask words (uint32, one mask row; None when their
 // facts are not exact there). Past MAX_EXACT_ANSWERS exact answers, a new one is kept as "walk plainly".
-PyObject* dfa_set_piece_answer(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 5, "set_piece_answer")) return nullptr;
-    GUARDED(
-        FlagSet& set = flag_set_arg(self, args[0]);
-        const int32_t state = state_arg(self, args[1]);
-        const int32_t depth = int_arg(args[2]);
-        if (depth < 0 || depth >= MAX_DEPTH) fail(PyExc_ValueError, "set_piece_answer: a depth outside the trie's");
-        const int32_t other = int_arg(args[3]);
-        if (other != DEAD) state_arg(self, args[3]);
-        PieceAnswer answer;
-        answer.other = other;
-        if (args[4] != Py_None && set.exact_answers < MAX_EXACT_ANSWERS) {
-            const HeldBuffer allowed(args[4], PyBUF_C_CONTIGUOUS, 4);
-            if (allowed.count() != set.num_words) fail(PyExc_ValueError, "set_piece_answer: allowed is not one mask row");
-            answer.allowed.assign(allowed.data<const uint32_t>(), allowed.data<const uint32_t>() + allowed.count());
-        }
-        const int64_t key = answer_key(state, depth);
-        auto known = set.answers.find(key);
-        if (known != set.answers.end()) {
-            self->dfa->answer_bytes -= int64_t(known->second.allowed.size() * 4);
-            set.exact_answers -= !known->second.allowed.empty();
-        }
-        self->dfa->answer_bytes += int64_t(answer.allowed.size() * 4);
-        set.exact_answers += !answer.allowed.empty();
-        set.answers[key] = std::move(answer);
-        Py_RETURN_NONE;
-    )
-}
-
-// advance(state, token_bytes) -> the state after the token's bytes, or DEAD (-1)
-PyObject* dfa_advance(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "advance")) return nullptr;
-    GUARDED(
-        TableLock lock(self->dfa->table);
-        const int32_t state = state_arg(self, args[0]);
-        const HeldBuffer bytes(args[1], PyBUF_SIMPLE, 1);
-        int32_t following;
-        {
-            NoGil nogil;
-            following = self->dfa->advance(state, bytes.data<const uint8_t>(), bytes.count());
-        }
-        return PyLong_FromLong(following);
-    )
+void set_piece_answer(DfaObject& self, int64_t flag_set, int64_t state_number, int64_t depth, int64_t other,
+                      nb::handle allowed_array) {
+    TableLock lock(self.dfa->table);
+    FlagSet& set = flag_set_arg(self, flag_set);
+    const int32_t state = state_arg(self, state_number);
+    if (depth < 0 || depth >= MAX_DEPTH) fail(PyExc_ValueError, "set_piece_answer: a depth outside the trie's");
+    if (other != DEAD) state_arg(self, other);
+    PieceAnswer answer;
+    answer.other = int32_t(other);
+    if (!allowed_array.is_none() && set.exact_answers < MAX_EXACT_ANSWERS) {
+        const HeldBuffer allowed(allowed_array.ptr(), PyBUF_C_CONTIGUOUS, 4);
+        if (allowed.count() != set.num_words) fail(PyExc_ValueError, "set_piece_answer: allowed is not one mask row");
+        answer.allowed.assign(allowed.data<const uint32_t>(), allowed.data<const uint32_t>() + allowed.count());
+    }
+    const int64_t key = answer_key(state, int32_t(depth));
+    auto known = set.answers.find(key);
+    if (known != set.answers.end()) {
+        self.dfa->answer_bytes -= int64_t(known->second.allowed.size() * 4);
+        set.exact_answers -= !known->second.allowed.empty();
+    }
+    self.dfa->answer_bytes += int64_t(answer.allowed.size() * 4);
+    set.exact_answers += !answer.allowed.empty();
+    set.answers[key] = std::move(answer);
 }
 
 // walk_tokens(tokens, lengths, ids_offsets, start, out): tokens uint8 [*, width], lengths int32, ids_offsets
 // int64 [2, n], out int32 [3, n]; all C-contiguous
-PyObject* dfa_walk_tokens(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 5, "walk_tokens")) return nullptr;
-    GUARDED(
-        TableLock lock(self->dfa->table);
-        const HeldBuffer tokens(args[0], PyBUF_C_CONTIGUOUS | PyBUF_ND, 1);
-        const HeldBuffer lengths(args[1], PyBUF_C_CONTIGUOUS, 4);
-        const HeldBuffer ids_offsets(args[2], PyBUF_C_CONTIGUOUS, 8);
-        const int32_t start = state_arg(self, args[3]);
-        const HeldBuffer out(args[4], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-        if (tokens.view.ndim != 2 || ids_offsets.count() % 2 || out.count() != ids_offsets.count() / 2 * 3 ||
-            lengths.count() != tokens.view.shape[0])
-            fail(PyExc_ValueError, "walk_tokens: arrays of mismatched shapes");
-        const int64_t n = ids_offsets.count() / 2, rows = tokens.view.shape[0], width = tokens.view.shape[1];
-        const int64_t* ids = ids_offsets.data<const int64_t>();
-        const int32_t* length = lengths.data<const int32_t>();
-        for (int64_t k = 0; k < n; ++k)
-            if (ids[k] < 0 || ids[k] >= rows || ids[n + k] < 0 || length[ids[k]] < 0 || length[ids[k]] > width)
-                fail(PyExc_IndexError, "walk_tokens: a token id, offset or length outside the byte matrix");
-        NoGil nogil;
-        self->dfa->walk_tokens(tokens.data<const uint8_t>(), tokens.view.shape[1], lengths.data<const int32_t>(),
-                               ids_offsets.data<const int64_t>(), ids_offsets.count() / 2, start,
-                               out.data<int32_t>());
-        Py_RETURN_NONE;
-    )
+void walk_tokens(DfaObject& self, nb::handle tokens_array, nb::handle lengths_array, nb::handle ids_offsets_array,
+                 int64_t start_state, nb::handle out_array) {
+    TableLock lock(self.dfa->table);
+    const HeldBuffer tokens(tokens_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_ND, 1);
+    const HeldBuffer lengths(lengths_array.ptr(), PyBUF_C_CONTIGUOUS, 4);
+    const HeldBuffer ids_offsets(ids_offsets_array.ptr(), PyBUF_C_CONTIGUOUS, 8);
+    const int32_t start = state_arg(self, start_state);
+    const HeldBuffer out(out_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+    if (tokens.view.ndim != 2 || ids_offsets.count() % 2 || out.count() != ids_offsets.count() / 2 * 3 ||
+        lengths.count() != tokens.view.shape[0])
+        fail(PyExc_ValueError, "walk_tokens: arrays of mismatched shapes");
+    const int64_t n = ids_offsets.count() / 2, rows = tokens.view.shape[0], width = tokens.view.shape[1];
+    const int64_t* ids = ids_offsets.data<const int64_t>();
+    const int32_t* length = lengths.data<const int32_t>();
+    for (int64_t k = 0; k < n; ++k)
+        if (ids[k] < 0 || ids[k] >= rows || ids[n + k] < 0 || length[ids[k]] < 0 || length[ids[k]] > width)
+            fail(PyExc_IndexError, "walk_tokens: a token id, offset or length outside the byte matrix");
+    NoGil nogil;
+    self.dfa->walk_tokens(tokens.data<const uint8_t>(), width, length, ids, n, start, out.data<int32_t>());
 }
 
 // A read-only Python buffer over one native Block (the automaton's rows, accepting or built flags).
-struct BlockViewObject {
-    PyObject_HEAD
+struct BlockView {
     Block* block;  // held
     int64_t size;  // the bytes in use when the view was made (a mapped block is larger)
+    BlockView(Block* block_, int64_t size_) : block(block_), size(size_) { block->hold(); }
+    ~BlockView() { block->drop(); }
+    BlockView(const BlockView&) = delete;
+    BlockView& operator=(const BlockView&) = delete;
 };
 
-void block_view_dealloc(BlockViewObject* self) {
-    if (self->block != nullptr) self->block->drop();
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+int block_view_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    const BlockView* block_view = nb::inst_ptr<BlockView>(self);
+    return PyBuffer_FillInfo(view, self, block_view->block->data, block_view->size, 1, flags);
 }
 
-int block_view_getbuffer(BlockViewObject* self, Py_buffer* view, int flags) {
-    return PyBuffer_FillInfo(view, reinterpret_cast<PyObject*>(self), self->block->data, self->size, 1, flags);
-}
-
-PyBufferProcs block_view_buffer = {reinterpret_cast<getbufferproc>(block_view_getbuffer), nullptr};
-
-PyTypeObject BlockViewType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
-PyObject* block_view(Block* block, int64_t size) {
-    BlockViewObject* view = PyObject_New(BlockViewObject, &BlockViewType);
-    if (view == nullptr) return nullptr;
-    block->hold();
-    view->block = block;
-    view->size = size;
-    return reinterpret_cast<PyObject*>(view);
-}
+PyType_Slot block_view_slots[] = {
+    {Py_bf_getbuffer, reinterpret_cast<void*>(block_view_getbuffer)},
+    {0, nullptr},
+};
 
 // buffers() -> (trans, accepting, built, capacity): read-only buffers over the current blocks
-PyObject* dfa_buffers(DfaObject* self, PyObject*) {
-    TableLock lock(self->dfa->table);
-    PyObject* views[3] = {nullptr, nullptr, nullptr};
-    for (int k = 0; k < 3; ++k) {
-        views[k] = block_view(self->dfa->blocks[k], self->dfa->capacity * (k == 0 ? 256 * 4 : 1));
-        if (views[k] == nullptr) {
-            for (int j = 0; j < k; ++j) Py_DECREF(views[j]);
-            return nullptr;
-        }
-    }
-    return Py_BuildValue("(NNNL)", views[0], views[1], views[2], static_cast<long long>(self->dfa->capacity));
+nb::tuple buffers(DfaObject& self) {
+    TableLock lock(self.dfa->table);
+    nb::object views[3];
+    for (int k = 0; k < 3; ++k)
+        views[k] = nb::cast(new BlockView(self.dfa->blocks[k], self.dfa->capacity * (k == 0 ? 256 * 4 : 1)),
+                            nb::rv_policy::take_ownership);
+    return nb::make_tuple(views[0], views[1], views[2], self.dfa->capacity);
 }
-
-PyObject* dfa_get_num_states(DfaObject* self, void*) {
-    TableLock lock(self->dfa->table);
-    return PyLong_FromLong(self->dfa->num_states());
-}
-PyObject* dfa_get_generation(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->generation); }
-PyObject* dfa_get_piece_bytes(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->answer_bytes.load()); }
-PyObject* dfa_get_max_states(DfaObject* self, void*) { return PyLong_FromLongLong(self->dfa->max_states); }
-
-int dfa_set_max_states(DfaObject* self, PyObject* value, void*) {
-    const long long cap = value == nullptr ? -1 : PyLong_AsLongLong(value);
-    if (cap == -1 && PyErr_Occurred()) return -1;
-    TableLock lock(self->dfa->table);
-    self->dfa->max_states = cap < 0 ? -1 : cap;
-    return 0;
-}
-
-PyObject* dfa_classes_of(DfaObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    TableLock lock(self->dfa->table);
-    if (!check_args(nargs, 1, "classes_of")) return nullptr;
-    GUARDED(return mask_list(self->dfa->classes_of(state_arg(self, args[0])));)
-}
-
-PyMethodDef dfa_methods[] = {
-    FAST("state_of", dfa_state_of),
-    FAST("term_of", dfa_term_of),
-    FAST("next_state", dfa_next_state),
-    FAST("build_row", dfa_build_row),
-    FAST("classes_of", dfa_classes_of),
-    FAST("walk_trie", dfa_walk_trie),
-    FAST("walk_tokens", dfa_walk_tokens),
-    FAST("set_flag", dfa_set_flag),
-    FAST("set_piece_answer", dfa_set_piece_answer),
-    FAST("new_flag_set", dfa_new_flag_set),
-    FAST("advance", dfa_advance),
-    FAST("flags_of", dfa_flags_of),
-    {"states_left", reinterpret_cast<PyCFunction>(dfa_states_left), METH_NOARGS, nullptr},
-    {"buffers", reinterpret_cast<PyCFunction>(dfa_buffers), METH_NOARGS, nullptr},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyGetSetDef dfa_getset[] = {
-    {"num_states", reinterpret_cast<getter>(dfa_get_num_states), nullptr, nullptr, nullptr},
-    {"generation", reinterpret_cast<getter>(dfa_get_generation), nullptr, nullptr, nullptr},
-    {"piece_bytes", reinterpret_cast<getter>(dfa_get_piece_bytes), nullptr, nullptr, nullptr},
-    {"max_states", reinterpret_cast<getter>(dfa_get_max_states), reinterpret_cast<setter>(dfa_set_max_states), nullptr,
-     nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-PyTypeObject DfaType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // or_bits(words, ids): set the bit of every token id (int32 or int64) in the bitmask words (int32 or uint32)
-PyObject* module_or_bits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "or_bits")) return nullptr;
-    GUARDED(
-        const HeldBuffer words(args[0], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-        Py_buffer ids_view;
-        if (PyObject_GetBuffer(args[1], &ids_view, PyBUF_C_CONTIGUOUS) < 0) return nullptr;
-        HeldBuffer ids;
-        ids.view = ids_view;
-        ids.held = true;
-        uint32_t* out = words.data<uint32_t>();
-        const int64_t limit = int64_t(words.count()) * 32;
-        const Py_ssize_t n = ids.count();
-        if (ids.view.itemsize != 4 && ids.view.itemsize != 8) {
-            PyErr_SetString(PyExc_TypeError, "or_bits: ids must be int32 or int64");
-            return nullptr;
+void or_bits(nb::handle words_array, nb::handle ids_array) {
+    const HeldBuffer words(words_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+    HeldBuffer ids;
+    if (PyObject_GetBuffer(ids_array.ptr(), &ids.view, PyBUF_C_CONTIGUOUS) < 0) throw PyFailure();
+    ids.held = true;
+    if (ids.view.itemsize != 4 && ids.view.itemsize != 8) fail(PyExc_TypeError, "or_bits: ids must be int32 or int64");
+    uint32_t* out = words.data<uint32_t>();
+    const int64_t limit = int64_t(words.count()) * 32;
+    const Py_ssize_t n = ids.count();
+    for (Py_ssize_t k = 0; k < n; ++k) {
+        const int64_t id = ids.view.itemsize == 8 ? ids.data<const int64_t>()[k] : ids.data<const int32_t>()[k];
+        if (id < 0 || id >= limit) {
+            PyErr_Format(PyExc_IndexError, "token id %lld outside the mask", static_cast<long long>(id));
+            throw PyFailure();
         }
-        for (Py_ssize_t k = 0; k < n; ++k) {
-            const int64_t id = ids.view.itemsize == 8 ? ids.data<const int64_t>()[k] : ids.data<const int32_t>()[k];
-            if (id < 0 || id >= limit) {
-                PyErr_Format(PyExc_IndexError, "token id %lld outside the mask", static_cast<long long>(id));
-                return nullptr;
-            }
-            out[id >> 5] |= 1u << (id & 31);
-        }
-        Py_RETURN_NONE;
-    )
+        out[id >> 5] |= 1u << (id & 31);
+    }
 }
 
 // set_thread_fuel(fuel, given) -> (fuel, given) this thread had before: the new terms what this thread derives next
 // may make (-1: no cap), named in the error as a fuel of `given`. Python sets it around a whole mask (its rows,
 // nested masks, walk and registrations: corral/fsm/native_walk.py mask_fuel) and restores it after.
-PyObject* module_set_thread_fuel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "set_thread_fuel")) return nullptr;
-    const long long fuel = PyLong_AsLongLong(args[0]);
-    if (fuel == -1 && PyErr_Occurred()) return nullptr;
-    const long long given = PyLong_AsLongLong(args[1]);
-    if (given == -1 && PyErr_Occurred()) return nullptr;
+nb::tuple set_thread_fuel(int64_t fuel, int64_t given) {
     const int64_t before = thread_fuel, before_given = thread_fuel_given;
     thread_fuel = fuel < 0 ? -1 : fuel;
     thread_fuel_given = given;
-    return Py_BuildValue("(LL)", static_cast<long long>(before), static_cast<long long>(before_given));
+    return nb::make_tuple(before, before_given);
 }
 
-PyMethodDef module_methods[] = {
-    FAST("or_bits", module_or_bits),
-    FAST("set_thread_fuel", module_set_thread_fuel),
-    {nullptr, nullptr, 0, nullptr},
-};
+void bind_dfa(nb::module_& m) {
+    nb::class_<TrieObject>(m, "Trie").def("__init__", &trie_init);
+
+    nb::class_<BlockView>(m, "BlockView", nb::type_slots(block_view_slots));
+
+    nb::class_<DfaObject>(m, "Dfa")
+        .def("__init__", [](DfaObject* self, nb::object owner) {
+            TableObject* table = instance_of<TableObject>(owner.ptr());
+            if (table == nullptr) throw nb::type_error("Dfa: a corral._native.Table was expected");
+            new (self) DfaObject(std::move(owner), table);
+        })
+        .def("state_of", [](DfaObject& self, int64_t term) {
+            TableLock lock(self.dfa->table);
+            return self.dfa->state_of(term_arg(*self.table, term));
+        })
+        .def("term_of", [](DfaObject& self, int64_t state) {
+            TableLock lock(self.dfa->table);
+            return self.dfa->state_terms[state_arg(self, state)];
+        })
+        .def("next_state", [](DfaObject& self, int64_t state, int64_t byte) {
+            TableLock lock(self.dfa->table);
+            const int32_t from = state_arg(self, state);
+            return self.dfa->next_state(from, byte_arg(byte));
+        })
+        .def("build_row", [](DfaObject& self, int64_t state) {
+            TableLock lock(self.dfa->table);
+            self.dfa->build_row(state_arg(self, state));
+        })
+        .def("classes_of", [](DfaObject& self, int64_t state) {
+            TableLock lock(self.dfa->table);
+            return mask_list(self.dfa->classes_of(state_arg(self, state)));
+        })
+        .def("walk_trie", &walk_trie)
+        .def("walk_tokens", &walk_tokens)
+        .def("set_flag", [](DfaObject& self, int64_t flag_set, int64_t state_number, int64_t flag) {
+            // whether state holds repeat pieces (2) or not (1), for the walks of that set
+            TableLock lock(self.dfa->table);
+            FlagSet& set = flag_set_arg(self, flag_set);
+            const int32_t state = state_arg(self, state_number);
+            if (flag != FLAG_PLAIN && flag != FLAG_PIECES) fail(PyExc_ValueError, "set_flag: a flag is 1 or 2");
+            if (size_t(state) >= set.flags.size()) set.flags.resize(size_t(state) + 1, FLAG_UNKNOWN);
+            set.flags[size_t(state)] = uint8_t(flag);
+        })
+        .def("set_piece_answer", &set_piece_answer)
+        .def("new_flag_set", [](DfaObject& self, int64_t num_words) {
+            // a new flag set's number, for walks whose mask rows are num_words uint32 words
+            TableLock lock(self.dfa->table);
+            if (num_words < 1 || num_words > (int64_t(1) << 26)) fail(PyExc_ValueError, "new_flag_set: no mask is that long");
+            self.dfa->flag_sets.emplace_back();
+            self.dfa->flag_sets.back().num_words = num_words;
+            return self.dfa->flag_sets.size() - 1;
+        })
+        .def("advance", [](DfaObject& self, int64_t state_number, nb::handle token_bytes) {
+            // the state after the token's bytes, or DEAD (-1)
+            TableLock lock(self.dfa->table);
+            const int32_t state = state_arg(self, state_number);
+            const HeldBuffer bytes(token_bytes.ptr(), PyBUF_SIMPLE, 1);
+            NoGil nogil;
+            return self.dfa->advance(state, bytes.data<const uint8_t>(), bytes.count());
+        })
+        .def("flags_of", [](DfaObject& self, int64_t flag_set) {
+            TableLock lock(self.dfa->table);
+            std::vector<uint8_t> flags = flag_set_arg(self, flag_set).flags;
+            flags.resize(size_t(self.dfa->num_states()), FLAG_UNKNOWN);
+            return nb::bytes(flags.data(), flags.size());
+        })
+        .def("states_left", [](DfaObject& self) {
+            TableLock lock(self.dfa->table);
+            nb::list left;
+            for (int32_t state = 0; state < self.dfa->num_states(); ++state)
+                if (self.dfa->classes[state] != nullptr) left.append(state);
+            return left;
+        })
+        .def("buffers", &buffers)
+        .def_prop_ro("num_states", [](DfaObject& self) {
+            TableLock lock(self.dfa->table);
+            return self.dfa->num_states();
+        })
+        .def_prop_ro("generation", [](const DfaObject& self) { return int64_t(self.dfa->generation); })
+        .def_prop_ro("piece_bytes", [](const DfaObject& self) { return self.dfa->answer_bytes.load(); })
+        .def_prop_rw(
+            "max_states", [](const DfaObject& self) { return self.dfa->max_states; },
+            [](DfaObject& self, int64_t cap) {
+                TableLock lock(self.dfa->table);
+                self.dfa->max_states = cap < 0 ? -1 : cap;
+            });
+
+    m.def("or_bits", &or_bits);
+    m.def("set_thread_fuel", &set_thread_fuel);
+}
 
 }  // namespace
 
 bool trie_view(PyObject* object, TrieView* out) {
-    if (!PyObject_TypeCheck(object, &TrieType)) {
+    const TrieObject* found = instance_of<TrieObject>(object);
+    if (found == nullptr) {
         PyErr_SetString(PyExc_TypeError, "a corral._native.Trie was expected");
         return false;
     }
-    const Trie& trie = *reinterpret_cast<TrieObject*>(object)->trie;
-    *out = TrieView{trie.nodes.data(), trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(), trie.node_token.data(), trie.own_ids.data(),
-                    trie.roots.data(), trie.own_start.data(), trie.own_end.data(), int64_t(trie.node_byte.size()),
-                    int64_t(trie.roots.size()), trie.num_words, trie.subtree_end.data()};
+    const Trie& trie = *found->trie;
+    *out = TrieView{trie.nodes.data(), trie.node_byte.data(), trie.node_depth.data(), trie.node_end.data(),
+                    trie.node_token.data(), trie.own_ids.data(), trie.roots.data(), trie.own_start.data(),
+                    trie.own_end.data(), int64_t(trie.node_byte.size()), int64_t(trie.roots.size()), trie.num_words,
+                    trie.subtree_end.data()};
     return true;
 }
 
 void* dfa_of(PyObject* object) {
-    if (!PyObject_TypeCheck(object, &DfaType)) {
+    DfaObject* found = instance_of<DfaObject>(object);
+    if (found == nullptr) {
         PyErr_SetString(PyExc_TypeError, "a corral._native.Dfa was expected");
         return nullptr;
     }
-    return reinterpret_cast<DfaObject*>(object)->dfa;
+    return found->dfa;
 }
 
 int32_t dfa_next(void* handle, int32_t state, int byte, int64_t* fuel, int64_t fuel_given) {
@@ -1890,63 +1590,8 @@ bool dfa_accepting(void* handle, int32_t state) {
 int32_t dfa_num_states(void* handle) { return static_cast<Dfa*>(handle)->num_states(); }
 
 void add_terms(nb::module_& m) {
-    PyObject* module = m.ptr();  // (until the glue is nanobind's)
-    ViewType.tp_name = "corral._native.View";
-    ViewType.tp_basicsize = sizeof(ViewObject);
-    ViewType.tp_dealloc = reinterpret_cast<destructor>(view_dealloc);
-    ViewType.tp_as_sequence = &view_sequence;
-    ViewType.tp_flags = Py_TPFLAGS_DEFAULT;
-    if (PyType_Ready(&ViewType) < 0) throw nb::python_error();
-
-    TableType.tp_name = "corral._native.Table";
-    TableType.tp_basicsize = sizeof(TableObject);
-    TableType.tp_dealloc = reinterpret_cast<destructor>(table_dealloc);
-    TableType.tp_as_sequence = &table_sequence;
-    TableType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE;
-    TableType.tp_methods = table_methods;
-    TableType.tp_getset = table_getset;
-    TableType.tp_new = table_new;
-    if (PyType_Ready(&TableType) < 0) throw nb::python_error();
-
-    BlockViewType.tp_name = "corral._native.BlockView";
-    BlockViewType.tp_basicsize = sizeof(BlockViewObject);
-    BlockViewType.tp_dealloc = reinterpret_cast<destructor>(block_view_dealloc);
-    BlockViewType.tp_as_buffer = &block_view_buffer;
-    BlockViewType.tp_flags = Py_TPFLAGS_DEFAULT;
-    if (PyType_Ready(&BlockViewType) < 0) throw nb::python_error();
-
-    TrieType.tp_name = "corral._native.Trie";
-    TrieType.tp_basicsize = sizeof(TrieObject);
-    TrieType.tp_dealloc = reinterpret_cast<destructor>(trie_dealloc);
-    TrieType.tp_flags = Py_TPFLAGS_DEFAULT;
-    TrieType.tp_new = trie_new;
-    if (PyType_Ready(&TrieType) < 0) throw nb::python_error();
-
-    DfaType.tp_name = "corral._native.Dfa";
-    DfaType.tp_basicsize = sizeof(DfaObject);
-    DfaType.tp_dealloc = reinterpret_cast<destructor>(dfa_dealloc);
-    DfaType.tp_flags = Py_TPFLAGS_DEFAULT;
-    DfaType.tp_methods = dfa_methods;
-    DfaType.tp_getset = dfa_getset;
-    DfaType.tp_new = dfa_new;
-    if (PyType_Ready(&DfaType) < 0) throw nb::python_error();
-
-    if (PyModule_AddFunctions(module, module_methods) < 0) throw nb::python_error();
-    Py_INCREF(&TableType);
-    if (PyModule_AddObject(module, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
-        Py_DECREF(&TableType);
-        throw nb::python_error();
-    }
-    Py_INCREF(&TrieType);
-    if (PyModule_AddObject(module, "Trie", reinterpret_cast<PyObject*>(&TrieType)) < 0) {
-        Py_DECREF(&TrieType);
-        throw nb::python_error();
-    }
-    Py_INCREF(&DfaType);
-    if (PyModule_AddObject(module, "Dfa", reinterpret_cast<PyObject*>(&DfaType)) < 0) {
-        Py_DECREF(&DfaType);
-        throw nb::python_error();
-    }
-    }
+    bind_table(m);
+    bind_dfa(m);
+}
 
 }  // namespace corral_native

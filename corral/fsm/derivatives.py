@@ -593,6 +593,7 @@ def _define_native_class(module):
         """:class:`TermTable` in native memory (``corral/csrc/terms.cpp``): the same terms and derivatives."""
 
         def __init__(self, budget: Budget | None = None):
+            super().__init__()  # the native table itself
             self.budget = budget or Budget()
             self.liveness_step_limit = _LIVENESS_STEP_LIMIT
             self._init_conversions()
