@@ -86,22 +86,10 @@ struct Array {
     }
 };
 
-inline int threads_arg(PyObject* value) {
-    const long threads = PyLong_AsLong(value);
-    if (threads == -1 && PyErr_Occurred()) throw PyFailure();
-    if (threads < 1 || threads > 1024) fail(PyExc_ValueError, "threads must be 1..1024");
-    return int(threads);
-}
-
 inline int checked_threads(int threads) {
     if (threads < 1 || threads > 1024) fail(PyExc_ValueError, "threads must be 1..1024");
     return threads;
 }
 
-inline float float_arg(PyObject* value) {
-    const double x = PyFloat_AsDouble(value);
-    if (x == -1.0 && PyErr_Occurred()) throw PyFailure();
-    return float(x);
-}
 
 }  // namespace corral_native

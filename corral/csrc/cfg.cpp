@@ -571,8 +571,8 @@ struct EarleySet {
 // ------------------------------------------------------------------------------------------------ the index
 
 struct Index {
-    PyObject* trie_object = nullptr;  // owned
-    std::vector<PyObject*> dfa_objects;  // owned
+    nb::object trie_object;                // the trie and the terminals' automata, kept alive with the index
+    std::vector<nb::object> dfa_objects;
     TrieView trie{};
     Lexer lexer;
     Productions grammar;
@@ -582,16 +582,11 @@ struct Index {
     std::vector<uint32_t> eos_words;
 
     std::deque<HeldBuffer> piece_arrays;  // the buffers behind lexer.piece_tokens
-
-    ~Index() {
-        Py_XDECREF(trie_object);
-        for (PyObject* o : dfa_objects) Py_XDECREF(o);
-    }
 };
 
+// corral._native.CfgIndex: one grammar's index, shared by its sessions.
 struct IndexObject {
-    PyObject_HEAD
-    Index* index;
+    std::unique_ptr<Index> index;
 };
 
 // ---------------------------------------------------------------------------------------------- the session
@@ -613,7 +608,7 @@ struct Row {
 };
 
 struct Session {
-    IndexObject* owner;  // owned reference
+    nb::object owner;  // the CfgIndex, kept alive with the session
     Index& index;
     Lexer& lexer;
     const Productions& grammar;
@@ -639,10 +634,8 @@ struct Session {
 
     bool replaying = false;  // reading a hidden stop's text again (see lazy_end)
 
-    Session(IndexObject* o) : owner(o), index(*o->index), lexer(o->index->lexer), grammar(o->index->grammar) {
-        Py_INCREF(owner);
-    }
-    ~Session() { Py_XDECREF(owner); }
+    Session(nb::object owner_object, Index& of)
+        : owner(std::move(owner_object)), index(of), lexer(of.lexer), grammar(of.grammar) {}
 
     // -- the Earley table (earley.py)
     int32_t scan(int32_t set_id, const Ints& terminals) {
@@ -1024,26 +1017,26 @@ struct Session {
     }
 };
 
+// corral._native.CfgSession: one sequence's parse, over its grammar's index.
 struct SessionObject {
-    PyObject_HEAD
-    Session* session;
+    std::unique_ptr<Session> session;
 };
-
-PyTypeObject IndexType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-PyTypeObject SessionType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ------------------------------------------------------------------------------------------- Python glue
 
 template <typename T>
-std::vector<T> vector_of(PyObject* array) {
-    HeldBuffer held(array, PyBUF_C_CONTIGUOUS, sizeof(T));
+std::vector<T> vector_of(nb::handle array) {
+    HeldBuffer held(array.ptr(), PyBUF_C_CONTIGUOUS, sizeof(T));
     return std::vector<T>(held.data<const T>(), held.data<const T>() + held.count());
 }
 
-int64_t long_of(PyObject* value) {
-    const long long number = PyLong_AsLongLong(value);
-    if (number == -1 && PyErr_Occurred()) throw PyFailure();
-    return number;
+nb::tuple tuple_of(const Ints& values) {
+    PyObject* out = PyTuple_New(Py_ssize_t(values.size()));
+    if (out == nullptr) throw PyFailure();
+    nb::tuple owned = nb::steal<nb::tuple>(out);
+    for (size_t k = 0; k < values.size(); ++k)
+        PyTuple_SET_ITEM(out, Py_ssize_t(k), nb::int_(values[k]).release().ptr());
+    return owned;
 }
 
 // CfgIndex(trie, dfas, priority, lazy, exact, greedy, ignore, lhs, rhs_offsets, rhs, num_nonterminals, nullable,
@@ -1052,193 +1045,161 @@ int64_t long_of(PyObject* value) {
 // dfas: a list with a corral._native.Dfa or None per terminal; int32 arrays but lazy/exact/nullable (uint8),
 // rhs_offsets (int64, one more than productions), eos_words/special_words (int32 words, special_words
 // [num_specials, num_words]). Every id is checked here.
-PyObject* index_new(PyTypeObject* type, PyObject* args, PyObject*) {
-    PyObject *trie, *dfas, *priority, *lazy, *exact, *ignore, *lhs, *offsets, *rhs, *nullable, *eos, *specials,
-        *special_words;
-    int greedy = 1;
-    PyObject* replays;
-    Py_ssize_t num_nonterminals = 0, start_production = 0, max_states = 0, root_bytes = 0;
-    if (!PyArg_ParseTuple(args, "OO!OOOpOOOOnOnOOOnnO!", &trie, &PyList_Type, &dfas, &priority, &lazy, &exact,
-                          &greedy, &ignore, &lhs, &offsets, &rhs, &num_nonterminals, &nullable, &start_production,
-                          &eos, &specials, &special_words, &max_states, &root_bytes, &PyList_Type, &replays))
-        return nullptr;
-    GUARDED(
-        auto index = std::make_unique<Index>();
-        if (!trie_view(trie, &index->trie)) return nullptr;
-        if (index->trie.num_nodes >= (int64_t(1) << 23) || max_states > (int64_t(1) << 18))
-            fail(PyExc_ValueError, "CfgIndex: at most 2^23 trie nodes and 2^18 lexer states (the walk's keys)");
-        Py_INCREF(trie);
-        index->trie_object = trie;
-        const Py_ssize_t num_terminals = PyList_GET_SIZE(dfas);
-        Lexer& lexer = index->lexer;
-        for (Py_ssize_t j = 0; j < num_terminals; ++j) {
-            PyObject* item = PyList_GET_ITEM(dfas, j);
-            void* dfa = nullptr;
-            if (item != Py_None) {
-                dfa = dfa_of(item);
-                if (dfa == nullptr) return nullptr;
-                if (dfa_num_states(dfa) < 1) fail(PyExc_ValueError, "CfgIndex: a terminal's automaton has no start state");
-                Py_INCREF(item);
-                index->dfa_objects.push_back(item);
-            }
-            lexer.dfas.push_back(dfa);
+void index_init(IndexObject* self, nb::handle trie, nb::list dfas, nb::handle priority, nb::handle lazy,
+                nb::handle exact, bool greedy, nb::handle ignore, nb::handle lhs, nb::handle offsets, nb::handle rhs,
+                int64_t num_nonterminals, nb::handle nullable, int64_t start_production, nb::handle eos,
+                nb::handle specials, nb::handle special_words, int64_t max_states, int64_t root_bytes,
+                nb::list replays) {
+    auto index = std::make_unique<Index>();
+    if (!trie_view(trie.ptr(), &index->trie)) throw PyFailure();
+    if (index->trie.num_nodes >= (int64_t(1) << 23) || max_states > (int64_t(1) << 18))
+        fail(PyExc_ValueError, "CfgIndex: at most 2^23 trie nodes and 2^18 lexer states (the walk's keys)");
+    index->trie_object = nb::borrow(trie);
+    const Py_ssize_t num_terminals = Py_ssize_t(nb::len(dfas));
+    Lexer& lexer = index->lexer;
+    for (nb::handle item : dfas) {
+        void* dfa = nullptr;
+        if (!item.is_none()) {
+            dfa = dfa_of(item.ptr());
+            if (dfa == nullptr) throw PyFailure();
+            if (dfa_num_states(dfa) < 1) fail(PyExc_ValueError, "CfgIndex: a terminal's automaton has no start state");
+            index->dfa_objects.push_back(nb::borrow(item));
         }
-        lexer.priority = vector_of<int32_t>(priority);
-        lexer.lazy = vector_of<uint8_t>(lazy);
-        lexer.exact = vector_of<uint8_t>(exact);
-        lexer.greedy = greedy != 0;
-        lexer.max_states = max_states;
-        lexer.walk_budget = root_bytes;
-        if (int64_t(lexer.priority.size()) != num_terminals || int64_t(lexer.lazy.size()) != num_terminals ||
-            int64_t(lexer.exact.size()) != num_terminals || PyList_GET_SIZE(replays) != num_terminals)
-            fail(PyExc_ValueError, "CfgIndex: the terminal arrays differ in length");
-        for (Py_ssize_t j = 0; j < num_terminals; ++j) {
-            PyObject* text = PyList_GET_ITEM(replays, j);
-            if (!PyBytes_Check(text)) fail(PyExc_TypeError, "CfgIndex: a replay text is not bytes");
-            if (PyBytes_GET_SIZE(text) && !lexer.lazy[size_t(j)])
-                fail(PyExc_ValueError, "CfgIndex: a terminal with a replay text must be lazy");
-            lexer.replay.emplace_back(PyBytes_AS_STRING(text), size_t(PyBytes_GET_SIZE(text)));
-        }
-        auto check_terminals = [&](const Ints& ids) {
-            for (size_t k = 0; k < ids.size(); ++k)
-                if (ids[k] < 0 || ids[k] >= num_terminals || (k && ids[k] <= ids[k - 1]))
-                    fail(PyExc_ValueError, "CfgIndex: terminal ids must be sorted, distinct and in range");
-        };
-        index->ignore = vector_of<int32_t>(ignore);
-        check_terminals(index->ignore);
-        index->specials = vector_of<int32_t>(specials);
-        check_terminals(index->specials);
-        Productions& g = index->grammar;
-        g.lhs = vector_of<int32_t>(lhs);
-        const std::vector<int64_t> starts = vector_of<int64_t>(offsets);
-        const Ints symbols = vector_of<int32_t>(rhs);
-        const size_t num_productions = g.lhs.size();
-        if (starts.size() != num_productions + 1 || starts.front() != 0 || starts.back() != int64_t(symbols.size()))
-            fail(PyExc_ValueError, "CfgIndex: rhs_offsets do not cut rhs into the productions");
-        g.nullable = vector_of<uint8_t>(nullable);
-        if (num_nonterminals < 0 || int64_t(g.nullable.size()) != num_nonterminals)
-            fail(PyExc_ValueError, "CfgIndex: nullable is not one flag per nonterminal");
-        g.by_lhs.assign(size_t(num_nonterminals), Ints());
-        for (size_t p = 0; p < num_productions; ++p) {
-            if (starts[p] > starts[p + 1]) fail(PyExc_ValueError, "CfgIndex: rhs_offsets decrease");
-            Ints one(symbols.begin() + starts[p], symbols.begin() + starts[p + 1]);
-            for (int32_t s : one)
-                if (s >= num_nonterminals || (s < 0 && ~s >= num_terminals))
-                    fail(PyExc_ValueError, "CfgIndex: a symbol outside the grammar");
-            g.rhs.push_back(std::move(one));
-            if (g.lhs[p] >= num_nonterminals || (g.lhs[p] < 0 && int64_t(p) != start_production))
-                fail(PyExc_ValueError, "CfgIndex: a production's left side outside the grammar");
-            if (g.lhs[p] >= 0) g.by_lhs[size_t(g.lhs[p])].push_back(int32_t(p));
-        }
-        if (start_production < 0 || size_t(start_production) >= num_productions ||
-            g.rhs[size_t(start_production)].size() != 1)
-            fail(PyExc_ValueError, "CfgIndex: the start production is not one symbol");
-        g.start_production = int32_t(start_production);
-        const int64_t num_words = index->trie.num_words;
-        const std::vector<uint32_t> eos_words = vector_of<uint32_t>(eos);
-        if (int64_t(eos_words.size()) != num_words) fail(PyExc_ValueError, "CfgIndex: eos_words is not one row");
-        index->eos_words = eos_words;
-        const std::vector<uint32_t> rows = vector_of<uint32_t>(special_words);
-        if (int64_t(rows.size()) != num_words * int64_t(index->specials.size()))
-            fail(PyExc_ValueError, "CfgIndex: special_words is not one row per special terminal");
-        for (size_t k = 0; k < index->specials.size(); ++k)
-            index->special_words.emplace_back(rows.begin() + int64_t(k) * num_words,
-                                              rows.begin() + int64_t(k + 1) * num_words);
-        IndexObject* self = reinterpret_cast<IndexObject*>(type->tp_alloc(type, 0));
-        if (self == nullptr) return nullptr;
-        self->index = index.release();
-        return reinterpret_cast<PyObject*>(self);
-    )
+        lexer.dfas.push_back(dfa);
+    }
+    lexer.priority = vector_of<int32_t>(priority);
+    lexer.lazy = vector_of<uint8_t>(lazy);
+    lexer.exact = vector_of<uint8_t>(exact);
+    lexer.greedy = greedy;
+    lexer.max_states = max_states;
+    lexer.walk_budget = root_bytes;
+    if (int64_t(lexer.priority.size()) != num_terminals || int64_t(lexer.lazy.size()) != num_terminals ||
+        int64_t(lexer.exact.size()) != num_terminals || Py_ssize_t(nb::len(replays)) != num_terminals)
+        fail(PyExc_ValueError, "CfgIndex: the terminal arrays differ in length");
+    for (Py_ssize_t j = 0; j < num_terminals; ++j) {
+        PyObject* text = PyList_GET_ITEM(replays.ptr(), j);
+        if (!PyBytes_Check(text)) fail(PyExc_TypeError, "CfgIndex: a replay text is not bytes");
+        if (PyBytes_GET_SIZE(text) && !lexer.lazy[size_t(j)])
+            fail(PyExc_ValueError, "CfgIndex: a terminal with a replay text must be lazy");
+        lexer.replay.emplace_back(PyBytes_AS_STRING(text), size_t(PyBytes_GET_SIZE(text)));
+    }
+    auto check_terminals = [&](const Ints& ids) {
+        for (size_t k = 0; k < ids.size(); ++k)
+            if (ids[k] < 0 || ids[k] >= num_terminals || (k && ids[k] <= ids[k - 1]))
+                fail(PyExc_ValueError, "CfgIndex: terminal ids must be sorted, distinct and in range");
+    };
+    index->ignore = vector_of<int32_t>(ignore);
+    check_terminals(index->ignore);
+    index->specials = vector_of<int32_t>(specials);
+    check_terminals(index->specials);
+    Productions& g = index->grammar;
+    g.lhs = vector_of<int32_t>(lhs);
+    const std::vector<int64_t> starts = vector_of<int64_t>(offsets);
+    const Ints symbols = vector_of<int32_t>(rhs);
+    const size_t num_productions = g.lhs.size();
+    if (starts.size() != num_productions + 1 || starts.front() != 0 || starts.back() != int64_t(symbols.size()))
+        fail(PyExc_ValueError, "CfgIndex: rhs_offsets do not cut rhs into the productions");
+    g.nullable = vector_of<uint8_t>(nullable);
+    if (num_nonterminals < 0 || int64_t(g.nullable.size()) != num_nonterminals)
+        fail(PyExc_ValueError, "CfgIndex: nullable is not one flag per nonterminal");
+    g.by_lhs.assign(size_t(num_nonterminals), Ints());
+    for (size_t p = 0; p < num_productions; ++p) {
+        if (starts[p] > starts[p + 1]) fail(PyExc_ValueError, "CfgIndex: rhs_offsets decrease");
+        Ints one(symbols.begin() + starts[p], symbols.begin() + starts[p + 1]);
+        for (int32_t s : one)
+            if (s >= num_nonterminals || (s < 0 && ~s >= num_terminals))
+                fail(PyExc_ValueError, "CfgIndex: a symbol outside the grammar");
+        g.rhs.push_back(std::move(one));
+        if (g.lhs[p] >= num_nonterminals || (g.lhs[p] < 0 && int64_t(p) != start_production))
+            fail(PyExc_ValueError, "CfgIndex: a production's left side outside the grammar");
+        if (g.lhs[p] >= 0) g.by_lhs[size_t(g.lhs[p])].push_back(int32_t(p));
+    }
+    if (start_production < 0 || size_t(start_production) >= num_productions ||
+        g.rhs[size_t(start_production)].size() != 1)
+        fail(PyExc_ValueError, "CfgIndex: the start production is not one symbol");
+    g.start_production = int32_t(start_production);
+    const int64_t num_words = index->trie.num_words;
+    const std::vector<uint32_t> eos_words = vector_of<uint32_t>(eos);
+    if (int64_t(eos_words.size()) != num_words) fail(PyExc_ValueError, "CfgIndex: eos_words is not one row");
+    index->eos_words = eos_words;
+    const std::vector<uint32_t> rows = vector_of<uint32_t>(special_words);
+    if (int64_t(rows.size()) != num_words * int64_t(index->specials.size()))
+        fail(PyExc_ValueError, "CfgIndex: special_words is not one row per special terminal");
+    for (size_t k = 0; k < index->specials.size(); ++k)
+        index->special_words.emplace_back(rows.begin() + int64_t(k) * num_words,
+                                          rows.begin() + int64_t(k + 1) * num_words);
+    new (self) IndexObject{std::move(index)};
 }
 
-void index_dealloc(IndexObject* self) {
-    delete self->index;
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+int32_t lexer_state_arg(const Lexer& lexer, int64_t state) {
+    if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
+    return int32_t(state);
 }
-
-PyObject* index_nbytes(IndexObject* self, PyObject*) { return PyLong_FromLongLong(self->index->lexer.nbytes()); }
-
-PyObject* index_num_lexer_states(IndexObject* self, void*) {
-    return PyLong_FromLong(self->index->lexer.num_states.load());
-}
-
-PyObject* tuple_of(const Ints& values);
 
 // lexer_members(state): (is_start, (terminal, automaton state, terminal, ...)).
-PyObject* index_lexer_members(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 1, "lexer_members")) return nullptr;
-    Lexer& lexer = self->index->lexer;
-    GUARDED(
-        const int64_t state = long_of(args[0]);
-        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
-        PyObject* members = tuple_of(lexer.members[size_t(state)]);
-        return Py_BuildValue("(ON)", lexer.is_start[size_t(state)] ? Py_True : Py_False, members);
-    )
+nb::tuple index_lexer_members(IndexObject& self, int64_t state) {
+    const Lexer& lexer = self.index->lexer;
+    const size_t at = size_t(lexer_state_arg(lexer, state));
+    return nb::make_tuple(bool(lexer.is_start[at]), tuple_of(lexer.members[at]));
 }
 
 // lexer_moves(state, fuel): (the number of tokens' first bytes that go on inside the lexeme, the distinct states
 // they lead to that are not registered one byte into a token yet), deriving at most `fuel` new terms (-1: no cap)
 // as a mask would.
-PyObject* index_lexer_moves(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "lexer_moves")) return nullptr;
-    Lexer& lexer = self->index->lexer;
-    GUARDED(
-        const int64_t state = long_of(args[0]), fuel = long_of(args[1]);
-        lexer.term_fuel = lexer.term_fuel_given = fuel < 0 ? -1 : fuel;
-        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
-        Ints found;
-        int live = 0;
-        const TrieView& trie = self->index->trie;
-        {
-            NoGil nogil;  // the moves may derive: work like a mask's
-            for (int64_t k = 0; k < trie.num_roots; ++k) {  // the first bytes of tokens only
-                const int32_t following = lexer.move(int32_t(state), trie.node_byte[trie.roots[k]]);
-                if (following < 0) continue;
-                ++live;
-                if (lexer.piece_status[1][size_t(following)] == 0 &&
-                    std::find(found.begin(), found.end(), following) == found.end())
-                    found.push_back(following);
-            }
+nb::tuple index_lexer_moves(IndexObject& self, int64_t state, int64_t fuel) {
+    Lexer& lexer = self.index->lexer;
+    lexer.term_fuel = lexer.term_fuel_given = fuel < 0 ? -1 : fuel;
+    const int32_t from = lexer_state_arg(lexer, state);
+    Ints found;
+    int live = 0;
+    const TrieView& trie = self.index->trie;
+    {
+        NoGil nogil;  // the moves may derive: work like a mask's
+        for (int64_t k = 0; k < trie.num_roots; ++k) {  // the first bytes of tokens only
+            const int32_t following = lexer.move(from, trie.node_byte[trie.roots[k]]);
+            if (following < 0) continue;
+            ++live;
+            if (lexer.piece_status[1][size_t(following)] == 0 &&
+                std::find(found.begin(), found.end(), following) == found.end())
+                found.push_back(following);
         }
-        return Py_BuildValue("(iN)", live, tuple_of(found));
-    )
+    }
+    return nb::make_tuple(live, tuple_of(found));
 }
 
 // add_piece_tokens(unbounded_words, units, never_exits, cross_nodes, cross_units, max_units): one piece's token
 // facts at one offset (token_pieces.PieceTokens: int32 words; int32 and uint8 per token of whole words; int32
 // trie nodes and their units), kept by the index; returns their id for set_pieces.
-PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 6, "add_piece_tokens")) return nullptr;
-    Index& index = *self->index;
-    GUARDED(
-        const int64_t num_words = index.trie.num_words;
-        HeldBuffer unbounded(args[0], PyBUF_C_CONTIGUOUS, 4), units(args[1], PyBUF_C_CONTIGUOUS, 4),
-            never(args[2], PyBUF_C_CONTIGUOUS, 1);
-        if (unbounded.count() != num_words || units.count() != num_words * 32 || never.count() != num_words * 32)
-            fail(PyExc_ValueError, "add_piece_tokens: a row of words, and one unit count and flag per token");
-        Lexer::PieceTokens facts;
-        facts.cross_node = vector_of<int32_t>(args[3]);
-        facts.cross_units = vector_of<int32_t>(args[4]);
-        if (facts.cross_node.size() != facts.cross_units.size())
-            fail(PyExc_ValueError, "add_piece_tokens: one unit count per crossing node");
-        for (size_t k = 0; k < facts.cross_node.size(); ++k)
-            if (facts.cross_node[k] < 0 || facts.cross_node[k] >= index.trie.num_nodes ||
-                (k && facts.cross_node[k] <= facts.cross_node[k - 1]))
-                fail(PyExc_ValueError, "add_piece_tokens: crossing nodes must be trie nodes, ascending");
-        const int64_t max_units = long_of(args[5]);
-        if (max_units < 0 || max_units > INT32_MAX) fail(PyExc_ValueError, "add_piece_tokens: max_units out of range");
-        facts.max_units = int32_t(max_units);
-        facts.unbounded = unbounded.data<const uint32_t>();
-        facts.units = units.data<const int32_t>();
-        facts.never_exits = never.data<const uint8_t>();
-        index.piece_arrays.push_back(std::move(unbounded));
-        index.piece_arrays.push_back(std::move(units));
-        index.piece_arrays.push_back(std::move(never));
-        Lexer& lexer = index.lexer;
-        lexer.state_bytes += int64_t(facts.cross_node.size()) * 8 + 64;
-        lexer.piece_tokens.push_back(std::move(facts));
-        return PyLong_FromSize_t(lexer.piece_tokens.size() - 1);
-    )
+size_t index_add_piece_tokens(IndexObject& self, nb::handle unbounded_words, nb::handle units_per_token,
+                              nb::handle never_exits, nb::handle cross_nodes, nb::handle cross_units,
+                              int64_t max_units) {
+    Index& index = *self.index;
+    const int64_t num_words = index.trie.num_words;
+    HeldBuffer unbounded(unbounded_words.ptr(), PyBUF_C_CONTIGUOUS, 4),
+        units(units_per_token.ptr(), PyBUF_C_CONTIGUOUS, 4), never(never_exits.ptr(), PyBUF_C_CONTIGUOUS, 1);
+    if (unbounded.count() != num_words || units.count() != num_words * 32 || never.count() != num_words * 32)
+        fail(PyExc_ValueError, "add_piece_tokens: a row of words, and one unit count and flag per token");
+    Lexer::PieceTokens facts;
+    facts.cross_node = vector_of<int32_t>(cross_nodes);
+    facts.cross_units = vector_of<int32_t>(cross_units);
+    if (facts.cross_node.size() != facts.cross_units.size())
+        fail(PyExc_ValueError, "add_piece_tokens: one unit count per crossing node");
+    for (size_t k = 0; k < facts.cross_node.size(); ++k)
+        if (facts.cross_node[k] < 0 || facts.cross_node[k] >= index.trie.num_nodes ||
+            (k && facts.cross_node[k] <= facts.cross_node[k - 1]))
+            fail(PyExc_ValueError, "add_piece_tokens: crossing nodes must be trie nodes, ascending");
+    if (max_units < 0 || max_units > INT32_MAX) fail(PyExc_ValueError, "add_piece_tokens: max_units out of range");
+    facts.max_units = int32_t(max_units);
+    facts.unbounded = unbounded.data<const uint32_t>();
+    facts.units = units.data<const int32_t>();
+    facts.never_exits = never.data<const uint8_t>();
+    index.piece_arrays.push_back(std::move(unbounded));
+    index.piece_arrays.push_back(std::move(units));
+    index.piece_arrays.push_back(std::move(never));
+    Lexer& lexer = index.lexer;
+    lexer.state_bytes += int64_t(facts.cross_node.size()) * 8 + 64;
+    lexer.piece_tokens.push_back(std::move(facts));
+    return lexer.piece_tokens.size() - 1;
 }
 
 // set_pieces(state, offset, other, pieces): register a lexer state met `offset` bytes into a token (0 or 1):
@@ -1246,120 +1207,81 @@ PyObject* index_add_piece_tokens(IndexObject* self, PyObject* const* args, Py_ss
 // automaton state, ...: terminals ascending), `pieces` a list of (terminal, tokens id, low, high or -1, automaton
 // state of the rest); an empty list says the state has none. Ignored where lexing is greedy, the terminals'
 // priorities differ (walks taken apart would keep matches the top priority drops) or the state is known.
-PyObject* index_set_pieces(IndexObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 4, "set_pieces")) return nullptr;
-    Lexer& lexer = self->index->lexer;
-    GUARDED(
-        const int64_t state = long_of(args[0]), offset = long_of(args[1]);
-        if (state < 0 || state >= int64_t(lexer.members.size())) fail(PyExc_IndexError, "no such lexer state");
-        if (offset != 0 && offset != 1) fail(PyExc_ValueError, "set_pieces: offset 0 or 1");
-        if (!PyList_Check(args[3])) fail(PyExc_TypeError, "set_pieces: pieces must be a list");
-        int8_t& status = lexer.piece_status[offset][size_t(state)];
-        if (status != 0) Py_RETURN_NONE;
-        const Ints members = lexer.members[size_t(state)];  // a copy: interning below may move the vector
-        // one priority for the whole grammar: apart, two paths would each keep their own top-priority match of a
-        // later lexeme, where together the lower one would be dropped
-        bool one_priority = true;
-        for (int32_t p : lexer.priority) one_priority &= p == lexer.priority.front();
-        const Py_ssize_t num_pieces = PyList_GET_SIZE(args[3]);
-        if (num_pieces == 0 || lexer.greedy || !one_priority || lexer.is_start[size_t(state)]) {
-            status = 1;
-            Py_RETURN_NONE;
-        }
-        auto member_terminal = [&](int64_t terminal) {
-            for (size_t k = 0; k < members.size(); k += 2)
-                if (members[k] == terminal) return int32_t(terminal);
-            fail(PyExc_ValueError, "set_pieces: a terminal that is no member of the state");
-        };
-        auto checked_state = [&](int32_t terminal, int64_t q) {
-            if (q < 0 || q >= dfa_num_states(lexer.dfas[size_t(terminal)]))
-                fail(PyExc_ValueError, "set_pieces: no such automaton state");
-            return int32_t(q);
-        };
-        Lexer::PieceSplit split;
-        for (Py_ssize_t k = 0; k < num_pieces; ++k) {
-            int64_t terminal = 0, tokens = 0, low = 0, high = 0, rest = 0;
-            if (!PyArg_ParseTuple(PyList_GET_ITEM(args[3], k), "LLLLL", &terminal, &tokens, &low, &high, &rest))
-                throw PyFailure();
-            if (tokens < 0 || tokens >= int64_t(lexer.piece_tokens.size()) || low < 0 || high < -1 ||
-                low > INT32_MAX || high > INT32_MAX)
-                fail(PyExc_ValueError, "set_pieces: a piece's facts or bounds are out of range");
-            const int32_t t = member_terminal(terminal);
-            const int32_t rest_state = lexer.intern(Ints{t, checked_state(t, rest)}, false);
-            split.pieces.push_back(Lexer::PieceRef{int32_t(tokens), int32_t(low), int32_t(high), rest_state});
-        }
-        const Ints other = vector_of<int32_t>(args[2]);
-        if (other.size() % 2) fail(PyExc_ValueError, "set_pieces: other members come in pairs");
-        for (size_t k = 0; k < other.size(); k += 2) {
-            if (k && other[k] <= other[k - 2]) fail(PyExc_ValueError, "set_pieces: other terminals must ascend");
-            checked_state(member_terminal(other[k]), other[k + 1]);
-        }
-        if (!other.empty()) split.other = lexer.intern(other, false);
-        lexer.state_bytes += int64_t(num_pieces) * 16 + 64;
-        lexer.splits.emplace((state << 1) | offset, std::move(split));
-        lexer.piece_status[offset][size_t(state)] = 2;  // not `status`: interning may have moved the vector
-        Py_RETURN_NONE;
-    )
+void index_set_pieces(IndexObject& self, int64_t state, int64_t offset, nb::handle other_members, nb::list pieces) {
+    Lexer& lexer = self.index->lexer;
+    lexer_state_arg(lexer, state);
+    if (offset != 0 && offset != 1) fail(PyExc_ValueError, "set_pieces: offset 0 or 1");
+    int8_t& status = lexer.piece_status[offset][size_t(state)];
+    if (status != 0) return;
+    const Ints members = lexer.members[size_t(state)];  // a copy: interning below may move the vector
+    // one priority for the whole grammar: apart, two paths would each keep their own top-priority match of a
+    // later lexeme, where together the lower one would be dropped
+    bool one_priority = true;
+    for (int32_t p : lexer.priority) one_priority &= p == lexer.priority.front();
+    const size_t num_pieces = nb::len(pieces);
+    if (num_pieces == 0 || lexer.greedy || !one_priority || lexer.is_start[size_t(state)]) {
+        status = 1;
+        return;
+    }
+    auto member_terminal = [&](int64_t terminal) {
+        for (size_t k = 0; k < members.size(); k += 2)
+            if (members[k] == terminal) return int32_t(terminal);
+        fail(PyExc_ValueError, "set_pieces: a terminal that is no member of the state");
+    };
+    auto checked_state = [&](int32_t terminal, int64_t q) {
+        if (q < 0 || q >= dfa_num_states(lexer.dfas[size_t(terminal)]))
+            fail(PyExc_ValueError, "set_pieces: no such automaton state");
+        return int32_t(q);
+    };
+    Lexer::PieceSplit split;
+    for (nb::handle piece : pieces) {
+        if (!nb::isinstance<nb::tuple>(piece) || nb::len(piece) != 5)
+            fail(PyExc_TypeError, "set_pieces: a piece is a tuple of 5 ints");
+        int64_t facts[5];
+        for (int i = 0; i < 5; ++i) facts[i] = int_of(piece[i]);
+        const int64_t terminal = facts[0], tokens = facts[1], low = facts[2], high = facts[3], rest = facts[4];
+        if (tokens < 0 || tokens >= int64_t(lexer.piece_tokens.size()) || low < 0 || high < -1 ||
+            low > INT32_MAX || high > INT32_MAX)
+            fail(PyExc_ValueError, "set_pieces: a piece's facts or bounds are out of range");
+        const int32_t t = member_terminal(terminal);
+        const int32_t rest_state = lexer.intern(Ints{t, checked_state(t, rest)}, false);
+        split.pieces.push_back(Lexer::PieceRef{int32_t(tokens), int32_t(low), int32_t(high), rest_state});
+    }
+    const Ints other = vector_of<int32_t>(other_members);
+    if (other.size() % 2) fail(PyExc_ValueError, "set_pieces: other members come in pairs");
+    for (size_t k = 0; k < other.size(); k += 2) {
+        if (k && other[k] <= other[k - 2]) fail(PyExc_ValueError, "set_pieces: other terminals must ascend");
+        checked_state(member_terminal(other[k]), other[k + 1]);
+    }
+    if (!other.empty()) split.other = lexer.intern(other, false);
+    lexer.state_bytes += int64_t(num_pieces) * 16 + 64;
+    lexer.splits.emplace((state << 1) | offset, std::move(split));
+    lexer.piece_status[offset][size_t(state)] = 2;  // not `status`: interning may have moved the vector
 }
-
-PyMethodDef index_methods[] = {
-    FAST("lexer_members", index_lexer_members),
-    FAST("lexer_moves", index_lexer_moves),
-    FAST("add_piece_tokens", index_add_piece_tokens),
-    FAST("set_pieces", index_set_pieces),
-    {"nbytes", reinterpret_cast<PyCFunction>(index_nbytes), METH_NOARGS, nullptr},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyObject* index_num_piece_splits(IndexObject* self, void*) {
-    return PyLong_FromSize_t(self->index->lexer.splits.size());
-}
-
-PyGetSetDef index_getset[] = {
-    {"num_lexer_states", reinterpret_cast<getter>(index_num_lexer_states), nullptr, nullptr, nullptr},
-    {"num_piece_splits", reinterpret_cast<getter>(index_num_piece_splits), nullptr, nullptr, nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
 
 // CfgSession(index, max_configs, max_items, max_closure_work): the start configuration is built here.
-PyObject* session_new(PyTypeObject* type, PyObject* args, PyObject*) {
-    PyObject* owner;
-    long long max_configs, max_items, closure;
-    if (!PyArg_ParseTuple(args, "O!LLL", &IndexType, &owner, &max_configs, &max_items, &closure)) return nullptr;
-    if (max_items < 1 || max_items > 4000000 || max_configs < 1 || max_configs > INT32_MAX) {  // keys hold 2^22 sets
-        PyErr_SetString(PyExc_ValueError, "CfgSession: max_items is 1..4,000,000 and max_configs positive");
-        return nullptr;
-    }
-    SessionObject* self = reinterpret_cast<SessionObject*>(type->tp_alloc(type, 0));
-    if (self == nullptr) return nullptr;
-    try {
-        self->session = new Session(reinterpret_cast<IndexObject*>(owner));
-        Session& s = *self->session;
-        s.max_configs = max_configs;
-        s.max_items = max_items;
-        s.max_closure_work = closure;
-        s.lexer.term_fuel = s.lexer.term_fuel_given = -1;  // the start: bounded by the compile's clock
+void session_init(SessionObject* self, nb::object owner, int64_t max_configs, int64_t max_items, int64_t closure) {
+    if (!nb::isinstance<IndexObject>(owner) || !nb::inst_ready(owner))
+        fail(PyExc_TypeError, "CfgSession: a corral._native.CfgIndex was expected");
+    if (max_items < 1 || max_items > 4000000 || max_configs < 1 || max_configs > INT32_MAX)  // keys hold 2^22 sets
+        fail(PyExc_ValueError, "CfgSession: max_items is 1..4,000,000 and max_configs positive");
+    Index& index = *nb::inst_ptr<IndexObject>(owner)->index;
+    auto session = std::make_unique<Session>(std::move(owner), index);
+    Session& s = *session;
+    s.max_configs = max_configs;
+    s.max_items = max_items;
+    s.max_closure_work = closure;
+    s.lexer.term_fuel = s.lexer.term_fuel_given = -1;  // the start: bounded by the compile's clock
+    {
         NoGil nogil;
         const int32_t first = s.intern_set({Item{s.grammar.start_production, 0, -1}});
         s.start = s.intern({s.after_lexeme(first)});
-    } catch (PyFailure&) {
-        Py_DECREF(self);
-        return nullptr;
-    } catch (std::bad_alloc&) {
-        Py_DECREF(self);
-        return PyErr_NoMemory();
     }
-    return reinterpret_cast<PyObject*>(self);
-}
-
-void session_dealloc(SessionObject* self) {
-    delete self->session;
-    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+    new (self) SessionObject{std::move(session)};
 }
 
 // Every call names a configuration of this session and the fuel of Earley work it may spend.
-int32_t config_arg(Session& s, PyObject* value) {
-    const int64_t config = long_of(value);
+int32_t config_arg(const Session& s, int64_t config) {
     if (config < 0 || config >= int64_t(s.configs.size())) {
         PyErr_Format(PyExc_IndexError, "no configuration %lld in a session of %zd", static_cast<long long>(config),
                      s.configs.size());
@@ -1368,264 +1290,165 @@ int32_t config_arg(Session& s, PyObject* value) {
     return int32_t(config);
 }
 
-void begin(Session& s, PyObject* fuel) {
-    s.fuel = long_of(fuel);
+void begin(Session& s, int64_t fuel) {
+    s.fuel = fuel;
     s.fuel_start = s.work;
     s.lexer.term_fuel = s.lexer.term_fuel_given = s.fuel < 0 ? -1 : s.fuel;  // and as many new terms
 }
 
 // fill_mask(config, row, fuel): the configuration's bitmask row (int32 words, one per 32 tokens) into `row`.
-PyObject* session_fill_mask(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 3, "fill_mask")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        HeldBuffer row(args[1], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
-        if (row.count() != s.index.trie.num_words) fail(PyExc_ValueError, "fill_mask: the row is not one mask long");
-        begin(s, args[2]);
-        {
-            NoGil nogil;
-            maybe_wait();
-            const std::vector<uint32_t>& words = s.mask(config);
-            std::memcpy(row.data<uint32_t>(), words.data(), words.size() * 4);
-        }
-        Py_RETURN_NONE;
-    )
+void session_fill_mask(SessionObject& self, int64_t config_number, nb::handle row_array, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    HeldBuffer row(row_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
+    if (row.count() != s.index.trie.num_words) fail(PyExc_ValueError, "fill_mask: the row is not one mask long");
+    begin(s, fuel);
+    NoGil nogil;
+    maybe_wait();
+    const std::vector<uint32_t>& words = s.mask(config);
+    std::memcpy(row.data<uint32_t>(), words.data(), words.size() * 4);
 }
 
 // advance(config, token_bytes, fuel): the configuration after a token's bytes, or -1 where one is refused.
-PyObject* session_advance(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 3, "advance")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        HeldBuffer bytes(args[1], PyBUF_C_CONTIGUOUS, 1);
-        begin(s, args[2]);
-        int32_t following;
-        {
-            NoGil nogil;
-            following = s.advance_bytes(config, bytes.data<const uint8_t>(), bytes.count());
-        }
-        return PyLong_FromLong(following);
-    )
+int32_t session_advance(SessionObject& self, int64_t config_number, nb::handle token_bytes, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    HeldBuffer bytes(token_bytes.ptr(), PyBUF_C_CONTIGUOUS, 1);
+    begin(s, fuel);
+    NoGil nogil;
+    return s.advance_bytes(config, bytes.data<const uint8_t>(), bytes.count());
 }
 
 // advance_special(config, terminals, fuel): after a special token that is each of `terminals` (sorted int32).
-PyObject* session_advance_special(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 3, "advance_special")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        const Ints terminals = vector_of<int32_t>(args[1]);
-        for (size_t k = 0; k < terminals.size(); ++k)
-            if (terminals[k] < 0 || size_t(terminals[k]) >= s.lexer.dfas.size() || (k && terminals[k] <= terminals[k - 1]))
-                fail(PyExc_ValueError, "advance_special: terminals must be sorted, distinct and in range");
-        begin(s, args[2]);
-        int32_t following;
-        {
-            NoGil nogil;
-            following = s.advance_special(config, terminals);
-        }
-        return PyLong_FromLong(following);
-    )
+int32_t session_advance_special(SessionObject& self, int64_t config_number, nb::handle terminal_ids, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    const Ints terminals = vector_of<int32_t>(terminal_ids);
+    for (size_t k = 0; k < terminals.size(); ++k)
+        if (terminals[k] < 0 || size_t(terminals[k]) >= s.lexer.dfas.size() || (k && terminals[k] <= terminals[k - 1]))
+            fail(PyExc_ValueError, "advance_special: terminals must be sorted, distinct and in range");
+    begin(s, fuel);
+    NoGil nogil;
+    return s.advance_special(config, terminals);
 }
 
 // move(config, byte, fuel)
-PyObject* session_move(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 3, "move")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        const int64_t byte = long_of(args[1]);
-        if (byte < 0 || byte > 255) fail(PyExc_ValueError, "move: a byte is 0..255");
-        begin(s, args[2]);
-        int32_t following;
-        {
-            NoGil nogil;
-            following = s.move(config, int(byte));
-        }
-        return PyLong_FromLong(following);
-    )
+int32_t session_move(SessionObject& self, int64_t config_number, int64_t byte, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    if (byte < 0 || byte > 255) fail(PyExc_ValueError, "move: a byte is 0..255");
+    begin(s, fuel);
+    NoGil nogil;
+    return s.move(config, int(byte));
 }
 
 // is_accepting(config, fuel)
-PyObject* session_is_accepting(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "is_accepting")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        begin(s, args[1]);
-        bool accepting;
-        {
-            NoGil nogil;
-            accepting = s.is_accepting(config);
-        }
-        return PyBool_FromLong(accepting);
-    )
-}
-
-PyObject* tuple_of(const Ints& values) {
-    PyObject* out = PyTuple_New(Py_ssize_t(values.size()));
-    if (out == nullptr) throw PyFailure();
-    for (size_t k = 0; k < values.size(); ++k) {
-        PyObject* value = PyLong_FromLong(values[k]);
-        if (value == nullptr) {
-            Py_DECREF(out);
-            throw PyFailure();
-        }
-        PyTuple_SET_ITEM(out, Py_ssize_t(k), value);
-    }
-    return out;
+bool session_is_accepting(SessionObject& self, int64_t config_number, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    begin(s, fuel);
+    NoGil nogil;
+    return s.is_accepting(config);
 }
 
 // specials_allowed(config, fuel): the special terminals some reading expects here.
-PyObject* session_specials_allowed(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "specials_allowed")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        begin(s, args[1]);
-        Ints found;
-        {
-            NoGil nogil;
-            found = s.specials_allowed(config);
-        }
-        return tuple_of(found);
-    )
+nb::tuple session_specials_allowed(SessionObject& self, int64_t config_number, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    begin(s, fuel);
+    Ints found;
+    {
+        NoGil nogil;
+        found = s.specials_allowed(config);
+    }
+    return tuple_of(found);
 }
 
 // live_bytes(config, fuel): the bytes that can follow.
-PyObject* session_live_bytes(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "live_bytes")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        begin(s, args[1]);
-        Ints live;
-        {
-            NoGil nogil;
-            for (int byte = 0; byte < 256; ++byte)
-                if (s.move(config, byte) >= 0) live.push_back(byte);
-        }
-        return tuple_of(live);
-    )
+nb::tuple session_live_bytes(SessionObject& self, int64_t config_number, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    begin(s, fuel);
+    Ints live;
+    {
+        NoGil nogil;
+        for (int byte = 0; byte < 256; ++byte)
+            if (s.move(config, byte) >= 0) live.push_back(byte);
+    }
+    return tuple_of(live);
 }
 
-// readings(config): the (Earley set, lexer state) pairs; sets_between_lexemes(config, fuel).
-PyObject* session_readings(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 1, "readings")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        const Readings& readings = s.configs[config];
-        PyObject* out = PyTuple_New(Py_ssize_t(readings.size()));
-        if (out == nullptr) return nullptr;
-        for (size_t k = 0; k < readings.size(); ++k) {
-            PyObject* pair = Py_BuildValue("(ii)", readings[k].first, readings[k].second);
-            if (pair == nullptr) {
-                Py_DECREF(out);
-                return nullptr;
-            }
-            PyTuple_SET_ITEM(out, Py_ssize_t(k), pair);
-        }
-        return out;
-    )
+// readings(config): the (Earley set, lexer state) pairs.
+nb::tuple session_readings(SessionObject& self, int64_t config_number) {
+    Session& s = *self.session;
+    const Readings& readings = s.configs[size_t(config_arg(s, config_number))];
+    PyObject* out = PyTuple_New(Py_ssize_t(readings.size()));
+    if (out == nullptr) throw PyFailure();
+    nb::tuple owned = nb::steal<nb::tuple>(out);
+    for (size_t k = 0; k < readings.size(); ++k)
+        PyTuple_SET_ITEM(out, Py_ssize_t(k), nb::make_tuple(readings[k].first, readings[k].second).release().ptr());
+    return owned;
 }
 
 // unregistered_roots(config): where its mask is not known yet, the lexer states of its readings (inside a
 // lexeme) that have not been through set_pieces.
-PyObject* session_unregistered_roots(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 1, "unregistered_roots")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        Ints found;
-        const Lexer& lexer = s.lexer;
-        if (s.masks[size_t(config)].empty() && !lexer.greedy)
-            for (const Reading& r : s.configs[size_t(config)]) {
-                const size_t lex = size_t(r.second);
-                if (lexer.piece_status[0][lex] == 0 && !lexer.is_start[lex] &&
-                    std::find(found.begin(), found.end(), r.second) == found.end())
-                    found.push_back(r.second);
-            }
-        return tuple_of(found);
-    )
-}
-
-PyObject* session_between(SessionObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 2, "sets_between_lexemes")) return nullptr;
-    Session& s = *self->session;
-    GUARDED(
-        const int32_t config = config_arg(s, args[0]);
-        begin(s, args[1]);
-        Ints sets;
-        {
-            NoGil nogil;
-            sets = s.between_lexemes(config);
+nb::tuple session_unregistered_roots(SessionObject& self, int64_t config_number) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    Ints found;
+    const Lexer& lexer = s.lexer;
+    if (s.masks[size_t(config)].empty() && !lexer.greedy)
+        for (const Reading& r : s.configs[size_t(config)]) {
+            const size_t lex = size_t(r.second);
+            if (lexer.piece_status[0][lex] == 0 && !lexer.is_start[lex] &&
+                std::find(found.begin(), found.end(), r.second) == found.end())
+                found.push_back(r.second);
         }
-        return tuple_of(sets);
-    )
+    return tuple_of(found);
 }
 
-PyObject* session_nbytes(SessionObject* self, PyObject*) { return PyLong_FromLongLong(self->session->nbytes()); }
-
-PyObject* session_get_start(SessionObject* self, void*) { return PyLong_FromLong(self->session->start); }
-PyObject* session_get_num_configs(SessionObject* self, void*) {
-    return PyLong_FromSsize_t(Py_ssize_t(self->session->configs.size()));
-}
-PyObject* session_get_work(SessionObject* self, void*) { return PyLong_FromLongLong(self->session->work); }
-
-PyMethodDef session_methods[] = {
-    FAST("fill_mask", session_fill_mask),
-    FAST("advance", session_advance),
-    FAST("advance_special", session_advance_special),
-    FAST("move", session_move),
-    FAST("is_accepting", session_is_accepting),
-    FAST("specials_allowed", session_specials_allowed),
-    FAST("live_bytes", session_live_bytes),
-    FAST("readings", session_readings),
-    FAST("sets_between_lexemes", session_between),
-    FAST("unregistered_roots", session_unregistered_roots),
-    {"nbytes", reinterpret_cast<PyCFunction>(session_nbytes), METH_NOARGS, nullptr},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyGetSetDef session_getset[] = {
-    {"start", reinterpret_cast<getter>(session_get_start), nullptr, nullptr, nullptr},
-    {"num_configs", reinterpret_cast<getter>(session_get_num_configs), nullptr, nullptr, nullptr},
-    {"work", reinterpret_cast<getter>(session_get_work), nullptr, nullptr, nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-bool add_type(PyObject* module, PyTypeObject* type, const char* name) {
-    if (PyType_Ready(type) < 0) return false;
-    Py_INCREF(type);
-    if (PyModule_AddObject(module, name, reinterpret_cast<PyObject*>(type)) < 0) {
-        Py_DECREF(type);
-        return false;
+// sets_between_lexemes(config, fuel)
+nb::tuple session_between(SessionObject& self, int64_t config_number, int64_t fuel) {
+    Session& s = *self.session;
+    const int32_t config = config_arg(s, config_number);
+    begin(s, fuel);
+    Ints sets;
+    {
+        NoGil nogil;
+        sets = s.between_lexemes(config);
     }
-    return true;
+    return tuple_of(sets);
 }
 
 }  // namespace
 
 void add_cfg(nb::module_& m) {
-    PyObject* module = m.ptr();  // (until the glue is nanobind's)
-    IndexType.tp_name = "corral._native.CfgIndex";
-    IndexType.tp_basicsize = sizeof(IndexObject);
-    IndexType.tp_dealloc = reinterpret_cast<destructor>(index_dealloc);
-    IndexType.tp_flags = Py_TPFLAGS_DEFAULT;
-    IndexType.tp_methods = index_methods;
-    IndexType.tp_getset = index_getset;
-    IndexType.tp_new = index_new;
-    SessionType.tp_name = "corral._native.CfgSession";
-    SessionType.tp_basicsize = sizeof(SessionObject);
-    SessionType.tp_dealloc = reinterpret_cast<destructor>(session_dealloc);
-    SessionType.tp_flags = Py_TPFLAGS_DEFAULT;
-    SessionType.tp_methods = session_methods;
-    SessionType.tp_getset = session_getset;
-    SessionType.tp_new = session_new;
-    if (!(add_type(module, &IndexType, "CfgIndex") && add_type(module, &SessionType, "CfgSession"))) throw nb::python_error();
+    nb::class_<IndexObject>(m, "CfgIndex")
+        .def("__init__", &index_init)
+        .def("lexer_members", &index_lexer_members)
+        .def("lexer_moves", &index_lexer_moves)
+        .def("add_piece_tokens", &index_add_piece_tokens)
+        .def("set_pieces", &index_set_pieces)
+        .def("nbytes", [](const IndexObject& self) { return self.index->lexer.nbytes(); })
+        .def_prop_ro("num_lexer_states", [](const IndexObject& self) { return self.index->lexer.num_states.load(); })
+        .def_prop_ro("num_piece_splits", [](const IndexObject& self) { return self.index->lexer.splits.size(); });
+
+    nb::class_<SessionObject>(m, "CfgSession")
+        .def("__init__", &session_init)
+        .def("fill_mask", &session_fill_mask)
+        .def("advance", &session_advance)
+        .def("advance_special", &session_advance_special)
+        .def("move", &session_move)
+        .def("is_accepting", &session_is_accepting)
+        .def("specials_allowed", &session_specials_allowed)
+        .def("live_bytes", &session_live_bytes)
+        .def("readings", &session_readings)
+        .def("sets_between_lexemes", &session_between)
+        .def("unregistered_roots", &session_unregistered_roots)
+        .def("nbytes", [](const SessionObject& self) { return self.session->nbytes(); })
+        .def_prop_ro("start", [](const SessionObject& self) { return self.session->start; })
+        .def_prop_ro("num_configs", [](const SessionObject& self) { return self.session->configs.size(); })
+        .def_prop_ro("work", [](const SessionObject& self) { return self.session->work; });
 }
 
 }  // namespace corral_native

@@ -27,22 +27,13 @@ extern PyObject* LimitError;
     throw PyFailure();
 }
 
-inline bool check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
-    if (nargs == expected) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
-    return false;
+// An int from a Python object (an item of a list argument): the TypeError or OverflowError Python raises
+// where it is none.
+inline int64_t int_of(nb::handle value) {
+    const long long number = PyLong_AsLongLong(value.ptr());
+    if (number == -1 && PyErr_Occurred()) throw PyFailure();
+    return number;
 }
-
-#define GUARDED(...)                      \
-    try {                                 \
-        __VA_ARGS__                       \
-    } catch (corral_native::PyFailure&) { \
-        return nullptr;                   \
-    } catch (std::bad_alloc&) {           \
-        return PyErr_NoMemory();          \
-    }
-
-#define FAST(name, fn) {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL, nullptr}
 
 // The GIL, released for a stretch of native work (NoGil) and taken back inside it wherever Python must be
 // touched (WithGil: a callback, an allocation of a Python object, an exception). Both are no-ops outside such a

@@ -61,185 +61,184 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             bfloat16 (as int16) or int8, out float32 [B, hidden], threads, timings float64 [7] or None: seconds
 //             added per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU; k_scale, v_scale
 //             float32 [layers, blocks, block_size, kv_heads] for an int8 cache, else None)
-PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 19, "decode_step")) return nullptr;
-    GUARDED(
-        const Array spec_array(args[0], "spec", false);
-        spec_array.expect_shape({SPEC});
-        spec_array.expect_int64();
-        const int64_t* spec = spec_array.data<const int64_t>();
-        const int64_t L = spec[0], H = spec[1], heads = spec[2], kv_heads = spec[3], D = spec[4], I = spec[5],
-                      vocab = spec[6], block_size = spec[7];
-        for (int i = 0; i < SPEC; ++i)
-            if (spec[i] < 1) fail(PyExc_ValueError, "decode_step: spec values must be positive");
-        if (H % 32 || I % 32 || (heads * D) % 32 || heads % kv_heads || D % 2)
-            fail(PyExc_ValueError, "decode_step: hidden, intermediate and heads x head_dim must be multiples of 32");
-        const float eps = float_arg(args[1]);
-        const Array ids(args[2], "ids", false), positions(args[3], "positions", false), slots(args[4], "slots", false),
-            tables(args[5], "tables", false), lens(args[6], "lens", false);
-        ids.expect_ndim(1);
-        const Py_ssize_t B = ids.dim(0);
-        for (const Array* a : {&ids, &positions, &slots, &lens}) {
-            a->expect_shape({B});
-            a->expect_int64();
+void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
+                 nb::handle tables_in, nb::handle lens_in, nb::handle embed_in, nb::handle layer_tiles_in,
+                 nb::handle norms_in, nb::handle cos_in, nb::handle sin_in, nb::handle k_cache_in,
+                 nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
+                 nb::handle k_scale_in, nb::handle v_scale_in) {
+    const Array spec_array(spec_in, "spec", false);
+    spec_array.expect_shape({SPEC});
+    spec_array.expect_int64();
+    const int64_t* spec = spec_array.data<const int64_t>();
+    const int64_t L = spec[0], H = spec[1], heads = spec[2], kv_heads = spec[3], D = spec[4], I = spec[5],
+                  vocab = spec[6], block_size = spec[7];
+    for (int i = 0; i < SPEC; ++i)
+        if (spec[i] < 1) fail(PyExc_ValueError, "decode_step: spec values must be positive");
+    if (H % 32 || I % 32 || (heads * D) % 32 || heads % kv_heads || D % 2)
+        fail(PyExc_ValueError, "decode_step: hidden, intermediate and heads x head_dim must be multiples of 32");
+    const float eps = float(eps_in);
+    const Array ids(ids_in, "ids", false), positions(positions_in, "positions", false), slots(slots_in, "slots", false),
+        tables(tables_in, "tables", false), lens(lens_in, "lens", false);
+    ids.expect_ndim(1);
+    const Py_ssize_t B = ids.dim(0);
+    for (const Array* a : {&ids, &positions, &slots, &lens}) {
+        a->expect_shape({B});
+        a->expect_int64();
+    }
+    tables.expect_ndim(2);
+    tables.expect_int64();
+    if (tables.dim(0) != B) fail(PyExc_ValueError, "tables: one row per sequence");
+    const int64_t width = tables.dim(1);
+    const Array embed(embed_in, "embed", false), layer_tiles(layer_tiles_in, "layer_tiles", false),
+        norms(norms_in, "norms", false), cos(cos_in, "cos", false), sin(sin_in, "sin", false),
+        k_cache(k_cache_in, "k_cache", true), v_cache(v_cache_in, "v_cache", true), out(out_in, "out", true);
+    embed.expect_uint8();
+    embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
+    const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
+    const int64_t sizes[4] = {q4_bytes(QKV, H), q4_bytes(H, Q), q4_bytes(2 * I, H), q4_bytes(H, I)};
+    const int64_t per_layer = sizes[0] + sizes[1] + sizes[2] + sizes[3];
+    layer_tiles.expect_uint8();
+    layer_tiles.expect_shape({Py_ssize_t(L * per_layer)});
+    norms.expect_float32();
+    norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
+    cos.expect_float32();
+    cos.expect_ndim(2);
+    if (cos.dim(1) != D) fail(PyExc_ValueError, "cos: head_dim columns expected");
+    sin.expect_float32();
+    sin.expect_shape({cos.dim(0), Py_ssize_t(D)});
+    k_cache.expect_ndim(5);
+    const int kv_kind = k_cache.cache_kind();
+    const int64_t blocks = k_cache.dim(1);
+    k_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
+                          Py_ssize_t(D)});
+    v_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
+                          Py_ssize_t(D)});
+    v_cache.expect_like(k_cache);
+    if (v_cache.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+    const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
+    if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+    const Array k_scale(has_scales ? k_scale_in : spec_in, "k_scale", has_scales),
+        v_scale(has_scales ? v_scale_in : spec_in, "v_scale", has_scales);
+    if (has_scales)
+        for (const Array* scales : {&k_scale, &v_scale}) {
+            scales->expect_float32();
+            scales->expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size),
+                                  Py_ssize_t(kv_heads)});
         }
-        tables.expect_ndim(2);
-        tables.expect_int64();
-        if (tables.dim(0) != B) fail(PyExc_ValueError, "tables: one row per sequence");
-        const int64_t width = tables.dim(1);
-        const Array embed(args[7], "embed", false), layer_tiles(args[8], "layer_tiles", false),
-            norms(args[9], "norms", false), cos(args[10], "cos", false), sin(args[11], "sin", false),
-            k_cache(args[12], "k_cache", true), v_cache(args[13], "v_cache", true), out(args[14], "out", true);
-        embed.expect_uint8();
-        embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
-        const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
-        const int64_t sizes[4] = {q4_bytes(QKV, H), q4_bytes(H, Q), q4_bytes(2 * I, H), q4_bytes(H, I)};
-        const int64_t per_layer = sizes[0] + sizes[1] + sizes[2] + sizes[3];
-        layer_tiles.expect_uint8();
-        layer_tiles.expect_shape({Py_ssize_t(L * per_layer)});
-        norms.expect_float32();
-        norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
-        cos.expect_float32();
-        cos.expect_ndim(2);
-        if (cos.dim(1) != D) fail(PyExc_ValueError, "cos: head_dim columns expected");
-        sin.expect_float32();
-        sin.expect_shape({cos.dim(0), Py_ssize_t(D)});
-        k_cache.expect_ndim(5);
-        const int kv_kind = k_cache.cache_kind();
-        const int64_t blocks = k_cache.dim(1);
-        k_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
-                              Py_ssize_t(D)});
-        v_cache.expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size), Py_ssize_t(kv_heads),
-                              Py_ssize_t(D)});
-        v_cache.expect_like(k_cache);
-        if (v_cache.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
-        const bool has_scales = args[17] != Py_None || args[18] != Py_None;
-        if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
-        const Array k_scale(has_scales ? args[17] : args[0], "k_scale", has_scales),
-            v_scale(has_scales ? args[18] : args[0], "v_scale", has_scales);
-        if (has_scales)
-            for (const Array* scales : {&k_scale, &v_scale}) {
-                scales->expect_float32();
-                scales->expect_shape({Py_ssize_t(L), Py_ssize_t(blocks), Py_ssize_t(block_size),
-                                      Py_ssize_t(kv_heads)});
-            }
-        out.expect_float32();
-        out.expect_shape({B, Py_ssize_t(H)});
-        const int threads = threads_arg(args[15]);
-        const bool profiled = args[16] != Py_None;
-        const Array timings(profiled ? args[16] : args[0], "timings", profiled);
-        if (profiled) {
-            timings.expect_shape({PARTS});
-            timings.expect_format('d', 8, "float64");
-        }
-        const int64_t *id = ids.data<const int64_t>(), *pos = positions.data<const int64_t>(),
-                      *slot = slots.data<const int64_t>(), *table = tables.data<const int64_t>(),
-                      *len = lens.data<const int64_t>();
-        for (Py_ssize_t b = 0; b < B; ++b) {
-            if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
-            if (pos[b] < 0 || pos[b] >= cos.dim(0)) fail(PyExc_IndexError, "decode_step: a position past the table");
-            if (slot[b] < 0 || slot[b] >= blocks * block_size)
-                fail(PyExc_IndexError, "decode_step: a slot outside the cache");
-            if (len[b] < 1 || len[b] > width * block_size)
-                fail(PyExc_IndexError, "decode_step: a context length outside its block table");
-            for (int64_t j = 0; j < (len[b] + block_size - 1) / block_size; ++j)
-                if (table[b * width + j] < 0 || table[b * width + j] >= blocks)
-                    fail(PyExc_IndexError, "decode_step: a block id outside the cache");
-        }
-        if (B == 0) Py_RETURN_NONE;
-        std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
-            gate_up(B * 2 * I), act(B * I);
-        {
-            NoGil nogil;
-            Clock clock{profiled ? timings.data<double>() : nullptr};
-            const corral_kernels::KernelTable* k = kernel_table();
-            const uint8_t* embed_tiles = embed.data<const uint8_t>();
-            for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
-            clock.mark(EMBED);
-            const float* norm = norms.data<const float>();
-            const int64_t layer_cache = blocks * block_size * KVW;
-            const float scale = 1.0f / std::sqrt(float(D));
-            bool has_delta = false;
-            for (int64_t l = 0; l < L; ++l) {
-                const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
-                k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
-                                    H, eps, threads);
-                clock.mark(NORM);
-                q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
-                clock.mark(MATMUL);
-                k->rope_f32(qkv.data(), QKV, pos, cos.data<const float>(), sin.data<const float>(), B,
-                            heads + kv_heads, D, threads);
-                clock.mark(ROPE);
-                for (Py_ssize_t b = 0; b < B; ++b) {
-                    const float* row = qkv.data() + b * QKV;
-                    std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
-                    const int64_t at = l * layer_cache + slot[b] * KVW;
-                    if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
-                        const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
-                        for (int half = 0; half < 2; ++half) {
-                            const float* x = row + Q + half * KVW;
-                            int8_t* codes = (half ? v_cache : k_cache).data<int8_t>() + at;
-                            float* scales = (half ? v_scale : k_scale).data<float>() + scale_at;
-                            for (int64_t g = 0; g < kv_heads; ++g) quantize_row(x + g * D, D, codes + g * D, scales + g);
-                        }
-                    } else if (kv_kind == 4) {
-                        std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
-                        std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
-                    } else {
-                        uint16_t* kd = k_cache.data<uint16_t>() + at;
-                        uint16_t* vd = v_cache.data<uint16_t>() + at;
-                        for (int64_t i = 0; i < KVW; ++i) kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
-                    }
-                }
-                clock.mark(KV_WRITE);
-                const int64_t scale_layer = l * blocks * block_size * kv_heads;
-                if (kv_kind == 1)
-                    k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
-                                           v_cache.data<const int8_t>() + l * layer_cache,
-                                           k_scale.data<const float>() + scale_layer,
-                                           v_scale.data<const float>() + scale_layer, table, width, len, attn.data(), B,
-                                           heads, kv_heads, D, block_size, scale, threads);
-                else if (kv_kind == 4)
-                    k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
-                                        v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
-                                        len, attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
-                else
-                    k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
-                                             v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
-                                             table, width, len, attn.data(), B, heads, kv_heads, D, block_size, scale,
-                                             threads);
-                clock.mark(ATTENTION);
-                w += sizes[0];
-                q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
-                clock.mark(MATMUL);
-                k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
-                clock.mark(NORM);
-                w += sizes[1];
-                q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
-                clock.mark(MATMUL);
-                k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
-                clock.mark(SILU);
-                w += sizes[2];
-                q4_product(act.data(), B, I, w, H, delta.data(), threads);
-                clock.mark(MATMUL);
-                has_delta = true;
-            }
-            k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
+    out.expect_float32();
+    out.expect_shape({B, Py_ssize_t(H)});
+    const int threads = checked_threads(threads_in);
+    const bool profiled = !timings_in.is_none();
+    const Array timings(profiled ? timings_in : spec_in, "timings", profiled);
+    if (profiled) {
+        timings.expect_shape({PARTS});
+        timings.expect_format('d', 8, "float64");
+    }
+    const int64_t *id = ids.data<const int64_t>(), *pos = positions.data<const int64_t>(),
+                  *slot = slots.data<const int64_t>(), *table = tables.data<const int64_t>(),
+                  *len = lens.data<const int64_t>();
+    for (Py_ssize_t b = 0; b < B; ++b) {
+        if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
+        if (pos[b] < 0 || pos[b] >= cos.dim(0)) fail(PyExc_IndexError, "decode_step: a position past the table");
+        if (slot[b] < 0 || slot[b] >= blocks * block_size)
+            fail(PyExc_IndexError, "decode_step: a slot outside the cache");
+        if (len[b] < 1 || len[b] > width * block_size)
+            fail(PyExc_IndexError, "decode_step: a context length outside its block table");
+        for (int64_t j = 0; j < (len[b] + block_size - 1) / block_size; ++j)
+            if (table[b * width + j] < 0 || table[b * width + j] >= blocks)
+                fail(PyExc_IndexError, "decode_step: a block id outside the cache");
+    }
+    if (B == 0) return;
+    std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
+        gate_up(B * 2 * I), act(B * I);
+    {
+        NoGil nogil;
+        Clock clock{profiled ? timings.data<double>() : nullptr};
+        const corral_kernels::KernelTable* k = kernel_table();
+        const uint8_t* embed_tiles = embed.data<const uint8_t>();
+        for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
+        clock.mark(EMBED);
+        const float* norm = norms.data<const float>();
+        const int64_t layer_cache = blocks * block_size * KVW;
+        const float scale = 1.0f / std::sqrt(float(D));
+        bool has_delta = false;
+        for (int64_t l = 0; l < L; ++l) {
+            const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
+            k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
+                                H, eps, threads);
             clock.mark(NORM);
+            q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
+            clock.mark(MATMUL);
+            k->rope_f32(qkv.data(), QKV, pos, cos.data<const float>(), sin.data<const float>(), B,
+                        heads + kv_heads, D, threads);
+            clock.mark(ROPE);
+            for (Py_ssize_t b = 0; b < B; ++b) {
+                const float* row = qkv.data() + b * QKV;
+                std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
+                const int64_t at = l * layer_cache + slot[b] * KVW;
+                if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
+                    const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
+                    for (int half = 0; half < 2; ++half) {
+                        const float* x = row + Q + half * KVW;
+                        int8_t* codes = (half ? v_cache : k_cache).data<int8_t>() + at;
+                        float* scales = (half ? v_scale : k_scale).data<float>() + scale_at;
+                        for (int64_t g = 0; g < kv_heads; ++g) quantize_row(x + g * D, D, codes + g * D, scales + g);
+                    }
+                } else if (kv_kind == 4) {
+                    std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
+                    std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
+                } else {
+                    uint16_t* kd = k_cache.data<uint16_t>() + at;
+                    uint16_t* vd = v_cache.data<uint16_t>() + at;
+                    for (int64_t i = 0; i < KVW; ++i) kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
+                }
+            }
+            clock.mark(KV_WRITE);
+            const int64_t scale_layer = l * blocks * block_size * kv_heads;
+            if (kv_kind == 1)
+                k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
+                                       v_cache.data<const int8_t>() + l * layer_cache,
+                                       k_scale.data<const float>() + scale_layer,
+                                       v_scale.data<const float>() + scale_layer, table, width, len, attn.data(), B,
+                                       heads, kv_heads, D, block_size, scale, threads);
+            else if (kv_kind == 4)
+                k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
+                                    v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
+                                    len, attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
+            else
+                k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
+                                         v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
+                                         table, width, len, attn.data(), B, heads, kv_heads, D, block_size, scale,
+                                         threads);
+            clock.mark(ATTENTION);
+            w += sizes[0];
+            q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
+            clock.mark(MATMUL);
+            k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
+            clock.mark(NORM);
+            w += sizes[1];
+            q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
+            clock.mark(MATMUL);
+            k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
+            clock.mark(SILU);
+            w += sizes[2];
+            q4_product(act.data(), B, I, w, H, delta.data(), threads);
+            clock.mark(MATMUL);
+            has_delta = true;
         }
-        Py_RETURN_NONE;
-    )
+        k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
+        clock.mark(NORM);
+    }
 }
 
-PyMethodDef step_methods[] = {
-    FAST("decode_step", decode_step),
-    {nullptr, nullptr, 0, nullptr},
-};
 
 }  // namespace
 
 void add_decode_step(nb::module_& m) {
-    if (PyModule_AddFunctions(m.ptr(), step_methods) != 0) throw nb::python_error();
+    m.def("decode_step", &decode_step, nb::arg("spec"), nb::arg("eps"), nb::arg("ids"), nb::arg("positions"),
+          nb::arg("slots"), nb::arg("tables"), nb::arg("lens"), nb::arg("embed"), nb::arg("layer_tiles"),
+          nb::arg("norms"), nb::arg("cos"), nb::arg("sin"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
+          nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none());
 }
 
 }  // namespace corral_native

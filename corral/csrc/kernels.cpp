@@ -42,249 +42,225 @@ const KernelTable* choose() {
 
 // add_rms_norm(h, delta or None, weight, out, eps, threads): h += delta, out = RMSNorm(h) * weight; h, delta,
 // out [rows, n], weight [n], all of one dtype.
-PyObject* kernel_add_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 6, "add_rms_norm")) return nullptr;
-    GUARDED(
-        const Array h(args[0], "h", true);
-        h.expect_ndim(2);
-        const Py_ssize_t rows = h.dim(0), n = h.dim(1);
-        const int kind = h.float_kind();
-        const bool with_delta = args[1] != Py_None;
-        const Array delta(with_delta ? args[1] : args[0], "delta", false);
-        if (with_delta) {
-            delta.expect_shape({rows, n});
-            delta.expect_like(h);
-        }
-        const Array weight(args[2], "weight", false);
-        weight.expect_shape({n});
-        weight.expect_like(h);
-        const Array out(args[3], "out", true);
-        out.expect_shape({rows, n});
-        out.expect_like(h);
-        const float eps = float_arg(args[4]);
-        const int threads = threads_arg(args[5]);
-        {
-            NoGil nogil;
-            if (kind == 4)
-                chosen->add_rms_norm_f32(h.data<float>(), with_delta ? delta.data<const float>() : nullptr,
-                                         weight.data<const float>(), out.data<float>(), rows, n, eps, threads);
-            else
-                chosen->add_rms_norm_bf16(h.data<uint16_t>(), with_delta ? delta.data<const uint16_t>() : nullptr,
-                                          weight.data<const uint16_t>(), out.data<uint16_t>(), rows, n, eps, threads);
-        }
-        Py_RETURN_NONE;
-    )
+void kernel_add_rms_norm(nb::handle h_in, nb::handle delta_in, nb::handle weight_in, nb::handle out_in, double eps_in,
+                         int threads_in) {
+    const Array h(h_in, "h", true);
+    h.expect_ndim(2);
+    const Py_ssize_t rows = h.dim(0), n = h.dim(1);
+    const int kind = h.float_kind();
+    const bool with_delta = !delta_in.is_none();
+    const Array delta(with_delta ? delta_in : h_in, "delta", false);
+    if (with_delta) {
+        delta.expect_shape({rows, n});
+        delta.expect_like(h);
+    }
+    const Array weight(weight_in, "weight", false);
+    weight.expect_shape({n});
+    weight.expect_like(h);
+    const Array out(out_in, "out", true);
+    out.expect_shape({rows, n});
+    out.expect_like(h);
+    const float eps = float(eps_in);
+    const int threads = checked_threads(threads_in);
+    {
+        NoGil nogil;
+        if (kind == 4)
+            chosen->add_rms_norm_f32(h.data<float>(), with_delta ? delta.data<const float>() : nullptr,
+                                     weight.data<const float>(), out.data<float>(), rows, n, eps, threads);
+        else
+            chosen->add_rms_norm_bf16(h.data<uint16_t>(), with_delta ? delta.data<const uint16_t>() : nullptr,
+                                      weight.data<const uint16_t>(), out.data<uint16_t>(), rows, n, eps, threads);
+    }
 }
 
 // rope(x, positions, cos, sin, threads): x [rows, heads, dim] rotated in place (rows may be strided; heads and dims
 // contiguous), cos/sin [max_position, dim] of x's dtype, positions int64 [rows], each below max_position.
-PyObject* kernel_rope(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 5, "rope")) return nullptr;
-    GUARDED(
-        const Array x(args[0], "x", true, true);
-        x.expect_ndim(3);
-        const int kind = x.float_kind();
-        const Py_ssize_t rows = x.dim(0), heads = x.dim(1), dim = x.dim(2), item = x.itemsize();
-        const Py_ssize_t* strides = x.buffer.view.strides;
-        if (dim % 2 || strides[2] != item || strides[1] != dim * item || strides[0] % item ||
-            (rows > 1 && strides[0] < heads * dim * item))
-            fail(PyExc_ValueError, "x: heads and dims must be contiguous, rows apart");
-        const Array positions(args[1], "positions", false);
-        positions.expect_shape({rows});
-        positions.expect_int64();
-        const Array cos(args[2], "cos", false), sin(args[3], "sin", false);
-        cos.expect_ndim(2);
-        cos.expect_like(x);
-        if (cos.dim(1) != dim) fail(PyExc_ValueError, "cos: one row of dim entries per position");
-        sin.expect_shape({cos.dim(0), dim});
-        sin.expect_like(x);
-        const int64_t* at = positions.data<const int64_t>();
-        for (Py_ssize_t r = 0; r < rows; ++r)
-            if (at[r] < 0 || at[r] >= cos.dim(0)) fail(PyExc_IndexError, "rope: a position past the cos/sin tables");
-        const int threads = threads_arg(args[4]);
-        {
-            NoGil nogil;
-            if (kind == 4)
-                chosen->rope_f32(x.data<float>(), strides[0] / item, at, cos.data<const float>(),
-                                 sin.data<const float>(), rows, heads, dim, threads);
-            else
-                chosen->rope_bf16(x.data<uint16_t>(), strides[0] / item, at, cos.data<const uint16_t>(),
-                                  sin.data<const uint16_t>(), rows, heads, dim, threads);
-        }
-        Py_RETURN_NONE;
-    )
+void kernel_rope(nb::handle x_in, nb::handle positions_in, nb::handle cos_in, nb::handle sin_in, int threads_in) {
+    const Array x(x_in, "x", true, true);
+    x.expect_ndim(3);
+    const int kind = x.float_kind();
+    const Py_ssize_t rows = x.dim(0), heads = x.dim(1), dim = x.dim(2), item = x.itemsize();
+    const Py_ssize_t* strides = x.buffer.view.strides;
+    if (dim % 2 || strides[2] != item || strides[1] != dim * item || strides[0] % item ||
+        (rows > 1 && strides[0] < heads * dim * item))
+        fail(PyExc_ValueError, "x: heads and dims must be contiguous, rows apart");
+    const Array positions(positions_in, "positions", false);
+    positions.expect_shape({rows});
+    positions.expect_int64();
+    const Array cos(cos_in, "cos", false), sin(sin_in, "sin", false);
+    cos.expect_ndim(2);
+    cos.expect_like(x);
+    if (cos.dim(1) != dim) fail(PyExc_ValueError, "cos: one row of dim entries per position");
+    sin.expect_shape({cos.dim(0), dim});
+    sin.expect_like(x);
+    const int64_t* at = positions.data<const int64_t>();
+    for (Py_ssize_t r = 0; r < rows; ++r)
+        if (at[r] < 0 || at[r] >= cos.dim(0)) fail(PyExc_IndexError, "rope: a position past the cos/sin tables");
+    const int threads = checked_threads(threads_in);
+    {
+        NoGil nogil;
+        if (kind == 4)
+            chosen->rope_f32(x.data<float>(), strides[0] / item, at, cos.data<const float>(),
+                             sin.data<const float>(), rows, heads, dim, threads);
+        else
+            chosen->rope_bf16(x.data<uint16_t>(), strides[0] / item, at, cos.data<const uint16_t>(),
+                              sin.data<const uint16_t>(), rows, heads, dim, threads);
+    }
 }
 
 // silu_mul(gate_up, out, threads): out [rows, n] = silu(gate) * up for gate_up [rows, 2n] = [gate | up].
-PyObject* kernel_silu_mul(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 3, "silu_mul")) return nullptr;
-    GUARDED(
-        const Array gate_up(args[0], "gate_up", false);
-        gate_up.expect_ndim(2);
-        const int kind = gate_up.float_kind();
-        const Py_ssize_t rows = gate_up.dim(0), n = gate_up.dim(1) / 2;
-        if (gate_up.dim(1) % 2) fail(PyExc_ValueError, "gate_up: an even row length");
-        const Array out(args[1], "out", true);
-        out.expect_shape({rows, n});
-        out.expect_like(gate_up);
-        const int threads = threads_arg(args[2]);
-        {
-            NoGil nogil;
-            if (kind == 4)
-                chosen->silu_mul_f32(gate_up.data<const float>(), out.data<float>(), rows, n, threads);
-            else
-                chosen->silu_mul_bf16(gate_up.data<const uint16_t>(), out.data<uint16_t>(), rows, n, threads);
-        }
-        Py_RETURN_NONE;
-    )
+void kernel_silu_mul(nb::handle gate_up_in, nb::handle out_in, int threads_in) {
+    const Array gate_up(gate_up_in, "gate_up", false);
+    gate_up.expect_ndim(2);
+    const int kind = gate_up.float_kind();
+    const Py_ssize_t rows = gate_up.dim(0), n = gate_up.dim(1) / 2;
+    if (gate_up.dim(1) % 2) fail(PyExc_ValueError, "gate_up: an even row length");
+    const Array out(out_in, "out", true);
+    out.expect_shape({rows, n});
+    out.expect_like(gate_up);
+    const int threads = checked_threads(threads_in);
+    {
+        NoGil nogil;
+        if (kind == 4)
+            chosen->silu_mul_f32(gate_up.data<const float>(), out.data<float>(), rows, n, threads);
+        else
+            chosen->silu_mul_bf16(gate_up.data<const uint16_t>(), out.data<uint16_t>(), rows, n, threads);
+    }
 }
 
 // log_normalizers(logits [rows, width] float32, n, out [rows] float32, threads): out = logsumexp of each row's
 // first n columns.
-PyObject* kernel_log_normalizers(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 4, "log_normalizers")) return nullptr;
-    GUARDED(
-        const Array logits(args[0], "logits", false), out(args[2], "out", true);
-        logits.expect_ndim(2);
-        logits.expect_float32();
-        const long long n = PyLong_AsLongLong(args[1]);
-        if (n == -1 && PyErr_Occurred()) throw PyFailure();
-        if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "log_normalizers: n must be 1..width");
-        out.expect_shape({logits.dim(0)});
-        out.expect_float32();
-        const int threads = threads_arg(args[3]);
-        {
-            NoGil nogil;
-            chosen->log_normalizers(logits.data<const float>(), logits.dim(0), logits.dim(1), n, out.data<float>(),
-                                    threads);
-        }
-        Py_RETURN_NONE;
-    )
+void kernel_log_normalizers(nb::handle logits_in, int64_t n, nb::handle out_in, int threads_in) {
+    const Array logits(logits_in, "logits", false), out(out_in, "out", true);
+    logits.expect_ndim(2);
+    logits.expect_float32();
+    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "log_normalizers: n must be 1..width");
+    out.expect_shape({logits.dim(0)});
+    out.expect_float32();
+    const int threads = checked_threads(threads_in);
+    {
+        NoGil nogil;
+        chosen->log_normalizers(logits.data<const float>(), logits.dim(0), logits.dim(1), n, out.data<float>(),
+                                threads);
+    }
 }
 
 // greedy_pick(logits [rows, width] float32, n, bitmask [rows, words] int32 or None, masked [rows] uint8 or None,
 // ids [rows] int64, logprobs [rows] float32, threads): per row the first largest of the first n columns its mask
 // allows (bitmask row r applies where masked[r]; no bitmask: every column), or -1 (none allowed above -inf, or a
 // NaN in the row), and its raw logit less the row's log-normalizer.
-PyObject* kernel_greedy_pick(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 7, "greedy_pick")) return nullptr;
-    GUARDED(
-        const Array logits(args[0], "logits", false), ids(args[4], "ids", true), logprobs(args[5], "logprobs", true);
-        logits.expect_ndim(2);
-        logits.expect_float32();
-        const long long n = PyLong_AsLongLong(args[1]);
-        if (n == -1 && PyErr_Occurred()) throw PyFailure();
-        if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
-        const int64_t rows = logits.dim(0);
-        ids.expect_shape({rows});
-        ids.expect_int64();
-        logprobs.expect_shape({rows});
-        logprobs.expect_float32();
-        std::unique_ptr<Array> bitmask, masked;
-        if (args[2] != Py_None) {
-            bitmask = std::make_unique<Array>(args[2], "bitmask", false);
-            bitmask->expect_format('i', 4, "int32");
-            bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
-            if (args[3] == Py_None) fail(PyExc_ValueError, "greedy_pick: a bitmask needs its masked rows");
-            masked = std::make_unique<Array>(args[3], "masked", false);
-            masked->expect_uint8();
-            masked->expect_shape({rows});
-        }
-        const int threads = threads_arg(args[6]);
-        {
-            NoGil nogil;
-            chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n,
-                                bitmask ? bitmask->data<const int32_t>() : nullptr, bitmask ? bitmask->dim(1) : 0,
-                                masked ? masked->data<const uint8_t>() : nullptr, ids.data<int64_t>(),
-                                logprobs.data<float>(), threads);
-        }
-        Py_RETURN_NONE;
-    )
+void kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
+                        nb::handle ids_in, nb::handle logprobs_in, int threads_in) {
+    const Array logits(logits_in, "logits", false), ids(ids_in, "ids", true), logprobs(logprobs_in, "logprobs", true);
+    logits.expect_ndim(2);
+    logits.expect_float32();
+    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
+    const int64_t rows = logits.dim(0);
+    ids.expect_shape({rows});
+    ids.expect_int64();
+    logprobs.expect_shape({rows});
+    logprobs.expect_float32();
+    std::unique_ptr<Array> bitmask, masked;
+    if (!bitmask_in.is_none()) {
+        bitmask = std::make_unique<Array>(bitmask_in, "bitmask", false);
+        bitmask->expect_format('i', 4, "int32");
+        bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
+        if (masked_in.is_none()) fail(PyExc_ValueError, "greedy_pick: a bitmask needs its masked rows");
+        masked = std::make_unique<Array>(masked_in, "masked", false);
+        masked->expect_uint8();
+        masked->expect_shape({rows});
+    }
+    const int threads = checked_threads(threads_in);
+    {
+        NoGil nogil;
+        chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n,
+                            bitmask ? bitmask->data<const int32_t>() : nullptr, bitmask ? bitmask->dim(1) : 0,
+                            masked ? masked->data<const uint8_t>() : nullptr, ids.data<int64_t>(),
+                            logprobs.data<float>(), threads);
+    }
 }
 
 // paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads, k_scale, v_scale): q [S, H, D]
 // float32 or bfloat16; caches [blocks, block_size, KVH, D] of q's dtype, bfloat16 under float32 queries, or int8
 // with float32 scales [blocks, block_size, KVH] (None otherwise); block_tables int64 [S, width], every entry a
 // sequence reads below blocks; context_lens int64 [S], each in 1 .. width * block_size; out [S, H * D] like q.
-PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 10, "paged_decode")) return nullptr;
-    GUARDED(
-        const Array q(args[0], "q", false);
-        q.expect_ndim(3);
-        const int kind = q.float_kind();
-        const Py_ssize_t seqs = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
-        const Array k(args[1], "k_cache", false), v(args[2], "v_cache", false);
-        k.expect_ndim(4);
-        const int kv_kind = k.cache_kind();
-        if (!(kv_kind == kind || kv_kind == 1 || (kind == 4 && kv_kind == 2)))
-            fail(PyExc_TypeError, "k_cache: q's dtype, bfloat16 under float32 queries, or int8 expected");
-        const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
-        if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
-        if (kv_heads < 1 || heads % kv_heads)
-            fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
-        v.expect_shape({blocks, block_size, kv_heads, head_dim});
-        v.expect_like(k);
-        if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
-        const bool has_scales = args[8] != Py_None || args[9] != Py_None;
-        if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
-        const Array k_scale(has_scales ? args[8] : args[0], "k_scale", false);
-        const Array v_scale(has_scales ? args[9] : args[0], "v_scale", false);
-        if (has_scales) {
-            for (const Array* scales : {&k_scale, &v_scale}) {
-                scales->expect_shape({blocks, block_size, kv_heads});
-                if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
-            }
+void kernel_paged_decode(nb::handle q_in, nb::handle k_cache_in, nb::handle v_cache_in, nb::handle block_tables_in,
+                         nb::handle context_lens_in, nb::handle out_in, double scale_in, int threads_in,
+                         nb::handle k_scale_in, nb::handle v_scale_in) {
+    const Array q(q_in, "q", false);
+    q.expect_ndim(3);
+    const int kind = q.float_kind();
+    const Py_ssize_t seqs = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
+    const Array k(k_cache_in, "k_cache", false), v(v_cache_in, "v_cache", false);
+    k.expect_ndim(4);
+    const int kv_kind = k.cache_kind();
+    if (!(kv_kind == kind || kv_kind == 1 || (kind == 4 && kv_kind == 2)))
+        fail(PyExc_TypeError, "k_cache: q's dtype, bfloat16 under float32 queries, or int8 expected");
+    const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
+    if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
+    if (kv_heads < 1 || heads % kv_heads)
+        fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+    v.expect_shape({blocks, block_size, kv_heads, head_dim});
+    v.expect_like(k);
+    if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+    const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
+    if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+    const Array k_scale(has_scales ? k_scale_in : q_in, "k_scale", false);
+    const Array v_scale(has_scales ? v_scale_in : q_in, "v_scale", false);
+    if (has_scales) {
+        for (const Array* scales : {&k_scale, &v_scale}) {
+            scales->expect_shape({blocks, block_size, kv_heads});
+            if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
         }
-        const Array tables(args[3], "block_tables", false);
-        tables.expect_ndim(2);
-        tables.expect_int64();
-        if (tables.dim(0) != seqs) fail(PyExc_ValueError, "block_tables: one row per sequence");
-        const Py_ssize_t width = tables.dim(1);
-        const Array lens(args[4], "context_lens", false);
-        lens.expect_shape({seqs});
-        lens.expect_int64();
-        const Array out(args[5], "out", true);
-        out.expect_shape({seqs, heads * head_dim});
-        out.expect_like(q);
-        const float scale = float_arg(args[6]);
-        const int threads = threads_arg(args[7]);
-        const int64_t* table = tables.data<const int64_t>();
-        const int64_t* len = lens.data<const int64_t>();
-        for (Py_ssize_t s = 0; s < seqs; ++s) {
-            if (len[s] < 1 || len[s] > width * block_size)
-                fail(PyExc_IndexError, "paged_decode: a context length outside its block table");
-            for (int64_t b = 0; b < (len[s] + block_size - 1) / block_size; ++b) {
-                const int64_t block = table[s * width + b];
-                if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");
-            }
+    }
+    const Array tables(block_tables_in, "block_tables", false);
+    tables.expect_ndim(2);
+    tables.expect_int64();
+    if (tables.dim(0) != seqs) fail(PyExc_ValueError, "block_tables: one row per sequence");
+    const Py_ssize_t width = tables.dim(1);
+    const Array lens(context_lens_in, "context_lens", false);
+    lens.expect_shape({seqs});
+    lens.expect_int64();
+    const Array out(out_in, "out", true);
+    out.expect_shape({seqs, heads * head_dim});
+    out.expect_like(q);
+    const float scale = float(scale_in);
+    const int threads = checked_threads(threads_in);
+    const int64_t* table = tables.data<const int64_t>();
+    const int64_t* len = lens.data<const int64_t>();
+    for (Py_ssize_t s = 0; s < seqs; ++s) {
+        if (len[s] < 1 || len[s] > width * block_size)
+            fail(PyExc_IndexError, "paged_decode: a context length outside its block table");
+        for (int64_t b = 0; b < (len[s] + block_size - 1) / block_size; ++b) {
+            const int64_t block = table[s * width + b];
+            if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");
         }
-        const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
-        const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
-        {
-            NoGil nogil;
-            if (kind == 4 && kv_kind == 4)
-                chosen->paged_decode_f32(q.data<const float>(), k.data<const float>(), v.data<const float>(), ks, vs,
-                                         table, width, len, out.data<float>(), seqs, heads, kv_heads, head_dim,
-                                         block_size, scale, threads);
-            else if (kind == 4 && kv_kind == 2)
-                chosen->paged_decode_f32_bf16(q.data<const float>(), k.data<const uint16_t>(),
-                                              v.data<const uint16_t>(), ks, vs, table, width, len, out.data<float>(),
-                                              seqs, heads, kv_heads, head_dim, block_size, scale, threads);
-            else if (kind == 4)
-                chosen->paged_decode_f32_i8(q.data<const float>(), k.data<const int8_t>(), v.data<const int8_t>(),
-                                            ks, vs, table, width, len, out.data<float>(), seqs, heads, kv_heads,
-                                            head_dim, block_size, scale, threads);
-            else if (kv_kind == 2)
-                chosen->paged_decode_bf16(q.data<const uint16_t>(), k.data<const uint16_t>(),
-                                          v.data<const uint16_t>(), ks, vs, table, width, len, out.data<uint16_t>(),
+    }
+    const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
+    const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
+    {
+        NoGil nogil;
+        if (kind == 4 && kv_kind == 4)
+            chosen->paged_decode_f32(q.data<const float>(), k.data<const float>(), v.data<const float>(), ks, vs,
+                                     table, width, len, out.data<float>(), seqs, heads, kv_heads, head_dim,
+                                     block_size, scale, threads);
+        else if (kind == 4 && kv_kind == 2)
+            chosen->paged_decode_f32_bf16(q.data<const float>(), k.data<const uint16_t>(),
+                                          v.data<const uint16_t>(), ks, vs, table, width, len, out.data<float>(),
                                           seqs, heads, kv_heads, head_dim, block_size, scale, threads);
-            else
-                chosen->paged_decode_bf16_i8(q.data<const uint16_t>(), k.data<const int8_t>(), v.data<const int8_t>(),
-                                             ks, vs, table, width, len, out.data<uint16_t>(), seqs, heads, kv_heads,
-                                             head_dim, block_size, scale, threads);
-        }
-        Py_RETURN_NONE;
-    )
+        else if (kind == 4)
+            chosen->paged_decode_f32_i8(q.data<const float>(), k.data<const int8_t>(), v.data<const int8_t>(),
+                                        ks, vs, table, width, len, out.data<float>(), seqs, heads, kv_heads,
+                                        head_dim, block_size, scale, threads);
+        else if (kv_kind == 2)
+            chosen->paged_decode_bf16(q.data<const uint16_t>(), k.data<const uint16_t>(),
+                                      v.data<const uint16_t>(), ks, vs, table, width, len, out.data<uint16_t>(),
+                                      seqs, heads, kv_heads, head_dim, block_size, scale, threads);
+        else
+            chosen->paged_decode_bf16_i8(q.data<const uint16_t>(), k.data<const int8_t>(), v.data<const int8_t>(),
+                                         ks, vs, table, width, len, out.data<uint16_t>(), seqs, heads, kv_heads,
+                                         head_dim, block_size, scale, threads);
+    }
 }
 
 // Ends the calling thread's OpenMP worker threads (they come back if it runs a parallel region again). OpenMP
@@ -293,30 +269,27 @@ PyObject* kernel_paged_decode(PyObject*, PyObject* const* args, Py_ssize_t nargs
 // waking them costs tens of microseconds per operation (a decode step runs hundreds), and the engine thread's
 // linears ran 2.4x slower for it. The thread that loaded the model hands the compute to the engine thread and
 // gives its pool back with this.
-PyObject* release_thread_pool(PyObject*, PyObject*) {
-    return PyLong_FromLong(omp_pause_resource_all(omp_pause_soft));
-}
-
-PyMethodDef kernel_methods[] = {
-    {"release_thread_pool", reinterpret_cast<PyCFunction>(release_thread_pool), METH_NOARGS, nullptr},
-    FAST("add_rms_norm", kernel_add_rms_norm),
-    FAST("rope", kernel_rope),
-    FAST("silu_mul", kernel_silu_mul),
-    FAST("log_normalizers", kernel_log_normalizers),
-    FAST("greedy_pick", kernel_greedy_pick),
-    FAST("paged_decode", kernel_paged_decode),
-    {nullptr, nullptr, 0, nullptr},
-};
+int release_thread_pool() { return omp_pause_resource_all(omp_pause_soft); }
 
 }  // namespace
 
 const corral_kernels::KernelTable* kernel_table() { return chosen; }
 
 void add_kernels(nb::module_& m) {
-    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     chosen = choose();
-    if (PyModule_AddStringConstant(module, "kernel_isa", chosen->isa) < 0) throw nb::python_error();
-    if (PyModule_AddFunctions(module, kernel_methods) != 0) throw nb::python_error();
+    m.attr("kernel_isa") = chosen->isa;
+    m.def("release_thread_pool", &release_thread_pool);
+    // None is an argument only where one is named with .none()
+    m.def("add_rms_norm", &kernel_add_rms_norm, nb::arg("h"), nb::arg("delta").none(), nb::arg("weight"),
+          nb::arg("out"), nb::arg("eps"), nb::arg("threads"));
+    m.def("rope", &kernel_rope);
+    m.def("silu_mul", &kernel_silu_mul);
+    m.def("log_normalizers", &kernel_log_normalizers);
+    m.def("greedy_pick", &kernel_greedy_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
+          nb::arg("masked").none(), nb::arg("ids"), nb::arg("logprobs"), nb::arg("threads"));
+    m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
+          nb::arg("k_scale").none(), nb::arg("v_scale").none());
 }
 
 }  // namespace corral_native

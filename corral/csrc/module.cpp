@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <typeinfo>
 #include <thread>
 
 namespace corral_native {
@@ -76,6 +77,8 @@ NB_MODULE(CORRAL_MODULE, m) {
         try {
             std::rethrow_exception(thrown);
         } catch (const PyFailure&) {
+        } catch (const std::bad_cast&) {  // a nanobind cast of an argument that is not of its type
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "an argument of the wrong type");
         }
     });
     // A limit is a GrammarTooComplexError (a typed 400 while compiling; a sequence's typed error while decoding).

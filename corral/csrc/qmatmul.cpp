@@ -113,75 +113,56 @@ namespace {
 
 // q4_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32,
 // threads): out = x W^T.
-PyObject* matmul(PyObject* const* args, Py_ssize_t nargs, bool four_bit) {
-    if (!check_args(nargs, 5, four_bit ? "q4_matmul" : "q8_matmul")) return nullptr;
-    GUARDED(
-        const Array x(args[0], "x", false), tiles(args[1], "tiles", false), out(args[3], "out", true);
-        x.expect_ndim(2);
-        x.expect_float32();
-        tiles.expect_uint8();
-        out.expect_float32();
-        const long long n = PyLong_AsLongLong(args[2]);
-        if (n == -1 && PyErr_Occurred()) throw PyFailure();
-        if (n < 1) fail(PyExc_ValueError, "N must be positive");
-        const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
-        if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
-        tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
-                            four_bit ? corral_qmatmul::Q4_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
-        out.expect_shape({rows, Py_ssize_t(n)});
-        const int threads = threads_arg(args[4]);
-        if (rows > 0) {
-            NoGil nogil;
-            (four_bit ? q4_product : q8_product)(x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n,
-                                                 out.data<float>(), threads);
-        }
-        Py_RETURN_NONE;
-    )
+template <bool four_bit>
+void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
+    const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
+    x.expect_ndim(2);
+    x.expect_float32();
+    tiles.expect_uint8();
+    out.expect_float32();
+    if (n < 1) fail(PyExc_ValueError, "N must be positive");
+    const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
+    if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
+    tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
+                        four_bit ? corral_qmatmul::Q4_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
+    out.expect_shape({rows, Py_ssize_t(n)});
+    const int threads = checked_threads(threads_in);
+    if (rows > 0) {
+        NoGil nogil;
+        (four_bit ? q4_product : q8_product)(x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n,
+                                             out.data<float>(), threads);
+    }
 }
-
-PyObject* q4_matmul(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return matmul(args, nargs, true); }
-PyObject* q8_matmul(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return matmul(args, nargs, false); }
 
 // q8_rows(tiles [ceil(N / 16), K / 32, 544] uint8, N, ids [T] int64, out [T, K] float32): the rows ids of W,
 // dequantized (an embedding lookup from the LM head's tiles).
-PyObject* q8_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_args(nargs, 4, "q8_rows")) return nullptr;
-    GUARDED(
-        const Array tiles(args[0], "tiles", false), ids(args[2], "ids", false), out(args[3], "out", true);
-        tiles.expect_ndim(3);
-        tiles.expect_uint8();
-        ids.expect_ndim(1);
-        ids.expect_int64();
-        out.expect_float32();
-        const long long n = PyLong_AsLongLong(args[1]);
-        if (n == -1 && PyErr_Occurred()) throw PyFailure();
-        const Py_ssize_t blocks = tiles.dim(1);
-        tiles.expect_shape({Py_ssize_t((n + 15) / 16), blocks, corral_qmatmul::Q8_TILE_BYTES});
-        out.expect_shape({ids.dim(0), blocks * 32});
-        const int64_t* id = ids.data<const int64_t>();
-        for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
-            if (id[i] < 0 || id[i] >= n) fail(PyExc_IndexError, "q8_rows: an id outside the rows");
-        for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
-            q8_row(tiles.data<const uint8_t>(), blocks, id[i], out.data<float>() + i * blocks * 32);
-        Py_RETURN_NONE;
-    )
+void q8_rows(nb::handle tiles_in, int64_t n, nb::handle ids_in, nb::handle out_in) {
+    const Array tiles(tiles_in, "tiles", false), ids(ids_in, "ids", false), out(out_in, "out", true);
+    tiles.expect_ndim(3);
+    tiles.expect_uint8();
+    ids.expect_ndim(1);
+    ids.expect_int64();
+    out.expect_float32();
+    const Py_ssize_t blocks = tiles.dim(1);
+    tiles.expect_shape({Py_ssize_t((n + 15) / 16), blocks, corral_qmatmul::Q8_TILE_BYTES});
+    out.expect_shape({ids.dim(0), blocks * 32});
+    const int64_t* id = ids.data<const int64_t>();
+    for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
+        if (id[i] < 0 || id[i] >= n) fail(PyExc_IndexError, "q8_rows: an id outside the rows");
+    for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
+        q8_row(tiles.data<const uint8_t>(), blocks, id[i], out.data<float>() + i * blocks * 32);
 }
 
-PyMethodDef qmatmul_methods[] = {
-    FAST("q4_matmul", q4_matmul),
-    FAST("q8_matmul", q8_matmul),
-    FAST("q8_rows", q8_rows),
-    {nullptr, nullptr, 0, nullptr},
-};
 
 }  // namespace
 
 void add_qmatmul(nb::module_& m) {
-    PyObject* module = m.ptr();  // (until the glue is nanobind's)
     chosen_q = choose_q();
     if (chosen_q == nullptr) throw nb::python_error();
-    if (PyModule_AddStringConstant(module, "qmatmul_isa", chosen_q->isa) < 0) throw nb::python_error();
-    if (PyModule_AddFunctions(module, qmatmul_methods) != 0) throw nb::python_error();
+    m.attr("qmatmul_isa") = chosen_q->isa;
+    m.def("q4_matmul", &matmul<true>);
+    m.def("q8_matmul", &matmul<false>);
+    m.def("q8_rows", &q8_rows);
 }
 
 }  // namespace corral_native

@@ -693,7 +693,7 @@ int32_t byte_arg(int64_t byte) {
 
 std::vector<int32_t> terms_arg(const TableObject& self, nb::handle iterable) {
     std::vector<int32_t> terms;
-    for (nb::handle item : iterable) terms.push_back(term_arg(self, nb::cast<int64_t>(item)));
+    for (nb::handle item : iterable) terms.push_back(term_arg(self, int_of(item)));
     return terms;
 }
 
@@ -1499,7 +1499,8 @@ void bind_dfa(nb::module_& m) {
             if (size_t(state) >= set.flags.size()) set.flags.resize(size_t(state) + 1, FLAG_UNKNOWN);
             set.flags[size_t(state)] = uint8_t(flag);
         })
-        .def("set_piece_answer", &set_piece_answer)
+        .def("set_piece_answer", &set_piece_answer, nb::arg("flag_set"), nb::arg("state"), nb::arg("depth"),
+             nb::arg("other"), nb::arg("allowed").none())
         .def("new_flag_set", [](DfaObject& self, int64_t num_words) {
             // a new flag set's number, for walks whose mask rows are num_words uint32 words
             TableLock lock(self.dfa->table);

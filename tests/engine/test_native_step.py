@@ -55,8 +55,13 @@ def test_bad_buffers_are_refused(engines):
         step(one, torch.tensor([0]), one * 0, table, torch.tensor([17]), runner.whole_kv.k, runner.whole_kv.v)
     with pytest.raises(ValueError, match="k_cache"):
         step(one, torch.tensor([0]), one * 0, table, one, runner.whole_kv.k[:2], runner.whole_kv.v[:2])
+    spare = buffer(torch.zeros(1, dtype=torch.int64))  # never read: the spec is checked first
     with pytest.raises(ValueError, match="spec"):
-        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([None] * 17))
+        native.module().decode_step(buffer(torch.zeros(7, dtype=torch.int64)), 1e-5, *([spare] * 13), 1, None, None,
+                                    None)
+    with pytest.raises(TypeError):  # a buffer that is None where none may be
+        native.module().decode_step(buffer(torch.zeros(8, dtype=torch.int64)), 1e-5, *([None] * 13), 1, None, None,
+                                    None)
 
 
 def test_an_int8_kv_cache_is_written_and_read_as_the_torch_path_does():
