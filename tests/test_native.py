@@ -193,6 +193,27 @@ def test_a_malformed_trie_is_refused():
         module.Trie(*good[:8], i32(2), 1)
 
 
+# nanobind warns (RuntimeWarning) each time a bare instance is touched, before it refuses it
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_native_objects_made_without_their_constructor_are_refused():
+    """A class's __new__ alone makes an instance with nothing behind it; every use of one is an error, never a
+    read of uninitialized memory (the automaton's buffer views are reachable through type())."""
+    module = native.module()
+    table = derivatives.new_table()
+    dfa = module.Dfa(table)
+    view_type = type(dfa.buffers()[0])
+    with pytest.raises(BufferError, match="no automaton made"):
+        memoryview(view_type.__new__(view_type))
+    for cls in (module.Table, module.Trie, module.Dfa, module.CfgIndex, module.CfgSession):
+        bare = cls.__new__(cls)
+        with pytest.raises(TypeError):
+            module.Dfa(bare)
+        with pytest.raises(TypeError):
+            dfa.walk_trie(bare, 0, 0, np.zeros(1, np.uint32), -1)
+        with pytest.raises(TypeError):
+            module.CfgSession(bare, 1, 1, 1)
+
+
 def test_the_process_wide_structure_memo_is_bounded(vocab_index, monkeypatch):
     """Past its cap a new structure gets no id: its piece walks plainly, and the mask is the same."""
     pattern = '"[^"\\\\\\x00-\\x1fQ]{0,41}Q"'  # a unit (every character but Q) that no other test repeats

@@ -1407,6 +1407,11 @@ struct BlockView {
 };
 
 int block_view_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    if (!nb::inst_ready(self)) {  // BlockView.__new__ makes one with no block behind it
+        PyErr_SetString(PyExc_BufferError, "a BlockView that no automaton made");
+        view->obj = nullptr;
+        return -1;
+    }
     const BlockView* block_view = nb::inst_ptr<BlockView>(self);
     return PyBuffer_FillInfo(view, self, block_view->block->data, block_view->size, 1, flags);
 }
@@ -1420,9 +1425,12 @@ PyType_Slot block_view_slots[] = {
 nb::tuple buffers(DfaObject& self) {
     TableLock lock(self.dfa->table);
     nb::object views[3];
-    for (int k = 0; k < 3; ++k)
-        views[k] = nb::cast(new BlockView(self.dfa->blocks[k], self.dfa->capacity * (k == 0 ? 256 * 4 : 1)),
-                            nb::rv_policy::take_ownership);
+    for (int k = 0; k < 3; ++k) {
+        // owned here until the cast has made its Python object, so a failed cast still drops the block's hold
+        auto view = std::make_unique<BlockView>(self.dfa->blocks[k], self.dfa->capacity * (k == 0 ? 256 * 4 : 1));
+        views[k] = nb::cast(view.get(), nb::rv_policy::take_ownership);
+        view.release();
+    }
     return nb::make_tuple(views[0], views[1], views[2], self.dfa->capacity);
 }
 
