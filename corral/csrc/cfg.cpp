@@ -1351,31 +1351,34 @@ bool session_is_accepting(SessionObject& self, int64_t config_number, int64_t fu
     return s.is_accepting(config);
 }
 
-// specials_allowed(config, fuel): the special terminals some reading expects here.
-nb::tuple session_specials_allowed(SessionObject& self, int64_t config_number, int64_t fuel) {
+// Checks a configuration, spends at most `fuel` on it, and returns what `work(session, config)` finds there,
+// found with the GIL released, as a tuple of ints.
+template <typename Work>
+nb::tuple ints_found(SessionObject& self, int64_t config_number, int64_t fuel, Work work) {
     Session& s = *self.session;
     const int32_t config = config_arg(s, config_number);
     begin(s, fuel);
     Ints found;
     {
         NoGil nogil;
-        found = s.specials_allowed(config);
+        found = work(s, config);
     }
     return tuple_of(found);
 }
 
+// specials_allowed(config, fuel): the special terminals some reading expects here.
+nb::tuple session_specials_allowed(SessionObject& self, int64_t config_number, int64_t fuel) {
+    return ints_found(self, config_number, fuel, [](Session& s, int32_t config) { return s.specials_allowed(config); });
+}
+
 // live_bytes(config, fuel): the bytes that can follow.
 nb::tuple session_live_bytes(SessionObject& self, int64_t config_number, int64_t fuel) {
-    Session& s = *self.session;
-    const int32_t config = config_arg(s, config_number);
-    begin(s, fuel);
-    Ints live;
-    {
-        NoGil nogil;
+    return ints_found(self, config_number, fuel, [](Session& s, int32_t config) {
+        Ints live;
         for (int byte = 0; byte < 256; ++byte)
             if (s.move(config, byte) >= 0) live.push_back(byte);
-    }
-    return tuple_of(live);
+        return live;
+    });
 }
 
 // readings(config): the (Earley set, lexer state) pairs.
@@ -1409,15 +1412,7 @@ nb::tuple session_unregistered_roots(SessionObject& self, int64_t config_number)
 
 // sets_between_lexemes(config, fuel)
 nb::tuple session_between(SessionObject& self, int64_t config_number, int64_t fuel) {
-    Session& s = *self.session;
-    const int32_t config = config_arg(s, config_number);
-    begin(s, fuel);
-    Ints sets;
-    {
-        NoGil nogil;
-        sets = s.between_lexemes(config);
-    }
-    return tuple_of(sets);
+    return ints_found(self, config_number, fuel, [](Session& s, int32_t config) { return s.between_lexemes(config); });
 }
 
 }  // namespace

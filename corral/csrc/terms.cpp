@@ -1291,7 +1291,8 @@ struct DfaObject {
     nb::object owner;  // the table, which outlives the automaton
     TableObject* table;
     Dfa* dfa;
-    DfaObject(nb::object owner_, TableObject* table_) : owner(std::move(owner_)), table(table_), dfa(new Dfa(table->table)) {}
+    DfaObject(nb::object owner_, TableObject* table_)
+        : owner(std::move(owner_)), table(table_), dfa(new Dfa(table->table)) {}
     ~DfaObject() { delete dfa; }  // before the table goes
     DfaObject(const DfaObject&) = delete;
     DfaObject& operator=(const DfaObject&) = delete;
@@ -1329,7 +1330,8 @@ nb::tuple walk_trie(DfaObject& self, const TrieObject& trie_object, int64_t stat
         FlagSet& set = flag_set_arg(self, flag_set);
         const HeldBuffer words(words_array.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, 4);
         if (words.count() != trie.num_words) fail(PyExc_ValueError, "walk_trie: words is not one mask row");
-        if (set.num_words != trie.num_words) fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
+        if (set.num_words != trie.num_words)
+            fail(PyExc_ValueError, "walk_trie: the flag set's rows are not the trie's");
         if (fuel < -2) fail(PyExc_ValueError, "walk_trie: fuel must be >= -2");
         std::optional<FuelScope> scope;  // -2: the thread's fuel, which the rest of the mask goes on spending
         if (fuel != -2) scope.emplace(fuel, fuel);
@@ -1512,7 +1514,8 @@ void bind_dfa(nb::module_& m) {
         .def("new_flag_set", [](DfaObject& self, int64_t num_words) {
             // a new flag set's number, for walks whose mask rows are num_words uint32 words
             TableLock lock(self.dfa->table);
-            if (num_words < 1 || num_words > (int64_t(1) << 26)) fail(PyExc_ValueError, "new_flag_set: no mask is that long");
+            if (num_words < 1 || num_words > (int64_t(1) << 26))
+                fail(PyExc_ValueError, "new_flag_set: no mask is that long");
             self.dfa->flag_sets.emplace_back();
             self.dfa->flag_sets.back().num_words = num_words;
             return self.dfa->flag_sets.size() - 1;
