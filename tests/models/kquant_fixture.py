@@ -1,0 +1,120 @@
+"""A tiny Llama in GGUF, float32 from a fixed seed, and its K-quant copies made by llama.cpp's own
+``llama-quantize``: the fixtures of ``tests/models/test_kquants.py``.
+
+The float32 weights are a function of the seed alone (:func:`weights`), so the test rebuilds them instead of
+keeping the float32 file. The quantized files under ``tests/models/data`` were made by running this module with
+the ``llama-quantize`` that ``bench/build_llama.sh`` builds from the pinned llama.cpp sources:
+
+    .venv/bin/python tests/models/kquant_fixture.py .venv/llama.cpp/build/bin/llama-quantize
+
+Shapes: hidden 256 (a K-quant super-block is 256 weights along a row), 4 heads of 64 with 2 KV heads, an MLP of
+512, one layer, a vocabulary of 256 single-byte tokens, an untied LM head.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+SEED = 20261204
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256, 1
+# file -> (llama-quantize's base type, per-tensor overrides): Q4_K, Q5_K and Q6_K (the K-quants users' GGUFs
+# carry), with a Q4_0 and a Q8_0 tensor beside them
+FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
+                                             "ffn_gate=q8_0"])}
+
+
+def weights() -> dict[str, np.ndarray]:
+    """HF-named float32 weights ([out, in], rotary rows in HF order), from :data:`SEED`."""
+    rng = np.random.default_rng(SEED)
+
+    def dense(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "lm_head.weight": dense(VOCAB, HIDDEN),
+           "model.norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
+                    p + "post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
+                    p + "self_attn.q_proj.weight": dense(HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.k_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.v_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.o_proj.weight": dense(HIDDEN, HEADS * HEAD_DIM),
+                    p + "mlp.gate_proj.weight": dense(FFN, HIDDEN),
+                    p + "mlp.up_proj.weight": dense(FFN, HIDDEN),
+                    p + "mlp.down_proj.weight": dense(HIDDEN, FFN)})
+    return out
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert script's rotary row order (each head's halves interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_f32(path: str) -> None:
+    import gguf
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("corral-tiny-kquant")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([bytes([b]).hex() for b in range(VOCAB)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(0)
+    for name, value in weights().items():
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{per_layer[rest]}"
+        else:
+            gname = names[name]
+        if rest_is(name, "q_proj"):
+            value = _permute(value, HEADS)
+        elif rest_is(name, "k_proj"):
+            value = _permute(value, KV_HEADS)
+        writer.add_tensor(gname, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def rest_is(name: str, proj: str) -> bool:
+    return f".self_attn.{proj}." in name
+
+
+def main(quantize: str) -> None:
+    os.makedirs(DATA, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "tiny-f32.gguf")
+        write_f32(source)
+        for file, (base, overrides) in FIXTURES.items():
+            args = [quantize]
+            for override in overrides:
+                args += ["--tensor-type", override]
+            subprocess.run(args + [source, os.path.join(DATA, file), base], check=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
