@@ -23,6 +23,11 @@ verified row that ``EngineConfig.draft_row_cost`` (``--draft-row-cost``) stands 
     .venv/bin/python bench/speculation.py                        # both formats, about 25 minutes on 2 cores
     .venv/bin/python bench/speculation.py --formats auto --cells json-1,extract-1
     .venv/bin/python bench/speculation.py --check --formats auto,fp32
+    .venv/bin/python bench/speculation.py --formats auto --cells free-1 --draft-layers 24   # self-speculation
+
+``--draft-model``/``--draft-layers`` add a draft model to the "on" side (prompt lookup and jump-forward first, the
+draft model for the sequences they leave without a draft); ``--draft-model-cost 0`` and ``--draft-row-cost 0``
+make every sequence draft whatever it costs, which measures what the draft model's tokens are worth.
 """
 
 import argparse
@@ -162,9 +167,10 @@ def constraint_jobs() -> list[Job]:
 
 # ---- running --------------------------------------------------------------------------------------------------
 class Bench:
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, **drafts):
+        """``drafts``: EngineConfig's draft settings (a draft model, its cost, the row cost)."""
         self.fmt = fmt
-        self.engine = LLMEngine(EngineConfig(**FORMATS[fmt]))
+        self.engine = LLMEngine(EngineConfig(**FORMATS[fmt], **drafts))
         self.compiler = GrammarCompiler(self.engine.vocabulary)
         self.refused: dict[str, str] = {}
         self._grammars = {}
@@ -249,13 +255,15 @@ def merged(runs: list[Run]) -> Run:
                sum(r.accepted for r in runs), sum(r.forced for r in runs), [t for r in runs for t in r.tpots])
 
 
-def bench(formats: list[str], cell_names: list[str], repeats: int = 1) -> None:
+def bench(formats: list[str], cell_names: list[str], repeats: int = 1, drafts: dict | None = None) -> None:
     print(f"machine: {cpu_summary()}")
+    if drafts:
+        print(f"draft settings: {drafts}")
     print("| format | cell | requests | passes/token off | on | fewer passes | tok/s off | on | speed-up | "
           "acceptance (forced/accepted/drafted) | TPOT ms off | on | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt in formats:
-        b = Bench(fmt)
+        b = Bench(fmt, **(drafts or {}))
         b.run(free_jobs(2), 1, OFF)  # warm-up: the first steps of a fresh engine are slower
         for cell in cells_for(cell_names):
             jobs = b.usable(cell.jobs)
@@ -268,14 +276,17 @@ def bench(formats: list[str], cell_names: list[str], repeats: int = 1) -> None:
                 for side in ((OFF, offs), (switches, ons))[:: 1 if i % 2 == 0 else -1]:
                     side[1].append(b.run(jobs, cell.concurrency, side[0]))
             off, on = merged(offs), merged(ons)
-            print(report(fmt, cell, off, on) + f" {check}; refused {refused}", flush=True)
+            model = b.engine.stats()
+            models = (f"; draft model: {model.num_model_accepted_tokens}/{model.num_model_draft_tokens} accepted, "
+                      f"{model.num_draft_model_forwards} forwards") if b.engine.model_drafter is not None else ""
+            print(report(fmt, cell, off, on) + f" {check}; refused {refused}{models}", flush=True)
 
 
-def check(formats: list[str], max_tokens: int | None) -> int:
+def check(formats: list[str], max_tokens: int | None, drafts: dict | None = None) -> int:
     print(f"machine: {cpu_summary()}")
     failures = 0
     for fmt in formats:
-        b = Bench(fmt)
+        b = Bench(fmt, **(drafts or {}))
         jobs = b.usable(json_jobs() + free_jobs() + constraint_jobs())
         if max_tokens:
             jobs = [Job(j.name, j.messages, min(j.max_tokens, max_tokens), j.constraint) for j in jobs]
@@ -330,13 +341,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="--check: cap every request's output")
     parser.add_argument("--row-cost", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side and cell, taking turns")
+    parser.add_argument("--draft-model", default=None, help="drafts from this model too (same vocabulary)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="the draft model's first this many layers; alone: the target's (self-speculation)")
+    parser.add_argument("--draft-model-cost", type=float, default=None,
+                        help="a draft step's price as a share of a target step (default: weight bytes; 0 drafts "
+                             "whatever the acceptance, to measure the mechanism)")
+    parser.add_argument("--draft-row-cost", type=float, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="the most lookup tokens per step")
     args = parser.parse_args()
     formats = args.formats.split(",")
+    drafts = {name: value for name, value in (("draft_model", args.draft_model), ("draft_layers", args.draft_layers),
+                                              ("draft_model_cost", args.draft_model_cost),
+                                              ("draft_row_cost", args.draft_row_cost),
+                                              ("num_speculative_tokens", args.num_speculative_tokens))
+              if value is not None}
     if args.check:
-        sys.exit(check(formats, args.max_tokens))
+        sys.exit(check(formats, args.max_tokens, drafts))
     if args.row_cost:
         return row_cost(formats)
-    bench(formats, args.cells.split(","), args.repeats)
+    bench(formats, args.cells.split(","), args.repeats, drafts)
 
 
 if __name__ == "__main__":

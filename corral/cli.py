@@ -40,7 +40,9 @@ def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "quant_group_size": args.quant_group_size, "awq": args.awq, "decode_step": args.decode_step,
             "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
-            "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost}
+            "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost,
+            "draft_model": args.draft_model, "draft_layers": args.draft_layers,
+            "draft_model_cost": args.draft_model_cost}
 
 
 def _add_format_args(command) -> None:
@@ -71,6 +73,15 @@ def _add_format_args(command) -> None:
     command.add_argument("--draft-row-cost", type=float, default=0.25,
                          help="a draft row's cost as a share of a whole step at batch 1 (bench/speculation.py "
                               "--row-cost measures it); it prices drafts at every batch size")
+    command.add_argument("--draft-model", default=None,
+                         help="a model with the same vocabulary that drafts tokens for the target to verify (a "
+                              ".gguf file or HF folder); with --draft-layers alone, the target's own first layers "
+                              "draft (self-speculation). Off by default")
+    command.add_argument("--draft-layers", type=int, default=None,
+                         help="run the draft model's first this many layers, then its final norm and LM head")
+    command.add_argument("--draft-model-cost", type=float, default=None,
+                         help="a draft-model step's cost as a share of a target step (default: the ratio of their "
+                              "weight bytes); draft-model tokens must be accepted often enough to pay for it")
 
 
 def _generate(args) -> int:

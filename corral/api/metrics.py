@@ -137,12 +137,20 @@ class ServerMetrics:
         metric("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
                [f"_total{{{lab}}} {hits}"])
         drafted, accepted, forced, passes = draft_numbers(self.stats)
-        metric("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens checked by the model (jump-forward and "
-               "prompt lookup).", [f"_total{{{lab}}} {drafted}"])
+        metric("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens checked by the model (jump-forward, "
+               "prompt lookup and a draft model).", [f"_total{{{lab}}} {drafted}"])
         metric("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
                [f"_total{{{lab}}} {accepted}"])
         metric("corral:jump_forward_tokens", "counter", "Accepted draft tokens from spans the grammar forced.",
                [f"_total{{{lab}}} {forced}"])
+        model_drafted, model_accepted, model_forwards = (getattr(self.stats, name, 0) for name in (
+            "num_model_draft_tokens", "num_model_accepted_tokens", "num_draft_model_forwards"))
+        metric("corral:draft_model_tokens", "counter", "Draft tokens from a draft model (counted in the draft "
+               "tokens too).", [f"_total{{{lab}}} {model_drafted}"])
+        metric("corral:draft_model_accepted_tokens", "counter", "Of the draft model's tokens, accepted.",
+               [f"_total{{{lab}}} {model_accepted}"])
+        metric("corral:draft_model_forward_passes", "counter", "The draft model's forward passes.",
+               [f"_total{{{lab}}} {model_forwards}"])
         metric("corral:sequence_forward_passes", "counter", "Per sequence, the steps that produced its output "
                "tokens, summed (generation tokens less accepted draft tokens).", [f"_total{{{lab}}} {passes}"])
         metric("vllm:prompt_tokens", "counter", "Prefilled prompt tokens.", [f"_total{{{lab}}} {self.prompt_tokens}"])

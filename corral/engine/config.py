@@ -45,6 +45,13 @@ class EngineConfig:
     # a draft row's cost as a share of a whole step at batch 1 (bench/speculation.py --row-cost measures it); it
     # prices drafts at every batch size (corral/engine/speculation.py), 0: rows are free, drafts always full length
     draft_row_cost: float = 0.25
+    # drafts from a model (corral/engine/draft_model.py): ``draft_model`` a model with the same vocabulary (a
+    # path or name, as ``model``), cut to its first ``draft_layers`` layers when given; ``draft_model`` None and
+    # ``draft_layers`` given: the target's own first layers (self-speculation). ``draft_model_cost``: a draft
+    # step's cost as a share of a target step (None: the ratio of their weight bytes)
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    draft_model_cost: float | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -73,6 +80,14 @@ class EngineConfig:
             raise InvalidRequestError("num_speculative_tokens must be an integer >= 0", param="num_speculative_tokens")
         if not isinstance(self.draft_row_cost, (int, float)) or not 0 <= self.draft_row_cost < 1:
             raise InvalidRequestError("draft_row_cost must be in [0, 1)", param="draft_row_cost")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise InvalidRequestError("draft_model must be a model path or name", param="draft_model")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool) or
+                                              not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise InvalidRequestError("draft_layers must be a positive integer", param="draft_layers")
+        if self.draft_model_cost is not None and (isinstance(self.draft_model_cost, bool) or not isinstance(
+                self.draft_model_cost, (int, float)) or not 0 <= self.draft_model_cost <= 1):
+            raise InvalidRequestError("draft_model_cost must be in [0, 1]", param="draft_model_cost")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", param=name)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from corral.engine import formats
+from corral.engine import draft_model, formats
 from corral.engine.beam_search import BeamGroup, Extension
 from corral.engine.block_manager import BlockManager
 from corral.engine.config import EngineConfig
@@ -73,6 +73,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.formats = None  # a toy runner's
+        self.model_drafter = None
         if runner is None:
             files = resolve_model(config.model)
             self.formats = formats.resolve(config, gguf_has_q4(files))
@@ -81,6 +82,7 @@ class LLMEngine:
             model_config, tokenizer = load_model_config(files), load_tokenizer(files)
             vocabulary = Vocabulary.from_tokenizer(tokenizer)
             runner = ModelRunner(config, model_config, files)
+            self.model_drafter = draft_model.build(config, runner, vocabulary)
         self.config = config
         self.model_config, self.tokenizer, self.vocabulary, self.runner = model_config, tokenizer, vocabulary, runner
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
@@ -90,7 +92,8 @@ class LLMEngine:
         self._mask_words = -(-self.vocabulary.size // 32)
         self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-masks")
         self._requests: dict[str, _Request] = {}
-        self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0}
+        self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0,
+                          "model_drafted": 0, "model_accepted": 0}
         # drafts need a runner that computes a draft's rows (a toy runner may not)
         encode = self.tokenizer.encode if self.tokenizer is not None else None
         self.drafter = Drafter(vocabulary, encode) if getattr(self.runner, "supports_drafts", False) else None
@@ -278,7 +281,11 @@ class LLMEngine:
             return
         decoding = [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING
                     and s.num_uncomputed_tokens == 1 and not s.num_forks_pending and self._beam_group(s) is None]
-        self.drafter.propose_all(decoding, self.config, self.max_model_len)
+        model = self.model_drafter
+        wanted = self.drafter.propose_all(decoding, self.config, self.max_model_len,
+                                          model.cost if model is not None else None)
+        if model is not None:
+            model.propose(wanted, self.scheduler.running)
 
     def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):
         """((sequences without a draft, their rows), (drafted sequences with their first row, their rows))."""
@@ -324,10 +331,13 @@ class LLMEngine:
         seq.num_draft_tokens += len(tested)
         seq.num_accepted_tokens += accepted
         seq.num_forced_tokens += forced
-        seq.spec.record(len(tested), min(len(tested), seq.num_draft_forced), accepted)
+        seq.spec.record(len(tested), min(len(tested), seq.num_draft_forced), accepted, seq.draft_by_model)
         for key, value in (("drafted", len(tested)), ("accepted", accepted), ("forced", forced)):
             self._counters[key] += value
-        seq.draft, seq.num_draft_forced = [], 0
+        if seq.draft_by_model:
+            self._counters["model_drafted"] += len(tested)
+            self._counters["model_accepted"] += accepted
+        seq.draft, seq.num_draft_forced, seq.draft_by_model = [], 0, False
         for j, token in enumerate(result.token_ids if result is not None else ()):
             top = result.top_logprobs[j] if result.top_logprobs is not None else []
             if self._emit(seq, token, result.logprobs[j], top, now):
@@ -462,6 +472,8 @@ class LLMEngine:
         if seq.detokenizer is not None:  # beams have none: their text is built once, per hypothesis
             seq.detokenizer.finish()
         self.scheduler.finish(seq)
+        if self.model_drafter is not None:
+            self.model_drafter.release(seq.seq_id)
 
     # -- beam search ----------------------------------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor,
@@ -571,4 +583,6 @@ class LLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), bm.num_used_blocks, bm.num_blocks,
                            bm.num_cached_free_blocks, bm.num_queried_tokens, bm.num_hit_tokens, sched.num_preemptions,
                            counters["steps"], counters["generated"], counters["computed"], counters["drafted"],
-                           counters["accepted"], counters["forced"])
+                           counters["accepted"], counters["forced"], counters["model_drafted"],
+                           counters["model_accepted"],
+                           self.model_drafter.num_forwards if self.model_drafter is not None else 0)

@@ -31,19 +31,16 @@ DECODE_GROUP_SIZE = 16  # torch path: decodes per attention call; each group is 
 class ModelRunner:
     supports_drafts = True  # execute() returns a row per draft token (the engine drafts only for such runners)
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles):
-        """``config`` with its formats resolved (see :mod:`corral.engine.formats`)."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles | None,
+                 model: LlamaModel | None = None):
+        """``config`` with its formats resolved (see :mod:`corral.engine.formats`). ``model``: run this model
+        (``model_config`` its config) instead of loading one from ``files``; a draft model that shares the
+        target's weights is run this way, with a KV pool of its own."""
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
-        if config.quantization == "w4a16":
-            check_group_size(config.quant_group_size, model_config)
-        weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
-                               keep_q4=config.quantization in ("gguf", "w4a8"))
-        if config.awq:
-            weights = awq.scale_weights(weights, model_config, awq.calibration_ids(load_tokenizer(files).encode),
-                                        config.quant_group_size)
-        self.model = LlamaModel(model_config, weights, dtype, config.quantization, config.quant_group_size)
-        del weights
+        if model is None:
+            model = self.load_model(config, model_config, files)
+        self.model = model
         self.block_size = config.block_size
         self.use_decode_kernel = paged_attention_cpu.load() is not None
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else kv_torch_dtype(config.kv_cache_dtype)
@@ -66,6 +63,19 @@ class ModelRunner:
         log.info("decode step: %s", self.decode_path)
         self._log_kv_bill(bytes_per_token, kv_dtype)
         log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
+
+    @staticmethod
+    def load_model(config: EngineConfig, model_config: ModelConfig, files: ModelFiles) -> LlamaModel:
+        """The model in ``files``, in the formats of ``config``."""
+        dtype = config.torch_dtype
+        if config.quantization == "w4a16":
+            check_group_size(config.quant_group_size, model_config)
+        weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
+                               keep_q4=config.quantization in ("gguf", "w4a8"))
+        if config.awq:
+            weights = awq.scale_weights(weights, model_config, awq.calibration_ids(load_tokenizer(files).encode),
+                                        config.quant_group_size)
+        return LlamaModel(model_config, weights, dtype, config.quantization, config.quant_group_size)
 
     @property
     def decode_path(self) -> str:

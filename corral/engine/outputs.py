@@ -59,3 +59,6 @@ class EngineStats:
     num_draft_tokens: int = 0  # draft tokens checked by the model
     num_accepted_tokens: int = 0  # of those, kept
     num_forced_tokens: int = 0  # of those kept, jump-forward tokens
+    num_model_draft_tokens: int = 0  # draft tokens that came from a draft model (corral/engine/draft_model.py)
+    num_model_accepted_tokens: int = 0  # of those, kept
+    num_draft_model_forwards: int = 0  # the draft model's forward passes

@@ -56,6 +56,7 @@ class Sequence:
         # this step's draft: tokens after token_ids that the step computes too and then verifies (speculation.py)
         self.draft: list[int] = []
         self.num_draft_forced = 0  # of the draft, how many are jump-forward tokens
+        self.draft_by_model = False  # whether the draft came from a draft model (corral/engine/draft_model.py)
         self.spec = None  # a SpecState once the sequence first drafts
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward
 

@@ -34,8 +34,9 @@ from the same row with the same uniform as a run without drafts (see
 :meth:`~corral.engine.sampler.Sampler.verify`), so a seeded request gives the same tokens in any batch, drafted
 or not.
 
-Left out: drafts from the model's own first layers (self-speculation) or from a second, smaller model; drafts for
-beams.
+A third source, a draft model (a smaller model, or the target's own first layers), lives in
+:mod:`corral.engine.draft_model`: a sequence that neither source drafts for asks it, when its tokens pay at their
+higher price. Left out: drafts for beams.
 """
 
 from collections.abc import Callable
@@ -91,16 +92,18 @@ class SpecState:
     indexed: int = 0  # tokens[:indexed] are in ``ngrams``
     forced: Rate = field(default_factory=Rate)
     lookup: Rate = field(default_factory=Rate)
+    model: Rate = field(default_factory=Rate)  # a draft model's tokens (corral/engine/draft_model.py)
 
-    def record(self, num_tested: int, num_forced: int, num_accepted: int) -> None:
-        """A verified draft: ``num_tested`` tokens, the first ``num_forced`` of them jump-forward ones, of which
-        the first ``num_accepted`` were kept (the token after them was reached too, the rest not)."""
+    def record(self, num_tested: int, num_forced: int, num_accepted: int, by_model: bool = False) -> None:
+        """A verified draft: ``num_tested`` tokens, the first ``num_forced`` of them jump-forward ones and the
+        rest prompt lookup's (or, ``by_model``, a draft model's), of which the first ``num_accepted`` were kept
+        (the token after them was reached too, the rest not)."""
         reached = min(num_tested, num_accepted + 1)
         forced_reached, forced_accepted = min(num_forced, reached), min(num_forced, num_accepted)
         if forced_reached:
             self.forced.record(forced_reached, forced_accepted)
         if reached > forced_reached:
-            self.lookup.record(reached - forced_reached, num_accepted - forced_accepted)
+            (self.model if by_model else self.lookup).record(reached - forced_reached, num_accepted - forced_accepted)
 
 
 @dataclass(frozen=True)
@@ -137,12 +140,16 @@ class Drafter:
             lookup = self._lookup(tokens, forced, state, cap, guide)
         return Draft(forced + lookup, len(forced))
 
-    def propose_all(self, decoding: list[Sequence], config, max_model_len: int) -> None:
+    def propose_all(self, decoding: list[Sequence], config, max_model_len: int,
+                    model_cost: float | None = None) -> list[tuple[Sequence, int]]:
         """Set ``draft`` on each of ``decoding`` (the sequences that decode this step, beams left out) under
-        ``config``'s switches (a request's own switches win), priced for this many decoding sequences."""
+        ``config``'s switches (a request's own switches win), priced for this many decoding sequences. Returns
+        the sequences left without a draft that a draft model's tokens would pay for, at ``model_cost`` (a draft
+        model step's share of a step; None: there is no draft model), with the most tokens each may draft."""
         price = draft_price(len(decoding), config.draft_row_cost)
+        wanted: list[tuple[Sequence, int]] = []
         for seq in decoding:
-            seq.draft, seq.num_draft_forced = [], 0
+            seq.draft, seq.num_draft_forced, seq.draft_by_model = [], 0, False
             params = seq.params
             jump = config.jump_forward if params.jump_forward is None else params.jump_forward
             lookup = config.speculation if params.speculation is None else params.speculation
@@ -154,11 +161,15 @@ class Drafter:
                 seq.spec = SpecState()
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
             lookup_cap = seq.spec.lookup.length(config.num_speculative_tokens, price) if lookup else 0
-            if not forced_cap and not lookup_cap:  # neither kind pays at this batch size
-                continue
-            draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap, lookup_cap=lookup_cap,
-                                 room=room)
-            seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
+            if forced_cap or lookup_cap:
+                draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
+                                     lookup_cap=lookup_cap, room=room)
+                seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
+            if not seq.draft and lookup and model_cost is not None:  # the draft model's turn
+                cap = min(seq.spec.model.length(config.num_speculative_tokens, price + model_cost), room)
+                if cap > 0:
+                    wanted.append((seq, cap))
+        return wanted
 
     # -- jump-forward ---------------------------------------------------------------------------------------
     def forced_tokens(self, guide: Guide, room: int) -> list[int]:
