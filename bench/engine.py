@@ -66,8 +66,8 @@ LLAMA_CTX_PER_SLOT = 2048  # servers.llama_server's default
 # --formats: name -> corral serve's format flags
 FORMATS_ARGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
                 "w8a16": {"dtype": "auto", "quantization": "w8a16"}, "w4a16": {"dtype": "auto", "quantization": "gguf"},
-                "auto": {"dtype": "auto", "quantization": "auto"}}
-FORMATS = ("fp32", "bf16", "w8a16", "w4a16")
+                "w4a8": {"dtype": "auto", "quantization": "w4a8"}, "auto": {"dtype": "auto", "quantization": "auto"}}
+FORMATS = ("fp32", "bf16", "w8a16", "w4a16", "w4a8")
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain engine garden music letter window city "
