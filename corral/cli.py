@@ -76,7 +76,7 @@ def _add_format_args(command) -> None:
     command.add_argument("--draft-model", default=None,
                          help="a model with the same vocabulary that drafts tokens for the target to verify (a "
                               ".gguf file or HF folder); with --draft-layers alone, the target's own first layers "
-                              "draft (self-speculation). Off by default")
+                              "draft (self-speculation). Off by default; asked only where --speculation is on")
     command.add_argument("--draft-layers", type=int, default=None,
                          help="run the draft model's first this many layers, then its final norm and LM head")
     command.add_argument("--draft-model-cost", type=float, default=None,

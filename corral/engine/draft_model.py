@@ -6,17 +6,25 @@ block manager (no prefix cache: a draft's blocks are private and short-lived). E
 has a *shadow*: a sequence in the draft pool holding the target's tokens, then the tokens it drafted. Before a
 step drafts, each shadow is synced with its target: the draft tokens the target accepted keep their K/V, the
 rest are truncated (the same rollback as the target's), and the tokens the shadow has not seen (the target's
-token after the accepted ones, or a whole prompt the first time) are computed in the first draft round, in
-chunks under the step's token budget. Then every drafting shadow advances one token per round, in one batched
-forward per round: the draft model's greedy pick among the tokens the sequence's grammar allows (a copy of its
-guide advances with the draft, so a token the grammar forbids is never proposed), until the sequence's draft
-length, an end-of-sequence token or the grammar's end.
+token after the accepted ones, or a whole prompt the first time) are computed in the first draft round, at most
+``max_num_batched_tokens`` tokens in all per draft forward (a budget of the draft model's own, beside the target's;
+a long prompt takes several steps, and its sequence gets model drafts once it is caught up). Then every drafting
+shadow advances one token per round, in one batched forward per round: the draft model's greedy pick among the
+tokens the sequence's grammar allows (a copy of its guide advances with the draft, so a token the grammar forbids
+is never proposed), until the sequence's draft length, an end-of-sequence token or the grammar's end.
 
 A draft model's token is worth what it costs only when the draft model agrees with the target often enough:
 the price of a draft token is the target's row (:func:`~corral.engine.speculation.draft_price`) plus the draft
 model's own step, as a share of the target's (``draft_model_cost``; by default the ratio of the weight bytes the
-two models stream per step). Each sequence learns its acceptance rate of model drafts apart from its forced spans
-and prompt lookups, and a sequence whose rate does not pay stops asking the draft model.
+two models stream per step). The catch-up of a shadow's prompt is not in that price: the first model draft of a
+sequence costs a prefill of its prompt by the draft model. Each sequence learns its acceptance rate of model
+drafts apart from its forced spans and prompt lookups, and a sequence whose rate does not pay stops asking the
+draft model. The draft model is asked only where prompt lookup is on (``speculation``, the server's default or the
+request's), and only for sequences that jump-forward and lookup leave without a draft.
+
+The draft pool holds as many tokens as the target's. When a shadow finds no room, the shadows of sequences not
+asking this step are released first; if there is still no room, the shadow is released and its sequence is not
+asked again.
 
 The draft changes nothing the target would produce: verification (:meth:`~corral.engine.sampler.Sampler.verify`)
 treats a model draft as it treats any deterministic draft.
@@ -76,18 +84,18 @@ class ModelDrafter:
         self.eos_token_ids = frozenset(vocabulary.eos_token_ids)
         self.words = -(-vocabulary.size // 32)
         self.shadows: dict[int, _Shadow] = {}  # by the target's seq_id
+        self.starved: set[int] = set()  # sequences whose shadow found no room: not asked again
         self.num_forwards = 0  # draft-model forward passes, all rounds
+        self._asking: set[int] = set()  # this step's sequences that want a draft
 
     # -- the drafts of one step -----------------------------------------------------------------------------
     def propose(self, wanted: list[tuple[Sequence, int]], running: Iterable[Sequence]) -> None:
         """Set ``draft`` on each sequence of ``wanted`` (with the most tokens it may draft) that the draft model
         can serve this step. Shadows of sequences no longer in ``running`` are released first."""
         self.release_absent(running)
-        drafting = []
-        for target, cap in wanted:
-            shadow = self._sync(target)
-            if shadow is not None:
-                drafting.append(_Drafting(target, shadow, cap))
+        self._asking = {target.seq_id for target, _ in wanted}
+        drafting = [_Drafting(target, self._sync(target), cap) for target, cap in wanted
+                    if target.seq_id not in self.starved]
         # round 0: each shadow computes what it has not seen (chunked); later rounds one token each
         active = self._round(drafting, catch_up=True)
         while active:
@@ -96,7 +104,7 @@ class ModelDrafter:
             if d.tokens:
                 d.target.draft, d.target.num_draft_forced, d.target.draft_by_model = list(d.tokens), 0, True
 
-    def _sync(self, target: Sequence) -> _Shadow | None:
+    def _sync(self, target: Sequence) -> _Shadow:
         """The target's shadow, its K/V kept for the tokens the target has too and truncated past them."""
         shadow = self.shadows.get(target.seq_id)
         tokens = target.token_ids
@@ -153,16 +161,23 @@ class ModelDrafter:
         return [d for d in drafting if not d.done]
 
     def _reserve(self, d: _Drafting, count: int) -> bool:
-        """Blocks for ``count`` more tokens of ``d``'s shadow; without room the shadow is released."""
+        """Blocks for ``count`` more tokens of ``d``'s shadow. Without room, the shadows of sequences that are not
+        asking for a draft this step are released first; if that is not enough, ``d``'s shadow is released and its
+        sequence is not asked again (so a prompt the pool cannot hold is not prefilled over and over)."""
         seq, bm = d.shadow.seq, self.block_manager
-        if not seq.block_table:
-            if bm.can_allocate(seq, seq.num_computed_tokens + count):
-                bm.allocate(seq, seq.num_computed_tokens + count)
+        for attempt in range(2):
+            if not seq.block_table:
+                if bm.can_allocate(seq, seq.num_computed_tokens + count):
+                    bm.allocate(seq, seq.num_computed_tokens + count)
+                    return True
+            elif bm.can_append(seq, count):
+                bm.append(seq, count)
                 return True
-        elif bm.can_append(seq, count):
-            bm.append(seq, count)
-            return True
+            if attempt == 0:
+                for seq_id in [s for s in self.shadows if s not in self._asking]:
+                    self.release(seq_id)
         self.release(d.target.seq_id)
+        self.starved.add(d.target.seq_id)
         return False
 
     def _pick(self, rows: list[_Drafting], logits: torch.Tensor) -> list[int | None]:
@@ -199,11 +214,17 @@ class ModelDrafter:
         if shadow is not None and shadow.seq.block_table:
             self.block_manager.free(shadow.seq)
 
+    def finished(self, seq_id: int) -> None:
+        """The target sequence finished or was aborted: nothing of it stays."""
+        self.release(seq_id)
+        self.starved.discard(seq_id)
+
     def release_absent(self, running: Iterable[Sequence]) -> None:
         """Release the shadows of sequences that finished, were aborted or were preempted."""
         live = {seq.seq_id for seq in running if not seq.is_finished}
         for seq_id in [s for s in self.shadows if s not in live]:
             self.release(seq_id)
+        self.starved &= live
 
 
 def build(config: EngineConfig, target: ModelRunner, vocabulary: Vocabulary) -> ModelDrafter | None:
@@ -223,10 +244,14 @@ def build(config: EngineConfig, target: ModelRunner, vocabulary: Vocabulary) -> 
         files = resolve_model(config.draft_model)
         if Vocabulary.from_tokenizer(load_tokenizer(files)).token_bytes != vocabulary.token_bytes:
             raise InvalidRequestError("the draft model's vocabulary differs from the target's", param="draft_model")
-        model = ModelRunner.load_model(config, load_model_config(files), files)
-        if layers is not None:
-            _check_layers(layers, model.config.num_layers)
-            model = model.truncated(layers)
+        model_config = load_model_config(files)
+        if model_config.max_position < target.model_config.max_position:
+            raise InvalidRequestError(f"the draft model's context ({model_config.max_position} tokens) is shorter "
+                                      f"than the target's ({target.model_config.max_position})", param="draft_model")
+        if layers is not None:  # cut before the layers are built: the rest is never held
+            _check_layers(layers, model_config.num_layers)
+            model_config = dataclasses.replace(model_config, num_layers=layers)
+        model = ModelRunner.load_model(config, model_config, files)
         what = f"{config.draft_model}, {model.config.num_layers} layers"
     # the draft pool holds as many tokens as the target's; a draft is never longer than its target
     draft_config = dataclasses.replace(config, num_kv_blocks=target.num_blocks, enable_prefix_caching=False,

@@ -473,7 +473,7 @@ class LLMEngine:
             seq.detokenizer.finish()
         self.scheduler.finish(seq)
         if self.model_drafter is not None:
-            self.model_drafter.release(seq.seq_id)
+            self.model_drafter.finished(seq.seq_id)
 
     # -- beam search ----------------------------------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor,

@@ -2,8 +2,9 @@
 roll back with the target, and every draft block comes back.
 
 The draft model runs on the same checking runner as the target: before every draft forward it verifies that each
-computed position of each shadow still holds that shadow's own token, so a rejected draft token left in a
-shadow's computed prefix, or a block given back while still used, fails the test where it happens.
+computed position of each shadow still holds that shadow's own token, and after every sync the test checks that
+those tokens are the target's. So a rejected draft token left in a shadow's computed prefix, or a block given back
+while still used, fails the test where it happens.
 """
 
 import collections
@@ -44,16 +45,29 @@ def with_draft_model(engine, draft: ToyModel, num_blocks: int = 256, cost: float
                 assert all(probe.advance(token) for token in seq.draft), "the grammar forbids a draft token"
 
     drafter.propose = checked
+    sync = drafter._sync
+
+    def synced(target):
+        # after a sync, every token the shadow holds K/V for is its target's (the runner then checks the K/V)
+        shadow = sync(target)
+        computed = shadow.seq.num_computed_tokens
+        assert computed < len(target) and shadow.seq.token_ids[:computed] == target.token_ids[:computed]
+        assert shadow.seq.token_ids == target.token_ids
+        return shadow
+
+    drafter._sync = synced
     return engine
 
 
 def check_shadows(engine) -> None:
-    """Each shadow's computed tokens are its target's tokens, then its own draft tokens."""
+    """Between steps, each shadow's tokens are its target's tokens as they were when it drafted (the target has
+    only grown since), then its own draft tokens; it holds blocks for no more than those."""
     running = {seq.seq_id: seq for seq in engine.scheduler.running}
+    bm = engine.model_drafter.block_manager
     for seq_id, shadow in engine.model_drafter.shadows.items():
         target, seq = running[seq_id], shadow.seq
-        agreed = min(seq.num_computed_tokens, len(target))
-        assert seq.token_ids[:agreed] == target.token_ids[:agreed] or seq.num_computed_tokens > shadow.synced
+        assert shadow.synced <= len(target) and seq.token_ids[:shadow.synced] == target.token_ids[:shadow.synced]
+        assert seq.num_computed_tokens <= len(seq) and len(seq.block_table) <= bm.num_blocks_for(len(seq))
 
 
 @pytest.mark.parametrize("pattern", [AMBIGUOUS, "(ab|c)+", None])
@@ -115,10 +129,57 @@ def test_a_full_draft_pool_releases_shadows_and_drafts_less(compiler):
                                  for i in range(12)]
     off = run_all(draft_engine(target), requests(OFF))
     engine = with_draft_model(draft_engine(target), target, num_blocks=10)
+    drafter = engine.model_drafter
     on = run_all(engine, requests(MODEL_ONLY))
     assert {k: v.outputs[0].token_ids for k, v in off.items()} == {k: v.outputs[0].token_ids for k, v in on.items()}
     assert engine.stats().num_model_accepted_tokens > 0
-    assert engine.model_drafter.block_manager.num_used_blocks == 0 and not engine.model_drafter.shadows
+    assert drafter.block_manager.num_used_blocks == 0 and not drafter.shadows and not drafter.starved
+
+
+def test_a_shadow_that_can_never_fit_is_not_asked_again(compiler):
+    """A prompt the draft pool cannot hold: one try, then its sequence drafts no more from the model (no prefill
+    over and over); its output does not move."""
+    target = ToyModel(seed=3, sharpness=2.0)
+    params = lambda switches: SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **switches)  # noqa: E731
+    (off,) = run_all(draft_engine(target), [("r", PROMPT, params(OFF), None)]).values()
+    # 8 tokens of pool for a 12-token prompt, caught up 4 tokens a round: two chunks fit, the third does not
+    engine = with_draft_model(draft_engine(target), target, num_blocks=2, budget=4)
+    engine.add_request("r", PROMPT, params(MODEL_ONLY))
+    forwards = []
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        forwards.append(engine.stats().num_draft_model_forwards)
+    assert out[0].outputs[0].token_ids == off.outputs[0].token_ids
+    assert forwards[-1] == 2 and engine.stats().num_model_draft_tokens == 0
+    assert engine.model_drafter.block_manager.num_used_blocks == 0 and not engine.model_drafter.starved
+
+
+def test_abort_and_preemption_release_shadows(compiler):
+    target = ToyModel(seed=6, sharpness=3.0)
+    engine = with_draft_model(draft_engine(target, num_blocks=12, max_num_seqs=6, budget=64), target)
+    drafter = engine.model_drafter
+    for i in range(6):
+        engine.add_request(f"r{i}", PROMPT[i:], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                               **MODEL_ONLY))
+    for _ in range(6):
+        engine.step()
+    assert drafter.shadows
+    shadowed = next(iter(drafter.shadows))
+    request_id = next(s.request_id for s in engine.scheduler.running if s.seq_id == shadowed)
+    engine.abort(request_id)
+    assert shadowed not in drafter.shadows, "an aborted sequence's shadow outlived it"
+    preempted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        preempted = engine.scheduler.num_preemptions
+        running = {s.seq_id for s in engine.scheduler.running}
+        waiting = {s.seq_id for s in engine.scheduler.waiting}  # preempted this step: released at the next
+        assert set(drafter.shadows) <= running | waiting
+        drafter.release_absent(engine.scheduler.running)
+        assert set(drafter.shadows) <= running
+        check_shadows(engine)
+    assert preempted > 0, "the target pool never preempted: the test tested nothing"
+    assert drafter.block_manager.num_used_blocks == 0 and not drafter.shadows
 
 
 def test_model_drafts_stop_where_they_do_not_pay(compiler):

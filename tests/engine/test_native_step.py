@@ -79,3 +79,25 @@ def test_the_switch_is_stated_and_native_is_refused_where_it_cannot_run():
 
     with pytest.raises(InvalidRequestError, match="decode_step 'native' needs quantization w4a8"):
         LLMEngine(EngineConfig(quantization="none", dtype="float32", decode_step="native", num_kv_blocks=16))
+
+
+def test_a_model_cut_to_its_first_layers_steps_natively_as_its_torch_path(engines):
+    """Self-speculation's draft model (``LlamaModel.truncated``): the native step over the first 12 layers' slice
+    of the weight buffer, with the final norm after them, is bit for bit the torch path of the same 12 layers."""
+    import dataclasses
+
+    from corral.engine.model_runner import ModelRunner
+
+    target = engines["native"]
+    cut = target.runner.model.truncated(12)
+    assert cut.config.num_layers == 12 and cut.layers[0] is target.runner.model.layers[0]
+    outputs = {}
+    for step in ("native", "torch"):
+        config = dataclasses.replace(target.config, decode_step=step, num_kv_blocks=128, draft_layers=None)
+        runner = ModelRunner(config, cut.config, None, model=cut)
+        assert runner.decode_path == step
+        engine = LLMEngine(config, runner=runner, model_config=cut.config, vocabulary=target.vocabulary,
+                           tokenizer=target.tokenizer)
+        outputs[step] = run(engine, [chat(target, q) for q in QUESTIONS[:6]])
+    assert outputs["native"] == outputs["torch"]
+    assert outputs["native"] != run(target, [chat(target, q) for q in QUESTIONS[:6]])  # 12 layers, not 30

@@ -109,7 +109,9 @@ def test_a_separate_draft_model_changes_no_greedy_output():
     """A second copy of the shipped model, loaded apart from the target and cut to 20 layers: the draft model
     the issue asks to test with, since no second model ships."""
     engine = model_draft_engine(draft_model=resolve_model(None).path, draft_layers=20, jump_forward=False)
-    assert engine.model_drafter.runner.model.layers[0] is not engine.runner.model.layers[0], "not a separate copy"
+    draft = engine.model_drafter.runner.model
+    assert draft.layers[0] is not engine.runner.model.layers[0], "not a separate copy"
+    assert len(draft.layers) == draft.config.num_layers == 20
     assert_identical(engine, jobs_of(engine, num_schemas=0, num_free=3, num_constraints=0), dict(speculation=True))
     assert engine.stats().num_model_accepted_tokens > 0
 
