@@ -248,6 +248,12 @@ def report(fmt: str, cell: Cell, off: Run, on: Run) -> str:
             f"{same}/{len(off.tokens)} |")
 
 
+def draft_model_counts(engine) -> tuple[int, int, int]:
+    """(draft-model tokens accepted, drafted, draft-model forwards) so far, over the engine's whole life."""
+    stats = engine.stats()
+    return stats.num_model_accepted_tokens, stats.num_model_draft_tokens, stats.num_draft_model_forwards
+
+
 def merged(runs: list[Run]) -> Run:
     """Several runs of the same jobs as one: walls, counts, tokens and TPOTs added up."""
     return Run(sum(r.wall for r in runs), [t for r in runs for t in r.tokens], sum(r.passes for r in runs),
@@ -272,13 +278,15 @@ def bench(formats: list[str], cell_names: list[str], repeats: int = 1, drafts: d
             switches = dict(ON) if cell.workload != "free" else dict(jump_forward=False, speculation=True)
             check = machine_check()
             offs, ons = [], []
+            before = draft_model_counts(b.engine)
             for i in range(repeats):  # taking turns, the order swapped each time
                 for side in ((OFF, offs), (switches, ons))[:: 1 if i % 2 == 0 else -1]:
                     side[1].append(b.run(jobs, cell.concurrency, side[0]))
             off, on = merged(offs), merged(ons)
-            model = b.engine.stats()
-            models = (f"; draft model: {model.num_model_accepted_tokens}/{model.num_model_draft_tokens} accepted, "
-                      f"{model.num_draft_model_forwards} forwards") if b.engine.model_drafter is not None else ""
+            # this cell's own counts: the engine's counters run on across cells
+            kept, drafted, forwards = (n - m for n, m in zip(draft_model_counts(b.engine), before))
+            models = (f"; draft model: {kept}/{drafted} accepted, {forwards} forwards"
+                      if b.engine.model_drafter is not None else "")
             print(report(fmt, cell, off, on) + f" {check}; refused {refused}{models}", flush=True)
 
 

@@ -10,6 +10,7 @@ quantized layers take bfloat16 activations (torch's int8/int4 CPU kernels are ma
 a float32 model casts around them. What this leaves out: sliding-window attention, MoE, biases other than Q/K/V.
 """
 
+import copy
 import dataclasses
 import math
 
@@ -153,13 +154,13 @@ class NativeStep:
         """The step of ``model``, this step's model cut to its first layers (:meth:`LlamaModel.truncated`): the
         same weight buffer, read only as far as those layers reach."""
         num_layers = model.config.num_layers
-        step = object.__new__(NativeStep)
+        step = copy.copy(self)
         per_layer = self.layer_tiles.numel() // int(self.spec[0])
         step.layer_tiles = self.layer_tiles[: num_layers * per_layer]
         step.norms = torch.cat((self.norms[: 2 * num_layers], self.norms[-1:])).contiguous()
         step.spec = self.spec.clone()
         step.spec[0] = num_layers
-        step.embed_tiles, step.model, step.profile, step._views = self.embed_tiles, model, None, {}
+        step.model, step.profile, step._views = model, None, {}
         return step
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -227,8 +228,7 @@ class LlamaModel:
         layers."""
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"a model of {self.config.num_layers} layers has no first {num_layers}")
-        model = object.__new__(LlamaModel)
-        model.__dict__.update(self.__dict__)
+        model = copy.copy(self)
         model.config = dataclasses.replace(self.config, num_layers=num_layers)
         model.layers = self.layers[:num_layers]
         model.native_step = None if self.native_step is None else self.native_step.truncated(model)

@@ -89,19 +89,15 @@ def write_f32(path: str) -> None:
             gname = f"blk.{layer}.{per_layer[rest]}"
         else:
             gname = names[name]
-        if rest_is(name, "q_proj"):
+        if ".self_attn.q_proj." in name:
             value = _permute(value, HEADS)
-        elif rest_is(name, "k_proj"):
+        elif ".self_attn.k_proj." in name:
             value = _permute(value, KV_HEADS)
         writer.add_tensor(gname, np.ascontiguousarray(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def rest_is(name: str, proj: str) -> bool:
-    return f".self_attn.{proj}." in name
 
 
 def main(quantize: str) -> None:
