@@ -61,29 +61,13 @@ struct QuantizedRows {
     std::vector<float> scale, sum;
     std::vector<int32_t> isum;
 
-    Activations of(const float* x, int64_t rows, int64_t cols) {
+    Activations of(const float* x, int64_t rows, int64_t cols, int threads) {
         const int64_t blocks = cols / corral_qmatmul::BLOCK;
         xq.resize(size_t(rows * cols));
         scale.resize(size_t(rows * blocks));
         sum.resize(size_t(rows * blocks));
         isum.resize(size_t(rows * blocks));
-        for (int64_t m = 0; m < rows; ++m)
-            for (int64_t b = 0; b < blocks; ++b) {
-                const float* in = x + m * cols + b * 32;
-                int8_t* out = xq.data() + m * cols + b * 32;
-                float amax = 0.0f;
-                for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(in[i]));
-                const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-                int32_t codes = 0;
-                for (int i = 0; i < 32; ++i) {
-                    const int32_t q = int32_t(std::nearbyint(in[i] * inverse));
-                    out[i] = int8_t(q);
-                    codes += q;
-                }
-                scale[m * blocks + b] = amax / 127.0f;
-                sum[m * blocks + b] = (amax / 127.0f) * float(codes);  // the quantized block's sum (qmatmul.h)
-                isum[m * blocks + b] = codes;
-            }
+        chosen_q->quantize(x, rows, cols, {xq.data(), scale.data(), sum.data(), isum.data()}, threads);
         return {xq.data(), scale.data(), sum.data(), isum.data(), rows, cols};
     }
 };
@@ -93,11 +77,11 @@ thread_local QuantizedRows scratch;
 }  // namespace
 
 void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
-    chosen_q->q4(scratch.of(x, rows, cols), tiles, n, y, n, threads);
+    chosen_q->q4(scratch.of(x, rows, cols, threads), tiles, n, y, n, threads);
 }
 
 void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
-    chosen_q->q8(scratch.of(x, rows, cols), tiles, n, y, n, threads);
+    chosen_q->q8(scratch.of(x, rows, cols, threads), tiles, n, y, n, threads);
 }
 
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {

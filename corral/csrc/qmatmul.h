@@ -39,6 +39,23 @@ struct Activations {
     int64_t rows, cols;
 };
 
+// Where the quantized activations go: the arrays an Activations then reads.
+struct QuantizedOut {
+    int8_t* xq;
+    float* scale;
+    float* sum;
+    int32_t* isum;
+};
+
+// x [rows, cols] float32 to int8 per block of 32, as above. Every variant computes the same float32 operations
+// (|x| max, 127 / max, one product and a round to nearest even per element), so for finite x all give the same
+// bytes; rows are split between the threads when there are enough of them to pay for the team.
+using Quantize = void (*)(const float* x, int64_t rows, int64_t cols, const QuantizedOut& out, int threads);
+
+// Whether quantizing rows x cols is worth a thread team (each wake-up costs a few microseconds; a decode row of
+// 576 takes well under one).
+inline bool quantize_in_parallel(int64_t rows, int64_t cols) { return rows > 1 && rows * cols >= 16384; }
+
 // y[M, ldy] (the first N columns written); tiles [ceil(N / 16), K / 32, tile bytes].
 using Matmul = void (*)(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads);
 
@@ -46,6 +63,7 @@ struct QTable {
     const char* isa;
     Matmul q4;
     Matmul q8;
+    Quantize quantize;
 };
 
 // A float16 (IEEE half) at p, read without F16C.

@@ -121,7 +121,47 @@ void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
     matmul<q8_rows<1>, q8_rows<2>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
 }
 
-const QTable table = {"avx2", q4, q8};
+// The scalar variant's quantization, 8 lanes at a time: the same products, rounded by the same mode (MXCSR's
+// round to nearest even, as std::nearbyint's), so the same bytes for finite x. The saturating packs leave every
+// code as it is (all are within [-127, 127]); their lane interleaving is undone by one permute.
+void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& out, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (quantize_in_parallel(rows, cols))
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* in = x + m * cols + b * BLOCK;
+            __m256 v[4];
+            __m256 high = _mm256_setzero_ps();
+            for (int i = 0; i < 4; ++i) {
+                v[i] = _mm256_loadu_ps(in + 8 * i);
+                // vmaxps returns its second operand when either is NaN: a NaN |x| is skipped, as std::fmax skips it
+                high = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), high);
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(high), _mm256_extractf128_ps(high, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            const float amax = _mm_cvtss_f32(h);
+            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i q[4];
+            for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xq + m * cols + b * BLOCK),
+                                _mm256_permutevar8x32_epi32(bytes, order));
+            const __m256i both = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+            const int32_t total = _mm_cvtsi128_si32(t);
+            const int64_t at = m * blocks + b;
+            out.scale[at] = amax / 127.0f;
+            out.sum[at] = (amax / 127.0f) * float(total);
+            out.isum[at] = total;
+        }
+}
+
+const QTable table = {"avx2", q4, q8, quantize};
 
 }  // namespace
 

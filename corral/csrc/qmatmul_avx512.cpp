@@ -106,7 +106,34 @@ void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
     matmul<q8_rows<1>, q8_rows<2>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
 }
 
-const QTable table = {"avx512-vnni", q4, q8};
+// The scalar variant's quantization, 16 lanes at a time: the same products, rounded by the same mode (MXCSR's
+// round to nearest even, as std::nearbyint's), so the same bytes. vpmovdb truncates to 8 bits: every code is
+// within [-127, 127] already.
+void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& out, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (quantize_in_parallel(rows, cols))
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* in = x + m * cols + b * BLOCK;
+            const __m512 a = _mm512_loadu_ps(in), c = _mm512_loadu_ps(in + 16);
+            // vmaxps returns its second operand when either is NaN: a NaN |x| is skipped, as std::fmax skips it
+            const __m512 high = _mm512_max_ps(_mm512_abs_ps(a), _mm512_max_ps(_mm512_abs_ps(c), _mm512_setzero_ps()));
+            const float amax = _mm512_reduce_max_ps(high);
+            const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
+            const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inverse));
+            int8_t* codes = out.xq + m * cols + b * BLOCK;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(qc));
+            const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+            const int64_t at = m * blocks + b;
+            out.scale[at] = amax / 127.0f;
+            out.sum[at] = (amax / 127.0f) * float(total);
+            out.isum[at] = total;
+        }
+}
+
+const QTable table = {"avx512-vnni", q4, q8, quantize};
 
 }  // namespace
 

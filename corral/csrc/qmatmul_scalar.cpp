@@ -3,6 +3,7 @@
 // summation order).
 #include "qmatmul.h"
 
+#include <cmath>
 #include <cstring>
 
 namespace corral_qmatmul {
@@ -76,7 +77,29 @@ void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
     });
 }
 
-const QTable table = {"scalar", q4, q8};
+void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& out, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (quantize_in_parallel(rows, cols))
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* in = x + m * cols + b * BLOCK;
+            int8_t* codes = out.xq + m * cols + b * BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < BLOCK; ++i) amax = std::fmax(amax, std::fabs(in[i]));
+            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t total = 0;
+            for (int i = 0; i < BLOCK; ++i) {
+                const int32_t q = int32_t(std::nearbyint(in[i] * inverse));
+                codes[i] = int8_t(q);
+                total += q;
+            }
+            out.scale[m * blocks + b] = amax / 127.0f;
+            out.sum[m * blocks + b] = (amax / 127.0f) * float(total);  // the quantized block's sum (qmatmul.h)
+            out.isum[m * blocks + b] = total;
+        }
+}
+
+const QTable table = {"scalar", q4, q8, quantize};
 
 }  // namespace
 

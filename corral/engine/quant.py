@@ -145,7 +145,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     rows, cols = x.shape
     blocks = x.float().view(rows, cols // 32, 32)
     amax = blocks.abs().amax(-1)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # 127 / amax, one correctly rounded division as the kernels take it (``127 / tensor`` would be torch's
+    # reciprocal-then-multiply, a unit in the last place off at times, which can move a code across a tie)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
     codes = torch.round(blocks * inverse[..., None])
     scale = amax / 127
     return codes, scale, scale * codes.sum(-1)

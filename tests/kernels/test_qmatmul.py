@@ -18,7 +18,9 @@ from corral.kernels.cpu_ops import buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
-SHAPES = [(1, 16, 32), (3, 17, 96), (4, 40, 64), (5, 100, 576), (16, 160, 576), (7, 576, 1536)]  # M, N, K
+# M, N, K; the last two quantize their activations on a thread team (qmatmul.h: quantize_in_parallel)
+SHAPES = [(1, 16, 32), (3, 17, 96), (4, 40, 64), (5, 100, 576), (16, 160, 576), (7, 576, 1536), (33, 48, 576),
+          (24, 40, 1536)]
 FLAGS = native.cpu_flags()
 VARIANTS = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) + \
     (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS else [])
@@ -134,7 +136,7 @@ from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(11)
 worst = 0.0
-for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536)]:
+for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536)]:
     blocks = quantize_int4(torch.randn(n, k), 32)
     x = torch.randn(m, k)
     out = torch.empty(m, n)
