@@ -8,17 +8,19 @@ activation dtype):
   ``torch._weight_int8pack_mm``. Rounding to nearest, then the scale to the activation dtype:
   ``|error| <= max|W[n]| / 254 + 2**-8 |W[n, k]|`` per weight in bfloat16.
 - :class:`Int4Groups` (W4A16): ``W[n, k] = (q - 8) * scale[g, n] + zero[g, n]`` with ``q`` in 0..15 and
-  ``g = k // group``, through ``torch._weight_int4pack_mm_for_cpu``. GGUF Q4_1 blocks (``d * q + m``, 32 weights
-  along K) map onto it exactly with ``scale = d``, ``zero = m + 8 d``; Q4_0 (``d * (q - 8)``) with ``zero = 0``.
-  The kernel wants scale and zero in the activation dtype, so they are rounded once, to it: in bfloat16 (8
-  significant bits, unit roundoff 2**-8) ``|error| <= 2**-8 * (8 |d| + |m + 8 d|)`` per weight, against the
-  shipped block. Any dense weight quantizes group-wise (32, 64 or 128 along K) by round-to-nearest with a zero
-  point. The kernel packs output rows in 16s: a layer whose N is not a multiple of 16 is padded with zero rows.
+  ``g = k // group``, through ``torch._weight_int4pack_mm_for_cpu``; blocks on a CUDA device go through the
+  Triton kernel of :mod:`corral.kernels.int4_matmul` (the same rounding of scale and zero, float32 accumulation).
+  GGUF Q4_1 blocks (``d * q + m``, 32 weights along K) map onto it exactly with ``scale = d``, ``zero = m + 8 d``;
+  Q4_0 (``d * (q - 8)``) with ``zero = 0``. Both kernels want scale and zero in the activation dtype, so they are
+  rounded once, to it: in bfloat16 (8 significant bits, unit roundoff 2**-8)
+  ``|error| <= 2**-8 * (8 |d| + |m + 8 d|)`` per weight, against the shipped block. Any dense weight quantizes
+  group-wise (32, 64 or 128 along K) by round-to-nearest with a zero point. The CPU kernel packs output rows in
+  16s: a layer whose N is not a multiple of 16 is padded with zero rows.
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. What this leaves out: 3-bit and K-quant kernels (those GGUF blocks are dequantized at load, with a log
-line, by :mod:`corral.engine.weights`) and the CUDA int4 path (on a GPU the weights run dense). Activation-aware
-scaling before group-wise rounding is :mod:`corral.engine.awq`.
+line, by :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
+Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
 
 from typing import NamedTuple
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from corral import native
 from corral.errors import InvalidRequestError
 from corral.kernels.cpu_ops import buffer
+from corral.kernels.int4_matmul import int4_matmul, pack_int4
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -222,6 +225,10 @@ class Int4Groups(_Biased):
     def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(bias, dtype)
         self.out_features, self.group = blocks.codes.shape[0], blocks.group
+        # blocks on a CUDA device run through the Triton kernel, in its own layout
+        self.cuda_weight = pack_int4(blocks, dtype) if blocks.codes.is_cuda else None
+        if self.cuda_weight is not None:
+            return
         pad = -self.out_features % 16
         codes, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in blocks[:3])  # zero rows: outputs sliced off
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
@@ -229,11 +236,15 @@ class Int4Groups(_Biased):
         self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda_weight is not None:
+            return self._add_bias(int4_matmul(x, self.cuda_weight))
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
         return self._add_bias(y[:, : self.out_features] if y.shape[-1] != self.out_features else y)
 
     @property
     def nbytes(self) -> int:
+        if self.cuda_weight is not None:
+            return self.cuda_weight.nbytes
         return self.packed.nbytes + self.scale_zero.nbytes
 
 
