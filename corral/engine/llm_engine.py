@@ -176,7 +176,9 @@ class LLMEngine:
         batch = self._schedule()                                            # who advances, by how many tokens
         if not batch:
             return []
-        self.runner.copy_blocks(self.block_manager.take_pending_copies())   # copy-on-write of forked blocks
+        copies = self.block_manager.take_pending_copies()
+        if copies:  # a step after a forward finds the interpreter's data cold: skip what would do nothing
+            self.runner.copy_blocks(copies)                                 # copy-on-write of forked blocks
         guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
         masks = self._mask_worker.submit(self._fill_masks, guided) if guided else None  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
@@ -356,7 +358,7 @@ class LLMEngine:
         """((sampled sequences, their logits), (beams, their logits)), in batch order."""
         is_beam = [self._beam_group(seq) is not None for seq in seqs]
         if not any(is_beam):
-            return (seqs, logits), ([], logits[:0])
+            return (seqs, logits), ([], None)
         sampled = [i for i, b in enumerate(is_beam) if not b]
         beams = [i for i, b in enumerate(is_beam) if b]
         return (([seqs[i] for i in sampled], logits[sampled]), ([seqs[i] for i in beams], logits[beams]))
@@ -476,7 +478,7 @@ class LLMEngine:
             self.model_drafter.finished(seq.seq_id)
 
     # -- beam search ----------------------------------------------------------------------------------------
-    def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor,
+    def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor | None,
                        masks: dict[int, np.ndarray]) -> list[RequestOutput]:
         """Hand each beam its full raw logprob row, masked by its own guide; step every group that now has all
         its rows; return the outputs of the groups that finished."""
@@ -543,7 +545,7 @@ class LLMEngine:
                              root.num_cached_tokens, metrics)
 
     def _output(self, request: _Request) -> RequestOutput:
-        seqs = sorted(request.seqs, key=lambda s: s.index)
+        seqs = request.seqs if len(request.seqs) == 1 else sorted(request.seqs, key=lambda s: s.index)
         outputs = [CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
                                     s.finish_reason, s.stop_reason,
                                     list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,

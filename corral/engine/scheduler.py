@@ -86,6 +86,8 @@ class Scheduler:
         return ScheduledBatch(seqs, [n for _, n in planned.values()], preempted)
 
     def _admit(self, planned: dict, budget: int) -> int:
+        if not self.waiting:  # the usual decode step: no walk over the running sequences' prompt blocks
+            return budget
         bm = self.block_manager
         in_flight = self._blocks_in_flight() if bm.enable_prefix_caching else None
         held: list[Sequence] = []
