@@ -263,6 +263,42 @@ void kernel_paged_decode(nb::handle q_in, nb::handle k_cache_in, nb::handle v_ca
     }
 }
 
+// causal_prefill(q, k, v, out, scale, threads): q [T, H, D], k and v [T, KVH, D] float32 (rows may be strided,
+// heads and dims contiguous), D 64 or 128, H a multiple of KVH; out [T, H * D]
+// float32. Query t attends to keys 0 .. t of its KV head.
+void kernel_causal_prefill(nb::handle q_in, nb::handle k_in, nb::handle v_in, nb::handle out_in, double scale_in,
+                           int threads_in) {
+    const Array q(q_in, "q", false, true), k(k_in, "k", false, true), v(v_in, "v", false, true);
+    q.expect_ndim(3);
+    q.expect_float32();
+    const Py_ssize_t tokens = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
+    if (head_dim != 64 && head_dim != 128) fail(PyExc_ValueError, "q: head size 64 or 128 expected");
+    k.expect_ndim(3);
+    k.expect_float32();
+    const Py_ssize_t kv_heads = k.dim(1);
+    if (kv_heads < 1 || heads % kv_heads) fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+    k.expect_shape({tokens, kv_heads, head_dim});
+    v.expect_shape({tokens, kv_heads, head_dim});
+    v.expect_float32();
+    auto row_stride = [](const Array& a, const char* what) {
+        const Py_ssize_t* strides = a.buffer.view.strides;
+        if (strides[2] != 4 || strides[1] != a.dim(2) * 4 || strides[0] % 4 ||
+            (a.dim(0) > 1 && strides[0] < a.dim(1) * a.dim(2) * 4))
+            fail(PyExc_ValueError, (std::string(what) + ": heads and dims must be contiguous, rows apart").c_str());
+        return int64_t(strides[0] / 4);
+    };
+    const int64_t q_stride = row_stride(q, "q"), k_stride = row_stride(k, "k"), v_stride = row_stride(v, "v");
+    const Array out(out_in, "out", true);
+    out.expect_shape({tokens, heads * head_dim});
+    out.expect_float32();
+    const float scale = float(scale_in);
+    const int threads = checked_threads(threads_in);
+    if (tokens == 0) return;
+    NoGil nogil;
+    chosen->causal_prefill(q.data<const float>(), q_stride, k.data<const float>(), k_stride, v.data<const float>(),
+                           v_stride, out.data<float>(), tokens, heads, kv_heads, head_dim, scale, threads);
+}
+
 // Ends the calling thread's OpenMP worker threads (they come back if it runs a parallel region again). OpenMP
 // keeps one pool of workers per thread that has started a parallel region, and once the process holds more
 // workers than the machine has cores, every pool's workers stop spinning between regions and sleep instead:
@@ -290,6 +326,8 @@ void add_kernels(nb::module_& m) {
     m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
           nb::arg("k_scale").none(), nb::arg("v_scale").none());
+    m.def("causal_prefill", &kernel_causal_prefill, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+          nb::arg("scale"), nb::arg("threads"));
 }
 
 }  // namespace corral_native

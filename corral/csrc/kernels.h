@@ -30,6 +30,9 @@ using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* 
                              const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out,
                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, float scale, int num_threads);
+using CausalPrefill = void (*)(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                              int64_t v_stride, float* out, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, float scale, int num_threads);
 
 // uint16_t is bfloat16 throughout. paged_decode_<queries>_<cache>: an int8 cache has per-(token, head) scales.
 struct KernelTable {
@@ -47,6 +50,7 @@ struct KernelTable {
     PagedDecode<uint16_t, int8_t> paged_decode_bf16_i8;
     LogNormalizers log_normalizers;
     GreedyPick greedy_pick;
+    CausalPrefill causal_prefill;  // float32, head_dim 64 or 128
 };
 
 template <Isa isa>

@@ -354,6 +354,123 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
       block_size, scale, num_threads);
 }
 
+// Causal attention of T new tokens over their own keys: a prefill with nothing cached before it. q [T, heads, DIM],
+// k and v [T, kv_heads, DIM] (rows q_stride, k_stride and v_stride floats apart: views into the fused QKV output), out
+// [T, heads * DIM], all float32; query t sees keys 0 .. t of its head's KV head. Flash-style: keys in blocks of
+// PREFILL_KEYS, the scores of PREFILL_ROWS query rows against a block as vector FMAs over K transposed (so no
+// horizontal sums), a running max and sum per row (each block's exps taken against the row's largest score so
+// far, earlier sums and outputs rescaled when it grows), the weights times V accumulated in registers. A job is
+// (block of rows, KV head) and serves every query head of the group with the same K and V; the last rows, which see
+// the most keys, go first. float32 throughout, FMAs allowed, exp_approx's few ulp: within about 1e-5 relative of
+// torch's attention in float32 (tests/kernels/test_prefill_attention.py states the bound it checks).
+// (the helpers below are always inlined, so the ABI GCC warns about for 64-byte vectors never applies)
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));  // 16 floats, loads unaligned
+
+CORRAL_INLINE vf16 vload16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
+CORRAL_INLINE void vstore16(float* p, vf16 x) { *reinterpret_cast<vf16*>(p) = x; }
+
+static const int64_t PREFILL_KEYS = 32;  // two vectors of scores per query row
+#if defined(__AVX512F__)
+static const int PREFILL_ROWS = 4;  // 8 score vectors, 16 output vectors at DIM 64: within 32 registers
+#else
+static const int PREFILL_ROWS = 2;
+#endif
+
+template <int DIM>
+static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                                int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads, float scale,
+                                int num_threads) {
+    constexpr int64_t KEYS = PREFILL_KEYS, VECS = DIM / 16;
+    constexpr int ROWS = PREFILL_ROWS;
+    const int64_t group = num_heads / num_kv_heads, padded = (T + KEYS - 1) / KEYS * KEYS;
+    // K transposed per KV head, [g][d][t], zero past T: one key block's d-th coordinates are 32 adjacent floats
+    std::vector<float> kt(size_t(num_kv_heads * DIM * padded), 0.0f);
+    for (int64_t g = 0; g < num_kv_heads; ++g)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t d = 0; d < DIM; ++d) kt[size_t((g * DIM + d) * padded + t)] = k[t * k_stride + g * DIM + d];
+    const int64_t row_blocks = (T + ROWS - 1) / ROWS;
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (T > ROWS)
+    for (int64_t job = 0; job < row_blocks * num_kv_heads; ++job) {
+        const int64_t r0 = (row_blocks - 1 - job / num_kv_heads) * ROWS, g = job % num_kv_heads;
+        const int64_t rows = std::min<int64_t>(ROWS, T - r0), last = r0 + rows - 1;
+        const float* ktg = kt.data() + g * DIM * padded;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            alignas(64) float qv[ROWS][DIM];
+            for (int r = 0; r < ROWS; ++r) {  // a short last block repeats its last row: computed, never stored
+                const float* src = q + (r0 + std::min<int64_t>(r, rows - 1)) * q_stride + h * DIM;
+                #pragma omp simd
+                for (int64_t d = 0; d < DIM; ++d) qv[r][d] = src[d] * scale;
+            }
+            float top[ROWS], sum[ROWS];
+            vf16 acc[ROWS][VECS];
+            for (int r = 0; r < ROWS; ++r) {
+                top[r] = -INFINITY, sum[r] = 0.0f;
+                for (int64_t c = 0; c < VECS; ++c) acc[r][c] = vf16{};
+            }
+            for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
+                vf16 s[ROWS][2];
+                for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = vf16{};
+                const float* kp = ktg + j0;
+                for (int64_t d = 0; d < DIM; ++d) {
+                    const vf16 k0 = vload16(kp + d * padded), k1 = vload16(kp + d * padded + 16);
+                    for (int r = 0; r < ROWS; ++r) {
+                        s[r][0] += qv[r][d] * k0;
+                        s[r][1] += qv[r][d] * k1;
+                    }
+                }
+                alignas(64) float p[ROWS][KEYS];
+                const int64_t keys = std::min<int64_t>(KEYS, T - j0);
+                for (int r = 0; r < ROWS; ++r) {
+                    vstore16(p[r], s[r][0]);
+                    vstore16(p[r] + 16, s[r][1]);
+                    // row r0 + r sees keys j0 .. r0 + r of this block (none when it ends before j0)
+                    const int64_t visible = r < rows ? std::min<int64_t>(keys, r0 + r - j0 + 1) : 0;
+                    if (visible <= 0) {
+                        for (int64_t j = 0; j < KEYS; ++j) p[r][j] = 0.0f;
+                        continue;
+                    }
+                    float high = top[r];
+                    for (int64_t j = 0; j < visible; ++j) high = std::max(high, p[r][j]);
+                    float total = 0.0f;
+                    #pragma omp simd reduction(+ : total)
+                    for (int64_t j = 0; j < KEYS; ++j) {
+                        const float e = j < visible ? exp_approx(p[r][j] - high) : 0.0f;
+                        p[r][j] = e;
+                        total += e;
+                    }
+                    if (high != top[r]) {  // the row's largest score grew: earlier weights shrink by exp(old - new)
+                        const float shrink = top[r] == -INFINITY ? 0.0f : exp_approx(top[r] - high);
+                        sum[r] *= shrink;
+                        for (int64_t c = 0; c < VECS; ++c) acc[r][c] *= shrink;
+                        top[r] = high;
+                    }
+                    sum[r] += total;
+                }
+                for (int64_t j = 0; j < keys; ++j) {
+                    const float* vr = v + (j0 + j) * v_stride + g * DIM;
+                    vf16 row[VECS];
+                    for (int64_t c = 0; c < VECS; ++c) row[c] = vload16(vr + 16 * c);
+                    for (int r = 0; r < ROWS; ++r)
+                        for (int64_t c = 0; c < VECS; ++c) acc[r][c] += p[r][j] * row[c];
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                const float inverse = 1.0f / sum[r];  // key 0 is always visible: sum >= 1
+                float* dst = out + (r0 + r) * num_heads * DIM + h * DIM;
+                for (int64_t c = 0; c < VECS; ++c) vstore16(dst + 16 * c, acc[r][c] * inverse);
+            }
+        }
+    }
+}
+
+static void causal_prefill(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                           int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, float scale, int num_threads) {
+    auto f = head_dim == 64 ? causal_prefill_impl<64> : causal_prefill_impl<128>;
+    f(q, q_stride, k, k_stride, v, v_stride, out, T, num_heads, num_kv_heads, scale, num_threads);
+}
+
 }  // namespace CORRAL_VARIANT
 
 #undef CORRAL_INLINE
@@ -368,7 +485,7 @@ const KernelTable* variant<Isa::CORRAL_VARIANT>() {
         CORRAL_VARIANT::paged_decode<float, float>, CORRAL_VARIANT::paged_decode<uint16_t, uint16_t>,
         CORRAL_VARIANT::paged_decode<float, uint16_t>, CORRAL_VARIANT::paged_decode<float, int8_t>,
         CORRAL_VARIANT::paged_decode<uint16_t, int8_t>, CORRAL_VARIANT::log_normalizers,
-        CORRAL_VARIANT::greedy_pick,
+        CORRAL_VARIANT::greedy_pick, CORRAL_VARIANT::causal_prefill,
     };
     return &table;
 }
