@@ -363,25 +363,32 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
 // (block of rows, KV head) and serves every query head of the group with the same K and V; the last rows, which see
 // the most keys, go first. float32 throughout, FMAs allowed, exp_approx's few ulp: within about 1e-5 relative of
 // torch's attention in float32 (tests/kernels/test_prefill_attention.py states the bound it checks).
-// (the helpers below are always inlined, so the ABI GCC warns about for 64-byte vectors never applies)
+// (the helpers below are always inlined, so the ABI GCC warns about for wide vectors never applies)
 #pragma GCC diagnostic ignored "-Wpsabi"
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));  // 16 floats, loads unaligned
-
-CORRAL_INLINE vf16 vload16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
-CORRAL_INLINE void vstore16(float* p, vf16 x) { *reinterpret_cast<vf16*>(p) = x; }
-
-static const int64_t PREFILL_KEYS = 32;  // two vectors of scores per query row
+// The vector the variant's registers hold: 16 floats with AVX-512, 8 with AVX2, 4 otherwise (a wider vector type
+// than the target has is split by GCC into pieces that went through memory: 20x slower).
 #if defined(__AVX512F__)
-static const int PREFILL_ROWS = 4;  // 8 score vectors, 16 output vectors at DIM 64: within 32 registers
+typedef float vfn __attribute__((vector_size(64), aligned(4), may_alias));
+static const int PREFILL_ROWS = 4;  // 2 score vectors and 4 output vectors per row at DIM 64: 24 of 32 registers
+#elif defined(__AVX__)
+typedef float vfn __attribute__((vector_size(32), aligned(4), may_alias));
+static const int PREFILL_ROWS = 2;  // 4 score vectors per row; the outputs spill to L1
 #else
+typedef float vfn __attribute__((vector_size(16), aligned(4), may_alias));
 static const int PREFILL_ROWS = 2;
 #endif
+static const int64_t LANES = int64_t(sizeof(vfn) / sizeof(float));
+
+CORRAL_INLINE vfn vload(const float* p) { return *reinterpret_cast<const vfn*>(p); }
+CORRAL_INLINE void vstore(float* p, vfn x) { *reinterpret_cast<vfn*>(p) = x; }
+
+static const int64_t PREFILL_KEYS = 32;  // keys per block
 
 template <int DIM>
 static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-                                int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads, float scale,
-                                int num_threads) {
-    constexpr int64_t KEYS = PREFILL_KEYS, VECS = DIM / 16;
+                                int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
+                                float scale, int num_threads) {
+    constexpr int64_t KEYS = PREFILL_KEYS, SCORE_VECS = KEYS / LANES, VECS = DIM / LANES;
     constexpr int ROWS = PREFILL_ROWS;
     const int64_t group = num_heads / num_kv_heads, padded = (T + KEYS - 1) / KEYS * KEYS;
     // K transposed per KV head, [g][d][t], zero past T: one key block's d-th coordinates are 32 adjacent floats
@@ -403,27 +410,26 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
                 for (int64_t d = 0; d < DIM; ++d) qv[r][d] = src[d] * scale;
             }
             float top[ROWS], sum[ROWS];
-            vf16 acc[ROWS][VECS];
+            vfn acc[ROWS][VECS];
             for (int r = 0; r < ROWS; ++r) {
                 top[r] = -INFINITY, sum[r] = 0.0f;
-                for (int64_t c = 0; c < VECS; ++c) acc[r][c] = vf16{};
+                for (int64_t c = 0; c < VECS; ++c) acc[r][c] = vfn{};
             }
             for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
-                vf16 s[ROWS][2];
-                for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = vf16{};
+                vfn s[ROWS][SCORE_VECS];
+                for (int r = 0; r < ROWS; ++r)
+                    for (int64_t c = 0; c < SCORE_VECS; ++c) s[r][c] = vfn{};
                 const float* kp = ktg + j0;
                 for (int64_t d = 0; d < DIM; ++d) {
-                    const vf16 k0 = vload16(kp + d * padded), k1 = vload16(kp + d * padded + 16);
-                    for (int r = 0; r < ROWS; ++r) {
-                        s[r][0] += qv[r][d] * k0;
-                        s[r][1] += qv[r][d] * k1;
-                    }
+                    vfn key[SCORE_VECS];
+                    for (int64_t c = 0; c < SCORE_VECS; ++c) key[c] = vload(kp + d * padded + c * LANES);
+                    for (int r = 0; r < ROWS; ++r)
+                        for (int64_t c = 0; c < SCORE_VECS; ++c) s[r][c] += qv[r][d] * key[c];
                 }
                 alignas(64) float p[ROWS][KEYS];
                 const int64_t keys = std::min<int64_t>(KEYS, T - j0);
                 for (int r = 0; r < ROWS; ++r) {
-                    vstore16(p[r], s[r][0]);
-                    vstore16(p[r] + 16, s[r][1]);
+                    for (int64_t c = 0; c < SCORE_VECS; ++c) vstore(p[r] + c * LANES, s[r][c]);
                     // row r0 + r sees keys j0 .. r0 + r of this block (none when it ends before j0)
                     const int64_t visible = r < rows ? std::min<int64_t>(keys, r0 + r - j0 + 1) : 0;
                     if (visible <= 0) {
@@ -449,8 +455,8 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
                 }
                 for (int64_t j = 0; j < keys; ++j) {
                     const float* vr = v + (j0 + j) * v_stride + g * DIM;
-                    vf16 row[VECS];
-                    for (int64_t c = 0; c < VECS; ++c) row[c] = vload16(vr + 16 * c);
+                    vfn row[VECS];
+                    for (int64_t c = 0; c < VECS; ++c) row[c] = vload(vr + LANES * c);
                     for (int r = 0; r < ROWS; ++r)
                         for (int64_t c = 0; c < VECS; ++c) acc[r][c] += p[r][j] * row[c];
                 }
@@ -458,7 +464,7 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
             for (int r = 0; r < rows; ++r) {
                 const float inverse = 1.0f / sum[r];  // key 0 is always visible: sum >= 1
                 float* dst = out + (r0 + r) * num_heads * DIM + h * DIM;
-                for (int64_t c = 0; c < VECS; ++c) vstore16(dst + 16 * c, acc[r][c] * inverse);
+                for (int64_t c = 0; c < VECS; ++c) vstore(dst + LANES * c, acc[r][c] * inverse);
             }
         }
     }
