@@ -363,10 +363,11 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
 // (block of rows, KV head) and serves every query head of the group with the same K and V; the last rows, which see
 // the most keys, go first. float32 throughout, FMAs allowed, exp_approx's few ulp: within about 1e-5 relative of
 // torch's attention in float32 (tests/kernels/test_prefill_attention.py states the bound it checks).
-// (the helpers below are always inlined, so the ABI GCC warns about for wide vectors never applies)
+//
+// The vector is the one the variant's registers hold: 16 floats with AVX-512, 8 with AVX2, 4 otherwise (a wider
+// vector type than the target has is split by GCC into pieces that went through memory: 20x slower). The helpers
+// are always inlined, so the ABI that GCC warns about for wide vector arguments never applies.
 #pragma GCC diagnostic ignored "-Wpsabi"
-// The vector the variant's registers hold: 16 floats with AVX-512, 8 with AVX2, 4 otherwise (a wider vector type
-// than the target has is split by GCC into pieces that went through memory: 20x slower).
 #if defined(__AVX512F__)
 typedef float vfn __attribute__((vector_size(64), aligned(4), may_alias));
 static const int PREFILL_ROWS = 4;  // 2 score vectors and 4 output vectors per row at DIM 64: 24 of 32 registers

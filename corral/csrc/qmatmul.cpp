@@ -5,7 +5,6 @@
 #include "common.h"
 #include "qmatmul.h"
 
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>

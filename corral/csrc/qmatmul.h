@@ -52,6 +52,15 @@ struct QuantizedOut {
 // bytes; rows are split between the threads when there are enough of them to pay for the team.
 using Quantize = void (*)(const float* x, int64_t rows, int64_t cols, const QuantizedOut& out, int threads);
 
+// The two scalar steps every variant's quantize shares: the multiplier of a block whose largest |x| is amax, and
+// the block's scale and sums once its codes (summing to total) are written.
+inline float block_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+inline void finish_block(const QuantizedOut& out, int64_t at, float amax, int32_t total) {
+    out.scale[at] = amax / 127.0f;
+    out.sum[at] = (amax / 127.0f) * float(total);  // the quantized block's sum
+    out.isum[at] = total;
+}
+
 // Whether quantizing rows x cols is worth a thread team (each wake-up costs a few microseconds; a decode row of
 // 576 takes well under one).
 inline bool quantize_in_parallel(int64_t rows, int64_t cols) { return rows > 1 && rows * cols >= 16384; }

@@ -143,7 +143,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
             const float amax = _mm_cvtss_f32(h);
-            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m256 inverse = _mm256_set1_ps(block_inverse(amax));
             __m256i q[4];
             for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -154,10 +154,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
             const int32_t total = _mm_cvtsi128_si32(t);
-            const int64_t at = m * blocks + b;
-            out.scale[at] = amax / 127.0f;
-            out.sum[at] = (amax / 127.0f) * float(total);
-            out.isum[at] = total;
+            finish_block(out, m * blocks + b, amax, total);
         }
 }
 

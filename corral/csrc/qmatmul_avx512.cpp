@@ -119,17 +119,14 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
             // vmaxps returns its second operand when either is NaN: a NaN |x| is skipped, as std::fmax skips it
             const __m512 high = _mm512_max_ps(_mm512_abs_ps(a), _mm512_max_ps(_mm512_abs_ps(c), _mm512_setzero_ps()));
             const float amax = _mm512_reduce_max_ps(high);
-            const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m512 inverse = _mm512_set1_ps(block_inverse(amax));
             const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
             const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inverse));
             int8_t* codes = out.xq + m * cols + b * BLOCK;
             _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(qa));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(qc));
             const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
-            const int64_t at = m * blocks + b;
-            out.scale[at] = amax / 127.0f;
-            out.sum[at] = (amax / 127.0f) * float(total);
-            out.isum[at] = total;
+            finish_block(out, m * blocks + b, amax, total);
         }
 }
 

@@ -86,16 +86,14 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
             int8_t* codes = out.xq + m * cols + b * BLOCK;
             float amax = 0.0f;
             for (int i = 0; i < BLOCK; ++i) amax = std::fmax(amax, std::fabs(in[i]));
-            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float inverse = block_inverse(amax);
             int32_t total = 0;
             for (int i = 0; i < BLOCK; ++i) {
                 const int32_t q = int32_t(std::nearbyint(in[i] * inverse));
                 codes[i] = int8_t(q);
                 total += q;
             }
-            out.scale[m * blocks + b] = amax / 127.0f;
-            out.sum[m * blocks + b] = (amax / 127.0f) * float(total);  // the quantized block's sum (qmatmul.h)
-            out.isum[m * blocks + b] = total;
+            finish_block(out, m * blocks + b, amax, total);
         }
 }
 

@@ -15,8 +15,9 @@ is ``scale * (q . codes)`` and a value's weight ``p * scale``, so rows are dequa
 
 :func:`causal_prefill` is the prefill of a sequence with nothing cached (queries over their own fresh K/V, float32,
 head size 64 or 128): a flash-style kernel in the same module that scores several query rows against a block of
-keys with vector FMAs and serves every query head of a KV group from one read of its K and V. torch's CPU flash
-attention took 3.1-3.7 ms per layer for 455 tokens of SmolLM2's 9 heads here, about half of a whole prefill.
+keys with vector FMAs and serves every query head of a KV group from one read of its K and V. On a 2-core AVX-512
+EPYC, torch's CPU flash attention took 3.1-3.7 ms per layer for 455 tokens of SmolLM2's 9 heads, about half of a
+whole prefill; this kernel about 1.9 ms.
 What this leaves out: prefill over cached context (it keeps torch's masked SDPA), bfloat16 prefill, float16.
 """
 

@@ -2,19 +2,14 @@
 GQA groups, both head sizes it takes, lengths around its blocks of 4 rows and 32 keys, strided views as the fused QKV
 output gives them, every instruction-set variant this CPU runs, and the checks on what Python hands in."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from corral import native
 from corral.kernels import paged_attention_cpu
+from tests.kernels.variants import report_in_variant
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
 FLAGS = native.cpu_flags()
 VARIANTS = ["baseline"] + (["avx2"] if {"avx2", "fma", "f16c", "bmi2"} <= FLAGS else [])
@@ -76,6 +71,7 @@ def test_the_engine_prefill_takes_the_kernel_and_agrees_with_torch_flash():
     q, k, v = fused_qkv(100, 9, 3, 64, seed=2)
     span = PrefillSpan(0, 100, None, 100)
     got = _prefill(q, k, v, None, span)
+    assert torch.equal(got, paged_attention_cpu.causal_prefill(q, k, v, 64 ** -0.5))  # the kernel's bits, not torch's
     torch_flash = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                                  v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
     torch_flash = torch_flash.squeeze(0).transpose(0, 1).reshape(100, -1)
@@ -100,10 +96,7 @@ print(json.dumps({"isa": native.module().kernel_isa, "worst": worst}))
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_this_cpu_runs_agrees(variant):
-    result = subprocess.run([sys.executable, "-c", _VARIANT_CHECK], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT, env={**os.environ, "CORRAL_NATIVE_BUILD": variant})
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = report_in_variant(_VARIANT_CHECK, CORRAL_NATIVE_BUILD=variant)
     assert report["isa"].startswith(variant) and report["worst"] < 1e-5, report
 
 

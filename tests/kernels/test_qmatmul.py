@@ -3,7 +3,6 @@ against the float64 value of the numerics they state (integer block dot products
 summation order may differ), the stated error bound against the dequantized weights, the tile packing, and the
 checks on what Python hands in."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from corral import native
 from corral.engine.quant import (Q4Blocks, pack_q4_tiles, pack_q8_tiles, quantize_activations, quantize_int4,
                                  quantize_q8_blocks, w4a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
+from tests.kernels.variants import report_in_variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
@@ -153,10 +153,7 @@ print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst}))
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
-    result = subprocess.run([sys.executable, "-c", _VARIANT_CHECK], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT, env={**os.environ, "CORRAL_QMATMUL_ISA": variant})
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = report_in_variant(_VARIANT_CHECK, CORRAL_QMATMUL_ISA=variant)
     assert report["isa"].startswith(variant) and report["worst"] < 1e-5, report
 
 
