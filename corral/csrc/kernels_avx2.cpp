@@ -5,5 +5,6 @@
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe")
 #define CORRAL_VARIANT avx2
 #define CORRAL_VARIANT_NAME "avx2"
+#define CORRAL_VECTOR_BYTES 32  // the target pragma defines no __AVX*__ macro under g++
 #include "kernels_impl.h"
 #endif

@@ -6,5 +6,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,movbe")
 #define CORRAL_VARIANT avx512
 #define CORRAL_VARIANT_NAME "avx512"
+#define CORRAL_VECTOR_BYTES 64  // the target pragma defines no __AVX*__ macro under g++
 #include "kernels_impl.h"
 #endif

@@ -255,11 +255,12 @@ static std::vector<int64_t> query_runs(const int64_t* tables, int64_t table_stri
     return starts;
 }
 
-// DIM > 0 fixes the head size at compile time (so the inner loops vectorize fully); 0 reads it at run time.
-// KV is the cache's element: T itself, bfloat16 under float32 queries, or int8 codes with k_scale/v_scale
-// [blocks, block_size, kv_heads] (nullptr otherwise). Each query's arithmetic is the same whatever run it is in
-// (its scores, softmax and weighted sum over its own keys, in key order): a row's result does not depend on the
-// rows beside it.
+// Decode attention for head sizes other than 64 and 128 (decode_blocked below serves those): per (run, KV head),
+// every key's score for each query as one dot product, an exact softmax, then the weighted sum. DIM > 0 fixes the
+// head size at compile time; 0 reads it at run time. KV is the cache's element: T itself, bfloat16 under float32
+// queries, or int8 codes with k_scale/v_scale [blocks, block_size, kv_heads] (nullptr otherwise). Each query's
+// arithmetic is the same whatever run it is in (its scores, softmax and weighted sum over its own keys, in key
+// order): a row's result does not depend on the rows beside it.
 template <typename T, typename KV, int DIM>
 static void decode(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale, const float* v_scale,
                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, T* out,
@@ -344,16 +345,6 @@ static void decode(const T* q, const KV* k_cache, const KV* v_cache, const float
     }
 }
 
-template <typename T, typename KV>
-static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
-                         const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out, int64_t num_seqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                         int num_threads) {
-    auto f = head_dim == 64 ? decode<T, KV, 64> : head_dim == 128 ? decode<T, KV, 128> : decode<T, KV, 0>;
-    f(q, k, v, k_scale, v_scale, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-      block_size, scale, num_threads);
-}
-
 // Causal attention of T new tokens over their own keys: a prefill with nothing cached before it. q [T, heads, DIM],
 // k and v [T, kv_heads, DIM] (rows q_stride, k_stride and v_stride floats apart: views into the fused QKV output), out
 // [T, heads * DIM], all float32; query t sees keys 0 .. t of its head's KV head. Flash-style: keys in blocks of
@@ -365,23 +356,257 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
 // torch's attention in float32 (tests/kernels/test_prefill_attention.py states the bound it checks).
 //
 // The vector is the one the variant's registers hold: 16 floats with AVX-512, 8 with AVX2, 4 otherwise (a wider
-// vector type than the target has is split by GCC into pieces that went through memory: 20x slower). The helpers
-// are always inlined, so the ABI that GCC warns about for wide vector arguments never applies.
+// vector type than the target has is split by GCC into pieces that went through memory: 20x slower). The variant
+// file says its width (CORRAL_VECTOR_BYTES): g++ does not define __AVX512F__ and the like for a #pragma GCC target,
+// so the build's own -march is all the macros show. The helpers are always inlined, so the ABI that GCC warns
+// about for wide vector arguments never applies.
 #pragma GCC diagnostic ignored "-Wpsabi"
+#ifndef CORRAL_VECTOR_BYTES
 #if defined(__AVX512F__)
-typedef float vfn __attribute__((vector_size(64), aligned(4), may_alias));
-static const int PREFILL_ROWS = 4;  // 2 score vectors and 4 output vectors per row at DIM 64: 24 of 32 registers
+#define CORRAL_VECTOR_BYTES 64
 #elif defined(__AVX__)
-typedef float vfn __attribute__((vector_size(32), aligned(4), may_alias));
-static const int PREFILL_ROWS = 2;  // 4 score vectors per row; the outputs spill to L1
+#define CORRAL_VECTOR_BYTES 32
 #else
-typedef float vfn __attribute__((vector_size(16), aligned(4), may_alias));
-static const int PREFILL_ROWS = 2;
+#define CORRAL_VECTOR_BYTES 16
+#endif
+#endif
+typedef float vfn __attribute__((vector_size(CORRAL_VECTOR_BYTES), aligned(4), may_alias));
+#if CORRAL_VECTOR_BYTES == 64
+static const int PREFILL_ROWS = 4;  // 2 score vectors and 4 output vectors per row at DIM 64: 24 of 32 registers
+#else
+static const int PREFILL_ROWS = 2;  // 4 score vectors per row at 8 floats; the outputs spill to L1
 #endif
 static const int64_t LANES = int64_t(sizeof(vfn) / sizeof(float));
 
 CORRAL_INLINE vfn vload(const float* p) { return *reinterpret_cast<const vfn*>(p); }
 CORRAL_INLINE void vstore(float* p, vfn x) { *reinterpret_cast<vfn*>(p) = x; }
+
+typedef int32_t vin __attribute__((vector_size(sizeof(vfn))));
+#if CORRAL_VECTOR_BYTES == 64
+static const vin EVEN = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const vin ODD = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static const vfn LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // each lane's index
+#elif CORRAL_VECTOR_BYTES == 32
+static const vin EVEN = {0, 2, 4, 6, 8, 10, 12, 14}, ODD = {1, 3, 5, 7, 9, 11, 13, 15};
+static const vfn LANE = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+static const vin EVEN = {0, 2, 4, 6}, ODD = {1, 3, 5, 7};
+static const vfn LANE = {0, 1, 2, 3};
+#endif
+
+// part[0 .. LANES) each hold partial sums of one dot product; returns the vector whose lane i is part[i]'s total.
+// Adjacent lanes are summed pairwise, two vectors into one, so LANES dot products take LANES - 1 such steps (two
+// shuffles and an add each) where reducing each vector on its own takes log2(LANES) shuffles and adds apiece and
+// leaves a scalar. part is overwritten.
+CORRAL_INLINE vfn lane_totals(vfn* part) {
+    for (int64_t n = LANES; n > 1; n /= 2)
+        for (int64_t i = 0; i < n / 2; ++i)
+            part[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], EVEN) +
+                      __builtin_shuffle(part[2 * i], part[2 * i + 1], ODD);
+    return part[0];
+}
+
+
+CORRAL_INLINE float lane_max(vfn x) {  // the largest lane, by halving: the upper half against the lower
+    for (int64_t n = LANES / 2; n >= 1; n /= 2) {
+        vin upper;
+        for (int64_t i = 0; i < LANES; ++i) upper[i] = int32_t((i + n) % LANES);
+        const vfn y = __builtin_shuffle(x, upper);
+        x = x > y ? x : y;
+    }
+    return x[0];
+}
+
+static const int64_t DECODE_KEYS = 16;  // keys per block: a query's scores are one to four vectors
+// Keys per job. A long context is cut into chunks of this many keys, each (run, KV head, chunk) a job, their
+// partial softmax sums merged after, so that one sequence's few KV heads still keep every thread busy. The size is
+// fixed, not taken from the thread count or the batch, so a row's arithmetic never depends on either.
+static const int64_t DECODE_CHUNK = 256;
+
+// Flash-decoding over the paged cache, for head sizes 64 and 128. Keys are read in blocks of DECODE_KEYS,
+// each key's row widened to float32 (times its scale, for int8) once into an L1 buffer for every query of the run;
+// a query's scores for the block are DECODE_KEYS dot products taken as vector FMAs and reduced together
+// (lane_totals), then a running max and sum per query (each block's weights taken against the largest score so far,
+// earlier sums and outputs rescaled when it grows), the weighted V rows accumulated in registers. Chunks are merged
+// per query in chunk order. float32 throughout, FMAs allowed, exp_approx's few ulp. As in decode, a row's result
+// does not depend on its run: key blocks and chunks start at fixed positions, and a key past a row's own context
+// is masked out of its max as well as its weights. On a 2-core AVX-512 EPYC, SmolLM2's 9 heads over 560 keys of
+// bfloat16 cache: 23-28 us per layer for one row (38 with the two-pass kernel above), 110-120 us for a run of 9
+// rows (147).
+template <typename T, typename KV, int DIM>
+static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale,
+                           const float* v_scale, const int64_t* tables, int64_t table_stride,
+                           const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, float scale, int num_threads) {
+    constexpr int64_t KEYS = DECODE_KEYS, VECS = DIM / LANES, PART = DIM + 2;  // a partial: acc, max, sum
+    const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * DIM;
+    const std::vector<int64_t> runs = query_runs(tables, table_stride, num_seqs);
+    const int64_t num_runs = int64_t(runs.size()) - 1;
+    // per run: its chunk count, its first job and the offset of its rows' partials (in rows x chunks)
+    std::vector<int64_t> chunks(num_runs), first_job(num_runs + 1, 0), first_part(num_runs + 1, 0);
+    for (int64_t r = 0; r < num_runs; ++r) {
+        const int64_t n = *std::max_element(context_lens + runs[r], context_lens + runs[r + 1]);
+        chunks[r] = (n + DECODE_CHUNK - 1) / DECODE_CHUNK;
+        first_job[r + 1] = first_job[r] + chunks[r] * num_kv_heads;
+        first_part[r + 1] = first_part[r] + (runs[r + 1] - runs[r]) * chunks[r];
+    }
+    // partials [row x chunk][heads][PART]: kept by the calling thread between calls (grown, never shrunk) so a
+    // step's 30 layers do not map and fault in fresh pages each
+    static thread_local std::vector<float> partials;
+    if (int64_t(partials.size()) < first_part[num_runs] * num_heads * PART)
+        partials.resize(size_t(first_part[num_runs] * num_heads * PART));
+    float* const parts = partials.data();
+    const int64_t num_jobs = first_job[num_runs];
+    #pragma omp parallel num_threads(num_threads) if (num_jobs > 1)
+    {
+        alignas(64) float kb[KEYS][DIM], vb[KEYS][DIM], sc[KEYS];
+        std::vector<float> query, acc, top, sum;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < num_jobs; ++job) {
+            const int64_t r = std::upper_bound(first_job.begin(), first_job.end(), job) - first_job.begin() - 1;
+            const int64_t c = (job - first_job[r]) / num_kv_heads, g = (job - first_job[r]) % num_kv_heads;
+            const int64_t row0 = runs[r], m = runs[r + 1] - row0, queries = m * group;
+            const int64_t* lens = context_lens + row0;
+            const int64_t* table = tables + row0 * table_stride;
+            const int64_t n = *std::max_element(lens, lens + m);
+            const int64_t begin = c * DECODE_CHUNK, end = std::min(n, begin + DECODE_CHUNK);
+            if (int64_t(query.size()) < queries * DIM) query.resize(queries * DIM), acc.resize(queries * DIM);
+            if (int64_t(top.size()) < queries) top.resize(queries), sum.resize(queries);
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t i = 0; i < group; ++i) {
+                    const T* src = q + ((row0 + j) * num_heads + g * group + i) * DIM;
+                    float* dst = query.data() + (j * group + i) * DIM;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < DIM; ++d) dst[d] = load(src[d]) * scale;
+                }
+            std::fill(acc.begin(), acc.begin() + queries * DIM, 0.0f);
+            std::fill(top.begin(), top.begin() + queries, -INFINITY);
+            std::fill(sum.begin(), sum.begin() + queries, 0.0f);
+            const float* ks = k_scale ? k_scale + g : nullptr;
+            const float* vs = v_scale ? v_scale + g : nullptr;
+            for (int64_t t0 = begin; t0 < end; t0 += KEYS) {
+                const int64_t count = std::min(KEYS, end - t0);
+                // a block of keys lies in one cache block when the block size is a multiple of KEYS (t0 is one):
+                // one table lookup for it, and one for the next block's keys, asked for while these are read
+                const bool whole = block_size % KEYS == 0;
+                const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
+                const int64_t ahead = t0 + KEYS;
+                const int64_t next = whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size
+                                                          : -1;
+                for (int64_t i = 0; i < KEYS; ++i) {
+                    if (i >= count) {  // past the context: never read, zero so a zero weight stays zero
+                        std::fill(kb[i], kb[i] + DIM, 0.0f);
+                        std::fill(vb[i], vb[i] + DIM, 0.0f);
+                        continue;
+                    }
+                    const int64_t t = t0 + i;
+                    const int64_t at = whole ? base + i : table[t / block_size] * block_size + t % block_size;
+                    if (next >= 0 && ahead + i < end) {
+                        prefetch_row(k_cache + (next + i) * slot + g * DIM, DIM);
+                        prefetch_row(v_cache + (next + i) * slot + g * DIM, DIM);
+                    }
+                    const KV* kr = k_cache + at * slot + g * DIM;
+                    const KV* vr = v_cache + at * slot + g * DIM;
+                    const float kscale = ks ? ks[at * num_kv_heads] : 1.0f, vscale = vs ? vs[at * num_kv_heads] : 1.0f;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < DIM; ++d) kb[i][d] = load(kr[d]) * kscale, vb[i][d] = load(vr[d]) * vscale;
+                }
+                for (int64_t j = 0; j < m; ++j) {
+                    const int64_t visible = std::min(count, lens[j] - t0);  // keys of this block query j sees
+                    if (visible <= 0) continue;
+                    for (int64_t i = 0; i < group; ++i) {
+                        const int64_t qi = j * group + i;
+                        const float* qv = query.data() + qi * DIM;
+                        vfn qr[VECS];
+                        for (int64_t v = 0; v < VECS; ++v) qr[v] = vload(qv + v * LANES);
+                        vfn most = vfn{} - INFINITY;  // lanewise max of the visible scores
+                        for (int64_t k0 = 0; k0 < KEYS; k0 += LANES) {
+                            vfn part[LANES];
+                            for (int64_t k = 0; k < LANES; ++k) {
+                                vfn p = qr[0] * vload(kb[k0 + k]);
+                                for (int64_t v = 1; v < VECS; ++v) p += qr[v] * vload(kb[k0 + k] + v * LANES);
+                                part[k] = p;
+                            }
+                            const vfn scores = lane_totals(part);
+                            const vfn seen = LANE + float(k0) < float(visible) ? scores : vfn{} - INFINITY;
+                            vstore(sc + k0, seen);
+                            most = most > seen ? most : seen;
+                        }
+                        float high = std::max(top[qi], lane_max(most));
+                        float total = 0.0f;
+                        #pragma omp simd reduction(+ : total)
+                        for (int64_t k = 0; k < KEYS; ++k) {
+                            const float e = k < visible ? exp_approx(sc[k] - high) : 0.0f;
+                            sc[k] = e;
+                            total += e;
+                        }
+                        float* a = acc.data() + qi * DIM;
+                        vfn ar[VECS];
+                        for (int64_t v = 0; v < VECS; ++v) ar[v] = vload(a + v * LANES);
+                        if (high != top[qi]) {  // the largest score grew: earlier weights shrink by exp(old - new)
+                            const float shrink = top[qi] == -INFINITY ? 0.0f : exp_approx(top[qi] - high);
+                            sum[qi] *= shrink;
+                            for (int64_t v = 0; v < VECS; ++v) ar[v] *= shrink;
+                            top[qi] = high;
+                        }
+                        sum[qi] += total;
+                        for (int64_t k = 0; k < visible; ++k)
+                            for (int64_t v = 0; v < VECS; ++v) ar[v] += sc[k] * vload(vb[k] + v * LANES);
+                        for (int64_t v = 0; v < VECS; ++v) vstore(a + v * LANES, ar[v]);
+                    }
+                }
+            }
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t i = 0; i < group; ++i) {
+                    const int64_t qi = j * group + i;
+                    float* dst = parts + (((first_part[r] + j * chunks[r] + c) * num_heads) + g * group + i) * PART;
+                    std::copy(acc.data() + qi * DIM, acc.data() + (qi + 1) * DIM, dst);
+                    dst[DIM] = top[qi], dst[DIM + 1] = sum[qi];
+                }
+        }
+        // merge each (row, head)'s chunks in chunk order; a chunk the row sees none of has sum 0 and is skipped
+        #pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < num_seqs * num_heads; ++rh) {
+            const int64_t s = rh / num_heads, h = rh % num_heads;
+            const int64_t r = std::upper_bound(runs.begin(), runs.end(), s) - runs.begin() - 1;
+            const float* part = parts + ((first_part[r] + (s - runs[r]) * chunks[r]) * num_heads + h) * PART;
+            const int64_t stride = num_heads * PART;
+            float high = -INFINITY;
+            for (int64_t c = 0; c < chunks[r]; ++c)
+                if (part[c * stride + DIM + 1] > 0.0f) high = std::max(high, part[c * stride + DIM]);
+            vfn total[VECS] = {};
+            float weight_sum = 0.0f;
+            for (int64_t c = 0; c < chunks[r]; ++c) {
+                const float* p = part + c * stride;
+                if (!(p[DIM + 1] > 0.0f)) continue;
+                const float w = exp_approx(p[DIM] - high);  // exactly 1 for the chunk that holds the max
+                weight_sum += w * p[DIM + 1];
+                for (int64_t v = 0; v < VECS; ++v) total[v] += w * vload(p + v * LANES);
+            }
+            const float inverse = 1.0f / weight_sum;  // every row sees key 0: weight_sum >= 1
+            T* dst = out + (s * num_heads + h) * DIM;
+            for (int64_t v = 0; v < VECS; ++v) {
+                alignas(64) float lane[LANES];
+                vstore(lane, total[v] * inverse);
+                for (int64_t d = 0; d < LANES; ++d) store(lane[d], dst + v * LANES + d);
+            }
+        }
+    }
+}
+
+template <typename T, typename KV>
+static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
+                         const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         int num_threads) {
+    if (head_dim == 64 || head_dim == 128) {
+        auto f = head_dim == 64 ? decode_blocked<T, KV, 64> : decode_blocked<T, KV, 128>;
+        return f(q, k, v, k_scale, v_scale, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
+                 block_size, scale, num_threads);
+    }
+    decode<T, KV, 0>(q, k, v, k_scale, v_scale, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
+                     head_dim, block_size, scale, num_threads);
+}
 
 static const int64_t PREFILL_KEYS = 32;  // keys per block
 

@@ -4,9 +4,11 @@ and without a compile-time specialisation, contexts from one key to several bloc
 import pytest
 import torch
 
+from corral import native
 from corral.engine.quant import quantize_int8_rows as quantize_rows
 from corral.kernels import paged_attention_cpu
 from corral.kernels.paged_attention import paged_attention_torch
+from tests.kernels.variants import report_in_variant
 
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="native module off or missing: kernel unavailable")
 
@@ -15,6 +17,10 @@ SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size, context lengths)
     "mha": (4, 4, 32, 16, [5, 64]),
     "head_dim 128": (8, 2, 128, 16, [33, 1]),
     "odd head_dim": (6, 2, 40, 8, [9, 100, 2]),
+    # contexts over several of the kernel's 256-key chunks, whose partial softmaxes are merged
+    "chunks": (9, 3, 64, 16, [256, 257, 700]),
+    "chunks, block size 8": (9, 3, 64, 8, [7, 300]),
+    "chunks, head_dim 128, block size 32": (8, 2, 128, 32, [513, 40]),
 }
 
 
@@ -94,6 +100,20 @@ def test_keys_past_the_context_are_never_read():
     assert torch.equal(paged_attention_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), clean)
 
 
+def test_a_key_a_row_does_not_see_never_weighs_in_even_when_its_run_reads_it():
+    """Rows of one run (a decode and its draft) see 34 and 35 keys: the kernel reads key 34 for the second row.
+    Whatever it holds must not reach the first row, not even through the running max of its softmax."""
+    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [40], dtype=torch.float32, seed=3)
+    rows = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(5))
+    pair, lens = tables.expand(2, -1).contiguous(), torch.tensor([34, 35])
+    block, offset = int(tables[0, 34 // 16]), 34 % 16
+    alone = paged_attention_cpu.paged_decode(rows[:1], k_cache, v_cache, pair[:1], lens[:1], 0.125)
+    for value in (0.0, 1e6, -1e6):
+        k_cache[block, offset] = value
+        together = paged_attention_cpu.paged_decode(rows, k_cache, v_cache, pair, lens, 0.125)
+        assert torch.equal(together[:1], alone), value
+
+
 def test_loading_the_kernel_keeps_subnormal_floats():
     """A library built with -ffast-math would set flush-to-zero for the whole process when it loads."""
     if paged_attention_cpu.load() is None:
@@ -105,10 +125,12 @@ def test_loading_the_kernel_keeps_subnormal_floats():
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
-def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv):
+@pytest.mark.parametrize("context", [40, 300])
+def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv, context):
     """A decode and its draft are consecutive rows with one block table and contexts n, n+1, ...: the kernel reads
-    their K/V once for the whole run, and each row's output is bit for bit what it gives alone (and the twin's)."""
-    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [40], dtype=torch.float32, seed=3)
+    their K/V once for the whole run, and each row's output is bit for bit what it gives alone (and the twin's).
+    At 300 keys each row reads two of the kernel's 256-key chunks, whose partial sums are merged."""
+    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [context], dtype=torch.float32, seed=3)
     scales = (None, None)
     if kv == "bfloat16":
         k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
@@ -116,17 +138,45 @@ def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv):
         (k, ks), (v, vs) = (quantize_rows(c.flatten(0, 1)) for c in (k_cache, v_cache))
         k_cache, v_cache = k.view_as(k_cache), v.view_as(v_cache)
         scales = (ks.view(k_cache.shape[:3]), vs.view(k_cache.shape[:3]))
-    other = make_case(9, 3, 64, 16, [40], dtype=torch.float32, seed=4)[3]  # another sequence's table between
+    other = make_case(9, 3, 64, 16, [context], dtype=torch.float32, seed=4)[3]  # another sequence's table between
     rows_q = torch.randn(7, 9, 64, generator=torch.Generator().manual_seed(5))
     row_tables = torch.cat([tables.expand(3, -1), other, tables.expand(3, -1)])
-    lens = torch.tensor([31, 32, 33, 40, 34, 35, 36])
+    lens = torch.tensor([31, 32, 33, 40, 34, 35, 36]) + (context - 40)
     together = paged_attention_cpu.paged_decode(rows_q, k_cache, v_cache, row_tables, lens, 0.125, *scales)
     for r in range(7):
         alone = paged_attention_cpu.paged_decode(rows_q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
                                                  lens[r:r + 1], 0.125, *scales)
         assert torch.equal(together[r:r + 1], alone), r
     if kv != "int8":
-        qsl = torch.arange(8, dtype=torch.int32)
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
         expected = paged_attention_torch(rows_q, k_cache.float(), v_cache.float(), row_tables.int(), lens.int(), qsl,
                                          0.125)
         torch.testing.assert_close(together, expected.reshape(7, -1), atol=1e-5, rtol=1e-5)
+
+
+_VARIANT_CHECK = """
+import json, sys, torch
+sys.path.insert(0, "tests/kernels")
+from test_paged_attention_cpu import SHAPES, make_case
+from corral import native
+from corral.kernels import paged_attention_cpu
+from corral.kernels.paged_attention import paged_attention_torch
+worst = 0.0
+for shape in SHAPES.values():
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, tables, lens = make_case(*shape, dtype=dtype)
+        q = q.float()  # float32 queries over a float32 or bfloat16 cache
+        got = paged_attention_cpu.paged_decode(q, k, v, tables, lens, shape[2] ** -0.5)
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+        expected = paged_attention_torch(q, k.float(), v.float(), tables.int(), lens.int(), qsl, shape[2] ** -0.5)
+        worst = max(worst, float((got - expected.reshape(len(lens), -1)).abs().max()))
+print(json.dumps({"isa": native.module().kernel_isa, "worst": worst}))
+"""
+
+
+@pytest.mark.parametrize("variant", ["baseline"] + (["avx2"] if {"avx2", "fma", "f16c", "bmi2"} <= native.cpu_flags()
+                                                    else []))
+def test_every_variant_this_cpu_runs_agrees_with_the_twin(variant):
+    """The other instruction sets' builds of the kernel (8 and 4 floats a vector, so other lane reductions)."""
+    report = report_in_variant(_VARIANT_CHECK, CORRAL_NATIVE_BUILD=variant)
+    assert report["isa"].startswith(variant) and report["worst"] < 1e-5, report
