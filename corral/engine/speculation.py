@@ -91,19 +91,23 @@ class SpecState:
     ngrams: list[dict] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM)])
     indexed: int = 0  # tokens[:indexed] are in ``ngrams``
     forced: Rate = field(default_factory=Rate)
-    lookup: Rate = field(default_factory=Rate)
+    # prompt lookup's tokens, by the length of the suffix that matched (index n - 1): a one-token match is weak
+    # evidence and a three-token one strong, so each sizes its drafts by its own record
+    lookup: list[Rate] = field(default_factory=lambda: [Rate() for _ in range(MAX_NGRAM)])
+    lookup_order: int = 0  # the matched suffix's length behind this step's lookup tokens (0: none)
     model: Rate = field(default_factory=Rate)  # a draft model's tokens (corral/engine/draft_model.py)
 
     def record(self, num_tested: int, num_forced: int, num_accepted: int, by_model: bool = False) -> None:
         """A verified draft: ``num_tested`` tokens, the first ``num_forced`` of them jump-forward ones and the
-        rest prompt lookup's (or, ``by_model``, a draft model's), of which the first ``num_accepted`` were kept
-        (the token after them was reached too, the rest not)."""
+        rest prompt lookup's (of :attr:`lookup_order`; or, ``by_model``, a draft model's), of which the first
+        ``num_accepted`` were kept (the token after them was reached too, the rest not)."""
         reached = min(num_tested, num_accepted + 1)
         forced_reached, forced_accepted = min(num_forced, reached), min(num_forced, num_accepted)
         if forced_reached:
             self.forced.record(forced_reached, forced_accepted)
-        if reached > forced_reached:
-            (self.model if by_model else self.lookup).record(reached - forced_reached, num_accepted - forced_accepted)
+        if reached > forced_reached and (by_model or self.lookup_order):
+            rate = self.model if by_model else self.lookup[self.lookup_order - 1]
+            rate.record(reached - forced_reached, num_accepted - forced_accepted)
 
 
 @dataclass(frozen=True)
@@ -129,15 +133,19 @@ class Drafter:
         self._longest = max((len(b) for b in by_bytes), default=1)
 
     def propose(self, tokens: list[int], guide: Guide | None, state: SpecState, *, forced_cap: int,
-                lookup_cap: int, room: int) -> Draft:
+                lookup_cap: int | tuple[int, ...], room: int) -> Draft:
         """A draft of at most ``room`` tokens after ``tokens``: up to ``forced_cap`` tokens of the guide's forced
-        span, then up to ``lookup_cap`` prompt-lookup tokens. The guide is left where it was."""
+        span, then prompt-lookup tokens, at most ``lookup_cap`` of them (per matched suffix length n, at index
+        n - 1; one int for every length). The guide is left where it was; ``state.lookup_order`` says which
+        length matched."""
         forced = self.forced_tokens(guide, min(room, forced_cap)) if forced_cap and guide is not None else []
+        caps = (lookup_cap,) * MAX_NGRAM if isinstance(lookup_cap, int) else lookup_cap
+        caps = tuple(min(cap, room - len(forced)) for cap in caps)
         lookup: list[int] = []
-        cap = min(lookup_cap, room - len(forced))
-        if cap > 0:
+        state.lookup_order = 0
+        if max(caps) > 0:
             self._index(tokens, state)
-            lookup = self._lookup(tokens, forced, state, cap, guide)
+            lookup = self._lookup(tokens, forced, state, caps, guide)
         return Draft(forced + lookup, len(forced))
 
     def propose_all(self, decoding: list[Sequence], config, max_model_len: int,
@@ -159,9 +167,11 @@ class Drafter:
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
+            seq.spec.lookup_order = 0
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
-            lookup_cap = seq.spec.lookup.length(config.num_speculative_tokens, price) if lookup else 0
-            if forced_cap or lookup_cap:
+            lookup_cap = tuple(rate.length(config.num_speculative_tokens, price) if lookup else 0
+                               for rate in seq.spec.lookup)
+            if forced_cap or max(lookup_cap):
                 draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
                                      lookup_cap=lookup_cap, room=room)
                 seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
@@ -233,8 +243,10 @@ class Drafter:
                     state.ngrams[n - 1][tuple(tokens[end - n: end])] = end
         state.indexed = max(state.indexed, len(tokens))
 
-    def _lookup(self, tokens: list[int], forced: list[int], state: SpecState, cap: int,
+    def _lookup(self, tokens: list[int], forced: list[int], state: SpecState, caps: tuple[int, ...],
                 guide: Guide | None) -> list[int]:
+        """What followed the longest matching suffix, up to its length's cap (none when that cap is 0: a
+        shorter match is weaker evidence still)."""
         context = tokens + forced if forced else tokens
         for n in range(MAX_NGRAM, 0, -1):
             if len(context) < n:
@@ -242,8 +254,11 @@ class Drafter:
             start = state.ngrams[n - 1].get(tuple(context[-n:]))
             if start is None:
                 continue
-            draft = tokens[start: start + cap]
-            return self._allowed_prefix(draft, forced, guide) if guide is not None else draft
+            draft = tokens[start: start + caps[n - 1]]
+            if guide is not None:
+                draft = self._allowed_prefix(draft, forced, guide)
+            state.lookup_order = n if draft else 0
+            return draft
         return []
 
     @staticmethod

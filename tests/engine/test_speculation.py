@@ -153,6 +153,25 @@ def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_a
     assert 3 not in draft.tokens, "a second c is not allowed: the draft stops before it"
 
 
+def test_a_lookup_draft_is_capped_by_the_record_of_its_match_length():
+    """The longest matching suffix decides both what is drafted and whose cap applies: a three-token match is
+    capped by the three-token record, a one-token match by the one-token record, and none is drafted where the
+    matched length's cap is 0 (a shorter match is weaker evidence, so it is not tried instead)."""
+    drafter = Drafter(VOCAB)
+    tokens = [0, 1, 2, 3, 3, 2, 1, 0, 1, 2]  # "0 1 2" was followed by "3 3 2 1 0"
+    state = SpecState()
+    draft = drafter.propose(tokens, None, state, forced_cap=0, lookup_cap=(5, 5, 2), room=10)
+    assert draft.tokens == [3, 3] and state.lookup_order == 3
+    assert drafter.propose(tokens, None, state, forced_cap=0, lookup_cap=(5, 5, 0), room=10).tokens == []
+    assert state.lookup_order == 0
+    tokens = [2, 3, 1, 0, 1, 3]  # only "3" matches: it was followed by "1 0 1 3"
+    state = SpecState()
+    draft = drafter.propose(tokens, None, state, forced_cap=0, lookup_cap=(1, 8, 8), room=10)
+    assert draft.tokens == [1] and state.lookup_order == 1
+    state.record(num_tested=1, num_forced=0, num_accepted=0)
+    assert (state.lookup[0].reached, state.lookup[0].accepted) == (1, 0) and state.lookup[2].reached == 0
+
+
 def test_draft_length_follows_the_acceptance_rate_and_the_price():
     assert draft_price(1, 0.25) == 0.25 and draft_price(16, 0.25) == pytest.approx(4 / 4.75)
     assert draft_price(64, 0.25) > 0.95 and draft_price(1000, 0.0) == 0.0
@@ -165,10 +184,13 @@ def test_draft_length_follows_the_acceptance_rate_and_the_price():
     rate.record(40, 0)
     assert rate.length(8, draft_price(1, 0.25)) == 1 and rate.length(8, draft_price(2, 0.25)) == 0
     state = SpecState()
+    state.lookup_order = 2  # the lookup tokens came from a two-token match
     state.record(num_tested=6, num_forced=2, num_accepted=1)  # the second forced token was rejected
-    assert (state.forced.reached, state.forced.accepted) == (2, 1) and state.lookup.reached == 0
+    assert (state.forced.reached, state.forced.accepted) == (2, 1)
+    assert all(rate.reached == 0 for rate in state.lookup)
     state.record(num_tested=6, num_forced=2, num_accepted=4)  # both forced kept, 2 of 4 lookups, a third reached
-    assert (state.lookup.reached, state.lookup.accepted) == (3, 2)
+    assert (state.lookup[1].reached, state.lookup[1].accepted) == (3, 2)
+    assert state.lookup[0].reached == state.lookup[2].reached == 0  # the other match lengths keep their own record
 
 
 def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
