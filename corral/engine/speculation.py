@@ -18,8 +18,8 @@ and rolls the rest back (KV, guide, hashes, detokenizer never saw it).
 
 How long a draft is. A draft token costs one more row in the step, and the i-th brings a token only if the
 i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance rate
-``a`` of that kind of draft (jump-forward and lookup are counted apart, over the tokens verification reached, with
-decayed counts and a prior of 1/2). A step over B rows costs about ``F + B*r``: a fixed part (the weights streamed
+``a`` of that kind of draft (jump-forward, and lookup by the length of the suffix that matched, are counted apart,
+over the tokens verification reached, with decayed counts and a prior of 1/2). A step over B rows costs about ``F + B*r``: a fixed part (the weights streamed
 once, the loop) and a part per row. Without drafts each of S decoding sequences pays ``(F + S*r) / S`` per token;
 a draft row pays for itself when its expected tokens are worth more than its cost, ``a**i * (F + S*r) / S > r``,
 that is ``a**i >= price(S) = S*c / (1 - c + S*c)`` with ``c = r / (F + r)``, the draft row's share of a whole step
