@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from corral.engine.quant import Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_q4, quantize_int4
+from corral.engine.quant import Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_q4, quantize_int4
 from corral.engine.weights import q4_blocks
 
 
@@ -132,3 +132,16 @@ def test_q4_blocks_round_trip_the_weight_cache(tmp_path, monkeypatch):
     back = _unflatten(_flatten({"a.weight": blocks, "b": torch.ones(3)}))
     assert isinstance(back["a.weight"], Q4Blocks) and torch.equal(back["b"], torch.ones(3))
     assert all(torch.equal(x, y) for x, y in zip(back["a.weight"][:3], blocks[:3]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
+def test_dense_float32_small_products_equal_f_linear(rows):
+    """Up to 16 rows take the weights on the left (one row as two); the result is F.linear's to float32 rounding,
+    with its bias, as contiguous rows."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    for b in (None, bias):
+        got = Dense(weight, b, torch.float32)(x)
+        assert got.shape == (rows, 300) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
