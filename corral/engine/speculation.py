@@ -32,7 +32,8 @@ usually a shorter token than the tokenizer's split of the forced bytes (``P`` wh
 The price may depend on the batch because drafts never change a request's tokens: verification draws each token
 from the same row with the same uniform as a run without drafts (see
 :meth:`~corral.engine.sampler.Sampler.verify`), so a seeded request gives the same tokens in any batch, drafted
-or not.
+or not, as far as the model's rows are batch-independent: bit for bit in W4A8's native kernels; torch's dense
+products may differ in the last bits with the number of rows.
 
 A third source, a draft model (a smaller model, or the target's own first layers), lives in
 :mod:`corral.engine.draft_model`: a sequence that neither source drafts for asks it, when its tokens pay at their
