@@ -406,7 +406,6 @@ CORRAL_INLINE vfn lane_totals(vfn* part) {
     return part[0];
 }
 
-
 CORRAL_INLINE float lane_max(vfn x) {  // the largest lane, by halving: the upper half against the lower
     for (int64_t n = LANES / 2; n >= 1; n /= 2) {
         vin upper;
@@ -485,11 +484,11 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
             std::fill(sum.begin(), sum.begin() + queries, 0.0f);
             const float* ks = k_scale ? k_scale + g : nullptr;
             const float* vs = v_scale ? v_scale + g : nullptr;
+            // a block of keys lies in one cache block when the block size is a multiple of KEYS (t0 is one): one
+            // table lookup for it, and one for the next block's keys, asked for while these are read
+            const bool whole = block_size % KEYS == 0;
             for (int64_t t0 = begin; t0 < end; t0 += KEYS) {
                 const int64_t count = std::min(KEYS, end - t0);
-                // a block of keys lies in one cache block when the block size is a multiple of KEYS (t0 is one):
-                // one table lookup for it, and one for the next block's keys, asked for while these are read
-                const bool whole = block_size % KEYS == 0;
                 const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
                 const int64_t ahead = t0 + KEYS;
                 const int64_t next = whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size

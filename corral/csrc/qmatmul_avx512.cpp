@@ -60,8 +60,8 @@ CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, in
             const __m512 d = halves(w + t * stride + 256), mins = halves(w + t * stride + 288);
             for (int r = 0; r < R; ++r) {
                 const int64_t at = (m + r) * blocks + b;
-                acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][r]), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])),
-                                            acc[t][r]);
+                const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at]));
+                acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][r]), step, acc[t][r]);
                 acc[t][r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sum[at]), acc[t][r]);
             }
         }

@@ -19,8 +19,8 @@ and rolls the rest back (KV, guide, hashes, detokenizer never saw it).
 How long a draft is. A draft token costs one more row in the step, and the i-th brings a token only if the
 i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance rate
 ``a`` of that kind of draft (jump-forward, and lookup by the length of the suffix that matched, are counted apart,
-over the tokens verification reached, with decayed counts and a prior of 1/2). A step over B rows costs about ``F + B*r``: a fixed part (the weights streamed
-once, the loop) and a part per row. Without drafts each of S decoding sequences pays ``(F + S*r) / S`` per token;
+over the tokens verification reached, with decayed counts and a prior of 1/2). A step over B rows costs about
+``F + B*r``: a fixed part (the weights streamed once, the loop) and a part per row. Without drafts each of S decoding sequences pays ``(F + S*r) / S`` per token;
 a draft row pays for itself when its expected tokens are worth more than its cost, ``a**i * (F + S*r) / S > r``,
 that is ``a**i >= price(S) = S*c / (1 - c + S*c)`` with ``c = r / (F + r)``, the draft row's share of a whole step
 at batch 1 (``draft_row_cost``, 0.25 measured here). So the price is 0.25 alone, 0.57 at 4 sequences, 0.84 at 16
@@ -168,7 +168,6 @@ class Drafter:
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
-            seq.spec.lookup_order = 0
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
             lookup_cap = tuple(rate.length(config.num_speculative_tokens, price) if lookup else 0
                                for rate in seq.spec.lookup)
