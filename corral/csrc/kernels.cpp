@@ -263,6 +263,16 @@ void kernel_paged_decode(nb::handle q_in, nb::handle k_cache_in, nb::handle v_ca
     }
 }
 
+// The row stride, in floats, of a float32 [rows, heads, dims] view whose heads and dims are contiguous and whose
+// rows lie apart (views into the fused QKV output).
+static int64_t row_stride(const Array& a, const char* what) {
+    const Py_ssize_t* strides = a.buffer.view.strides;
+    if (strides[2] != 4 || strides[1] != a.dim(2) * 4 || strides[0] % 4 ||
+        (a.dim(0) > 1 && strides[0] < a.dim(1) * a.dim(2) * 4))
+        fail(PyExc_ValueError, (std::string(what) + ": heads and dims must be contiguous, rows apart").c_str());
+    return int64_t(strides[0] / 4);
+}
+
 // causal_prefill(q, k, v, out, scale, threads): q [T, H, D], k and v [T, KVH, D] float32 (rows may be strided,
 // heads and dims contiguous), D 64 or 128, H a multiple of KVH; out [T, H * D]
 // float32. Query t attends to keys 0 .. t of its KV head.
@@ -280,13 +290,6 @@ void kernel_causal_prefill(nb::handle q_in, nb::handle k_in, nb::handle v_in, nb
     k.expect_shape({tokens, kv_heads, head_dim});
     v.expect_shape({tokens, kv_heads, head_dim});
     v.expect_float32();
-    auto row_stride = [](const Array& a, const char* what) {
-        const Py_ssize_t* strides = a.buffer.view.strides;
-        if (strides[2] != 4 || strides[1] != a.dim(2) * 4 || strides[0] % 4 ||
-            (a.dim(0) > 1 && strides[0] < a.dim(1) * a.dim(2) * 4))
-            fail(PyExc_ValueError, (std::string(what) + ": heads and dims must be contiguous, rows apart").c_str());
-        return int64_t(strides[0] / 4);
-    };
     const int64_t q_stride = row_stride(q, "q"), k_stride = row_stride(k, "k"), v_stride = row_stride(v, "v");
     const Array out(out_in, "out", true);
     out.expect_shape({tokens, heads * head_dim});
@@ -297,6 +300,71 @@ void kernel_causal_prefill(nb::handle q_in, nb::handle k_in, nb::handle v_in, nb
     NoGil nogil;
     chosen->causal_prefill(q.data<const float>(), q_stride, k.data<const float>(), k_stride, v.data<const float>(),
                            v_stride, out.data<float>(), tokens, heads, kv_heads, head_dim, scale, threads);
+}
+
+// prefill_paged(q, k_cache, v_cache, block_table, num_context, out, scale, threads, k_scale, v_scale): q [T, H, D]
+// float32 (rows may be strided, heads and dims contiguous), D 64 or 128; caches [blocks, block_size, KVH, D]
+// float32, bfloat16, or int8 with float32 scales [blocks, block_size, KVH]; block_table int64 [width], its first
+// ceil(num_context / block_size) entries below blocks; T <= num_context <= width * block_size; out [T, H * D]
+// float32. Query t sits at position num_context - T + t and attends to keys 0 .. that position.
+void kernel_prefill_paged(nb::handle q_in, nb::handle k_cache_in, nb::handle v_cache_in, nb::handle table_in,
+                          int64_t num_context, nb::handle out_in, double scale_in, int threads_in,
+                          nb::handle k_scale_in, nb::handle v_scale_in) {
+    const Array q(q_in, "q", false, true);
+    q.expect_ndim(3);
+    q.expect_float32();
+    const Py_ssize_t tokens = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
+    if (head_dim != 64 && head_dim != 128) fail(PyExc_ValueError, "q: head size 64 or 128 expected");
+    const int64_t q_stride = row_stride(q, "q");
+    const Array k(k_cache_in, "k_cache", false), v(v_cache_in, "v_cache", false);
+    k.expect_ndim(4);
+    const int kv_kind = k.cache_kind();
+    const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
+    if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
+    if (kv_heads < 1 || heads % kv_heads)
+        fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+    v.expect_shape({blocks, block_size, kv_heads, head_dim});
+    v.expect_like(k);
+    if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+    const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
+    if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+    const Array k_scale(has_scales ? k_scale_in : k_cache_in, "k_scale", false);
+    const Array v_scale(has_scales ? v_scale_in : k_cache_in, "v_scale", false);
+    if (has_scales) {
+        for (const Array* scales : {&k_scale, &v_scale}) {
+            scales->expect_shape({blocks, block_size, kv_heads});
+            if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
+        }
+    }
+    const Array table(table_in, "block_table", false);
+    table.expect_ndim(1);
+    table.expect_int64();
+    if (num_context < tokens || num_context < 1 || num_context > table.dim(0) * block_size)
+        fail(PyExc_IndexError, "prefill_paged: num_context outside T .. the block table's keys");
+    const int64_t* ids = table.data<const int64_t>();
+    for (int64_t b = 0; b < (num_context + block_size - 1) / block_size; ++b)
+        if (ids[b] < 0 || ids[b] >= blocks) fail(PyExc_IndexError, "prefill_paged: a block id outside the cache");
+    const Array out(out_in, "out", true);
+    out.expect_shape({tokens, heads * head_dim});
+    out.expect_float32();
+    const float scale = float(scale_in);
+    const int threads = checked_threads(threads_in);
+    if (tokens == 0) return;
+    const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
+    const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
+    NoGil nogil;
+    if (kv_kind == 4)
+        chosen->prefill_paged_f32(q.data<const float>(), q_stride, k.data<const float>(), v.data<const float>(), ks,
+                                  vs, ids, num_context, out.data<float>(), tokens, heads, kv_heads, head_dim,
+                                  block_size, scale, threads);
+    else if (kv_kind == 2)
+        chosen->prefill_paged_bf16(q.data<const float>(), q_stride, k.data<const uint16_t>(),
+                                   v.data<const uint16_t>(), ks, vs, ids, num_context, out.data<float>(), tokens,
+                                   heads, kv_heads, head_dim, block_size, scale, threads);
+    else
+        chosen->prefill_paged_i8(q.data<const float>(), q_stride, k.data<const int8_t>(), v.data<const int8_t>(), ks,
+                                 vs, ids, num_context, out.data<float>(), tokens, heads, kv_heads, head_dim,
+                                 block_size, scale, threads);
 }
 
 // Ends the calling thread's OpenMP worker threads (they come back if it runs a parallel region again). OpenMP
@@ -328,6 +396,9 @@ void add_kernels(nb::module_& m) {
           nb::arg("k_scale").none(), nb::arg("v_scale").none());
     m.def("causal_prefill", &kernel_causal_prefill, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
           nb::arg("scale"), nb::arg("threads"));
+    m.def("prefill_paged", &kernel_prefill_paged, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_table"), nb::arg("num_context"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
+          nb::arg("k_scale").none(), nb::arg("v_scale").none());
 }
 
 }  // namespace corral_native

@@ -33,6 +33,11 @@ using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* 
 using CausalPrefill = void (*)(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
                               int64_t v_stride, float* out, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, float scale, int num_threads);
+template <typename KV>
+using PrefillPaged = void (*)(const float* q, int64_t q_stride, const KV* k_cache, const KV* v_cache,
+                              const float* k_scale, const float* v_scale, const int64_t* table, int64_t num_context,
+                              float* out, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale, int num_threads);
 
 // uint16_t is bfloat16 throughout. paged_decode_<queries>_<cache>: an int8 cache has per-(token, head) scales.
 struct KernelTable {
@@ -51,6 +56,9 @@ struct KernelTable {
     LogNormalizers log_normalizers;
     GreedyPick greedy_pick;
     CausalPrefill causal_prefill;  // float32, head_dim 64 or 128
+    PrefillPaged<float> prefill_paged_f32;  // float32 queries over a float32, bfloat16 or int8 cache
+    PrefillPaged<uint16_t> prefill_paged_bf16;
+    PrefillPaged<int8_t> prefill_paged_i8;
 };
 
 template <Isa isa>

@@ -610,24 +610,37 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
 
 static const int64_t PREFILL_KEYS = 32;  // keys per block
 
+// Scratch for the prefill kernels' widened keys and values, owned by the calling thread and kept between calls
+// (grown, never shrunk) up to KEEP_FLOATS floats each, so a prefill's layers do not map and fault in fresh pages
+// for every layer: 2 x 4 MiB at most per thread, against 2 x 1.2 MiB that SmolLM2's 3 KV heads of 64 take at a
+// 2,048-key context. A larger request gets a buffer of its own for the call.
+static const size_t KEEP_FLOATS = size_t(1) << 20;
+static float* scratch(std::vector<float>& kept, std::vector<float>& own, size_t n) {
+    if (n > KEEP_FLOATS) {
+        own.resize(n);
+        return own.data();
+    }
+    if (kept.size() < n) kept.resize(n);
+    return kept.data();
+}
+
+// The rows of a prefill: T queries q [T, heads, DIM] (rows q_stride floats apart) at positions offset .. offset +
+// T - 1, query t seeing keys 0 .. offset + t of its KV head. K comes transposed per KV head, kt [g][d][key] with
+// `padded` keys a row (a multiple of PREFILL_KEYS, zero past the real ones: one key block's d-th coordinates are 32
+// adjacent floats), V as rows v_stride floats apart (KV head g at g * DIM). out [T, heads * DIM].
 template <int DIM>
-static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-                                int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
-                                float scale, int num_threads) {
+static void prefill_rows(const float* q, int64_t q_stride, const float* kt, int64_t padded, const float* v,
+                         int64_t v_stride, float* out, int64_t T, int64_t offset, int64_t num_heads,
+                         int64_t num_kv_heads, float scale, int num_threads) {
     constexpr int64_t KEYS = PREFILL_KEYS, SCORE_VECS = KEYS / LANES, VECS = DIM / LANES;
     constexpr int ROWS = PREFILL_ROWS;
-    const int64_t group = num_heads / num_kv_heads, padded = (T + KEYS - 1) / KEYS * KEYS;
-    // K transposed per KV head, [g][d][t], zero past T: one key block's d-th coordinates are 32 adjacent floats
-    std::vector<float> kt(size_t(num_kv_heads * DIM * padded), 0.0f);
-    for (int64_t g = 0; g < num_kv_heads; ++g)
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t d = 0; d < DIM; ++d) kt[size_t((g * DIM + d) * padded + t)] = k[t * k_stride + g * DIM + d];
+    const int64_t group = num_heads / num_kv_heads, num_keys = offset + T;
     const int64_t row_blocks = (T + ROWS - 1) / ROWS;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (T > ROWS)
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (row_blocks * num_kv_heads > 1)
     for (int64_t job = 0; job < row_blocks * num_kv_heads; ++job) {
         const int64_t r0 = (row_blocks - 1 - job / num_kv_heads) * ROWS, g = job % num_kv_heads;
-        const int64_t rows = std::min<int64_t>(ROWS, T - r0), last = r0 + rows - 1;
-        const float* ktg = kt.data() + g * DIM * padded;
+        const int64_t rows = std::min<int64_t>(ROWS, T - r0), last = offset + r0 + rows - 1;  // its last key
+        const float* ktg = kt + g * DIM * padded;
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             alignas(64) float qv[ROWS][DIM];
             for (int r = 0; r < ROWS; ++r) {  // a short last block repeats its last row: computed, never stored
@@ -653,11 +666,11 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
                         for (int64_t c = 0; c < SCORE_VECS; ++c) s[r][c] += qv[r][d] * key[c];
                 }
                 alignas(64) float p[ROWS][KEYS];
-                const int64_t keys = std::min<int64_t>(KEYS, T - j0);
+                const int64_t keys = std::min<int64_t>(KEYS, num_keys - j0);
                 for (int r = 0; r < ROWS; ++r) {
                     for (int64_t c = 0; c < SCORE_VECS; ++c) vstore(p[r] + c * LANES, s[r][c]);
-                    // row r0 + r sees keys j0 .. r0 + r of this block (none when it ends before j0)
-                    const int64_t visible = r < rows ? std::min<int64_t>(keys, r0 + r - j0 + 1) : 0;
+                    // row r0 + r sees keys j0 .. offset + r0 + r of this block (none when it ends before j0)
+                    const int64_t visible = r < rows ? std::min<int64_t>(keys, offset + r0 + r - j0 + 1) : 0;
                     if (visible <= 0) {
                         for (int64_t j = 0; j < KEYS; ++j) p[r][j] = 0.0f;
                         continue;
@@ -696,11 +709,79 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
     }
 }
 
+template <int DIM>
+static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                                int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
+                                float scale, int num_threads) {
+    const int64_t padded = (T + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
+    static thread_local std::vector<float> kept;
+    std::vector<float> own;
+    float* kt = scratch(kept, own, size_t(num_kv_heads * DIM * padded));
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * num_kv_heads * DIM >= PARALLEL_MIN)
+    for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)  // blocks of keys: a thread writes whole cache lines
+        for (int64_t g = 0; g < num_kv_heads; ++g)
+            for (int64_t d = 0; d < DIM; ++d) {
+                float* dst = kt + (g * DIM + d) * padded;
+                for (int64_t t = t0; t < t0 + PREFILL_KEYS; ++t) dst[t] = t < T ? k[t * k_stride + g * DIM + d] : 0.0f;
+            }
+    prefill_rows<DIM>(q, q_stride, kt, padded, v, v_stride, out, T, 0, num_heads, num_kv_heads, scale, num_threads);
+}
+
 static void causal_prefill(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
                            int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, float scale, int num_threads) {
     auto f = head_dim == 64 ? causal_prefill_impl<64> : causal_prefill_impl<128>;
     f(q, q_stride, k, k_stride, v, v_stride, out, T, num_heads, num_kv_heads, scale, num_threads);
+}
+
+// A prefill over cached context: T new queries at positions num_context - T .. num_context - 1 over every key
+// 0 .. num_context - 1 of the paged cache (the new tokens' K/V written there already), read through one block
+// table. The keys and values are widened to float32 (times their scales, for int8) into the calling thread's
+// scratch, K transposed, then attended as the causal prefill attends its own: prefix-cache hits and a long
+// prompt's later chunks take the same kernel as a fresh prompt. The attention over the cache is that of torch's
+// masked SDPA on the widened cache, to float32 rounding and exp_approx's few ulp.
+template <typename KV, int DIM>
+static void prefill_paged_impl(const float* q, int64_t q_stride, const KV* k_cache, const KV* v_cache,
+                               const float* k_scale, const float* v_scale, const int64_t* table, int64_t num_context,
+                               float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                               float scale, int num_threads) {
+    const int64_t padded = (num_context + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS, slot = num_kv_heads * DIM;
+    static thread_local std::vector<float> kept_k, kept_v;
+    std::vector<float> own_k, own_v;
+    float* kt = scratch(kept_k, own_k, size_t(num_kv_heads * DIM * padded));
+    float* vb = scratch(kept_v, own_v, size_t(num_context * slot));
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_context * slot >= PARALLEL_MIN)
+    for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)
+        for (int64_t t = t0; t < t0 + PREFILL_KEYS; ++t) {
+            if (t >= num_context) {
+                for (int64_t gd = 0; gd < slot; ++gd) kt[gd * padded + t] = 0.0f;
+                continue;
+            }
+            const int64_t at = table[t / block_size] * block_size + t % block_size;
+            for (int64_t g = 0; g < num_kv_heads; ++g) {
+                const KV* kr = k_cache + at * slot + g * DIM;
+                const KV* vr = v_cache + at * slot + g * DIM;
+                const float ks = k_scale ? k_scale[at * num_kv_heads + g] : 1.0f;
+                const float vs = v_scale ? v_scale[at * num_kv_heads + g] : 1.0f;
+                float* vd = vb + t * slot + g * DIM;
+                for (int64_t d = 0; d < DIM; ++d) {
+                    kt[(g * DIM + d) * padded + t] = load(kr[d]) * ks;
+                    vd[d] = load(vr[d]) * vs;
+                }
+            }
+        }
+    prefill_rows<DIM>(q, q_stride, kt, padded, vb, slot, out, T, num_context - T, num_heads, num_kv_heads, scale,
+                      num_threads);
+}
+
+template <typename KV>
+static void prefill_paged(const float* q, int64_t q_stride, const KV* k_cache, const KV* v_cache,
+                          const float* k_scale, const float* v_scale, const int64_t* table, int64_t num_context,
+                          float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int num_threads) {
+    auto f = head_dim == 64 ? prefill_paged_impl<KV, 64> : prefill_paged_impl<KV, 128>;
+    f(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, num_context, out, T, num_heads, num_kv_heads,
+      block_size, scale, num_threads);
 }
 
 }  // namespace CORRAL_VARIANT
@@ -718,6 +799,8 @@ const KernelTable* variant<Isa::CORRAL_VARIANT>() {
         CORRAL_VARIANT::paged_decode<float, uint16_t>, CORRAL_VARIANT::paged_decode<float, int8_t>,
         CORRAL_VARIANT::paged_decode<uint16_t, int8_t>, CORRAL_VARIANT::log_normalizers,
         CORRAL_VARIANT::greedy_pick, CORRAL_VARIANT::causal_prefill,
+        CORRAL_VARIANT::prefill_paged<float>, CORRAL_VARIANT::prefill_paged<uint16_t>,
+        CORRAL_VARIANT::prefill_paged<int8_t>,
     };
     return &table;
 }

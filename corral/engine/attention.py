@@ -10,9 +10,11 @@ cost of CPU decode. Without it they run as batched SDPA calls over their gathere
 heads of a KV group stacked as the query length so GQA needs no repeat; the runner then sorts decodes by context
 length and cuts them into a few groups, each padded only to its own longest context. A prefill chunk with nothing
 cached runs alone over its own fresh K/V (no gather): in float32 through the native causal kernel
-(:func:`~corral.kernels.paged_attention_cpu.causal_prefill`), else torch's causal flash path; chunks over cached context
-(prefix-cache hits, later chunks of a long prompt, recomputes) are sorted by context length and attended in
-padded groups, one gather and one SDPA call per group and layer. On a GPU the same
+(:func:`~corral.kernels.paged_attention_cpu.causal_prefill`), else torch's causal flash path. A chunk over cached
+context (a prefix-cache hit, a later chunk of a long prompt, a recompute) runs alone through the same kernel over
+the paged cache (:func:`~corral.kernels.paged_attention_cpu.prefill_paged`) in float32; in other dtypes, or without
+the module, such chunks are sorted by context length and attended in padded groups, one gather and one SDPA call
+per group and layer. On a GPU the same
 contract is served by the Triton kernel in :mod:`corral.kernels.paged_attention`, whose torch twin checks this
 code as well.
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from corral.engine.quant import quantize_int8_rows
-from corral.kernels.paged_attention_cpu import causal_prefill, paged_decode, serves_prefill
+from corral.kernels.paged_attention_cpu import causal_prefill, paged_decode, prefill_paged, serves_prefill
 
 
 class KVCache(NamedTuple):
@@ -197,8 +199,11 @@ def _prefill_group(q, cache: KVCache, group: PrefillGroup) -> torch.Tensor:
 
 def _prefill(q, k, v, cache: KVCache, span: PrefillSpan) -> torch.Tensor:
     num_new, num_heads, head_dim = q.shape
-    if span.context_blocks is None and serves_prefill(q):
-        return causal_prefill(q, k, v, head_dim ** -0.5)
+    if serves_prefill(q):
+        if span.context_blocks is None:
+            return causal_prefill(q, k, v, head_dim ** -0.5)
+        return prefill_paged(q, cache.k, cache.v, span.context_blocks, span.num_context, head_dim ** -0.5,
+                             cache.k_scale, cache.v_scale)
     if span.context_blocks is None:
         keys, values, mask = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None
     else:

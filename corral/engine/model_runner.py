@@ -43,6 +43,9 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.use_decode_kernel = paged_attention_cpu.load() is not None
+        # a prefill over cached context runs alone through the native kernel; other prefills group into SDPA calls
+        self.native_prefill = (self.use_decode_kernel and dtype == torch.float32
+                               and model_config.head_dim in (64, 128))
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else kv_torch_dtype(config.kv_cache_dtype)
         bytes_per_token = model_config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes=4 if kv_dtype == torch.int8
                                                           else 0)
@@ -151,7 +154,7 @@ class ModelRunner:
         num_decodes = len(decode_rows)
         group_size = max(num_decodes, 1) if self.use_decode_kernel else DECODE_GROUP_SIZE
         decodes = tuple(self._decode_group(decode_rows[i: i + group_size], i) for i in range(0, num_decodes, group_size))
-        fresh, groups = group_prefills(prefills, size)
+        fresh, groups = (tuple(prefills), ()) if self.native_prefill else group_prefills(prefills, size)
         meta = AttentionMetadata(torch.tensor(slots), decodes, fresh, groups)
         return torch.tensor(input_ids), torch.tensor(positions), meta
 

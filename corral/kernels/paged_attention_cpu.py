@@ -23,7 +23,12 @@ head size 64 or 128): a flash-style kernel in the same module that scores severa
 keys with vector FMAs and serves every query head of a KV group from one read of its K and V. On a 2-core AVX-512
 EPYC, torch's CPU flash attention took 3.1-3.7 ms per layer for 455 tokens of SmolLM2's 9 heads, about half of a
 whole prefill; this kernel about 1.4 ms for 521 tokens.
-What this leaves out: prefill over cached context (it keeps torch's masked SDPA), bfloat16 prefill, float16.
+:func:`prefill_paged` is the prefill of new tokens over cached context (a prefix-cache hit, a long prompt's later
+chunk, a recompute): the same kernel's rows, at an offset, over every key of the paged cache (the new tokens' own
+written there first), which it widens to float32 into the calling thread's scratch before it attends. Before it,
+these prefills ran torch's masked SDPA over a gathered copy: a 500-token prompt behind a 20-token cached prefix took
+240 ms where the same prompt with nothing cached took 160.
+What this leaves out: bfloat16 prefill, float16.
 """
 
 import torch
@@ -66,7 +71,22 @@ def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out
 
 
+def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  num_context: int, scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` [T, heads * D] for float32 queries ``q`` [T, heads, D] (rows may be strided views) at positions
+    ``num_context - T`` .. ``num_context - 1``, each over the keys up to its own position, read from the cache
+    [blocks, block_size, kv_heads, D] through ``block_table`` (int64 [width]); an int8 cache comes with its scales.
+    D must be 64 or 128 (see :func:`serves_prefill`)."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    load().prefill_paged(buffer(q), buffer(k_cache), buffer(v_cache), buffer(block_table.contiguous()), num_context,
+                         buffer(out), scale, torch.get_num_threads(), None if k_scale is None else buffer(k_scale),
+                         None if v_scale is None else buffer(v_scale))
+    return out
+
+
 def serves_prefill(q: torch.Tensor) -> bool:
-    """Whether :func:`causal_prefill` takes these queries: float32 on the CPU, head size 64 or 128, the module
+    """Whether :func:`causal_prefill` and :func:`prefill_paged` take these queries: float32 on the CPU, head size 64 or 128, the module
     loaded."""
     return q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] in (64, 128) and load() is not None

@@ -90,7 +90,11 @@ def test_chunked_prefill_equals_batch(prompts, batch_outputs):
     """A token budget of 32 splits every prompt into chunks that attend to their own cached prefix."""
     from corral.engine import EngineConfig, LLMEngine
 
+    from corral import native
+
     small = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=512))
+    # with the module, those chunks take the native kernel over the paged cache, one span at a time
+    assert small.runner.native_prefill == (native.module() is not None)
     outs = small.generate(prompts[:4], greedy(48))
     for ids, expected, out in zip(prompts, batch_outputs, outs):
         assert_same_or_near_tie(small, ids, expected[:48], out.outputs[0].token_ids)
