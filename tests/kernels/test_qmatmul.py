@@ -97,6 +97,23 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
+    """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
+    fours over tile pairs past 16): a row's product must not depend on which, as drafts and batches rely on."""
+    torch.manual_seed(5)
+    n, k = 100, 576  # seven tiles: groups of two and a short last group
+    weights = torch.randn(n, k)
+    if kind == "q4":
+        tiles, product = pack_q4_tiles(quantize_int4(weights, 32)), q4_product
+    else:
+        tiles, product = pack_q8_tiles(*quantize_q8_blocks(weights)), q8_product
+    x = torch.randn(40, k)
+    alone = torch.cat([product(x[i: i + 1], tiles, n) for i in range(len(x))])
+    for m in list(range(2, 19)) + [24, 33, 40]:
+        assert torch.equal(product(x[:m], tiles, n), alone[:m]), m
+
+
 def test_q8_blocks_give_q8_0_back_exactly_and_the_rows_dequantize_exactly():
     torch.manual_seed(3)
     codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
