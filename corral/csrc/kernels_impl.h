@@ -610,18 +610,20 @@ static void paged_decode(const T* q, const KV* k, const KV* v, const float* k_sc
 
 static const int64_t PREFILL_KEYS = 32;  // keys per block
 
-// Scratch for the prefill kernels' widened keys and values, owned by the calling thread and kept between calls
-// (grown, never shrunk) up to KEEP_FLOATS floats each, so a prefill's layers do not map and fault in fresh pages
-// for every layer: 2 x 4 MiB at most per thread, against 2 x 1.2 MiB that SmolLM2's 3 KV heads of 64 take at a
-// 2,048-key context. A larger request gets a buffer of its own for the call.
+// Scratch for the prefill kernels' widened keys (which 0) and values (which 1), owned by the calling thread and
+// kept between calls (grown, never shrunk) up to KEEP_FLOATS floats each, so a prefill's layers do not map and
+// fault in fresh pages for every layer: 2 x 4 MiB at most per thread, shared by every head size and cache type,
+// against 2 x 1.5 MiB that SmolLM2's 3 KV heads of 64 take at a 2,048-key context. A larger request gets a buffer
+// of its own (`own`) for the call.
 static const size_t KEEP_FLOATS = size_t(1) << 20;
-static float* scratch(std::vector<float>& kept, std::vector<float>& own, size_t n) {
+static float* scratch(int which, std::vector<float>& own, size_t n) {
+    static thread_local std::vector<float> kept[2];
     if (n > KEEP_FLOATS) {
         own.resize(n);
         return own.data();
     }
-    if (kept.size() < n) kept.resize(n);
-    return kept.data();
+    if (kept[which].size() < n) kept[which].resize(n);
+    return kept[which].data();
 }
 
 // The rows of a prefill: T queries q [T, heads, DIM] (rows q_stride floats apart) at positions offset .. offset +
@@ -714,11 +716,10 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
                                 int64_t v_stride, float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads,
                                 float scale, int num_threads) {
     const int64_t padded = (T + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
-    static thread_local std::vector<float> kept;
     std::vector<float> own;
-    float* kt = scratch(kept, own, size_t(num_kv_heads * DIM * padded));
+    float* kt = scratch(0, own, size_t(num_kv_heads * DIM * padded));
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * num_kv_heads * DIM >= PARALLEL_MIN)
-    for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)  // blocks of keys: a thread writes whole cache lines
+    for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)  // blocks of keys: each thread writes runs of its own
         for (int64_t g = 0; g < num_kv_heads; ++g)
             for (int64_t d = 0; d < DIM; ++d) {
                 float* dst = kt + (g * DIM + d) * padded;
@@ -746,10 +747,9 @@ static void prefill_paged_impl(const float* q, int64_t q_stride, const KV* k_cac
                                float* out, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                                float scale, int num_threads) {
     const int64_t padded = (num_context + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS, slot = num_kv_heads * DIM;
-    static thread_local std::vector<float> kept_k, kept_v;
     std::vector<float> own_k, own_v;
-    float* kt = scratch(kept_k, own_k, size_t(num_kv_heads * DIM * padded));
-    float* vb = scratch(kept_v, own_v, size_t(num_context * slot));
+    float* kt = scratch(0, own_k, size_t(num_kv_heads * DIM * padded));
+    float* vb = scratch(1, own_v, size_t(num_context * slot));
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_context * slot >= PARALLEL_MIN)
     for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)
         for (int64_t t = t0; t < t0 + PREFILL_KEYS; ++t) {

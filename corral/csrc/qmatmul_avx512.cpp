@@ -104,10 +104,11 @@ using Rows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, int6
 // passes, the first waiting on memory and the others' arithmetic not overlapping it. The 30 layers' products of
 // SmolLM2 in the native step (2-core AVX-512 EPYC, decode at a 550-token context, alternating runs): 1 row
 // 1.8-2.6 ms -> 1.4-1.5, 5 rows 3.0-3.3 -> 1.8, 9 rows 3.8-4.1 -> 3.2. One pass of 9-12 rows measured no faster
-// than two. Larger row counts (a prefill) go in sixes over tile pairs (then fours, a two, a one), each broadcast
-// feeding two tiles: 31 of the 32 vector registers, and the 30 layers' products of a 503-token prompt 3-7% faster
+// than two. Larger row counts (a prefill) go in sixes (then fours, a two, a one), over Q4 tile pairs, each broadcast
+// feeding two tiles (Q8 tiles one at a time): 31 of the 32 vector registers, and the 30 layers' products of a 503-token prompt 3-7% faster
 // than in fours (three alternating runs). A row's products are the same whatever pass computes them.
 static const int64_t SMALL_MAX = 16;
+static_assert(SMALL_MAX <= 16, "two passes of at most 8 rows: the one-tile kernels go up to 8");
 
 // Tiles go to the threads in groups of Group (a last short group takes the one-tile kernels). `single[r]` is the
 // one-tile kernel of r rows (r = 1 .. 8).
@@ -115,6 +116,7 @@ template <Rows Rows1, Rows Rows2, Rows Rows4, Rows Group1, Rows Group2, Rows Gro
           int64_t Group>
 void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
             const Rows* single) {
+    if (x.rows == 0) return;  // single[0] is no kernel
     const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE, stride = blocks * TileBytes;
     const int64_t groups = (num_tiles + Group - 1) / Group;
     const bool small = x.rows <= SMALL_MAX;
