@@ -95,8 +95,14 @@ CORRAL_INLINE void q8_rows(const Activations& x, int64_t m, const uint8_t* w, in
 
 using Rows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int64_t);
 
-template <Rows Rows1, Rows Rows2, Rows Rows4, int64_t TileBytes>
+// Rows go in passes of at most 4 (the accumulators and pair sums of 4 rows and the tile's registers fill the 16
+// vector registers), as few passes as that allows and as even as they fall: 3 rows in one pass, 7 in 4 and 3, 9
+// in three 3s. Each pass reads the tile's half again; the first waits on memory. A row's products are the same
+// whatever pass computes them.
+template <Rows Rows1, Rows Rows2, Rows Rows3, Rows Rows4, int64_t TileBytes>
 void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    const Rows by_count[5] = {nullptr, Rows1, Rows2, Rows3, Rows4};
+    const int64_t passes = (x.rows + 3) / 4;
     const int64_t blocks = x.cols / BLOCK, halves_total = 2 * ((n + TILE - 1) / TILE);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < halves_total; ++h) {
@@ -106,19 +112,20 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
         const int half = int(h % 2);
         const int64_t valid = n - first < 8 ? n - first : 8;
         float* out = y + first;
-        int64_t m = 0;
-        for (; m + 4 <= x.rows; m += 4) Rows4(x, m, w, blocks, half, out, ldy, valid);
-        if (m + 2 <= x.rows) Rows2(x, m, w, blocks, half, out, ldy, valid), m += 2;
-        if (m < x.rows) Rows1(x, m, w, blocks, half, out, ldy, valid);
+        for (int64_t p = 0, m = 0; p < passes; ++p) {
+            const int64_t rows = (x.rows - m) / (passes - p) + ((x.rows - m) % (passes - p) != 0);
+            by_count[rows](x, m, w, blocks, half, out, ldy, valid);
+            m += rows;
+        }
     }
 }
 
 void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    matmul<q4_rows<1>, q4_rows<2>, q4_rows<4>, Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+    matmul<q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>, Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads);
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    matmul<q8_rows<1>, q8_rows<2>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
+    matmul<q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>, Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads);
 }
 
 // The scalar variant's quantization, 8 lanes at a time: the same products, rounded by the same mode (MXCSR's
