@@ -180,6 +180,42 @@ void kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, 
     }
 }
 
+// A paged KV cache handed in, checked: k_cache and v_cache [blocks, block_size, KVH, head_dim] of one element type
+// (kind: 4 float32, 2 bfloat16, 1 int8), KVH dividing the query heads, and float32 scales [blocks, block_size, KVH]
+// given exactly when the cache is int8 (absent, they stand as views of k_cache, never read).
+struct CacheArgs {
+    Array k, v, k_scale, v_scale;
+    bool has_scales;
+    int kind;
+    Py_ssize_t blocks, block_size, kv_heads;
+
+    CacheArgs(nb::handle k_in, nb::handle v_in, nb::handle k_scale_in, nb::handle v_scale_in, Py_ssize_t heads,
+              Py_ssize_t head_dim)
+        : k(k_in, "k_cache", false), v(v_in, "v_cache", false),
+          k_scale(k_scale_in.is_none() && v_scale_in.is_none() ? k_in : k_scale_in, "k_scale", false),
+          v_scale(k_scale_in.is_none() && v_scale_in.is_none() ? k_in : v_scale_in, "v_scale", false),
+          has_scales(!k_scale_in.is_none() || !v_scale_in.is_none()) {
+        k.expect_ndim(4);
+        kind = k.cache_kind();
+        blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
+        if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
+        if (kv_heads < 1 || heads % kv_heads)
+            fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
+        v.expect_shape({blocks, block_size, kv_heads, head_dim});
+        v.expect_like(k);
+        if (v.cache_kind() != kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
+        if (has_scales != (kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+        if (has_scales) {
+            for (const Array* scales : {&k_scale, &v_scale}) {
+                scales->expect_shape({blocks, block_size, kv_heads});
+                if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
+            }
+        }
+    }
+    const float* k_scales() const { return has_scales ? k_scale.data<const float>() : nullptr; }
+    const float* v_scales() const { return has_scales ? v_scale.data<const float>() : nullptr; }
+};
+
 // paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, threads, k_scale, v_scale): q [S, H, D]
 // float32 or bfloat16; caches [blocks, block_size, KVH, D] of q's dtype, bfloat16 under float32 queries, or int8
 // with float32 scales [blocks, block_size, KVH] (None otherwise); block_tables int64 [S, width], every entry a
@@ -191,28 +227,12 @@ void kernel_paged_decode(nb::handle q_in, nb::handle k_cache_in, nb::handle v_ca
     q.expect_ndim(3);
     const int kind = q.float_kind();
     const Py_ssize_t seqs = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
-    const Array k(k_cache_in, "k_cache", false), v(v_cache_in, "v_cache", false);
-    k.expect_ndim(4);
-    const int kv_kind = k.cache_kind();
+    const CacheArgs cache(k_cache_in, v_cache_in, k_scale_in, v_scale_in, heads, head_dim);
+    const int kv_kind = cache.kind;
     if (!(kv_kind == kind || kv_kind == 1 || (kind == 4 && kv_kind == 2)))
         fail(PyExc_TypeError, "k_cache: q's dtype, bfloat16 under float32 queries, or int8 expected");
-    const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
-    if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
-    if (kv_heads < 1 || heads % kv_heads)
-        fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
-    v.expect_shape({blocks, block_size, kv_heads, head_dim});
-    v.expect_like(k);
-    if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
-    const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
-    if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
-    const Array k_scale(has_scales ? k_scale_in : q_in, "k_scale", false);
-    const Array v_scale(has_scales ? v_scale_in : q_in, "v_scale", false);
-    if (has_scales) {
-        for (const Array* scales : {&k_scale, &v_scale}) {
-            scales->expect_shape({blocks, block_size, kv_heads});
-            if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
-        }
-    }
+    const Py_ssize_t blocks = cache.blocks, block_size = cache.block_size, kv_heads = cache.kv_heads;
+    const Array &k = cache.k, &v = cache.v;
     const Array tables(block_tables_in, "block_tables", false);
     tables.expect_ndim(2);
     tables.expect_int64();
@@ -236,8 +256,8 @@ void kernel_paged_decode(nb::handle q_in, nb::handle k_cache_in, nb::handle v_ca
             if (block < 0 || block >= blocks) fail(PyExc_IndexError, "paged_decode: a block id outside the cache");
         }
     }
-    const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
-    const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
+    const float* ks = cache.k_scales();
+    const float* vs = cache.v_scales();
     {
         NoGil nogil;
         if (kind == 4 && kv_kind == 4)
@@ -316,26 +336,10 @@ void kernel_prefill_paged(nb::handle q_in, nb::handle k_cache_in, nb::handle v_c
     const Py_ssize_t tokens = q.dim(0), heads = q.dim(1), head_dim = q.dim(2);
     if (head_dim != 64 && head_dim != 128) fail(PyExc_ValueError, "q: head size 64 or 128 expected");
     const int64_t q_stride = row_stride(q, "q");
-    const Array k(k_cache_in, "k_cache", false), v(v_cache_in, "v_cache", false);
-    k.expect_ndim(4);
-    const int kv_kind = k.cache_kind();
-    const Py_ssize_t blocks = k.dim(0), block_size = k.dim(1), kv_heads = k.dim(2);
-    if (k.dim(3) != head_dim) fail(PyExc_ValueError, "k_cache: the head size differs from q's");
-    if (kv_heads < 1 || heads % kv_heads)
-        fail(PyExc_ValueError, "the query heads are not a multiple of the KV heads");
-    v.expect_shape({blocks, block_size, kv_heads, head_dim});
-    v.expect_like(k);
-    if (v.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
-    const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
-    if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
-    const Array k_scale(has_scales ? k_scale_in : k_cache_in, "k_scale", false);
-    const Array v_scale(has_scales ? v_scale_in : k_cache_in, "v_scale", false);
-    if (has_scales) {
-        for (const Array* scales : {&k_scale, &v_scale}) {
-            scales->expect_shape({blocks, block_size, kv_heads});
-            if (scales->float_kind() != 4) fail(PyExc_TypeError, "KV scales: float32 expected");
-        }
-    }
+    const CacheArgs cache(k_cache_in, v_cache_in, k_scale_in, v_scale_in, heads, head_dim);
+    const int kv_kind = cache.kind;
+    const Py_ssize_t blocks = cache.blocks, block_size = cache.block_size, kv_heads = cache.kv_heads;
+    const Array &k = cache.k, &v = cache.v;
     const Array table(table_in, "block_table", false);
     table.expect_ndim(1);
     table.expect_int64();
@@ -350,8 +354,8 @@ void kernel_prefill_paged(nb::handle q_in, nb::handle k_cache_in, nb::handle v_c
     const float scale = float(scale_in);
     const int threads = checked_threads(threads_in);
     if (tokens == 0) return;
-    const float* ks = has_scales ? k_scale.data<const float>() : nullptr;
-    const float* vs = has_scales ? v_scale.data<const float>() : nullptr;
+    const float* ks = cache.k_scales();
+    const float* vs = cache.v_scales();
     NoGil nogil;
     if (kv_kind == 4)
         chosen->prefill_paged_f32(q.data<const float>(), q_stride, k.data<const float>(), v.data<const float>(), ks,

@@ -104,9 +104,10 @@ using Rows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, int6
 // passes, the first waiting on memory and the others' arithmetic not overlapping it. The 30 layers' products of
 // SmolLM2 in the native step (2-core AVX-512 EPYC, decode at a 550-token context, alternating runs): 1 row
 // 1.8-2.6 ms -> 1.4-1.5, 5 rows 3.0-3.3 -> 1.8, 9 rows 3.8-4.1 -> 3.2. One pass of 9-12 rows measured no faster
-// than two. Larger row counts (a prefill) go in sixes (then fours, a two, a one), over Q4 tile pairs, each broadcast
-// feeding two tiles (Q8 tiles one at a time): 31 of the 32 vector registers, and the 30 layers' products of a 503-token prompt 3-7% faster
-// than in fours (three alternating runs). A row's products are the same whatever pass computes them.
+// than two. Larger row counts (a prefill) go in sixes (then fours, a two, a one), over Q4 tile pairs, each
+// broadcast feeding two tiles (Q8 tiles one at a time): 31 of the 32 vector registers, and the 30 layers' products
+// of a 503-token prompt 3-7% faster than in fours (three alternating runs). A row's products are the same whatever
+// pass computes them.
 static const int64_t SMALL_MAX = 16;
 static_assert(SMALL_MAX <= 16, "two passes of at most 8 rows: the one-tile kernels go up to 8");
 

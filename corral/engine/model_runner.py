@@ -44,8 +44,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.use_decode_kernel = paged_attention_cpu.load() is not None
         # a prefill over cached context runs alone through the native kernel; other prefills group into SDPA calls
-        self.native_prefill = (self.use_decode_kernel and dtype == torch.float32
-                               and model_config.head_dim in (64, 128))
+        self.native_prefill = paged_attention_cpu.serves_prefills(dtype, model_config.head_dim)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else kv_torch_dtype(config.kv_cache_dtype)
         bytes_per_token = model_config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes=4 if kv_dtype == torch.int8
                                                           else 0)

@@ -20,12 +20,13 @@ How long a draft is. A draft token costs one more row in the step, and the i-th 
 i - 1 before it were accepted, which happens with probability about ``a**i`` for the sequence's acceptance rate
 ``a`` of that kind of draft (jump-forward, and lookup by the length of the suffix that matched, are counted apart,
 over the tokens verification reached, with decayed counts and a prior of 1/2). A step over B rows costs about
-``F + B*r``: a fixed part (the weights streamed once, the loop) and a part per row. Without drafts each of S decoding sequences pays ``(F + S*r) / S`` per token;
-a draft row pays for itself when its expected tokens are worth more than its cost, ``a**i * (F + S*r) / S > r``,
-that is ``a**i >= price(S) = S*c / (1 - c + S*c)`` with ``c = r / (F + r)``, the draft row's share of a whole step
-at batch 1 (``draft_row_cost``, 0.25 measured here). So the price is 0.25 alone, 0.57 at 4 sequences, 0.84 at 16
-and 0.96 at 64: as the batch grows drafts stop, except where they are almost always accepted. A draft takes the
-largest ``k`` with ``a**k >= price``, and a kind of draft whose rate falls below it stops for that sequence.
+``F + B*r``: a fixed part (the weights streamed once, the loop) and a part per row. Without drafts each of S
+decoding sequences pays ``(F + S*r) / S`` per token; a draft row pays for itself when its expected tokens are
+worth more than its cost, ``a**i * (F + S*r) / S > r``, that is ``a**i >= price(S) = S*c / (1 - c + S*c)`` with
+``c = r / (F + r)``, the draft row's share of a whole step at batch 1 (``draft_row_cost``, 0.25 measured here).
+So the price is 0.25 alone, 0.57 at 4 sequences, 0.84 at 16 and 0.96 at 64: as the batch grows drafts stop, except
+where they are almost always accepted. A draft takes the largest ``k`` with ``a**k >= price``, and a kind of draft
+whose rate falls below it stops for that sequence.
 Jump-forward needs pricing too: where the model would rather write something else, its constrained argmax is
 usually a shorter token than the tokenizer's split of the forced bytes (``P`` where ``Presentation`` is forced).
 

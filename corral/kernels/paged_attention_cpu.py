@@ -87,6 +87,11 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def serves_prefill(q: torch.Tensor) -> bool:
-    """Whether :func:`causal_prefill` and :func:`prefill_paged` take these queries: float32 on the CPU, head size 64 or 128, the module
-    loaded."""
-    return q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] in (64, 128) and load() is not None
+    """Whether :func:`causal_prefill` and :func:`prefill_paged` take these queries (see :func:`serves_prefills`)."""
+    return q.device.type == "cpu" and serves_prefills(q.dtype, q.shape[-1])
+
+
+def serves_prefills(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the prefill kernels take CPU queries of this dtype and head size: float32, head size 64 or 128, the
+    module loaded."""
+    return dtype == torch.float32 and head_dim in (64, 128) and load() is not None
