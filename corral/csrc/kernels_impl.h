@@ -406,10 +406,21 @@ CORRAL_INLINE vfn lane_totals(vfn* part) {
     return part[0];
 }
 
+// ROTATE[i]: lane j takes lane (j + LANES / 2**(i + 1)) % LANES. Constants: an index vector filled in a loop was
+// rebuilt lane by lane at every call.
+#if CORRAL_VECTOR_BYTES == 64
+static const vin ROTATE[] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                             {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3},
+                             {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1},
+                             {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0}};
+#elif CORRAL_VECTOR_BYTES == 32
+static const vin ROTATE[] = {{4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 4, 5, 6, 7, 0, 1}, {1, 2, 3, 4, 5, 6, 7, 0}};
+#else
+static const vin ROTATE[] = {{2, 3, 0, 1}, {1, 2, 3, 0}};
+#endif
+
 CORRAL_INLINE float lane_max(vfn x) {  // the largest lane, by halving: the upper half against the lower
-    for (int64_t n = LANES / 2; n >= 1; n /= 2) {
-        vin upper;
-        for (int64_t i = 0; i < LANES; ++i) upper[i] = int32_t((i + n) % LANES);
+    for (const vin& upper : ROTATE) {
         const vfn y = __builtin_shuffle(x, upper);
         x = x > y ? x : y;
     }
@@ -422,6 +433,28 @@ static const int64_t DECODE_KEYS = 16;  // keys per block: a query's scores are 
 // fixed, not taken from the thread count or the batch, so a row's arithmetic never depends on either.
 static const int64_t DECODE_CHUNK = 256;
 
+// The weighted sum of one key block's V rows (vb, DECODE_KEYS x DIM floats) into NQ queries' accumulators (acc,
+// DIM floats apart), each first scaled by its shrink unless that is 1: query q adds w[q * DECODE_KEYS + k] times
+// row k for k < n in that order, the operations it would do alone. FIXED > 0 is n known at compile time.
+template <int DIM, int NQ, int64_t FIXED>
+CORRAL_INLINE void weigh_values(float* acc, const float* w, const float* shrink, const float* vb, int64_t n) {
+    constexpr int64_t VECS = DIM / LANES;
+    if (FIXED > 0) n = FIXED;
+    vfn ar[NQ][VECS];
+    for (int q = 0; q < NQ; ++q) {
+        for (int64_t v = 0; v < VECS; ++v) ar[q][v] = vload(acc + q * DIM + v * LANES);
+        if (shrink[q] != 1.0f)
+            for (int64_t v = 0; v < VECS; ++v) ar[q][v] *= shrink[q];
+    }
+    for (int64_t k = 0; k < n; ++k)
+        for (int64_t v = 0; v < VECS; ++v) {
+            const vfn x = vload(vb + k * DIM + v * LANES);
+            for (int q = 0; q < NQ; ++q) ar[q][v] += w[q * DECODE_KEYS + k] * x;
+        }
+    for (int q = 0; q < NQ; ++q)
+        for (int64_t v = 0; v < VECS; ++v) vstore(acc + q * DIM + v * LANES, ar[q][v]);
+}
+
 // Flash-decoding over the paged cache, for head sizes 64 and 128. Keys are read in blocks of DECODE_KEYS,
 // each key's row widened to float32 (times its scale, for int8) once into an L1 buffer for every query of the run;
 // a query's scores for the block are DECODE_KEYS dot products taken as vector FMAs and reduced together
@@ -430,14 +463,15 @@ static const int64_t DECODE_CHUNK = 256;
 // per query in chunk order. float32 throughout, FMAs allowed, exp_approx's few ulp. As in decode, a row's result
 // does not depend on its run: key blocks and chunks start at fixed positions, and a key past a row's own context
 // is masked out of its max as well as its weights. On a 2-core AVX-512 EPYC, SmolLM2's 9 heads over 560 keys of
-// bfloat16 cache: 23-28 us per layer for one row (38 with the two-pass kernel above), 110-120 us for a run of 9
-// rows (147).
+// bfloat16 cache: 18-19 us per layer for one row (38 with the two-pass kernel above), 56 us for a run of 9 rows
+// (147); one query's work at a time, not a pass at a time, took 22 and 100.
 template <typename T, typename KV, int DIM>
 static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale,
                            const float* v_scale, const int64_t* tables, int64_t table_stride,
                            const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t block_size, float scale, int num_threads) {
     constexpr int64_t KEYS = DECODE_KEYS, VECS = DIM / LANES, PART = DIM + 2;  // a partial: acc, max, sum
+    constexpr int NQ = LANES == 16 ? (VECS <= 4 ? 4 : 2) : 1;  // NQ x VECS accumulators fit the registers
     const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * DIM;
     const std::vector<int64_t> runs = query_runs(tables, table_stride, num_seqs);
     const int64_t num_runs = int64_t(runs.size()) - 1;
@@ -459,8 +493,9 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
     const int64_t num_jobs = first_job[num_runs];
     #pragma omp parallel num_threads(num_threads) if (num_jobs > 1)
     {
-        alignas(64) float kb[KEYS][DIM], vb[KEYS][DIM], sc[KEYS];
-        std::vector<float> query, acc, top, sum;
+        alignas(64) float kb[KEYS][DIM], vb[KEYS][DIM];
+        std::vector<float> query, acc, top, sum, weights, shrinks, highs;
+        std::vector<int64_t> seen;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < num_jobs; ++job) {
             const int64_t r = std::upper_bound(first_job.begin(), first_job.end(), job) - first_job.begin() - 1;
@@ -471,7 +506,10 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
             const int64_t n = *std::max_element(lens, lens + m);
             const int64_t begin = c * DECODE_CHUNK, end = std::min(n, begin + DECODE_CHUNK);
             if (int64_t(query.size()) < queries * DIM) query.resize(queries * DIM), acc.resize(queries * DIM);
-            if (int64_t(top.size()) < queries) top.resize(queries), sum.resize(queries);
+            if (int64_t(top.size()) < queries)
+                top.resize(queries), sum.resize(queries), shrinks.resize(queries), highs.resize(queries),
+                    seen.resize(queries),
+                    weights.resize(queries * KEYS);
             for (int64_t j = 0; j < m; ++j)
                 for (int64_t i = 0; i < group; ++i) {
                     const T* src = q + ((row0 + j) * num_heads + g * group + i) * DIM;
@@ -511,12 +549,18 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                     #pragma omp simd
                     for (int64_t d = 0; d < DIM; ++d) kb[i][d] = load(kr[d]) * kscale, vb[i][d] = load(vr[d]) * vscale;
                 }
+                // Three passes over the queries, each query's work in each independent of the others': the
+                // scores and their max; the weights, their sum and the running max; the weighted sum of V. A
+                // query's scores, max, exponentials and sum form one long chain of dependent operations, and
+                // passes give the core the next queries' work to run beside it.
                 for (int64_t j = 0; j < m; ++j) {
-                    const int64_t visible = std::min(count, lens[j] - t0);  // keys of this block query j sees
-                    if (visible <= 0) continue;
+                    const int64_t visible = std::max<int64_t>(0, std::min(count, lens[j] - t0));  // keys j sees
                     for (int64_t i = 0; i < group; ++i) {
                         const int64_t qi = j * group + i;
+                        seen[qi] = visible;
+                        if (visible == 0) continue;
                         const float* qv = query.data() + qi * DIM;
+                        float* const sc = weights.data() + qi * KEYS;
                         vfn qr[VECS];
                         for (int64_t v = 0; v < VECS; ++v) qr[v] = vload(qv + v * LANES);
                         vfn most = vfn{} - INFINITY;  // lanewise max of the visible scores
@@ -528,32 +572,47 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                                 part[k] = p;
                             }
                             const vfn scores = lane_totals(part);
-                            const vfn seen = LANE + float(k0) < float(visible) ? scores : vfn{} - INFINITY;
-                            vstore(sc + k0, seen);
-                            most = most > seen ? most : seen;
+                            const vfn in = LANE + float(k0) < float(visible) ? scores : vfn{} - INFINITY;
+                            vstore(sc + k0, in);
+                            most = most > in ? most : in;
                         }
-                        float high = std::max(top[qi], lane_max(most));
-                        float total = 0.0f;
-                        #pragma omp simd reduction(+ : total)
-                        for (int64_t k = 0; k < KEYS; ++k) {
-                            const float e = k < visible ? exp_approx(sc[k] - high) : 0.0f;
-                            sc[k] = e;
-                            total += e;
-                        }
-                        float* a = acc.data() + qi * DIM;
-                        vfn ar[VECS];
-                        for (int64_t v = 0; v < VECS; ++v) ar[v] = vload(a + v * LANES);
-                        if (high != top[qi]) {  // the largest score grew: earlier weights shrink by exp(old - new)
-                            const float shrink = top[qi] == -INFINITY ? 0.0f : exp_approx(top[qi] - high);
-                            sum[qi] *= shrink;
-                            for (int64_t v = 0; v < VECS; ++v) ar[v] *= shrink;
-                            top[qi] = high;
-                        }
-                        sum[qi] += total;
-                        for (int64_t k = 0; k < visible; ++k)
-                            for (int64_t v = 0; v < VECS; ++v) ar[v] += sc[k] * vload(vb[k] + v * LANES);
-                        for (int64_t v = 0; v < VECS; ++v) vstore(a + v * LANES, ar[v]);
+                        highs[qi] = std::max(top[qi], lane_max(most));
                     }
+                }
+                for (int64_t qi = 0; qi < queries; ++qi) {
+                    const int64_t visible = seen[qi];
+                    if (visible == 0) continue;
+                    float* const sc = weights.data() + qi * KEYS;
+                    const float high = highs[qi];
+                    float total = 0.0f;
+                    #pragma omp simd reduction(+ : total)
+                    for (int64_t k = 0; k < KEYS; ++k) {
+                        const float e = k < visible ? exp_approx(sc[k] - high) : 0.0f;
+                        sc[k] = e;
+                        total += e;
+                    }
+                    shrinks[qi] = 1.0f;
+                    if (high != top[qi]) {  // the largest score grew: earlier weights shrink by exp(old - new)
+                        shrinks[qi] = top[qi] == -INFINITY ? 0.0f : exp_approx(top[qi] - high);
+                        sum[qi] *= shrinks[qi];
+                        top[qi] = high;
+                    }
+                    sum[qi] += total;
+                }
+                // Queries that see the same keys take the V rows in lockstep, NQ at a time: each query's sums are
+                // the same operations in the same order as alone, with NQ chains of FMAs in flight, not one
+                for (int64_t qi = 0; qi < queries;) {
+                    const int64_t visible = seen[qi];
+                    int64_t width = 1;
+                    while (width < NQ && qi + width < queries && seen[qi + width] == visible) ++width;
+                    if (visible == 0)
+                        qi += width;
+                    else if (width == NQ && visible == KEYS)
+                        weigh_values<DIM, NQ, KEYS>(acc.data() + qi * DIM, weights.data() + qi * KEYS, shrinks.data() + qi,
+                                                    &vb[0][0], KEYS), qi += NQ;
+                    else
+                        weigh_values<DIM, 1, 0>(acc.data() + qi * DIM, weights.data() + qi * KEYS, shrinks.data() + qi,
+                                                &vb[0][0], visible), qi += 1;
                 }
             }
             for (int64_t j = 0; j < m; ++j)
