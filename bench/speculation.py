@@ -24,6 +24,7 @@ verified row that ``EngineConfig.draft_row_cost`` (``--draft-row-cost``) stands 
     .venv/bin/python bench/speculation.py --formats auto --cells json-1,extract-1
     .venv/bin/python bench/speculation.py --check --formats auto,fp32
     .venv/bin/python bench/speculation.py --formats auto --cells free-1 --draft-layers 24   # self-speculation
+    .venv/bin/python bench/speculation.py --formats auto --cells extract-1 --records-seed 8  # other records
 
 ``--draft-model``/``--draft-layers`` add a draft model to the "on" side (prompt lookup and jump-forward first, the
 draft model for the sequences they leave without a draft); ``--draft-model-cost 0`` and ``--draft-row-cost 0``
@@ -222,8 +223,8 @@ class Bench:
         return Run(time.perf_counter() - start, tokens, passes, drafted, accepted, forced, tpots)
 
 
-def cells_for(names: list[str]) -> list[Cell]:
-    makers = {"json": json_jobs, "extract": extract_jobs, "free": free_jobs}
+def cells_for(names: list[str], records_seed: int = 7) -> list[Cell]:
+    makers = {"json": json_jobs, "extract": lambda: extract_jobs(seed=records_seed), "free": free_jobs}
     cells = []
     for name in names:
         workload, concurrency = name.rsplit("-", 1)
@@ -261,8 +262,11 @@ def merged(runs: list[Run]) -> Run:
                sum(r.accepted for r in runs), sum(r.forced for r in runs), [t for r in runs for t in r.tpots])
 
 
-def bench(formats: list[str], cell_names: list[str], repeats: int = 1, drafts: dict | None = None) -> None:
+def bench(formats: list[str], cell_names: list[str], repeats: int = 1, drafts: dict | None = None,
+          records_seed: int = 7) -> None:
     print(f"machine: {cpu_summary()}")
+    if records_seed != 7:
+        print(f"extraction records drawn with seed {records_seed}")
     if drafts:
         print(f"draft settings: {drafts}")
     print("| format | cell | requests | passes/token off | on | fewer passes | tok/s off | on | speed-up | "
@@ -271,7 +275,7 @@ def bench(formats: list[str], cell_names: list[str], repeats: int = 1, drafts: d
     for fmt in formats:
         b = Bench(fmt, **(drafts or {}))
         b.run(free_jobs(2), 1, OFF)  # warm-up: the first steps of a fresh engine are slower
-        for cell in cells_for(cell_names):
+        for cell in cells_for(cell_names, records_seed):
             jobs = b.usable(cell.jobs)
             refused = len(cell.jobs) - len(jobs)
             cell = Cell(cell.workload, cell.concurrency, jobs)
@@ -357,6 +361,8 @@ def main() -> None:
                              "whatever the acceptance, to measure the mechanism)")
     parser.add_argument("--draft-row-cost", type=float, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="the most lookup tokens per step")
+    parser.add_argument("--records-seed", type=int, default=7,
+                        help="draws the extraction cells' 20 records (people, places, quotes) with this seed")
     args = parser.parse_args()
     formats = args.formats.split(",")
     drafts = {name: value for name, value in (("draft_model", args.draft_model), ("draft_layers", args.draft_layers),
@@ -368,7 +374,7 @@ def main() -> None:
         sys.exit(check(formats, args.max_tokens, drafts))
     if args.row_cost:
         return row_cost(formats)
-    bench(formats, args.cells.split(","), args.repeats, drafts)
+    bench(formats, args.cells.split(","), args.repeats, drafts, args.records_seed)
 
 
 if __name__ == "__main__":
