@@ -433,13 +433,20 @@ static const int64_t DECODE_KEYS = 16;  // keys per block: a query's scores are 
 // fixed, not taken from the thread count or the batch, so a row's arithmetic never depends on either.
 static const int64_t DECODE_CHUNK = 256;
 
+// A query's weights for one key block, on a cache line of its own: the loop that writes them is vectorized with a
+// reduction, and a compiler may peel iterations to reach an alignment, which would make the sum's order depend on
+// where the buffer happens to lie.
+struct alignas(64) KeyWeights {
+    float w[DECODE_KEYS];
+};
+static_assert(sizeof(KeyWeights) == DECODE_KEYS * sizeof(float), "consecutive queries' weights are contiguous");
+
 // The weighted sum of one key block's V rows (vb, DECODE_KEYS x DIM floats) into NQ queries' accumulators (acc,
 // DIM floats apart), each first scaled by its shrink unless that is 1: query q adds w[q * DECODE_KEYS + k] times
-// row k for k < n in that order, the operations it would do alone. FIXED > 0 is n known at compile time.
-template <int DIM, int NQ, int64_t FIXED>
+// row k for k < n in that order, the operations it would do alone.
+template <int DIM, int NQ>
 CORRAL_INLINE void weigh_values(float* acc, const float* w, const float* shrink, const float* vb, int64_t n) {
     constexpr int64_t VECS = DIM / LANES;
-    if (FIXED > 0) n = FIXED;
     vfn ar[NQ][VECS];
     for (int q = 0; q < NQ; ++q) {
         for (int64_t v = 0; v < VECS; ++v) ar[q][v] = vload(acc + q * DIM + v * LANES);
@@ -471,7 +478,9 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                            const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t block_size, float scale, int num_threads) {
     constexpr int64_t KEYS = DECODE_KEYS, VECS = DIM / LANES, PART = DIM + 2;  // a partial: acc, max, sum
-    constexpr int NQ = LANES == 16 ? (VECS <= 4 ? 4 : 2) : 1;  // NQ x VECS accumulators fit the registers
+    // queries in lockstep in the weighted sum: AVX-512's 32 registers hold NQ x VECS = 16 accumulators; narrower
+    // vectors take one query at a time
+    constexpr int NQ = LANES == 16 ? (VECS <= 4 ? 4 : 2) : 1;
     const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * DIM;
     const std::vector<int64_t> runs = query_runs(tables, table_stride, num_seqs);
     const int64_t num_runs = int64_t(runs.size()) - 1;
@@ -494,7 +503,8 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
     #pragma omp parallel num_threads(num_threads) if (num_jobs > 1)
     {
         alignas(64) float kb[KEYS][DIM], vb[KEYS][DIM];
-        std::vector<float> query, acc, top, sum, weights, shrinks, highs;
+        std::vector<float> query, acc, top, sum, shrinks, highs;
+        std::vector<KeyWeights> weights;
         std::vector<int64_t> seen;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < num_jobs; ++job) {
@@ -506,10 +516,11 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
             const int64_t n = *std::max_element(lens, lens + m);
             const int64_t begin = c * DECODE_CHUNK, end = std::min(n, begin + DECODE_CHUNK);
             if (int64_t(query.size()) < queries * DIM) query.resize(queries * DIM), acc.resize(queries * DIM);
-            if (int64_t(top.size()) < queries)
-                top.resize(queries), sum.resize(queries), shrinks.resize(queries), highs.resize(queries),
-                    seen.resize(queries),
-                    weights.resize(queries * KEYS);
+            if (int64_t(top.size()) < queries) {
+                for (auto* buffer : {&top, &sum, &shrinks, &highs}) buffer->resize(queries);
+                seen.resize(queries);
+                weights.resize(queries);
+            }
             for (int64_t j = 0; j < m; ++j)
                 for (int64_t i = 0; i < group; ++i) {
                     const T* src = q + ((row0 + j) * num_heads + g * group + i) * DIM;
@@ -560,7 +571,7 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                         seen[qi] = visible;
                         if (visible == 0) continue;
                         const float* qv = query.data() + qi * DIM;
-                        float* const sc = weights.data() + qi * KEYS;
+                        float* const sc = weights[qi].w;
                         vfn qr[VECS];
                         for (int64_t v = 0; v < VECS; ++v) qr[v] = vload(qv + v * LANES);
                         vfn most = vfn{} - INFINITY;  // lanewise max of the visible scores
@@ -582,7 +593,7 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                 for (int64_t qi = 0; qi < queries; ++qi) {
                     const int64_t visible = seen[qi];
                     if (visible == 0) continue;
-                    float* const sc = weights.data() + qi * KEYS;
+                    float* const sc = weights[qi].w;
                     const float high = highs[qi];
                     float total = 0.0f;
                     #pragma omp simd reduction(+ : total)
@@ -599,20 +610,23 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                     }
                     sum[qi] += total;
                 }
-                // Queries that see the same keys take the V rows in lockstep, NQ at a time: each query's sums are
-                // the same operations in the same order as alone, with NQ chains of FMAs in flight, not one
+                // NQ consecutive queries that all see the block's KEYS keys take the V rows in lockstep, the rest
+                // one at a time. Each query's sums are the same operations in the same order as alone; in lockstep
+                // NQ chains of FMAs are in flight, not one.
                 for (int64_t qi = 0; qi < queries;) {
                     const int64_t visible = seen[qi];
                     int64_t width = 1;
                     while (width < NQ && qi + width < queries && seen[qi + width] == visible) ++width;
-                    if (visible == 0)
+                    float* const a = acc.data() + qi * DIM;
+                    if (visible == 0) {
                         qi += width;
-                    else if (width == NQ && visible == KEYS)
-                        weigh_values<DIM, NQ, KEYS>(acc.data() + qi * DIM, weights.data() + qi * KEYS, shrinks.data() + qi,
-                                                    &vb[0][0], KEYS), qi += NQ;
-                    else
-                        weigh_values<DIM, 1, 0>(acc.data() + qi * DIM, weights.data() + qi * KEYS, shrinks.data() + qi,
-                                                &vb[0][0], visible), qi += 1;
+                    } else if (width == NQ && visible == KEYS) {
+                        weigh_values<DIM, NQ>(a, weights[qi].w, shrinks.data() + qi, &vb[0][0], KEYS);
+                        qi += NQ;
+                    } else {
+                        weigh_values<DIM, 1>(a, weights[qi].w, shrinks.data() + qi, &vb[0][0], visible);
+                        qi += 1;
+                    }
                 }
             }
             for (int64_t j = 0; j < m; ++j)
