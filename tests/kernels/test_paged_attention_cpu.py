@@ -131,7 +131,8 @@ def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv, context, dim)
     """A decode and its draft are consecutive rows with one block table and contexts n, n+1, ...: the kernel reads
     their K/V once for the whole run, and each row's output is bit for bit what it gives alone (and the twin's).
     At 300 keys each row reads two of the kernel's 256-key chunks, whose partial sums are merged. A run's queries
-    that see the same keys take the V rows several at a time, a query alone takes them by itself: the same bits."""
+    that see all of a key block take its V rows several at a time, a query alone takes them by itself: the same
+    bits."""
     q, k_cache, v_cache, tables, _ = make_case(9, 3, dim, 16, [context], dtype=torch.float32, seed=3)
     scales = (None, None)
     if kv == "bfloat16":
