@@ -131,16 +131,21 @@ static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int thre
 // log(sum_i exp(x[i])) over the first n columns (the sampler's log-normalizer): the row's max, then one pass of
 // exp(x - max) summed in float32 vectors (8 or 16 partial sums, then their sum): relative error a few float32 ulp.
 // -inf columns add 0; an all -inf row gives -inf.
-static inline float log_normalizer(const float* x, int64_t n) {
+static inline float row_max(const float* x, int64_t n) {
     float top = -INFINITY;
     #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
+    return top;
+}
+// The second half, given the row's max (the max is exact, whatever order finds it).
+static inline float log_normalizer_at(const float* x, int64_t n, float top) {
     if (top == -INFINITY || top != top) return top;
     float sum = 0.0f;
     #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += x[i] == -INFINITY ? 0.0f : exp_approx(x[i] - top);
     return top + std::log(sum);
 }
+static inline float log_normalizer(const float* x, int64_t n) { return log_normalizer_at(x, n, row_max(x, n)); }
 
 // out[r] = the log-normalizer of logits row r's first n columns.
 static void log_normalizers(const float* logits, int64_t rows, int64_t stride, int64_t n, float* out, int threads) {
@@ -159,9 +164,15 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
         const float* x = logits + r * stride;
         ids[r] = -1;
         logprobs[r] = 0.0f;
-        int odd = 0;  // a NaN or +inf anywhere: the general path says what that means
-        #pragma omp simd reduction(| : odd)
-        for (int64_t i = 0; i < n; ++i) odd |= !(x[i] < INFINITY);
+        // one pass for the whole row's max (the log-normalizer's) and whether it holds a NaN or +inf (then the
+        // general path says what that means)
+        float full = -INFINITY;
+        int odd = 0;
+        #pragma omp simd reduction(max : full) reduction(| : odd)
+        for (int64_t i = 0; i < n; ++i) {
+            odd |= !(x[i] < INFINITY);
+            full = x[i] > full ? x[i] : full;
+        }
         if (odd) continue;
         float top = -INFINITY;
         int64_t at = -1;
@@ -194,18 +205,24 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
                     }
                 }
             }
-        } else {
-            #pragma omp simd reduction(max : top)
-            for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
-            for (int64_t i = 0; i < n; ++i)
-                if (x[i] == top) {
-                    at = i;
-                    break;
-                }
+        } else if (full > -INFINITY) {  // the first column at the row's max: 64 columns tested at a time
+            top = full;
+            for (int64_t base = 0; at < 0 && base < n; base += 64) {
+                const int64_t span = std::min<int64_t>(64, n - base);
+                int hit = 0;
+                #pragma omp simd reduction(| : hit)
+                for (int64_t i = 0; i < span; ++i) hit |= x[base + i] == top;
+                if (hit)
+                    for (int64_t i = 0; i < span; ++i)
+                        if (x[base + i] == top) {
+                            at = base + i;
+                            break;
+                        }
+            }
         }
         if (at < 0 || top == -INFINITY) continue;
         ids[r] = at;
-        logprobs[r] = x[at] - log_normalizer(x, n);
+        logprobs[r] = x[at] - log_normalizer_at(x, n, full);
     }
 }
 

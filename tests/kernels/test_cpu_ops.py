@@ -89,3 +89,41 @@ def test_log_normalizers_of_a_row_with_nothing_allowed_is_minus_infinity_and_odd
     assert cpu_ops.log_normalizers(logits, 8).tolist() == [float("-inf"), 2.5]
     assert cpu_ops.log_normalizers(logits.double(), 8) is None  # torch's logsumexp then runs
     assert cpu_ops.log_normalizers(torch.randn(4, 8)[:, :4], 4) is None  # not contiguous
+
+
+_GREEDY_CHECK = """
+import json, sys, numpy as np, torch
+from corral import native
+from corral.kernels import cpu_ops
+rng = np.random.default_rng(3)
+wrong = []
+for trial in range(60):
+    rows, n = int(rng.integers(1, 9)), int(rng.choice([1, 63, 64, 65, 1000, 4099, 49152]))
+    width = n + int(rng.integers(0, 40))
+    logits = torch.from_numpy(rng.integers(-8, 8, (rows, width)).astype(np.float32) / 4)  # ties everywhere
+    logits[:, n:] = 100.0  # padding past the vocabulary is never chosen
+    logits[torch.from_numpy(rng.random((rows, width)) < 0.2)] = float("-inf")
+    for r in range(rows):  # one clear winner, anywhere in the row (past the first chunks too), sometimes twice
+        at = int(rng.integers(0, n))
+        logits[r, at] = 3.0
+        if rng.random() < 0.5:
+            logits[r, int(rng.integers(at, n))] = 3.0
+    picked = cpu_ops.greedy_pick(logits, n, None, None)
+    expected = [int(np.argmax(row)) for row in logits[:, :n].numpy()]  # numpy's argmax: the first largest
+    lse = torch.logsumexp(logits[:, :n], dim=-1)
+    if picked is None or picked[0] != expected or not torch.allclose(
+            torch.tensor(picked[1]), logits[torch.arange(rows), expected] - lse, rtol=2e-6, atol=2e-6):
+        wrong.append(trial)
+print(json.dumps({"isa": native.module().kernel_isa, "wrong": wrong}))
+"""
+
+
+@pytest.mark.parametrize("variant", [None, "baseline"] + (
+    ["avx2"] if {"avx2", "fma", "f16c", "bmi2"} <= __import__("corral.native", fromlist=["x"]).cpu_flags() else []))
+def test_the_greedy_pass_picks_the_first_largest_column_in_every_variant(variant):
+    """Unmasked rows of every width around the 64-column chunks the first-largest search tests at once, with the
+    largest anywhere and tied: the first of them, and its logit less torch's logsumexp."""
+    from tests.kernels.variants import report_in_variant
+
+    report = report_in_variant(_GREEDY_CHECK, **({"CORRAL_NATIVE_BUILD": variant} if variant else {}))
+    assert (variant is None or report["isa"].startswith(variant)) and report["wrong"] == [], report
