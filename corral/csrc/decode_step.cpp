@@ -14,6 +14,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <algorithm>
 #include <vector>
 
 namespace corral_native {
@@ -24,7 +26,71 @@ constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermedi
 int64_t q4_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * (k / 32) * corral_qmatmul::Q4_TILE_BYTES; }
 
 // The parts a profile splits a step into (seconds added to timings[part] when a timings buffer is given).
-enum Part { EMBED, NORM, MATMUL, ROPE, KV_WRITE, ATTENTION, SILU, PARTS };
+enum Part { EMBED, NORM, MATMUL, ROPE, KV_WRITE, ATTENTION, SILU, LM_HEAD, PARTS };
+
+// A per-row int64 argument: a Python list of ints (what the engine's scheduler holds, read here without a
+// conversion through numpy or torch, whose calls cost tens of microseconds after a step has left the caches cold)
+// or a 1-dimensional int64 buffer.
+struct Ints {
+    std::vector<int64_t> owned;
+    std::unique_ptr<Array> array;
+    const int64_t* data = nullptr;
+    Py_ssize_t size = 0;
+
+    Ints(nb::handle in, const char* name) {
+        if (PyList_Check(in.ptr())) {
+            size = PyList_GET_SIZE(in.ptr());
+            owned.resize(size);
+            for (Py_ssize_t i = 0; i < size; ++i) owned[i] = int_of(nb::handle(PyList_GET_ITEM(in.ptr(), i)));
+            data = owned.data();
+            return;
+        }
+        array = std::make_unique<Array>(in, name, false);
+        array->expect_ndim(1);
+        array->expect_int64();
+        size = array->dim(0);
+        data = array->data<const int64_t>();
+    }
+};
+
+// The block tables: an int64 buffer [B, W], or a list of B lists (each sequence's own block table, as long as it
+// is), copied here into [B, W] with W the most blocks a row's context needs, the rest of a row 0. A list row
+// shorter than its context needs is an error.
+struct Tables {
+    std::vector<int64_t> owned;
+    std::unique_ptr<Array> array;
+    const int64_t* data = nullptr;
+    int64_t width = 0;
+
+    Tables(nb::handle in, const Ints& lens, int64_t block_size) {
+        const Py_ssize_t B = lens.size;
+        if (PyList_Check(in.ptr())) {
+            if (PyList_GET_SIZE(in.ptr()) != B) fail(PyExc_ValueError, "tables: one row per sequence");
+            std::vector<int64_t> need(B);
+            for (Py_ssize_t b = 0; b < B; ++b) {  // each row's blocks, checked against its list before any copy
+                PyObject* row = PyList_GET_ITEM(in.ptr(), b);
+                if (!PyList_Check(row)) fail(PyExc_TypeError, "tables: a list of lists of block ids expected");
+                need[b] = lens.data[b] < 1 ? 0 : (lens.data[b] - 1) / block_size + 1;
+                if (PyList_GET_SIZE(row) < need[b])
+                    fail(PyExc_IndexError, "decode_step: a context length outside its block table");
+                width = std::max(width, need[b]);
+            }
+            owned.assign(B * width, 0);
+            for (Py_ssize_t b = 0; b < B; ++b) {
+                PyObject* row = PyList_GET_ITEM(in.ptr(), b);
+                for (int64_t j = 0; j < need[b]; ++j) owned[b * width + j] = int_of(nb::handle(PyList_GET_ITEM(row, j)));
+            }
+            data = owned.data();
+            return;
+        }
+        array = std::make_unique<Array>(in, "tables", false);
+        array->expect_ndim(2);
+        array->expect_int64();
+        if (array->dim(0) != B) fail(PyExc_ValueError, "tables: one row per sequence");
+        width = array->dim(1);
+        data = array->data<const int64_t>();
+    }
+};
 
 // Adds the time since the last mark to a part; a no-op without a timings buffer.
 struct Clock {
@@ -54,18 +120,21 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
     return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables [B, W], lens [B] (int64),
-//             embed Q8 tiles [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o,
-//             gate_up, down, one after another), norms float32 [2 layers + 1, hidden], cos, sin float32
-//             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32,
-//             bfloat16 (as int16) or int8, out float32 [B, hidden], threads, timings float64 [7] or None: seconds
-//             added per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU; k_scale, v_scale
-//             float32 [layers, blocks, block_size, kv_heads] for an int8 cache, else None)
+// decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables, lens [B], embed Q8 tiles
+//             [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o, gate_up, down, one
+//             after another), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
+//             k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32, bfloat16 (as int16) or
+//             int8, out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part:
+//             embedding, norms, matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32
+//             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
+//             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None)
+// ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
+// block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
                  nb::handle tables_in, nb::handle lens_in, nb::handle embed_in, nb::handle layer_tiles_in,
                  nb::handle norms_in, nb::handle cos_in, nb::handle sin_in, nb::handle k_cache_in,
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
-                 nb::handle k_scale_in, nb::handle v_scale_in) {
+                 nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -77,18 +146,13 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
     if (H % 32 || I % 32 || (heads * D) % 32 || heads % kv_heads || D % 2)
         fail(PyExc_ValueError, "decode_step: hidden, intermediate and heads x head_dim must be multiples of 32");
     const float eps = float(eps_in);
-    const Array ids(ids_in, "ids", false), positions(positions_in, "positions", false), slots(slots_in, "slots", false),
-        tables(tables_in, "tables", false), lens(lens_in, "lens", false);
-    ids.expect_ndim(1);
-    const Py_ssize_t B = ids.dim(0);
-    for (const Array* a : {&ids, &positions, &slots, &lens}) {
-        a->expect_shape({B});
-        a->expect_int64();
-    }
-    tables.expect_ndim(2);
-    tables.expect_int64();
-    if (tables.dim(0) != B) fail(PyExc_ValueError, "tables: one row per sequence");
-    const int64_t width = tables.dim(1);
+    const Ints ids(ids_in, "ids"), positions(positions_in, "positions"), slots(slots_in, "slots"),
+        lens(lens_in, "lens");
+    const Py_ssize_t B = ids.size;
+    for (const Ints* a : {&positions, &slots, &lens})
+        if (a->size != B) fail(PyExc_ValueError, "decode_step: ids, positions, slots and lens differ in length");
+    const Tables tables(tables_in, lens, block_size);
+    const int64_t width = tables.width;
     const Array embed(embed_in, "embed", false), layer_tiles(layer_tiles_in, "layer_tiles", false),
         norms(norms_in, "norms", false), cos(cos_in, "cos", false), sin(sin_in, "sin", false),
         k_cache(k_cache_in, "k_cache", true), v_cache(v_cache_in, "v_cache", true), out(out_in, "out", true);
@@ -134,9 +198,20 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
         timings.expect_shape({PARTS});
         timings.expect_format('d', 8, "float64");
     }
-    const int64_t *id = ids.data<const int64_t>(), *pos = positions.data<const int64_t>(),
-                  *slot = slots.data<const int64_t>(), *table = tables.data<const int64_t>(),
-                  *len = lens.data<const int64_t>();
+    const int64_t *id = ids.data, *pos = positions.data, *slot = slots.data, *table = tables.data, *len = lens.data;
+    const bool has_head = !head_in.is_none();
+    if (has_head == logits_in.is_none()) fail(PyExc_TypeError, "decode_step: head and logits go together");
+    const Array head(has_head ? head_in : spec_in, "head", false), logits(has_head ? logits_in : spec_in, "logits",
+                                                                            has_head);
+    int64_t head_rows = 0;
+    if (has_head) {
+        logits.expect_float32();
+        logits.expect_ndim(2);
+        if (logits.dim(0) != B) fail(PyExc_ValueError, "logits: one row per sequence");
+        head_rows = logits.dim(1);
+        head.expect_uint8();
+        head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
+    }
     for (Py_ssize_t b = 0; b < B; ++b) {
         if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
         if (pos[b] < 0 || pos[b] >= cos.dim(0)) fail(PyExc_IndexError, "decode_step: a position past the table");
@@ -228,6 +303,11 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
         }
         k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
         clock.mark(NORM);
+        if (has_head) {
+            q8_product(out.data<const float>(), B, H, head.data<const uint8_t>(), head_rows, logits.data<float>(),
+                       threads);
+            clock.mark(LM_HEAD);
+        }
     }
 }
 
@@ -238,7 +318,8 @@ void add_decode_step(nb::module_& m) {
     m.def("decode_step", &decode_step, nb::arg("spec"), nb::arg("eps"), nb::arg("ids"), nb::arg("positions"),
           nb::arg("slots"), nb::arg("tables"), nb::arg("lens"), nb::arg("embed"), nb::arg("layer_tiles"),
           nb::arg("norms"), nb::arg("cos"), nb::arg("sin"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
-          nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none());
+          nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(),
+          nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none());
 }
 
 }  // namespace corral_native

@@ -145,39 +145,47 @@ void kernel_log_normalizers(nb::handle logits_in, int64_t n, nb::handle out_in, 
     }
 }
 
-// greedy_pick(logits [rows, width] float32, n, bitmask [rows, words] int32 or None, masked [rows] uint8 or None,
-// ids [rows] int64, logprobs [rows] float32, threads): per row the first largest of the first n columns its mask
-// allows (bitmask row r applies where masked[r]; no bitmask: every column), or -1 (none allowed above -inf, or a
-// NaN in the row), and its raw logit less the row's log-normalizer.
-void kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
-                        nb::handle ids_in, nb::handle logprobs_in, int threads_in) {
-    const Array logits(logits_in, "logits", false), ids(ids_in, "ids", true), logprobs(logprobs_in, "logprobs", true);
+// greedy_pick(logits [rows, width] float32, n, bitmask [rows, words] int32 or None, masked: a list of the rows
+// the bitmask applies to, or None, threads) -> (ids, logprobs), two lists: per row the first largest of the first
+// n columns its mask allows (no bitmask: every column), or -1 (none allowed above -inf, or a NaN or +inf in the
+// row), and its raw logit less the row's log-normalizer. Lists in and out: a numpy or torch call per array costs
+// tens of microseconds in a step that finds the caches cold.
+nb::tuple kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
+                             int threads_in) {
+    const Array logits(logits_in, "logits", false);
     logits.expect_ndim(2);
     logits.expect_float32();
     if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
     const int64_t rows = logits.dim(0);
-    ids.expect_shape({rows});
-    ids.expect_int64();
-    logprobs.expect_shape({rows});
-    logprobs.expect_float32();
-    std::unique_ptr<Array> bitmask, masked;
+    std::unique_ptr<Array> bitmask;
+    std::vector<uint8_t> masked;
     if (!bitmask_in.is_none()) {
         bitmask = std::make_unique<Array>(bitmask_in, "bitmask", false);
         bitmask->expect_format('i', 4, "int32");
         bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
-        if (masked_in.is_none()) fail(PyExc_ValueError, "greedy_pick: a bitmask needs its masked rows");
-        masked = std::make_unique<Array>(masked_in, "masked", false);
-        masked->expect_uint8();
-        masked->expect_shape({rows});
+        if (!PyList_Check(masked_in.ptr())) fail(PyExc_TypeError, "greedy_pick: a bitmask needs its masked rows");
+        masked.assign(rows, 0);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(masked_in.ptr()); ++i) {
+            const int64_t row = int_of(nb::handle(PyList_GET_ITEM(masked_in.ptr(), i)));
+            if (row < 0 || row >= rows) fail(PyExc_IndexError, "greedy_pick: a masked row outside the logits");
+            masked[row] = 1;
+        }
     }
     const int threads = checked_threads(threads_in);
+    std::vector<int64_t> ids(rows);
+    std::vector<float> logprobs(rows);
     {
         NoGil nogil;
         chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n,
                             bitmask ? bitmask->data<const int32_t>() : nullptr, bitmask ? bitmask->dim(1) : 0,
-                            masked ? masked->data<const uint8_t>() : nullptr, ids.data<int64_t>(),
-                            logprobs.data<float>(), threads);
+                            bitmask ? masked.data() : nullptr, ids.data(), logprobs.data(), threads);
     }
+    nb::list id_list, logprob_list;
+    for (int64_t r = 0; r < rows; ++r) {
+        id_list.append(nb::int_(ids[r]));
+        logprob_list.append(nb::float_(double(logprobs[r])));
+    }
+    return nb::make_tuple(id_list, logprob_list);
 }
 
 // A paged KV cache handed in, checked: k_cache and v_cache [blocks, block_size, KVH, head_dim] of one element type
@@ -394,7 +402,7 @@ void add_kernels(nb::module_& m) {
     m.def("silu_mul", &kernel_silu_mul);
     m.def("log_normalizers", &kernel_log_normalizers);
     m.def("greedy_pick", &kernel_greedy_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
-          nb::arg("masked").none(), nb::arg("ids"), nb::arg("logprobs"), nb::arg("threads"));
+          nb::arg("masked").none(), nb::arg("threads"));
     m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
           nb::arg("k_scale").none(), nb::arg("v_scale").none());

@@ -134,9 +134,12 @@ class NativeStep:
                                   cfg.intermediate_size, model.embed.table.out_features, 0], dtype=torch.int64)
         self.embed_tiles = model.embed.table.tiles
         self.model = model
-        # set to float64 [7] to have each step add its seconds per part (bench/step_profile.py)
+        self.head_tiles = model.lm_head.tiles if isinstance(model.lm_head, Q8Tiles) else None
+        # set to float64 [8] to have each step add its seconds per part (bench/step_profile.py)
         self.profile: torch.Tensor | None = None
         self._views: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (tensor, its buffer), for the long-lived
+        self._block_size = 0  # spec[7], as a Python int: reading the tensor would be a torch call per step
+        self._outputs = _StepOutputs(cfg.hidden_size, model.lm_head.out_features if self.head_tiles is not None else 0)
 
     def _view(self, tensor: torch.Tensor):
         """The buffer of a tensor that lives across steps (weights, tables, the KV cache), made once: a step
@@ -148,7 +151,7 @@ class NativeStep:
             known = self._views[id(tensor)] = (tensor, cpu_ops.buffer(tensor))
         return known[1]
 
-    PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU")
+    PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU", "LM head")
 
     def truncated(self, model: "LlamaModel") -> "NativeStep":
         """The step of ``model``, this step's model cut to its first layers (:meth:`LlamaModel.truncated`): the
@@ -160,7 +163,8 @@ class NativeStep:
         step.norms = torch.cat((self.norms[: 2 * num_layers], self.norms[-1:])).contiguous()
         step.spec = self.spec.clone()
         step.spec[0] = num_layers
-        step.model, step.profile, step._views = model, None, {}
+        step.model, step.profile, step._views, step._block_size = model, None, {}, 0
+        step._outputs = _StepOutputs(self._outputs.hidden_size, self._outputs.vocab)  # its own buffers
         return step
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -170,19 +174,66 @@ class NativeStep:
         [layers, blocks, block_size, kv_heads, head_dim] (float32, bfloat16 or int8 with ``k_scale``/``v_scale``
         [layers, blocks, block_size, kv_heads]), written at ``slots``."""
         model = self.model
-        spec = self.spec
-        if spec[7] != k_cache.shape[2]:  # the block size: known once the cache is
-            spec[7] = k_cache.shape[2]
+        self._set_block_size(k_cache.shape[2])
         out = torch.empty(len(input_ids), model.config.hidden_size)
         view = self._view
         native.module().decode_step(
-            view(spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
-                                                     (input_ids, positions, slots, tables, context_lens)),
+            view(self.spec), model.config.rms_norm_eps, *(cpu_ops.buffer(t.contiguous()) for t in
+                                                          (input_ids, positions, slots, tables, context_lens)),
             view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
             view(k_cache), view(v_cache), cpu_ops.buffer(out), torch.get_num_threads(),
             None if self.profile is None else self.profile.numpy(),
             *(None if s is None else view(s) for s in (k_scale, v_scale)))
         return out
+
+    def decode(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+               context_lens: list[int], threads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """What :meth:`__call__` computes, then the LM head: float32 logits [B, vocab], from the engine's own
+        lists (``tables``: each row's block table, as long as it is), with no torch or numpy call on the way. A
+        step after the forward's weight stream finds the caches cold, where each such call cost 10-30 us. The
+        logits are a view of a buffer that the next call overwrites. Only where the LM head is Q8 tiles
+        (:attr:`head_tiles`)."""
+        model, view = self.model, self._view
+        if not self._block_size:  # the native side checks the cache against it at every call
+            self._set_block_size(k_cache.shape[2])
+        hidden, logits, hidden_buffer, logits_buffer = self._outputs.rows(len(input_ids))
+        native.module().decode_step(
+            view(self.spec), model.config.rms_norm_eps, input_ids, positions, slots, tables, context_lens,
+            view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
+            view(k_cache), view(v_cache), hidden_buffer, threads,
+            None if self.profile is None else self.profile.numpy(),
+            None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
+            view(self.head_tiles), logits_buffer)
+        return logits
+
+    def _set_block_size(self, block_size: int) -> None:
+        if block_size != self._block_size:  # known once the cache is
+            self.spec[7] = self._block_size = block_size
+
+
+class _StepOutputs:
+    """The native step's output buffers, grown to the most rows a step has had, with their views for each row
+    count made once (a view is a torch and a numpy call, each tens of microseconds in a cold step)."""
+
+    def __init__(self, hidden_size: int, vocab: int):
+        self.hidden_size, self.vocab = hidden_size, vocab
+        self._capacity = 0
+        self._rows: dict[int, tuple] = {}
+
+    def rows(self, count: int) -> tuple:
+        """(hidden [count, hidden_size], logits [count, vocab], and their buffers for the native call)."""
+        known = self._rows.get(count)
+        if known is None:
+            if count > self._capacity:  # views of the old buffers stay valid for whoever still holds them
+                self._capacity = max(count, 2 * self._capacity, 8)
+                self._hidden = torch.empty(self._capacity, self.hidden_size)
+                self._logits = torch.empty(self._capacity, self.vocab)
+                cpu_ops.forget_buffers(known[1] for known in self._rows.values())
+                self._rows.clear()
+            hidden, logits = self._hidden[:count], self._logits[:count]
+            known = self._rows[count] = (hidden, logits, cpu_ops.buffer(hidden), cpu_ops.register_buffer(logits))
+        return known
 
 
 class LlamaModel:

@@ -104,10 +104,46 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one forward pass; return the sequences that sample and their float32 logits. A sequence with a
-        draft has ``1 + len(draft)`` consecutive rows (its last token's, then each draft token's); the others one."""
+        draft has ``1 + len(draft)`` consecutive rows (its last token's, then each draft token's); the others one.
+        The logits may be a view of a buffer that the next step overwrites."""
+        if self.native_step is not None and self.native_step.head_tiles is not None:
+            decoded = self._native_decode(batch)
+            if decoded is not None:
+                return decoded
+        return self._execute(batch)
+
+    def _native_decode(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor] | None:
+        """A step of single-query rows that all sample (decodes, with their drafts), in batch order, through the
+        native step and its LM head, fed the scheduler's own lists: no torch call from here to the logits. None
+        when a row is anything else (a prefill chunk, a one-token chunk that does not sample)."""
+        size = self.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            start, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
+            if count == 1 and not seq.draft and start + 1 == len(tokens):
+                ids.append(tokens[start])
+                positions.append(start)
+                slots.append(table[start // size] * size + start % size)
+                tables.append(table)
+                lens.append(start + 1)
+                continue
+            if not (seq.draft and start + 1 == len(tokens) and count == 1 + len(seq.draft)):
+                return None
+            ids.extend(seq.input_token_ids(start, count))
+            for position in range(start, start + count):
+                positions.append(position)
+                slots.append(table[position // size] * size + position % size)
+                tables.append(table)
+                lens.append(position + 1)
+        kv = self.whole_kv
+        logits = self.native_step.decode(ids, positions, slots, tables, lens, torch.get_num_threads(), kv.k, kv.v,
+                                         kv.k_scale, kv.v_scale)
+        return list(batch.seqs), logits
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         # single-query sequences (decodes, with their drafts) first, by context length, so decode groups pad little
         order = sorted(range(len(batch.seqs)), key=lambda i: (not _is_decode(batch.seqs[i], batch.num_new_tokens[i]),
                                                               batch.seqs[i].num_computed_tokens))

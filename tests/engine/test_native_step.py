@@ -101,3 +101,58 @@ def test_a_model_cut_to_its_first_layers_steps_natively_as_its_torch_path(engine
         outputs[step] = run(engine, [chat(target, q) for q in QUESTIONS[:6]])
     assert outputs["native"] == outputs["torch"]
     assert outputs["native"] != run(target, [chat(target, q) for q in QUESTIONS[:6]])  # 12 layers, not 30
+
+
+def test_the_step_fed_lists_computes_the_tensor_step_then_its_head(engines):
+    """The engine's path (:meth:`NativeStep.decode`: the scheduler's lists, each row's whole block table, the LM
+    head in the same call) against the tensor call and the head run after it: the same logits, bit for bit, for
+    two sequences and for a run of rows on one table (a decode and its draft). The rows write K/V into blocks
+    that may hold cached prefixes: the prefix cache is forgotten after."""
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size = runner.block_size
+    cases = [([5, 9], [3, 7], [3, size + 7], [[0, 4, 6], [1]], [4, 8]),
+             ([11, 12, 13], [20, 21, 22], [size * 2 + 4, size * 2 + 5, size * 2 + 6], [[3, 2]] * 3, [21, 22, 23])]
+    for ids, positions, slots, tables, lens in cases:
+        width = max(-(-n // size) for n in lens)
+        padded = torch.tensor([table[:width] + [0] * (width - len(table[:width])) for table in tables])
+        hidden = step(*(torch.tensor(v) for v in (ids, positions, slots)), padded, torch.tensor(lens), kv.k, kv.v)
+        expected = runner.model.lm_head(hidden)
+        got = step.decode(ids, positions, slots, tables, lens, 2, kv.k, kv.v)
+        assert got.shape == expected.shape and torch.equal(got, expected)
+    engines["native"].block_manager.reset_prefix_cache()
+
+
+def test_the_step_fed_lists_refuses_what_does_not_fit(engines):
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size = runner.block_size
+    with pytest.raises(IndexError, match="context length outside its block table"):  # 2 blocks needed, 1 given
+        step.decode([1], [size], [size], [[0]], [size + 1], 2, kv.k, kv.v)
+    with pytest.raises(ValueError, match="differ in length"):
+        step.decode([1, 2], [0], [0], [[0]], [1], 2, kv.k, kv.v)
+    with pytest.raises(TypeError, match="list of lists"):
+        step.decode([1], [0], [0], [0], [1], 2, kv.k, kv.v)
+    with pytest.raises(TypeError):
+        step.decode([1], ["0"], [0], [[0]], [1], 2, kv.k, kv.v)
+    with pytest.raises(IndexError, match="block id outside the cache"):
+        step.decode([1], [0], [0], [[10 ** 9]], [1], 2, kv.k, kv.v)
+    with pytest.raises(TypeError, match="head and logits go together"):
+        native.module().decode_step(step._view(step.spec), 1e-5, [1], [0], [0], [[0]], [1], step._view(step.embed_tiles),
+                                    step._view(step.layer_tiles), step._view(step.norms),
+                                    step._view(runner.model.cos), step._view(runner.model.sin), step._view(kv.k),
+                                    step._view(kv.v), buffer(torch.empty(1, runner.model.config.hidden_size)), 1,
+                                    None, None, None, step._view(step.head_tiles), None)
+
+
+def test_greedy_without_logprobs_is_the_torch_path(engines):
+    """The greedy sampler's native pass over the step's own logits buffer (no torch call) against the torch
+    path's fresh logits: the same tokens and the same cumulative logprob. Both start with nothing cached (a tail
+    prefilled over a cached prefix attends through another kernel than a whole prompt, to other last bits)."""
+    prompts = [chat(engines["native"], q) for q in QUESTIONS[:5]]
+    for engine in engines.values():
+        engine.block_manager.reset_prefix_cache()
+    outs = {step: engines[step].generate(prompts, greedy(16, ignore_eos=True)) for step in ("native", "torch")}
+    for native_out, torch_out in zip(outs["native"], outs["torch"]):
+        assert native_out.outputs[0].token_ids == torch_out.outputs[0].token_ids
+        assert native_out.outputs[0].cumulative_logprob == torch_out.outputs[0].cumulative_logprob
