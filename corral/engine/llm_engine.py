@@ -46,6 +46,14 @@ from corral.models import load_model_config, load_tokenizer, resolve_model
 log = logging.getLogger(__name__)
 
 
+def _one_row_each(seqs: list[Sequence]) -> bool:
+    """Whether each sequence samples one row of its own: no draft to verify, no beam, no sibling to fork."""
+    for seq in seqs:
+        if seq.draft or seq.is_beam or seq.num_forks_pending:
+            return False
+    return True
+
+
 class _Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], seqs: list[Sequence],
                  beam_group: BeamGroup | None = None):
@@ -125,6 +133,7 @@ class LLMEngine:
                         guide=guide.copy() if guide is not None else None, cache_salt=cache_salt,
                         arrival_time=time.monotonic())
         root.num_forks_pending = params.beam_width - 1  # reserves the beams' places at admission
+        root.is_beam = True
         group = BeamGroup(params, self.vocabulary.eos_token_ids, root)
         self._requests[request_id] = _Request(request_id, list(prompt_token_ids), [root], group)
         self.scheduler.add(root)
@@ -183,18 +192,22 @@ class LLMEngine:
         masks = self._mask_worker.submit(self._fill_masks, guided) if guided else None  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
         self._commit(batch)                                                 # their K/V is in the cache now
-        (seqs, logits), drafted = self._split_drafts(seqs, logits)          # drafted rows are verified
-        (seqs, logits), beams = self._split_beams(seqs, logits)             # beam rows skip the sampler
-        masks = masks.result() if masks is not None else {}  # no guide: no thread hand-off
-        rows, row_logits = self._fork_siblings(seqs, logits)                # n > 1: siblings share the row
-        rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
+        if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
+            drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
+        else:
+            (seqs, logits), drafted = self._split_drafts(seqs, logits)      # drafted rows are verified
+            (seqs, logits), beams = self._split_beams(seqs, logits)         # beam rows skip the sampler
+            masks = masks.result() if masks is not None else {}  # no guide: no thread hand-off
+            rows, row_logits = self._fork_siblings(seqs, logits)            # n > 1: siblings share the row
+            rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
         touched: dict[str, _Request] = {}
         if rows or stuck:
             result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
             self._process(rows, result, stuck, touched)                     # guides, stops
         if drafted:
             self._verify_drafts(*drafted, masks, touched)                   # accept, then roll back the rest
-        return self._outputs(touched) + self._advance_beams(*beams, masks)
+        outputs = self._outputs(touched)
+        return outputs + self._advance_beams(*beams, masks) if beams and beams[0] else outputs
 
     def _schedule(self) -> ScheduledBatch:
         """The scheduler's batch, less the beams that hold their row while a sibling catches up (nothing to
@@ -238,6 +251,8 @@ class LLMEngine:
         return True
 
     def _beam_group(self, seq: Sequence) -> BeamGroup | None:
+        if not seq.is_beam:
+            return None
         request = self._requests.get(seq.request_id)
         return request.beam_group if request is not None else None
 
@@ -282,7 +297,7 @@ class LLMEngine:
         if self.drafter is None:
             return
         decoding = [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING
-                    and s.num_uncomputed_tokens == 1 and not s.num_forks_pending and self._beam_group(s) is None]
+                    and s.num_uncomputed_tokens == 1 and not s.num_forks_pending and not s.is_beam]
         model = self.model_drafter
         wanted = self.drafter.propose_all(decoding, self.config, self.max_model_len,
                                           model.cost if model is not None else None)
@@ -356,7 +371,7 @@ class LLMEngine:
 
     def _split_beams(self, seqs: list[Sequence], logits: torch.Tensor):
         """((sampled sequences, their logits), (beams, their logits)), in batch order."""
-        is_beam = [self._beam_group(seq) is not None for seq in seqs]
+        is_beam = [seq.is_beam for seq in seqs]
         if not any(is_beam):
             return (seqs, logits), ([], None)
         sampled = [i for i, b in enumerate(is_beam) if not b]
@@ -545,7 +560,17 @@ class LLMEngine:
                              root.num_cached_tokens, metrics)
 
     def _output(self, request: _Request) -> RequestOutput:
-        seqs = request.seqs if len(request.seqs) == 1 else sorted(request.seqs, key=lambda s: s.index)
+        if len(request.seqs) == 1 and request.beam_group is None:  # the usual request: no sort, no scan
+            s = request.seqs[0]
+            finished = s.is_finished and not s.num_forks_pending  # request.is_finished, for one sequence
+            output = CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
+                                      s.finish_reason, s.stop_reason,
+                                      list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,
+                                      s.num_draft_tokens, s.num_accepted_tokens, s.num_forced_tokens)
+            metrics = RequestMetrics(s.arrival_time, s.first_token_time, s.finished_time if finished else None)
+            return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
+                                 s.num_cached_tokens, metrics)
+        seqs = sorted(request.seqs, key=lambda s: s.index)
         outputs = [CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
                                     s.finish_reason, s.stop_reason,
                                     list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,

@@ -139,6 +139,7 @@ class NativeStep:
         self.profile: torch.Tensor | None = None
         self._views: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (tensor, its buffer), for the long-lived
         self._block_size = 0  # spec[7], as a Python int: reading the tensor would be a torch call per step
+        self._decode_args: tuple | None = None  # decode()'s caches and the buffers it passes at every call
         self._outputs = _StepOutputs(cfg.hidden_size, model.lm_head.out_features if self.head_tiles is not None else 0)
 
     def _view(self, tensor: torch.Tensor):
@@ -163,7 +164,7 @@ class NativeStep:
         step.norms = torch.cat((self.norms[: 2 * num_layers], self.norms[-1:])).contiguous()
         step.spec = self.spec.clone()
         step.spec[0] = num_layers
-        step.model, step.profile, step._views, step._block_size = model, None, {}, 0
+        step.model, step.profile, step._views, step._block_size, step._decode_args = model, None, {}, 0, None
         step._outputs = _StepOutputs(self._outputs.hidden_size, self._outputs.vocab)  # its own buffers
         return step
 
@@ -194,17 +195,21 @@ class NativeStep:
         step after the forward's weight stream finds the caches cold, where each such call cost 10-30 us. The
         logits are a view of a buffer that the next call overwrites. Only where the LM head is Q8 tiles
         (:attr:`head_tiles`)."""
-        model, view = self.model, self._view
-        if not self._block_size:  # the native side checks the cache against it at every call
+        args = self._decode_args
+        if args is None or args[0] is not k_cache or args[1] is not v_cache or args[2] is not k_scale \
+                or args[3] is not v_scale:  # the buffers that stay put, converted once (they are 12 calls)
+            model, view = self.model, self._view
             self._set_block_size(k_cache.shape[2])
+            args = self._decode_args = (
+                k_cache, v_cache, k_scale, v_scale, (view(self.spec), model.config.rms_norm_eps),
+                (view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
+                 view(k_cache), view(v_cache)),
+                (None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
+                 view(self.head_tiles)))
         hidden, logits, hidden_buffer, logits_buffer = self._outputs.rows(len(input_ids))
-        native.module().decode_step(
-            view(self.spec), model.config.rms_norm_eps, input_ids, positions, slots, tables, context_lens,
-            view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
-            view(k_cache), view(v_cache), hidden_buffer, threads,
-            None if self.profile is None else self.profile.numpy(),
-            None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
-            view(self.head_tiles), logits_buffer)
+        native.module().decode_step(*args[4], input_ids, positions, slots, tables, context_lens, *args[5],
+                                    hidden_buffer, threads, None if self.profile is None else self.profile.numpy(),
+                                    *args[6], logits_buffer)
         return logits
 
     def _set_block_size(self, block_size: int) -> None:

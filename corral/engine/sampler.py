@@ -82,15 +82,17 @@ class Sampler:
                  masked_rows: torch.Tensor | None = None) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(rows), width]``. ``bitmask``: int32
         ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to."""
+        if rows and all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
+            # first, with no torch call (a step's caches are cold): the native side checks the logits' shape
+            picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
+            if picked is not None:
+                assert len(picked[0]) == len(rows), "one logits row per SamplingRow"
+                return SampleResult(picked[0], picked[1], None)
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         vocab_size = self.vocab_size or logits.shape[1]
         assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
         if not rows:
             return SampleResult([], [], None)
-        if all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
-            picked = cpu_ops.greedy_pick(logits, vocab_size, bitmask, masked_rows)
-            if picked is not None:
-                return SampleResult(picked[0], picked[1], None)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)
@@ -107,8 +109,7 @@ class Sampler:
         """Whether the row's token is the argmax of its masked logits alone: greedy, no top logprobs, no bias, no
         penalty, ``min_tokens`` reached (steps 1, 3, 4 and the hold-back of step 2 change nothing)."""
         params = row.params
-        return (params.is_greedy and not params.logprobs and not params.logit_bias and not params.has_penalties
-                and len(row.output_token_ids) >= params.min_tokens)
+        return params.plain_greedy and (not params.min_tokens or len(row.output_token_ids) >= params.min_tokens)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None,
                 masked_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ runs its beams as a group, see ``corral.engine.beam_search``). Left out: ``best_
 
 import math
 from collections.abc import Mapping
+import functools
 from dataclasses import dataclass
 
 from corral.errors import InvalidRequestError
@@ -123,6 +124,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with no top logprobs, bias or penalty: the token is the argmax of the masked logits once
+        ``min_tokens`` is reached. Read at every step of every row, so computed once (not a field: equality and
+        hash are the fields')."""
+        return self.is_greedy and not self.logprobs and not self.logit_bias and not self.has_penalties
 
 
 def _require(ok: bool, param: str, message: str) -> None:

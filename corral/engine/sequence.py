@@ -58,6 +58,7 @@ class Sequence:
         self.num_draft_forced = 0  # of the draft, how many are jump-forward tokens
         self.draft_by_model = False  # whether the draft came from a draft model (corral/engine/draft_model.py)
         self.spec = None  # a SpecState once the sequence first drafts
+        self.is_beam = False  # a beam of a beam-search request (its rows skip the sampler)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward
 
     def __len__(self) -> int:
@@ -106,6 +107,7 @@ class Sequence:
                          arrival_time=self.arrival_time)
         child.token_ids = list(self.token_ids)
         child.cumulative_logprob = self.cumulative_logprob
+        child.is_beam = self.is_beam
         child.first_token_time = self.first_token_time
         return child
 
