@@ -305,7 +305,8 @@ class LLMEngine:
             model.propose(wanted, self.scheduler.running)
 
     def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):
-        """((sequences without a draft, their rows), (drafted sequences with their first row, their rows))."""
+        """((sequences without a draft, their rows: None when there are none), (drafted sequences with their first
+        row, their rows))."""
         if not any(seq.draft for seq in seqs):
             return (seqs, logits), None
         plain, plain_rows, drafted, draft_rows = [], [], [], []
@@ -318,8 +319,8 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(at)
             at += 1 + len(seq.draft)
-        if not plain:  # every row is a draft's: no copy
-            return ([], logits[:0]), (drafted, logits)
+        if not plain:  # every row is a draft's: no copy, and no rows left to sample (nothing reads them)
+            return ([], None), (drafted, logits)
         return (plain, logits[torch.tensor(plain_rows)]), (drafted, logits[torch.tensor(draft_rows)])
 
     def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
