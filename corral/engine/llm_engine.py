@@ -188,7 +188,9 @@ class LLMEngine:
         copies = self.block_manager.take_pending_copies()
         if copies:  # a step after a forward finds the interpreter's data cold: skip what would do nothing
             self.runner.copy_blocks(copies)                                 # copy-on-write of forked blocks
-        guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
+        guided = [s for s in batch.seqs if s.guide is not None]
+        if guided:  # of those, the ones that sample this step
+            guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
         masks = self._mask_worker.submit(self._fill_masks, guided) if guided else None  # overlaps the forward
         seqs, logits = self.runner.execute(batch)                           # forward
         self._commit(batch)                                                 # their K/V is in the cache now

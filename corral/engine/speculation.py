@@ -169,9 +169,10 @@ class Drafter:
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
-            forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump else 0
-            lookup_cap = tuple(rate.length(config.num_speculative_tokens, price) if lookup else 0
-                               for rate in seq.spec.lookup)
+            # a forced span needs a guide; a rate's length is only worth reading where its kind of draft is on
+            forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump and seq.guide is not None else 0
+            lookup_cap = tuple([rate.length(config.num_speculative_tokens, price) for rate in seq.spec.lookup]) \
+                if lookup else (0,) * MAX_NGRAM
             if forced_cap or max(lookup_cap):
                 draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
                                      lookup_cap=lookup_cap, room=room)
