@@ -218,26 +218,34 @@ class NativeStep:
 
 
 class _StepOutputs:
-    """The native step's output buffers, grown to the most rows a step has had, with their views for each row
-    count made once (a view is a torch and a numpy call, each tens of microseconds in a cold step)."""
+    """The native step's output buffers, kept across steps and grown to the most rows a step has had, up to
+    ``KEEP_BYTES``, with their views for each row count made once (a view is a torch and a numpy call, each tens of
+    microseconds in a cold step). A step with more rows than that gets buffers of its own, not kept."""
+
+    KEEP_BYTES = 32 << 20
 
     def __init__(self, hidden_size: int, vocab: int):
         self.hidden_size, self.vocab = hidden_size, vocab
+        self.keep_rows = max(1, self.KEEP_BYTES // (4 * (hidden_size + vocab)))
         self._capacity = 0
         self._rows: dict[int, tuple] = {}
 
     def rows(self, count: int) -> tuple:
         """(hidden [count, hidden_size], logits [count, vocab], and their buffers for the native call)."""
         known = self._rows.get(count)
-        if known is None:
-            if count > self._capacity:  # views of the old buffers stay valid for whoever still holds them
-                self._capacity = max(count, 2 * self._capacity, 8)
-                self._hidden = torch.empty(self._capacity, self.hidden_size)
-                self._logits = torch.empty(self._capacity, self.vocab)
-                cpu_ops.forget_buffers(known[1] for known in self._rows.values())
-                self._rows.clear()
-            hidden, logits = self._hidden[:count], self._logits[:count]
-            known = self._rows[count] = (hidden, logits, cpu_ops.buffer(hidden), cpu_ops.register_buffer(logits))
+        if known is not None:
+            return known
+        if count > self.keep_rows:  # a rare, large step: buffers of its own, freed with it
+            hidden, logits = torch.empty(count, self.hidden_size), torch.empty(count, self.vocab)
+            return hidden, logits, cpu_ops.buffer(hidden), cpu_ops.buffer(logits)
+        if count > self._capacity:  # views of the old buffers stay valid for whoever still holds them
+            self._capacity = min(max(count, 2 * self._capacity, 8), self.keep_rows)
+            self._hidden = torch.empty(self._capacity, self.hidden_size)
+            self._logits = torch.empty(self._capacity, self.vocab)
+            cpu_ops.forget_buffers(known[1] for known in self._rows.values())
+            self._rows.clear()
+        hidden, logits = self._hidden[:count], self._logits[:count]
+        known = self._rows[count] = (hidden, logits, cpu_ops.buffer(hidden), cpu_ops.register_buffer(logits))
         return known
 
 

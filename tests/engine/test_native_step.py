@@ -156,3 +156,18 @@ def test_greedy_without_logprobs_is_the_torch_path(engines):
     for native_out, torch_out in zip(outs["native"], outs["torch"]):
         assert native_out.outputs[0].token_ids == torch_out.outputs[0].token_ids
         assert native_out.outputs[0].cumulative_logprob == torch_out.outputs[0].cumulative_logprob
+
+
+def test_the_step_keeps_its_output_buffers_up_to_a_bound():
+    """Views of one kept buffer per row count, grown as steps grow, up to KEEP_BYTES; a larger step gets buffers
+    of its own, so a burst never leaves hundreds of megabytes of logits behind."""
+    from corral.engine.model import _StepOutputs
+
+    outputs = _StepOutputs(576, 49152)
+    assert outputs.keep_rows == (32 << 20) // (4 * (576 + 49152))
+    one, two = outputs.rows(1), outputs.rows(2)
+    assert outputs.rows(1) is one and one[1].data_ptr() == two[1].data_ptr()  # the same buffer, views made once
+    big = outputs.rows(outputs.keep_rows + 1)
+    assert big[1].shape == (outputs.keep_rows + 1, 49152) and outputs.rows(outputs.keep_rows + 1) is not big
+    kept = outputs.rows(outputs.keep_rows)
+    assert kept[1].shape[0] == outputs.keep_rows and outputs._capacity == outputs.keep_rows
