@@ -35,6 +35,16 @@ inline int64_t int_of(nb::handle value) {
     return number;
 }
 
+// An item of a list argument that must be an int itself (not a subclass, not an object with __index__): reading
+// it runs no Python code, so the list cannot change while it is read.
+inline int64_t exact_int_of(PyObject* value) {
+    if (!PyLong_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "a list of ints expected");
+        throw PyFailure();
+    }
+    return int_of(nb::handle(value));
+}
+
 // The GIL, released for a stretch of native work (NoGil) and taken back inside it wherever Python must be
 // touched (WithGil: a callback, an allocation of a Python object, an exception). Both are no-ops outside such a
 // stretch, so the same code runs with the GIL held or not. One stretch per thread at a time.

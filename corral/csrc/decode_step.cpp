@@ -41,7 +41,7 @@ struct Ints {
         if (PyList_Check(in.ptr())) {
             size = PyList_GET_SIZE(in.ptr());
             owned.resize(size);
-            for (Py_ssize_t i = 0; i < size; ++i) owned[i] = int_of(nb::handle(PyList_GET_ITEM(in.ptr(), i)));
+            for (Py_ssize_t i = 0; i < size; ++i) owned[i] = exact_int_of(PyList_GET_ITEM(in.ptr(), i));
             data = owned.data();
             return;
         }
@@ -78,7 +78,7 @@ struct Tables {
             owned.assign(B * width, 0);
             for (Py_ssize_t b = 0; b < B; ++b) {
                 PyObject* row = PyList_GET_ITEM(in.ptr(), b);
-                for (int64_t j = 0; j < need[b]; ++j) owned[b * width + j] = int_of(nb::handle(PyList_GET_ITEM(row, j)));
+                for (int64_t j = 0; j < need[b]; ++j) owned[b * width + j] = exact_int_of(PyList_GET_ITEM(row, j));
             }
             data = owned.data();
             return;

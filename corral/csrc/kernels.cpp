@@ -166,7 +166,7 @@ nb::tuple kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
         if (!PyList_Check(masked_in.ptr())) fail(PyExc_TypeError, "greedy_pick: a bitmask needs its masked rows");
         masked.assign(rows, 0);
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(masked_in.ptr()); ++i) {
-            const int64_t row = int_of(nb::handle(PyList_GET_ITEM(masked_in.ptr(), i)));
+            const int64_t row = exact_int_of(PyList_GET_ITEM(masked_in.ptr(), i));
             if (row < 0 || row >= rows) fail(PyExc_IndexError, "greedy_pick: a masked row outside the logits");
             masked[row] = 1;
         }

@@ -228,7 +228,14 @@ class _StepOutputs:
         self.hidden_size, self.vocab = hidden_size, vocab
         self.keep_rows = max(1, self.KEEP_BYTES // (4 * (hidden_size + vocab)))
         self._capacity = 0
+        self._hidden, self._logits = torch.empty(0, hidden_size), torch.empty(0, vocab)
         self._rows: dict[int, tuple] = {}
+
+    def __del__(self) -> None:
+        try:  # the registry holds the views, so nothing of a dropped step outlives it
+            cpu_ops.forget_buffers(known[1] for known in self._rows.values())
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be half gone
+            pass
 
     def rows(self, count: int) -> tuple:
         """(hidden [count, hidden_size], logits [count, vocab], and their buffers for the native call)."""

@@ -133,8 +133,11 @@ def test_the_step_fed_lists_refuses_what_does_not_fit(engines):
         step.decode([1, 2], [0], [0], [[0]], [1], 2, kv.k, kv.v)
     with pytest.raises(TypeError, match="list of lists"):
         step.decode([1], [0], [0], [0], [1], 2, kv.k, kv.v)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="a list of ints"):
         step.decode([1], ["0"], [0], [[0]], [1], 2, kv.k, kv.v)
+    with pytest.raises(TypeError, match="a list of ints"):  # ints only: reading one runs no Python code
+        step.decode([True], [0], [0], [[0]], [1], 2, kv.k, kv.v)
+    assert step.decode([], [], [], [], [], 2, kv.k, kv.v).shape == (0, runner.model.lm_head.out_features)
     with pytest.raises(IndexError, match="block id outside the cache"):
         step.decode([1], [0], [0], [[10 ** 9]], [1], 2, kv.k, kv.v)
     with pytest.raises(TypeError, match="head and logits go together"):
