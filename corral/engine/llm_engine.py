@@ -414,14 +414,15 @@ class LLMEngine:
     def _sampling_rows(self, rows) -> list[SamplingRow]:
         return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator) for seq, _ in rows]
 
-    def _bitmask(self, filled: dict[int, np.ndarray], rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _bitmask(self, filled: dict[int, np.ndarray], rows) -> tuple[np.ndarray | None, list[int] | None]:
+        """The sampler's bitmask and masked rows, as a numpy array and a list (no torch call: see Sampler)."""
         if not filled:
             return None, None
         masked = [i for i, (seq, source) in enumerate(rows) if source.seq_id in filled]
         bitmask = np.zeros((len(rows), self._mask_words), dtype=np.int32)
         for i in masked:
             bitmask[i] = filled[rows[i][1].seq_id]  # a fresh sibling's guide is a copy: same state, same mask
-        return torch.from_numpy(bitmask), torch.tensor(masked, dtype=torch.long)
+        return bitmask, masked
 
     def _drop_dead_ends(self, rows, logits: torch.Tensor, filled: dict[int, np.ndarray]):
         """Rows whose guide allows no token at all (a grammar that needs bytes no token spells) leave the batch:

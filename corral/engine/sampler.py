@@ -23,6 +23,7 @@ modified. Left out: beam search and best-of-n, which are strategies built on top
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from corral.engine.sampling_params import SamplingParams
@@ -81,7 +82,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None,
                  masked_rows: torch.Tensor | None = None) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(rows), width]``. ``bitmask``: int32
-        ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to."""
+        ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to. The engine hands
+        them as a numpy array and a list (no torch call where the greedy pass takes them); tensors work too."""
         if rows and all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
             # first, with no torch call (a step's caches are cold): the native side checks the logits' shape
             picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
@@ -93,6 +95,7 @@ class Sampler:
         assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
         if not rows:
             return SampleResult([], [], None)
+        bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
         token_ids = self._choose(work, rows)
@@ -149,7 +152,7 @@ class Sampler:
                                         [row_logprobs[r] for _, r in chosen], None))
                 return out
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
-        work = self.process(logits, rows, bitmask, masked_rows)
+        work = self.process(logits, rows, *_as_tensors(bitmask, masked_rows))
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         argmax = torch.argmax(work, dim=-1).tolist() if greedy else None
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -251,6 +254,16 @@ class Sampler:
             return drawn.tolist()
         token_ids[index] = drawn
         return token_ids.tolist()
+
+
+def _as_tensors(bitmask, masked_rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The bitmask and its rows as the general path's torch ops take them (a numpy array and a list become
+    tensors; tensors and None pass)."""
+    if isinstance(bitmask, np.ndarray):
+        bitmask = torch.from_numpy(bitmask)
+    if isinstance(masked_rows, list):
+        masked_rows = torch.tensor(masked_rows, dtype=torch.long)
+    return bitmask, masked_rows
 
 
 def _uniform(generator: torch.Generator | None) -> float:

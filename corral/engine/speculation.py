@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from corral.engine.sampler import DraftRows, SamplingRow
 from corral.engine.sequence import Sequence
@@ -284,8 +283,8 @@ class DraftBatch(NamedTuple):
     drafts: list[DraftRows | None]  # per sequence; None: its grammar allows no token even before the draft
     rows: list[SamplingRow]  # per verified row: the sequence's params, with the draft tokens before that row
     logits_rows: list[int]  # the rows of the drafted sequences' logits these are
-    bitmask: torch.Tensor | None
-    masked_rows: torch.Tensor | None
+    bitmask: np.ndarray | None  # as the sampler takes it (see Sampler.__call__)
+    masked_rows: list[int] | None
 
 
 def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray]) -> DraftBatch:
@@ -314,8 +313,7 @@ def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray
         return DraftBatch(seqs, drafts, rows, logits_rows, None, None)
     width = next(w for w in words if w is not None).shape[0]
     bitmask = np.stack([w if w is not None else np.zeros(width, np.int32) for w in words])
-    return DraftBatch(seqs, drafts, rows, logits_rows, torch.from_numpy(bitmask),
-                      torch.tensor(masked, dtype=torch.long))
+    return DraftBatch(seqs, drafts, rows, logits_rows, bitmask, masked)
 
 
 def single_token(words: np.ndarray) -> bool:

@@ -8,6 +8,7 @@ the RMSNorm sum of squares. The torch expressions stay as the fallback and as th
 ``tests/kernels/test_cpu_ops.py``. float32 and bfloat16; the native side checks every buffer's shape and dtype.
 """
 
+import numpy as np
 import torch
 
 from corral import native
@@ -83,12 +84,12 @@ def log_normalizers(logits: torch.Tensor, n: int) -> torch.Tensor | None:
     return out
 
 
-def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
-                masked_rows: torch.Tensor | None) -> tuple[list[int], list[float]] | None:
+def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
+                masked_rows: torch.Tensor | list[int] | None) -> tuple[list[int], list[float]] | None:
     """The greedy sampler's rows in one native pass each: per row of float32 CPU ``logits`` [rows, width], the
     first largest of its first ``n`` columns that the int32 ``bitmask`` row allows (rows ``masked_rows``; no
-    bitmask: all; ``masked_rows`` a tensor of row indices or a bool tensor over the rows), and that logit less the
-    row's log-normalizer over all ``n`` columns (as
+    bitmask: all; ``bitmask`` a tensor or a numpy array, ``masked_rows`` a list or tensor of row indices or a bool
+    tensor over the rows), and that logit less the row's log-normalizer over all ``n`` columns (as
     :func:`log_normalizers`). None where the kernel cannot take the arguments, or where a row has no allowed
     finite column or holds a NaN or +inf: the torch path then decides, as before. About 13 us per 49k-column row,
     where the torch ops (copy, mask, argmax, gathers, checks) took about a tenth of a millisecond. Logits from
@@ -105,12 +106,19 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | None,
         return None
     masked = None
     if bitmask is not None:
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.shape != (len(array), (n + 31) // 32):
+        if isinstance(bitmask, np.ndarray):  # the engine's own array: no conversion (the native side checks it)
+            if bitmask.dtype != np.int32 or bitmask.shape != (len(array), (n + 31) // 32):
+                return None
+        elif bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or \
+                bitmask.shape != (len(array), (n + 31) // 32):
             return None
-        bitmask = buffer(bitmask.contiguous())
+        else:
+            bitmask = buffer(bitmask.contiguous())
         if masked_rows is None:
             masked = list(range(len(array)))
-        else:  # row indices (as the engine gives them) or a mask over the rows
+        elif isinstance(masked_rows, list):
+            masked = masked_rows
+        else:  # row indices or a mask over the rows
             masked = (masked_rows.nonzero().flatten() if masked_rows.dtype == torch.bool else masked_rows).tolist()
     ids, logprobs = module.greedy_pick(array, n, bitmask, masked, torch.get_num_threads())
     if ids and min(ids) < 0:

@@ -329,3 +329,21 @@ def test_an_empty_batch_samples_and_verifies_nothing():
     assert Sampler().verify(empty, [], []) == []
     if __import__("corral.native", fromlist=["x"]).module() is not None:
         assert cpu_ops.greedy_pick(empty, 8, None, None) == ([], [])
+
+
+def test_a_numpy_bitmask_and_a_list_of_rows_sample_as_tensors_do():
+    """The engine hands the bitmask as a numpy array and its rows as a list (no torch call on the greedy pass);
+    greedy and seeded sampled rows, fast path and general path, take them as they take tensors."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 5, 300
+    logits = torch.from_numpy(rng.normal(size=(rows, vocab)).astype(np.float32))
+    words = rng.integers(-2 ** 31, 2 ** 31, size=(rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    words[:, 0] |= 1  # every row allows token 0
+    masked = [0, 2, 3]
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+                   SamplingParams(temperature=0.8, seed=3, top_k=20)):
+        def batch():
+            return [SamplingRow(params, (1,), (), make_generator(params.seed)) for _ in range(rows)]
+        as_numpy = Sampler(vocab)(logits, batch(), words, masked)
+        as_tensors = Sampler(vocab)(logits, batch(), torch.from_numpy(words), torch.tensor(masked))
+        assert as_numpy == as_tensors, params
