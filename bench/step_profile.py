@@ -2,7 +2,7 @@
 
 One engine in the given formats decodes ``--tokens`` tokens for each batch size; every linear layer, the LM head,
 the C++ attention and fused elementwise kernels (with their Python wrappers), the KV write, the embedding, the
-batch preparation and the sampler are wrapped with a wall-clock timer (each timer adds well under a microsecond).
+batch preparation (the torch path's tensors, or the native step's lists) and the sampler are wrapped with a wall-clock timer (each timer adds well under a microsecond).
 Prints, per batch size, the step time and each part's share; "other torch in forward" is the forward's time not
 inside a timed part (views, splits, casts), and "engine loop" is the step's time outside the forward and the
 sampler (scheduling, guides, drafts, outputs), also given per step (median and p90; inside ``engine.step``, so
@@ -73,6 +73,7 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
         setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
     engine.sampler = _TimedSampler(engine.sampler, timed)
     runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
+    runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
 

@@ -102,10 +102,8 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more computed tokens, copying a shared last block first."""
-        copy = self._needs_copy_on_write(seq, num_new_tokens)
-        fresh = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        assert max(fresh, 0) + copy <= len(self.free_queue), "append past can_append"
-        if copy:
+        assert self.can_append(seq, num_new_tokens)
+        if self._needs_copy_on_write(seq, num_new_tokens):
             shared = seq.block_table[-1]
             private = self._take_free_block()
             self.ref_counts[shared] -= 1

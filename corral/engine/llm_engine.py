@@ -54,6 +54,14 @@ def _one_row_each(seqs: list[Sequence]) -> bool:
     return True
 
 
+def _completion(seq: Sequence) -> CompletionOutput:
+    """What ``seq`` has produced so far (copies: the consumer reads it on another thread while this one goes on)."""
+    return CompletionOutput(seq.index, seq.output_token_ids, seq.detokenizer.visible_text(seq.is_finished),
+                            seq.finish_reason, seq.stop_reason,
+                            list(seq.logprobs) if seq.logprobs is not None else None, seq.cumulative_logprob,
+                            seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_forced_tokens)
+
+
 class _Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], seqs: list[Sequence],
                  beam_group: BeamGroup | None = None):
@@ -567,19 +575,11 @@ class LLMEngine:
         if len(request.seqs) == 1 and request.beam_group is None:  # the usual request: no sort, no scan
             s = request.seqs[0]
             finished = s.is_finished and not s.num_forks_pending  # request.is_finished, for one sequence
-            output = CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
-                                      s.finish_reason, s.stop_reason,
-                                      list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,
-                                      s.num_draft_tokens, s.num_accepted_tokens, s.num_forced_tokens)
             metrics = RequestMetrics(s.arrival_time, s.first_token_time, s.finished_time if finished else None)
-            return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
+            return RequestOutput(request.request_id, request.prompt_token_ids, [_completion(s)], finished,
                                  s.num_cached_tokens, metrics)
         seqs = sorted(request.seqs, key=lambda s: s.index)
-        outputs = [CompletionOutput(s.index, s.output_token_ids, s.detokenizer.visible_text(s.is_finished),
-                                    s.finish_reason, s.stop_reason,
-                                    list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob,
-                                    s.num_draft_tokens, s.num_accepted_tokens, s.num_forced_tokens)
-                   for s in seqs]
+        outputs = [_completion(s) for s in seqs]
         first = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
         done = [s.finished_time for s in seqs if s.finished_time is not None]
         metrics = RequestMetrics(seqs[0].arrival_time, first, max(done) if request.is_finished and done else None)

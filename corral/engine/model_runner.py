@@ -109,27 +109,23 @@ class ModelRunner:
         draft has ``1 + len(draft)`` consecutive rows (its last token's, then each draft token's); the others one.
         The logits may be a view of a buffer that the next step overwrites."""
         if self.native_step is not None and self.native_step.head_tiles is not None:
-            decoded = self._native_decode(batch)
-            if decoded is not None:
-                return decoded
+            lists = self.prepare_decode(batch)
+            if lists is not None:  # the native step and its LM head: no torch call from here to the logits
+                kv = self.whole_kv
+                return list(batch.seqs), self.native_step.decode(*lists, torch.get_num_threads(), kv.k, kv.v,
+                                                                 kv.k_scale, kv.v_scale)
         return self._execute(batch)
 
-    def _native_decode(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor] | None:
-        """A step of single-query rows that all sample (decodes, with their drafts), in batch order, through the
-        native step and its LM head, fed the scheduler's own lists: no torch call from here to the logits. None
-        when a row is anything else (a prefill chunk, a one-token chunk that does not sample)."""
+    def prepare_decode(self, batch: ScheduledBatch) -> tuple[list, ...] | None:
+        """What :meth:`prepare` gives the native step, as the scheduler's own lists (token ids, positions, slots,
+        each row's block table, context lengths), rows in batch order, for a step whose rows are all single
+        queries that sample (decodes, with their drafts). None when a row is anything else (a prefill chunk, a
+        one-token chunk that does not sample)."""
         size = self.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            start, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
-            if count == 1 and not seq.draft and start + 1 == len(tokens):
-                ids.append(tokens[start])
-                positions.append(start)
-                slots.append(table[start // size] * size + start % size)
-                tables.append(table)
-                lens.append(start + 1)
-                continue
-            if not (seq.draft and start + 1 == len(tokens) and count == 1 + len(seq.draft)):
+            start, table = seq.num_computed_tokens, seq.block_table
+            if start + 1 != len(seq.token_ids) or count != 1 + len(seq.draft):
                 return None
             ids.extend(seq.input_token_ids(start, count))
             for position in range(start, start + count):
@@ -137,10 +133,7 @@ class ModelRunner:
                 slots.append(table[position // size] * size + position % size)
                 tables.append(table)
                 lens.append(position + 1)
-        kv = self.whole_kv
-        logits = self.native_step.decode(ids, positions, slots, tables, lens, torch.get_num_threads(), kv.k, kv.v,
-                                         kv.k_scale, kv.v_scale)
-        return list(batch.seqs), logits
+        return ids, positions, slots, tables, lens
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

@@ -7,9 +7,9 @@ runs its beams as a group, see ``corral.engine.beam_search``). Left out: ``best_
 (``corral.engine.best_of_n``) rather than a per-token knob.
 """
 
+import functools
 import math
 from collections.abc import Mapping
-import functools
 from dataclasses import dataclass
 
 from corral.errors import InvalidRequestError
