@@ -18,7 +18,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 
@@ -112,8 +112,11 @@ class ServingContext:
 
     async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest,
                       grammar) -> tuple[str, dict, object]:
-        """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output)."""
-        request_id, outputs = await self.start(raw, prefix, prepared, grammar, _beam_search_params(prepared))
+        """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output). The
+        engine sends the finished output alone: nothing is built or delivered per step for a request nobody
+        streams."""
+        params = _beam_search_params(prepared) or replace(prepared.params, output_kind="final")
+        request_id, outputs = await self.start(raw, prefix, prepared, grammar, params)
         latest: dict = {}
         last = None
 

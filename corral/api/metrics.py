@@ -84,14 +84,17 @@ class ServerMetrics:
                 return
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             new = num_tokens - timing.num_tokens
-            if new > 0 and timing.last is None:
-                self.ttft.observe(now - timing.arrival)
-                self.prompt_tokens += len(output.prompt_token_ids)
-            elif new > 0:
-                self.itl.observe((now - timing.last) / new, new)
             if new > 0:
-                timing.last, timing.num_tokens = now, num_tokens
                 self.generation_tokens += new
+                if timing.last is None:  # the first token came at the engine's first-token time
+                    first = output.metrics.first_token_time
+                    timing.last = first if first is not None and timing.arrival <= first <= now else now
+                    self.ttft.observe(timing.last - timing.arrival)
+                    self.prompt_tokens += len(output.prompt_token_ids)
+                    new -= 1
+                if new > 0:  # the rest (all of them in a request's only, final output) came evenly since
+                    self.itl.observe((now - timing.last) / new, new)
+                timing.last, timing.num_tokens = now, num_tokens
             if output.finished:
                 del self._timings[output.request_id]
                 self.e2e.observe(now - timing.arrival)

@@ -67,6 +67,8 @@ class _Request:
                  beam_group: BeamGroup | None = None):
         self.request_id, self.prompt_token_ids, self.seqs = request_id, prompt_token_ids, seqs
         self.beam_group = beam_group
+        # an output after every step that advanced it, or the finished one alone (a beam group's: the latter)
+        self.every_step = beam_group is None and seqs[0].params.output_kind == "cumulative"
 
     @property
     def is_finished(self) -> bool:
@@ -420,7 +422,7 @@ class LLMEngine:
         return child
 
     def _sampling_rows(self, rows) -> list[SamplingRow]:
-        return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator) for seq, _ in rows]
+        return [SamplingRow(seq.params, *seq.spans(), seq.generator) for seq, _ in rows]
 
     def _bitmask(self, filled: dict[int, np.ndarray], rows) -> tuple[np.ndarray | None, list[int] | None]:
         """The sampler's bitmask and masked rows, as a numpy array and a list (no torch call: see Sampler)."""
@@ -468,10 +470,13 @@ class LLMEngine:
         return reason is not None
 
     def _outputs(self, touched: dict) -> list[RequestOutput]:
-        outputs = [self._output(request) for request in touched.values()]
+        outputs = []
         for request in touched.values():
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 del self._requests[request.request_id]
+            if finished or request.every_step:
+                outputs.append(self._output(request))
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
@@ -595,7 +600,8 @@ class LLMEngine:
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | BeamSearchParams | Seq[SamplingParams | BeamSearchParams],
                  guides: Seq[Guide | None] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion together (sampled or beam-searched); the final outputs in prompt order."""
+        """Run ``prompts`` to completion together (sampled or beam-searched); the final outputs in prompt order
+        (the engine builds no output before a request finishes)."""
         single = isinstance(params, (SamplingParams, BeamSearchParams))
         params_list = [params] * len(prompts) if single else list(params)
         guides = list(guides) if guides is not None else [None] * len(prompts)
@@ -604,6 +610,8 @@ class LLMEngine:
         for prompt, p, guide in zip(prompts, params_list, guides):
             request_id = f"generate-{next(self._auto_ids)}"
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if isinstance(p, SamplingParams):
+                p = dataclasses.replace(p, output_kind="final")
             self.add_request(request_id, token_ids, p, guide=guide)
             ids.append(request_id)
         final = {output.request_id: output for output in self.stream() if output.finished}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from corral.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "final")
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -45,6 +46,9 @@ class SamplingParams:
     grammar allows nothing else). ``seed`` makes the request's draws independent of the rest of the batch.
     ``jump_forward`` and ``speculation`` turn drafts on or off for this request (None: the engine's setting);
     neither changes the tokens a request gets, only how many forward passes produce them.
+    ``output_kind``: ``cumulative`` gives an output after every step that advanced the request, each holding all
+    it has produced so far (for streaming); ``final`` gives the finished output alone, so a caller that waits for
+    the whole answer costs nothing per step (no output built, no thread woken).
     """
 
     n: int = 1
@@ -66,6 +70,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     jump_forward: bool | None = None  # draft the spans the grammar forces; None: the engine's default
     speculation: bool | None = None  # draft by prompt lookup; None: the engine's default
+    output_kind: str = "cumulative"  # or "final"
 
     def __post_init__(self):
         # Normalise containers to tuples so the params stay hashable; values are never derived or rewritten.
@@ -100,6 +105,8 @@ class SamplingParams:
         for name in ("jump_forward", "speculation"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, bool), name, f"{name} must be a boolean, got {value!r}")
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind",
+                 f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -10,6 +10,7 @@ tokens the verification accepts join ``token_ids``.
 
 import enum
 import itertools
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +28,36 @@ class SequenceStatus(enum.Enum):
 
 
 _ids = itertools.count()
+
+
+class TokenSpan(Seq):
+    """``tokens[start:stop] + tail`` read in place: what a step hands the sampler, which reads a row's tokens only
+    for its penalties, so that a step costs the same at the tenth output token as at the ten-thousandth (a copy of
+    each row's tokens made it linear in the length). ``tail``: a draft row's draft tokens so far. Valid while the
+    list keeps those items (a sequence's ``token_ids`` only grows)."""
+
+    __slots__ = ("_tokens", "_start", "_stop", "_tail")
+
+    def __init__(self, tokens: list[int], start: int, stop: int, tail: Seq[int] = ()):
+        self._tokens, self._start, self._stop, self._tail = tokens, start, stop, tail
+
+    def __len__(self) -> int:
+        return self._stop - self._start + len(self._tail)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self)[index]
+        size, head = len(self), self._stop - self._start
+        if not -size <= index < size:
+            raise IndexError("token index out of range")
+        index %= size
+        return self._tokens[self._start + index] if index < head else self._tail[index - head]
+
+    def __iter__(self):
+        return itertools.chain(itertools.islice(self._tokens, self._start, self._stop), self._tail)
+
+    def __repr__(self) -> str:
+        return f"TokenSpan({list(self)!r})"
 
 
 class Sequence:
@@ -75,6 +106,11 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    def spans(self, draft: Seq[int] = ()) -> tuple[TokenSpan, TokenSpan]:
+        """The prompt, and the output so far followed by ``draft``, without copying either."""
+        tokens, split = self.token_ids, self.num_prompt_tokens
+        return TokenSpan(tokens, 0, split), TokenSpan(tokens, split, len(tokens), draft)
 
     @property
     def num_uncomputed_tokens(self) -> int:

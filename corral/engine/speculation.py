@@ -303,9 +303,8 @@ def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray
             continue
         forced = [single_token(mask[j]) if mask is not None else False for j in range(tested)]
         drafts.append(DraftRows(len(rows), seq.draft[:tested], final, forced))
-        outputs = seq.output_token_ids
         for j in range(tested + int(final)):
-            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, outputs + seq.draft[:j], seq.generator))
+            rows.append(SamplingRow(seq.params, *seq.spans(seq.draft[:j]), seq.generator))
             logits_rows.append(first + j)
             words.append(mask[j] if mask is not None else None)
     masked = [i for i, w in enumerate(words) if w is not None]

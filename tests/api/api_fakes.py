@@ -1,14 +1,15 @@
 """A scripted stand-in for ``LLMEngine``: same interface, no model. Each request emits the tokens of a text chosen
-by ``script(prompt_token_ids, params)``, one token per step, as cumulative outputs. With a guide, a scripted token
-the guide refuses is replaced by the lowest allowed one, and the output ends ('stop') once the script is spent
-and the guide accepts, so every output is in the constraint's language, as with the real engine."""
+by ``script(prompt_token_ids, params)``, one token per step, as cumulative outputs (the finished one alone when
+the params ask for ``final``). With a guide, a scripted token the guide refuses is replaced by the lowest allowed
+one, and the output ends ('stop') once the script is spent and the guide accepts, so every output is in the
+constraint's language, as with the real engine."""
 
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from corral.engine.outputs import CompletionOutput
+from corral.engine.outputs import CompletionOutput, RequestMetrics
 from corral.engine.sampler import Sampler, SamplingRow, make_generator
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -23,7 +24,7 @@ class FakeRequestOutput:
     outputs: list
     finished: bool
     num_cached_tokens: int = 0
-    metrics: object = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))  # no first-token time: as sent
 
 
 @dataclass
@@ -98,7 +99,8 @@ class FakeEngine:
                 logprobs=[(-0.5, [(t, -0.5)]) for t in s.emitted] if params.logprobs is not None else None,
                 cumulative_logprob=-0.5 * len(s.emitted) - s.index) for s in seqs]
             finished = all(s.finish is not None for s in seqs)
-            outs.append(FakeRequestOutput(request_id, prompt, completions, finished))
+            if finished or params.output_kind == "cumulative":  # as the engine does
+                outs.append(FakeRequestOutput(request_id, prompt, completions, finished))
             if finished:
                 del self.requests[request_id]
         return outs

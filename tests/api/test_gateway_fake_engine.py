@@ -139,6 +139,16 @@ def test_disconnect_aborts_and_overload_is_429(server):
     assert not engine.requests and ctx.engine.num_in_flight() == 0 and len(engine.aborted) >= 4
 
 
+def test_the_engine_sends_only_the_final_output_of_a_request_nobody_streams(server, client):
+    engine = server[1]
+    out = client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20)
+    assert engine.added[-1][2].output_kind == "final" and out.choices[0].message.content == '{"a": 1}'
+    out = client.completions.create(model="test-model", prompt="hi", max_tokens=20)
+    assert engine.added[-1][2].output_kind == "final" and out.choices[0].text == '{"a": 1}'
+    chunks = list(client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20, stream=True))
+    assert engine.added[-1][2].output_kind == "cumulative" and len(chunks) > 3
+
+
 def test_metrics_use_vllm_names(server, client):
     client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20)
     text = httpx.get(server[0] + "/metrics").text

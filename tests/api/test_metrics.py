@@ -14,9 +14,20 @@ def test_histogram_buckets_are_cumulative_and_le_inclusive():
         'm_bucket{model_name="x",le="+Inf"} 4', 'm_sum{model_name="x"} 3.65', 'm_count{model_name="x"} 4']
 
 
-def _output(request_id, num_tokens, finished, reason=None):
+def _output(request_id, num_tokens, finished, reason=None, first_token_time=None):
     completion = SimpleNamespace(token_ids=list(range(num_tokens)), finish_reason=reason)
-    return SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished, prompt_token_ids=[1] * 7)
+    return SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished, prompt_token_ids=[1] * 7,
+                           metrics=SimpleNamespace(first_token_time=first_token_time))
+
+
+def test_a_final_only_output_times_its_first_token_by_the_engine_and_spreads_the_rest():
+    m = ServerMetrics("x")
+    m.on_arrival("r", 10.0)
+    m.on_output(_output("r", 5, True, "length", first_token_time=10.4), 11.2)  # the request's only output
+    assert (m.ttft.count, round(m.ttft.sum, 6)) == (1, 0.4)
+    assert m.itl.count == 4 and abs(m.itl.sum - 0.8) < 1e-9  # four tokens over 0.8 s
+    assert (m.e2e.count, round(m.e2e.sum, 6)) == (1, 1.2)
+    assert (m.prompt_tokens, m.generation_tokens) == (7, 5)
 
 
 def test_outputs_drive_ttft_itl_e2e_and_token_counters():

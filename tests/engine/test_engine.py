@@ -125,6 +125,23 @@ def test_stop_string_is_cut_and_stop_token_ends(engine):
     assert full.finish_reason == "stop" and full.token_ids[-1] in engine.vocabulary.eos_token_ids
 
 
+def test_a_final_only_request_gets_its_finished_output_alone_and_a_cumulative_one_an_output_a_step(engine):
+    ids, knobs = chat(engine, PROMPTS[1]), dict(ignore_eos=True, frequency_penalty=1.5, speculation=False)
+    engine.add_request("every", ids, greedy(12, **knobs))  # no drafts: one token a step
+    engine.add_request("final", ids, greedy(12, output_kind="final", **knobs))
+    seen = {"every": [], "final": []}
+    for out in engine.stream():
+        seen[out.request_id].append(out)
+    (final,), every = seen["final"], seen["every"]
+    assert [o.finished for o in every] == [False] * 11 + [True]
+    assert [len(o.outputs[0].token_ids) for o in every] == list(range(1, 13))
+    assert final.finished and final.outputs[0].token_ids == every[-1].outputs[0].token_ids
+    assert final.outputs[0].text == every[-1].outputs[0].text
+    assert final.metrics.first_token_time <= final.metrics.finished_time
+    alone = engine.generate([ids], greedy(12, **knobs))[0].outputs[0]  # generate() asks for the final output only
+    assert (alone.token_ids, alone.text) == (final.outputs[0].token_ids, final.outputs[0].text)
+
+
 def test_incremental_text_equals_tokenizer_decode(engine):
     outs = engine.generate([chat(engine, q) for q in PROMPTS[:4]], greedy(40))
     for out in outs:
