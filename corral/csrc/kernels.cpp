@@ -10,8 +10,10 @@
 
 #include <omp.h>
 
+#include <cfloat>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 namespace corral_native {
 namespace {
@@ -145,6 +147,40 @@ void kernel_log_normalizers(nb::handle logits_in, int64_t n, nb::handle out_in, 
     }
 }
 
+// The bitmask of greedy_pick and sample_pick: [rows, words] int32 or None, and the list of the rows it applies to.
+struct RowMasks {
+    std::unique_ptr<Array> bitmask;
+    std::vector<uint8_t> masked;
+
+    RowMasks(nb::handle bitmask_in, nb::handle masked_in, int64_t rows, int64_t n, const char* name) {
+        if (bitmask_in.is_none()) return;
+        bitmask = std::make_unique<Array>(bitmask_in, "bitmask", false);
+        bitmask->expect_format('i', 4, "int32");
+        bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
+        if (!PyList_Check(masked_in.ptr()))
+            fail(PyExc_TypeError, (std::string(name) + ": a bitmask needs its masked rows").c_str());
+        masked.assign(rows, 0);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(masked_in.ptr()); ++i) {
+            const int64_t row = exact_int_of(PyList_GET_ITEM(masked_in.ptr(), i));
+            if (row < 0 || row >= rows)
+                fail(PyExc_IndexError, (std::string(name) + ": a masked row outside the logits").c_str());
+            masked[row] = 1;
+        }
+    }
+    const int32_t* words() const { return bitmask ? bitmask->data<const int32_t>() : nullptr; }
+    int64_t words_stride() const { return bitmask ? bitmask->dim(1) : 0; }
+    const uint8_t* rows() const { return bitmask ? masked.data() : nullptr; }
+};
+
+static nb::tuple id_and_logprob_lists(const std::vector<int64_t>& ids, const std::vector<float>& logprobs) {
+    nb::list id_list, logprob_list;
+    for (size_t r = 0; r < ids.size(); ++r) {
+        id_list.append(nb::int_(ids[r]));
+        logprob_list.append(nb::float_(double(logprobs[r])));
+    }
+    return nb::make_tuple(id_list, logprob_list);
+}
+
 // greedy_pick(logits [rows, width] float32, n, bitmask [rows, words] int32 or None, masked: a list of the rows
 // the bitmask applies to, or None, threads) -> (ids, logprobs), two lists: per row the first largest of the first
 // n columns its mask allows (no bitmask: every column), or -1 (none allowed above -inf, or a NaN or +inf in the
@@ -157,35 +193,78 @@ nb::tuple kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
     logits.expect_float32();
     if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
     const int64_t rows = logits.dim(0);
-    std::unique_ptr<Array> bitmask;
-    std::vector<uint8_t> masked;
-    if (!bitmask_in.is_none()) {
-        bitmask = std::make_unique<Array>(bitmask_in, "bitmask", false);
-        bitmask->expect_format('i', 4, "int32");
-        bitmask->expect_shape({rows, (Py_ssize_t(n) + 31) / 32});
-        if (!PyList_Check(masked_in.ptr())) fail(PyExc_TypeError, "greedy_pick: a bitmask needs its masked rows");
-        masked.assign(rows, 0);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(masked_in.ptr()); ++i) {
-            const int64_t row = exact_int_of(PyList_GET_ITEM(masked_in.ptr(), i));
-            if (row < 0 || row >= rows) fail(PyExc_IndexError, "greedy_pick: a masked row outside the logits");
-            masked[row] = 1;
+    const RowMasks masks(bitmask_in, masked_in, rows, n, "greedy_pick");
+    const int threads = checked_threads(threads_in);
+    std::vector<int64_t> ids(rows);
+    std::vector<float> logprobs(rows);
+    {
+        NoGil nogil;
+        chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n, masks.words(), masks.words_stride(),
+                            masks.rows(), ids.data(), logprobs.data(), threads);
+    }
+    return id_and_logprob_lists(ids, logprobs);
+}
+
+// A list of one number per row (ints or floats), checked.
+template <typename T>
+static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name) {
+    if (!PyList_Check(list.ptr()) || PyList_GET_SIZE(list.ptr()) != rows)
+        fail(PyExc_ValueError, (std::string("sample_pick: ") + name + " must be a list of one number per row").c_str());
+    std::vector<T> out(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+        PyObject* item = PyList_GET_ITEM(list.ptr(), r);
+        if constexpr (std::is_integral_v<T>) {
+            out[r] = T(exact_int_of(item));
+        } else {
+            const double value = PyFloat_AsDouble(item);
+            if (value == -1.0 && PyErr_Occurred()) throw PyFailure();
+            out[r] = T(value);
         }
+    }
+    return out;
+}
+
+// sample_pick(logits, n, bitmask or None, masked or None, temperature, top_k, top_p, min_p, uniform, threads) ->
+// (ids, logprobs): greedy_pick's arguments and lists, and five lists of one number per row (temperature 0: greedy;
+// negative: the row is skipped, id -2; top_k 0, top_p 1, min_p 0: off; uniform in [0, 1)); per row the token the
+// sampler's steps 5-7 draw with that uniform, or -1 as greedy_pick says it.
+nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
+                             nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
+                             nb::handle uniform_in, int threads_in) {
+    const Array logits(logits_in, "logits", false);
+    logits.expect_ndim(2);
+    logits.expect_float32();
+    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "sample_pick: n must be 1..width");
+    const int64_t rows = logits.dim(0);
+    const RowMasks masks(bitmask_in, masked_in, rows, n, "sample_pick");
+    const auto temperature_64 = numbers_of<double>(temperature_in, rows, "temperature");
+    const auto top_k = numbers_of<int64_t>(top_k_in, rows, "top_k");
+    const auto top_p_64 = numbers_of<double>(top_p_in, rows, "top_p");
+    const auto min_p_64 = numbers_of<double>(min_p_in, rows, "min_p");
+    const auto uniform = numbers_of<double>(uniform_in, rows, "uniform");
+    std::vector<float> temperature(rows), top_p(rows), min_p(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+        const bool ok = temperature_64[r] == temperature_64[r] && temperature_64[r] < INFINITY && top_k[r] >= 0 &&
+                        top_p_64[r] > 0.0 && top_p_64[r] <= 1.0 && min_p_64[r] >= 0.0 && min_p_64[r] <= 1.0 &&
+                        uniform[r] >= 0.0 && uniform[r] < 1.0;
+        if (!ok) fail(PyExc_ValueError, "sample_pick: a row's parameters are out of range");
+        // in float32 as the torch path has them, where a temperature past its range divides every logit to
+        // about 0 (all tokens alike) and a top_p below it keeps the first token alone
+        temperature[r] = float(std::min<double>(temperature_64[r], FLT_MAX));
+        if (temperature_64[r] > 0.0 && temperature[r] == 0.0f) temperature[r] = FLT_MIN;
+        top_p[r] = std::max(float(top_p_64[r]), FLT_MIN);
+        min_p[r] = float(min_p_64[r]);
     }
     const int threads = checked_threads(threads_in);
     std::vector<int64_t> ids(rows);
     std::vector<float> logprobs(rows);
     {
         NoGil nogil;
-        chosen->greedy_pick(logits.data<const float>(), rows, logits.dim(1), n,
-                            bitmask ? bitmask->data<const int32_t>() : nullptr, bitmask ? bitmask->dim(1) : 0,
-                            bitmask ? masked.data() : nullptr, ids.data(), logprobs.data(), threads);
+        const corral_kernels::DrawParams params{temperature.data(), top_k.data(), top_p.data(), min_p.data(), uniform.data()};
+        chosen->sample_pick(logits.data<const float>(), rows, logits.dim(1), n, masks.words(), masks.words_stride(),
+                            masks.rows(), params, ids.data(), logprobs.data(), threads);
     }
-    nb::list id_list, logprob_list;
-    for (int64_t r = 0; r < rows; ++r) {
-        id_list.append(nb::int_(ids[r]));
-        logprob_list.append(nb::float_(double(logprobs[r])));
-    }
-    return nb::make_tuple(id_list, logprob_list);
+    return id_and_logprob_lists(ids, logprobs);
 }
 
 // A paged KV cache handed in, checked: k_cache and v_cache [blocks, block_size, KVH, head_dim] of one element type
@@ -403,6 +482,9 @@ void add_kernels(nb::module_& m) {
     m.def("log_normalizers", &kernel_log_normalizers);
     m.def("greedy_pick", &kernel_greedy_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
           nb::arg("masked").none(), nb::arg("threads"));
+    m.def("sample_pick", &kernel_sample_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
+          nb::arg("masked").none(), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+          nb::arg("uniform"), nb::arg("threads"));
     m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
           nb::arg("k_scale").none(), nb::arg("v_scale").none());

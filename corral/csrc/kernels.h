@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,18 @@ using LogNormalizers = void (*)(const float* logits, int64_t rows, int64_t strid
                                int threads);
 using GreedyPick = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
                             int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads);
+// Per row: temperature (0: greedy; < 0: the row is skipped), top_k (0: off), top_p (1: off), min_p (0: off) and the
+// row's uniform in [0, 1).
+struct DrawParams {
+    const float* temperature;
+    const int64_t* top_k;
+    const float* top_p;
+    const float* min_p;
+    const double* uniform;
+};
+using SamplePick = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
+                            int64_t words_stride, const uint8_t* masked, DrawParams params, int64_t* ids,
+                            float* logprobs, int threads);
 template <typename T, typename KV>
 using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,
                              const int64_t* tables, int64_t table_stride, const int64_t* lens, T* out,
@@ -55,6 +68,7 @@ struct KernelTable {
     PagedDecode<uint16_t, int8_t> paged_decode_bf16_i8;
     LogNormalizers log_normalizers;
     GreedyPick greedy_pick;
+    SamplePick sample_pick;
     CausalPrefill causal_prefill;  // float32, head_dim 64 or 128
     PrefillPaged<float> prefill_paged_f32;  // float32 queries over a float32, bfloat16 or int8 cache
     PrefillPaged<uint16_t> prefill_paged_bf16;

@@ -226,6 +226,174 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
     }
 }
 
+// The k largest of v[0, n) above `floor`, largest first, into out: a min-heap of k, and 16 values at a time
+// tested against the heap's least at once (a row's distribution has few large values: once the heap is full,
+// almost every group of 16 is passed over with one vector comparison).
+static void largest(const float* v, int64_t n, int64_t k, float floor, std::vector<float>& out) {
+    out.clear();
+    const auto less_first = std::greater<float>();
+    float bar = floor;  // a value must exceed it to enter: the floor, then the full heap's least
+    for (int64_t base = 0; base < n; base += 16) {
+        const int64_t span = std::min<int64_t>(16, n - base);
+        int any = 0;
+        #pragma omp simd reduction(| : any)
+        for (int64_t i = 0; i < span; ++i) any |= v[base + i] > bar;
+        if (!any) continue;
+        for (int64_t i = base; i < base + span; ++i) {
+            const float a = v[i];
+            if (!(a > bar)) continue;
+            if (int64_t(out.size()) < k) {
+                out.push_back(a);
+                std::push_heap(out.begin(), out.end(), less_first);
+            } else {
+                std::pop_heap(out.begin(), out.end(), less_first);
+                out.back() = a;
+                std::push_heap(out.begin(), out.end(), less_first);
+            }
+            if (int64_t(out.size()) == k) bar = std::max(floor, out.front());
+        }
+    }
+    std::sort_heap(out.begin(), out.end(), less_first);
+}
+
+// The probability of the last token top_p keeps in p[0, n) (float32, not all zero, summing to about 1): sorted
+// largest first, a token is kept while the mass before it (float32 running sums, as torch's cumsum rounds them) is
+// below top_p. The largest 64 are looked at first, 4x more while they hold less than top_p, and past 1,024 (a flat
+// distribution) every positive one is sorted at once.
+static float top_p_smallest_kept(const float* p, int64_t n, float top_p, std::vector<float>& sorted) {
+    for (int64_t k = 64;; k *= 4) {
+        if (k <= 1024) {
+            largest(p, n, k, 0.0f, sorted);
+        } else {
+            sorted.clear();
+            for (int64_t i = 0; i < n; ++i)
+                if (p[i] > 0.0f) sorted.push_back(p[i]);
+            std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+        }
+        double running = 0.0;
+        float smallest = 0.0f;
+        bool reached = false;
+        for (const float q : sorted) {
+            running += q;
+            if (!(float(running) - q < top_p)) {  // as torch: (cumulative - largest) < top_p, in float32
+                reached = true;
+                break;
+            }
+            smallest = q;
+        }
+        if (reached || int64_t(sorted.size()) < k) return smallest;
+    }
+}
+
+// The sampler's row for a row that needs its mask, temperature, min_p, top_k, top_p and one uniform (sampler.py's
+// steps 5-7, in its order, on the masked logits): among the first n columns that the mask allows (and are above
+// -inf), logits / temperature; min_p keeps those >= max + log(min_p); top_k those >= the k-th largest; then the
+// softmax, and top_p keeps those >= the last probability the nucleus takes (ties stay); the token is the first
+// whose running sum of probabilities (float64, in column order) exceeds u times their total. Temperature 0 takes
+// the first largest allowed column, as greedy_pick; a negative temperature skips the row (ids[r] = -2). ids[r] = -1
+// where no column is allowed or the row holds a NaN or +inf (the caller's general path then decides). logprobs[r]:
+// the raw logit less the row's log-normalizer over all n columns. The arithmetic is float32 with an exp of a few
+// ulp, where torch's softmax differs in its last bits: a draw can differ from the torch path's only where u lands
+// within that rounding of a boundary between two tokens' cumulative mass.
+static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
+                        int64_t words_stride, const uint8_t* masked, DrawParams params, int64_t* ids, float* logprobs,
+                        int threads) {
+    #pragma omp parallel for num_threads(threads) if (rows * n >= 4 * PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        static thread_local std::vector<float> v, sorted;
+        const float* x = logits + r * stride;
+        const float t = params.temperature[r];
+        ids[r] = t < 0.0f ? -2 : -1;
+        logprobs[r] = 0.0f;
+        if (t < 0.0f) continue;
+        float full = -INFINITY;
+        int odd = 0;
+        #pragma omp simd reduction(max : full) reduction(| : odd)
+        for (int64_t i = 0; i < n; ++i) {
+            odd |= !(x[i] < INFINITY);
+            full = x[i] > full ? x[i] : full;
+        }
+        if (odd || full == -INFINITY) continue;
+        v.resize(n);
+        float* w = v.data();
+        const float scale = t > 0.0f ? t : 1.0f;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; ++i) w[i] = x[i] / scale;
+        if (masked != nullptr && masked[r]) {
+            const uint32_t* bits = reinterpret_cast<const uint32_t*>(words + r * words_stride);
+            for (int64_t word = 0; word * 32 < n; ++word) {
+                const uint32_t allowed = bits[word];
+                if (allowed == 0xffffffffu) continue;
+                const int64_t base = word * 32, span = std::min<int64_t>(32, n - base);
+                for (int64_t i = 0; i < span; ++i)
+                    if (!((allowed >> i) & 1u)) w[base + i] = -INFINITY;
+            }
+        }
+        float top = -INFINITY;
+        #pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; ++i) top = w[i] > top ? w[i] : top;
+        if (top == -INFINITY) continue;
+        int64_t at = -1;
+        if (t == 0.0f) {  // greedy: the first column at the max
+            for (int64_t i = 0; i < n; ++i)
+                if (w[i] == top) {
+                    at = i;
+                    break;
+                }
+        } else {
+            float cut = -INFINITY;  // every rule below keeps the values >= its cut: ties stay
+            if (params.min_p[r] > 0.0f) cut = top + std::log(params.min_p[r]);
+            const int64_t k = params.top_k[r];
+            if (k > 0 && k < n) {
+                largest(w, n, k, cut == -INFINITY ? -INFINITY : std::nextafter(cut, -INFINITY), sorted);
+                if (int64_t(sorted.size()) == k) cut = std::max(cut, sorted.back());
+            }
+            float sum = 0.0f;  // softmax over what is kept, w becomes the probabilities
+            #pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; ++i) {
+                w[i] = w[i] >= cut && w[i] > -INFINITY ? exp_approx(w[i] - top) : 0.0f;
+                sum += w[i];
+            }
+            #pragma omp simd
+            for (int64_t i = 0; i < n; ++i) w[i] /= sum;
+            if (params.top_p[r] < 1.0f) {
+                const float smallest = top_p_smallest_kept(w, n, params.top_p[r], sorted);
+                #pragma omp simd
+                for (int64_t i = 0; i < n; ++i) w[i] = w[i] < smallest ? 0.0f : w[i];
+            }
+            // float64 sums: the total in vector lanes, the running sum by blocks of 64 (each block's sum in
+            // lanes) and one column at a time inside the block where it passes the target. Summed in another
+            // order than torch's cumsum, they differ from it by float64 rounding (1e-16 of the total).
+            double total = 0.0;
+            #pragma omp simd reduction(+ : total)
+            for (int64_t i = 0; i < n; ++i) total += w[i];
+            // as torch: u * total can round up to total itself, which no running sum exceeds; one ulp below it
+            const double target = std::min(params.uniform[r] * total, std::nextafter(total, 0.0));
+            double running = 0.0;
+            for (int64_t base = 0; at < 0 && base < n; base += 64) {
+                const int64_t end = std::min<int64_t>(base + 64, n);
+                double block = 0.0;
+                #pragma omp simd reduction(+ : block)
+                for (int64_t i = base; i < end; ++i) block += w[i];
+                if (running + block <= target) {
+                    running += block;
+                    continue;
+                }
+                for (int64_t i = base; i < end; ++i) {
+                    running += w[i];
+                    if (running > target && w[i] > 0.0f) {
+                        at = i;
+                        break;
+                    }
+                }
+            }
+        }
+        if (at < 0) continue;
+        ids[r] = at;
+        logprobs[r] = x[at] - log_normalizer_at(x, n, full);
+    }
+}
+
 // The next block sits anywhere in the pool, where no hardware prefetcher looks: while row j of this block is
 // read, row j of the next one is asked for (the loads of K and V rows were most of the kernel's time; asking for
 // a whole block at once stalled on the line-fill buffers instead).
@@ -888,7 +1056,7 @@ const KernelTable* variant<Isa::CORRAL_VARIANT>() {
         CORRAL_VARIANT::paged_decode<float, float>, CORRAL_VARIANT::paged_decode<uint16_t, uint16_t>,
         CORRAL_VARIANT::paged_decode<float, uint16_t>, CORRAL_VARIANT::paged_decode<float, int8_t>,
         CORRAL_VARIANT::paged_decode<uint16_t, int8_t>, CORRAL_VARIANT::log_normalizers,
-        CORRAL_VARIANT::greedy_pick, CORRAL_VARIANT::causal_prefill,
+        CORRAL_VARIANT::greedy_pick, CORRAL_VARIANT::sample_pick, CORRAL_VARIANT::causal_prefill,
         CORRAL_VARIANT::prefill_paged<float>, CORRAL_VARIANT::prefill_paged<uint16_t>,
         CORRAL_VARIANT::prefill_paged<int8_t>,
     };

@@ -16,10 +16,16 @@ The order, after vLLM's, is fixed and every step is a row-wise function of that 
    and can never be drawn. A row with a ``generator`` draws its uniform from it alone, so a seeded row gives
    the same tokens in any batch.
 
-Columns of ``logits`` past ``vocab_size`` (a padded lm_head) are never sampled. The caller's logits are not
+A plain row (no top logprobs, bias or penalty, ``min_tokens`` reached) runs steps 1, 2 and 5-7 in one native pass
+(``cpu_ops.greedy_pick`` when greedy, ``cpu_ops.sample_pick`` otherwise), in every batch and when it verifies a
+draft, so its token never depends on what shares the batch; the torch ops here are the other rows' path and the
+oracle the native pass is tested against (the same token, except where the uniform lands within float32 rounding
+of a boundary between two tokens' cumulative mass). Columns of ``logits`` past ``vocab_size`` (a padded lm_head)
+are never sampled. The caller's logits are not
 modified. Left out: beam search and best-of-n, which are strategies built on top of this (see beam_search.py).
 """
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -95,17 +101,51 @@ class Sampler:
         assert vocab_size <= logits.shape[1], f"vocab_size {vocab_size} > logits width {logits.shape[1]}"
         if not rows:
             return SampleResult([], [], None)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
+        native = [self._only_masked_draw(row) for row in rows]
+        # A plain row is always drawn natively, whatever shares its batch: its token never depends on the batch.
+        picked = self._native_draws(logits, rows, native, random_rows, uniforms, bitmask, masked_rows) \
+            if any(native) else None
+        if picked is not None and all(native):
+            return SampleResult(picked[0], picked[1], None)
         bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
-        token_ids = self._choose(work, rows)
+        token_ids = self._choose(work, rows, uniforms)
 
         chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
         assert bool(torch.isfinite(work.gather(1, chosen[:, None])).all()), \
             "a row had no allowed token: a guide in the error state must finish before sampling"
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
+        if picked is not None:
+            for i in (i for i, yes in enumerate(native) if yes):
+                token_ids[i], logprobs[i] = picked[0][i], picked[1][i]
         return SampleResult(token_ids, logprobs, top_logprobs)
+
+    @staticmethod
+    def _only_masked_draw(row: SamplingRow) -> bool:
+        """Whether the row's token depends on its masked logits, its temperature and filters and its uniform
+        alone (steps 5-7; steps 1, 3, 4 and the hold-back of step 2 change nothing): the native pass draws it."""
+        params = row.params
+        return params.plain and (not params.min_tokens or len(row.output_token_ids) >= params.min_tokens)
+
+    def _native_draws(self, logits, rows, native: list[bool], random_rows: list[int], uniforms: list[float], bitmask,
+                      masked_rows) -> tuple[list[int], list[float]] | None:
+        """The native pass over the rows marked in ``native`` (others get id -2), with the uniforms drawn for
+        ``random_rows``; None where it cannot decide every one of them (the torch path then does)."""
+        row_uniform = dict(zip(random_rows, uniforms))
+        temperature, top_k, top_p, min_p, uniform = [], [], [], [], []
+        for i, (row, yes) in enumerate(zip(rows, native)):
+            params = row.params
+            temperature.append(-1.0 if not yes else 0.0 if params.is_greedy else params.temperature)
+            top_k.append(min(params.top_k, logits.shape[1]))  # past the width it keeps every column
+            top_p.append(params.top_p)
+            min_p.append(params.min_p)
+            uniform.append(row_uniform.get(i, 0.0))
+        return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows, temperature,
+                                   top_k, top_p, min_p, uniform)
 
     @staticmethod
     def _only_masked_greedy(row: SamplingRow) -> bool:
@@ -152,25 +192,42 @@ class Sampler:
                                         [row_logprobs[r] for _, r in chosen], None))
                 return out
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
-        work = self.process(logits, rows, *_as_tensors(bitmask, masked_rows))
+        tensors = _as_tensors(bitmask, masked_rows)
+        work = self.process(logits, rows, *tensors)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         argmax = torch.argmax(work, dim=-1).tolist() if greedy else None
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        probs, where = None, {}
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long)
-            params = [rows[i].params for i in random_rows]
-            tempered = work.index_select(0, index)
-            tempered.div_(torch.tensor([p.temperature for p in params])[:, None])
-            probs = _filtered_probs(tempered, params).to(torch.float64)
-            where = {row: j for j, row in enumerate(random_rows)}
+        probs: dict[int, torch.Tensor] = {}
+
+        def torch_probs(at: int) -> torch.Tensor:  # a row's filtered probabilities, float64, not normalised
+            if at not in probs:
+                tempered = work[at:at + 1] / _float32_temperature(rows[at].params)
+                probs[at] = _filtered_probs(tempered, [rows[at].params]).to(torch.float64)[0]
+            return probs[at]
+
+        masked = _row_set(tensors[1], len(rows)) if bitmask is not None else set()
+
+        def draw(at: int, u: float) -> int:  # a plain row natively, as the plain path draws it
+            if self._only_masked_draw(rows[at]):
+                params, sub = rows[at].params, at in masked
+                picked = cpu_ops.sample_pick(logits[at:at + 1], self.vocab_size or logits.shape[1],
+                                             bitmask[at:at + 1] if sub else None, [0] if sub else None,
+                                             [params.temperature], [params.top_k], [params.top_p], [params.min_p], [u])
+                if picked is not None:
+                    return picked[0][0]
+            return _draw_one(torch_probs(at), u)
+
+        def possible(at: int, token: int) -> bool:  # p(token) > 0 where the mask allows that token alone
+            if self._only_masked_draw(rows[at]):  # the one allowed token is the largest: no filter drops it
+                return math.isfinite(float(logits[at, token]))
+            return bool(torch_probs(at)[token] > 0)
+
         out = []
         for draft in drafts:
             row = rows[draft.start]
             if row.params.is_greedy:
                 chosen, accepted = _verify_greedy(draft, argmax)
             else:
-                chosen, accepted = _verify_sampled(draft, probs, where, row.generator)
+                chosen, accepted = _verify_sampled(draft, draw, possible, row.generator)
             picked = [r for _, r in chosen]
             logprobs = [(raw[r, t].float() - log_normalizer[r]).item() for t, r in chosen]  # as __call__ does
             top = [top_logprobs[r] for r in picked] if top_logprobs is not None else None
@@ -237,8 +294,9 @@ class Sampler:
             logits[ids] -= counts.float() * params.frequency_penalty
             logits[ids] -= params.presence_penalty
 
-    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """Greedy rows take the argmax of ``work``; the others are drawn (``work`` is consumed)."""
+    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow], uniforms: list[float]) -> list[int]:
+        """Greedy rows take the argmax of ``work``; the others are drawn with ``uniforms``, one per drawn row in
+        order (``work`` is consumed)."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return torch.argmax(work, dim=-1).tolist()
@@ -247,9 +305,9 @@ class Sampler:
         index = torch.tensor(random_rows, dtype=torch.long, device=work.device)
         params = [rows[i].params for i in random_rows]
         tempered = work if all_random else work.index_select(0, index)  # in place when every row is drawn
-        tempered.div_(torch.tensor([p.temperature for p in params], device=work.device)[:, None])
+        tempered.div_(torch.tensor([_float32_temperature(p) for p in params], device=work.device)[:, None])
         probs = _filtered_probs(tempered, params)
-        drawn = _draw(probs, _uniforms([rows[i].generator for i in random_rows], work.device))
+        drawn = _draw(probs, torch.tensor(uniforms, dtype=torch.float64, device=work.device))
         if all_random:
             return drawn.tolist()
         token_ids[index] = drawn
@@ -264,6 +322,24 @@ def _as_tensors(bitmask, masked_rows) -> tuple[torch.Tensor | None, torch.Tensor
     if isinstance(masked_rows, list):
         masked_rows = torch.tensor(masked_rows, dtype=torch.long)
     return bitmask, masked_rows
+
+
+def _float32_temperature(params: SamplingParams) -> float:
+    """The temperature as float32 holds it: one past its range would be infinite, and a masked logit (-inf)
+    over infinity is NaN; the largest float32 instead divides every allowed logit to about 0 (all alike)."""
+    return min(params.temperature, _FLOAT32_MAX)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _row_set(masked_rows: torch.Tensor | None, num_rows: int) -> set[int]:
+    """The rows a bitmask applies to, as a set (None: every row)."""
+    if masked_rows is None:
+        return set(range(num_rows))
+    if masked_rows.dtype == torch.bool:
+        masked_rows = masked_rows.nonzero().flatten()
+    return set(masked_rows.tolist())
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -287,28 +363,27 @@ def _verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int,
     return chosen, len(draft.tokens)
 
 
-def _verify_sampled(draft: DraftRows, probs: torch.Tensor, where: dict[int, int],
-                    generator: torch.Generator | None) -> tuple[list[tuple[int, int]], int]:
-    """((token, row) chosen, draft tokens accepted): each row draws its token from ``probs`` (float64 rows, not
-    normalised, found by ``where``) with one uniform, as the plain path draws it, and the draft is kept while the
-    draws match it. For a draft that proposes one token with certainty this is the rejection rule itself: the
-    draft token is accepted with probability p(d), and a rejected position's token is a draw from p without d.
-    A position whose mask allows the draft token alone (p(d) = 1) spends its uniform without the draw."""
+def _verify_sampled(draft: DraftRows, draw, possible, generator: torch.Generator | None) \
+        -> tuple[list[tuple[int, int]], int]:
+    """((token, row) chosen, draft tokens accepted): each row draws its token (``draw(row, u)``) with one uniform,
+    as the plain path draws it, and the draft is kept while the draws match it. For a draft that proposes one
+    token with certainty this is the rejection rule itself: the draft token is accepted with probability p(d), and
+    a rejected position's token is a draw from p without d. A position whose mask allows the draft token alone
+    (``possible(row, token)``: p(d) = 1) spends its uniform without the draw."""
     chosen = []
     for j, token in enumerate(draft.tokens):
         at = draft.start + j
-        p = probs[where[at]]
         u = _uniform(generator)
-        if draft.forced[j] and p[token] > 0:
+        if draft.forced[j] and possible(at, token):
             chosen.append((token, at))
             continue
-        drawn = _draw_one(p, u)
+        drawn = draw(at, u)
         chosen.append((drawn, at))
         if drawn != token:
             return chosen, j
     if draft.final:
         at = draft.start + len(draft.tokens)
-        chosen.append((_draw_one(probs[where[at]], _uniform(generator)), at))
+        chosen.append((draw(at, _uniform(generator)), at))
     return chosen, len(draft.tokens)
 
 
@@ -316,14 +391,14 @@ def _draw_one(p: torch.Tensor, u: float) -> int:
     return int(_draw(p[None], torch.tensor([u], dtype=torch.float64))[0])
 
 
-def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone. Drawn on the
-    generator's device (per-request generators are CPU ones), then moved: one number per row is cheap."""
-    uniforms = torch.rand(len(generators), dtype=torch.float64)
+def _uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
+    """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone (per-request
+    generators are CPU ones), the others from torch's global generator, which draws one for every row."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64).tolist()
     for j, generator in enumerate(generators):
         if generator is not None:
             uniforms[j] = torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
-    return uniforms.to(device)
+    return uniforms
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -350,14 +425,15 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p), which needs no softmax.
         threshold = logits.max(dim=-1).values + torch.log(min_p)  # log(0) = -inf keeps every token
         logits.masked_fill_(logits < threshold[:, None], neg_inf)
-    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k, logits.shape[1]) for p in params], device=device)  # any int is >= 0
     if bool((top_k > 0).any()):
         k = top_k.clamp(max=logits.shape[1])
         largest = torch.topk(logits, int(k.max()), dim=-1).values
         kth = largest.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], neg_inf)
         logits.masked_fill_(logits < kth, neg_inf)
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    # a top_p below float32's range keeps the first token alone, as a float32 one just above 0 does
+    top_p = torch.tensor([p.top_p for p in params], device=device).clamp_(min=torch.finfo(torch.float32).tiny)
     if bool((top_p < 1).any()):
         probs.masked_fill_(probs < _top_p_smallest_kept(probs, top_p), 0.0)
     return probs

@@ -94,6 +94,36 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
     finite column or holds a NaN or +inf: the torch path then decides, as before. About 13 us per 49k-column row,
     where the torch ops (copy, mask, argmax, gathers, checks) took about a tenth of a millisecond. Logits from
     :func:`register_buffer` go in with no torch call at all."""
+    args = _pick_args(logits, n, bitmask, masked_rows)
+    if args is None:
+        return None
+    module, array, bitmask, masked = args
+    ids, logprobs = module.greedy_pick(array, n, bitmask, masked, torch.get_num_threads())
+    if ids and min(ids) < 0:
+        return None
+    return ids, logprobs
+
+
+def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
+                masked_rows: torch.Tensor | list[int] | None, temperature: list[float], top_k: list[int],
+                top_p: list[float], min_p: list[float], uniform: list[float]) -> tuple[list[int], list[float]] | None:
+    """The sampler's steps 5-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
+    :func:`greedy_pick`'s arguments, and per row its temperature (0: greedy; negative: skip the row, its id is -2),
+    top_k, top_p, min_p and uniform. (ids, logprobs), or None where the kernel cannot take the arguments or a row
+    it was asked for has no allowed finite column or holds a NaN or +inf (the torch path then decides)."""
+    args = _pick_args(logits, n, bitmask, masked_rows)
+    if args is None:
+        return None
+    module, array, bitmask, masked = args
+    ids, logprobs = module.sample_pick(array, n, bitmask, masked, temperature, top_k, top_p, min_p, uniform,
+                                       torch.get_num_threads())
+    if -1 in ids:
+        return None
+    return ids, logprobs
+
+
+def _pick_args(logits, n, bitmask, masked_rows):
+    """(module, the logits' buffer, the bitmask's, the masked rows as a list) for the native picks, or None."""
     known = _REGISTERED.get(id(logits))
     if known is not None and known[0] is logits:
         array = known[1]
@@ -120,10 +150,7 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
             masked = masked_rows
         else:  # row indices or a mask over the rows
             masked = (masked_rows.nonzero().flatten() if masked_rows.dtype == torch.bool else masked_rows).tolist()
-    ids, logprobs = module.greedy_pick(array, n, bitmask, masked, torch.get_num_threads())
-    if ids and min(ids) < 0:
-        return None
-    return ids, logprobs
+    return module, array, bitmask, masked
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -347,3 +347,32 @@ def test_a_numpy_bitmask_and_a_list_of_rows_sample_as_tensors_do():
         as_numpy = Sampler(vocab)(logits, batch(), words, masked)
         as_tensors = Sampler(vocab)(logits, batch(), torch.from_numpy(words), torch.tensor(masked))
         assert as_numpy == as_tensors, params
+
+
+def test_a_plain_rows_draw_is_the_same_alone_and_beside_a_row_the_torch_path_takes():
+    """A plain row (no top logprobs, bias or penalty) is drawn by the native pass whatever shares its batch."""
+    sampler, steps = Sampler(), 25
+    generator = torch.Generator().manual_seed(4)
+    base = [torch.randn(2, 1000, generator=generator) * 3 for _ in range(steps)]
+    plain = SamplingParams(seed=42, temperature=1.3, top_p=0.9, top_k=50, min_p=0.01)
+    alone = run_steps(sampler, [b[:1] for b in base], [(plain, make_generator(42))], 0)
+    penalized = SamplingParams(seed=7, frequency_penalty=0.5)
+    beside = run_steps(sampler, [torch.cat([b[1:], b[:1]]) for b in base],
+                       [(penalized, make_generator(7)), (plain, make_generator(42))], 1)
+    assert alone == beside and len(set(alone)) > 3  # drawn, not one token over and over
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5])  # the native pass, and the torch path
+def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty):
+    """top_p below float32's smallest keeps the first token alone; a temperature past its largest makes the
+    allowed tokens alike (never a masked one, never a NaN); a top_k past the vocabulary keeps every token."""
+    logits = torch.linspace(0.0, 6.0, 64).repeat(40, 1)  # the largest is token 63
+    bitmask = torch.tensor([[0x0000FFFF, 0x0F000000]] * 40, dtype=torch.int32)  # tokens 0-15 and 56-59
+    tiny_p = SamplingParams(temperature=1.0, top_p=5e-324, frequency_penalty=penalty)
+    rows = [SamplingRow(tiny_p, (), (), make_generator(i)) for i in range(40)]
+    assert set(Sampler()(logits, rows).token_ids) == {63}
+    assert set(Sampler()(logits, rows, bitmask).token_ids) == {59}
+    hot = SamplingParams(temperature=1e300, frequency_penalty=penalty, top_k=10**30)
+    rows = [SamplingRow(hot, (), (), make_generator(i)) for i in range(40)]
+    drawn = Sampler()(logits, rows, bitmask).token_ids
+    assert set(drawn) <= {*range(16), *range(56, 60)} and len(set(drawn)) > 5
