@@ -13,7 +13,9 @@ the gauges ``corral:num_requests_in_flight`` (admitted, from arrival to end: wha
 ``corral:num_requests_compiling`` (constraints queued or compiling).
 
 The text format is written here (it is a dozen lines) rather than pulling in ``prometheus_client``. Times are
-taken when the engine thread hands an output over, so they include scheduling but not the network.
+taken when the engine thread hands an output over, so they include scheduling but not the network; the first
+token's is the engine's own first-token time (a request nobody streams hands over its finished output alone, and
+the tokens after the first count as spread evenly up to then).
 """
 
 import threading

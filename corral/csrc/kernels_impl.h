@@ -281,7 +281,7 @@ static float top_p_smallest_kept(const float* p, int64_t n, float top_p, std::ve
             }
             smallest = q;
         }
-        if (reached || int64_t(sorted.size()) < k) return smallest;
+        if (reached || k > 1024 || int64_t(sorted.size()) < k) return smallest;  // past 1,024: all were sorted
     }
 }
 
@@ -351,7 +351,8 @@ static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64
             float sum = 0.0f;  // softmax over what is kept, w becomes the probabilities
             #pragma omp simd reduction(+ : sum)
             for (int64_t i = 0; i < n; ++i) {
-                w[i] = w[i] >= cut && w[i] > -INFINITY ? exp_approx(w[i] - top) : 0.0f;
+                // below -87, where exp_approx stops, float32 holds at most a denormal: 0, as good as torch's
+                w[i] = w[i] >= cut && w[i] - top >= -87.0f ? exp_approx(w[i] - top) : 0.0f;
                 sum += w[i];
             }
             #pragma omp simd

@@ -104,7 +104,8 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
         native = [self._only_masked_draw(row) for row in rows]
-        # A plain row is always drawn natively, whatever shares its batch: its token never depends on the batch.
+        # A plain row is drawn natively whatever shares its batch, so its token does not depend on the batch (unless
+        # the native pass cannot decide some row, a NaN or +inf in its logits: then the torch path draws them all).
         picked = self._native_draws(logits, rows, native, random_rows, uniforms, bitmask, masked_rows) \
             if any(native) else None
         if picked is not None and all(native):
@@ -140,7 +141,7 @@ class Sampler:
         for i, (row, yes) in enumerate(zip(rows, native)):
             params = row.params
             temperature.append(-1.0 if not yes else 0.0 if params.is_greedy else params.temperature)
-            top_k.append(min(params.top_k, logits.shape[1]))  # past the width it keeps every column
+            top_k.append(int(min(params.top_k, logits.shape[1])))  # past the width it keeps every column
             top_p.append(params.top_p)
             min_p.append(params.min_p)
             uniform.append(row_uniform.get(i, 0.0))
@@ -211,7 +212,8 @@ class Sampler:
                 params, sub = rows[at].params, at in masked
                 picked = cpu_ops.sample_pick(logits[at:at + 1], self.vocab_size or logits.shape[1],
                                              bitmask[at:at + 1] if sub else None, [0] if sub else None,
-                                             [params.temperature], [params.top_k], [params.top_p], [params.min_p], [u])
+                                             [params.temperature], [int(min(params.top_k, logits.shape[1]))],
+                                             [params.top_p], [params.min_p], [u])
                 if picked is not None:
                     return picked[0][0]
             return _draw_one(torch_probs(at), u)

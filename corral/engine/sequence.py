@@ -53,8 +53,8 @@ class TokenSpan(Seq):
         index %= size
         return self._tokens[self._start + index] if index < head else self._tail[index - head]
 
-    def __iter__(self):
-        return itertools.chain(itertools.islice(self._tokens, self._start, self._stop), self._tail)
+    def __iter__(self):  # a copy of the span (islice would walk the prompt before an output span)
+        return itertools.chain(self._tokens[self._start:self._stop], self._tail)
 
     def __repr__(self) -> str:
         return f"TokenSpan({list(self)!r})"

@@ -109,8 +109,10 @@ def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
                 top_p: list[float], min_p: list[float], uniform: list[float]) -> tuple[list[int], list[float]] | None:
     """The sampler's steps 5-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
     :func:`greedy_pick`'s arguments, and per row its temperature (0: greedy; negative: skip the row, its id is -2),
-    top_k, top_p, min_p and uniform. (ids, logprobs), or None where the kernel cannot take the arguments or a row
-    it was asked for has no allowed finite column or holds a NaN or +inf (the torch path then decides)."""
+    top_k, top_p, min_p and uniform (out of range: ValueError). (ids, logprobs), or None where the kernel cannot
+    take the arrays, or a row it was asked for has no allowed finite column, holds a NaN or +inf anywhere, or its
+    running sum never passes its target (float64 rounding, when u is within it of 1): the torch path then
+    decides."""
     args = _pick_args(logits, n, bitmask, masked_rows)
     if args is None:
         return None

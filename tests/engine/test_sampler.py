@@ -6,8 +6,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from corral.engine.sampler import Sampler, SamplingRow, make_generator
+from corral.engine.sampler import DraftRows, Sampler, SamplingRow, make_generator
 from corral.engine.sampling_params import SamplingParams
+from corral.kernels import cpu_ops
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5], dtype=np.float64)
 NUM_DRAWS = 20_000
@@ -376,3 +377,7 @@ def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty):
     rows = [SamplingRow(hot, (), (), make_generator(i)) for i in range(40)]
     drawn = Sampler()(logits, rows, bitmask).token_ids
     assert set(drawn) <= {*range(16), *range(56, 60)} and len(set(drawn)) > 5
+    verified = Sampler().verify(logits[:3], rows[:3], [DraftRows(0, [57, 58], True, [False, False])], bitmask[:3])
+    assert set(verified[0].token_ids) <= {*range(16), *range(56, 60)}  # the draft's rows, the same rules
+    tail = torch.tensor([[0.0, 200.0, 0.0, 0.0]])  # far below the max: probability 0, even at u = 0
+    assert cpu_ops.sample_pick(tail, 4, None, None, [1.0], [0], [1.0], [0.0], [0.0])[0] == [1]

@@ -331,8 +331,8 @@ def test_unseeded_sampling_has_the_same_distribution_with_drafts(compiler, param
 
 
 def test_the_chi_square_test_rejects_a_biased_acceptance_rule(compiler, monkeypatch):
-    """Accept every draft token the row could draw at all (p(d) > 0, as if the mask forced it): the test must see
-    the bias."""
+    """Accept every draft token the mask-forced check would let through (here, with no mask: any token with a
+    finite logit): the test must see the bias."""
     def biased(draft, draw, possible, generator):
         chosen = []
         for j, token in enumerate(draft.tokens):
