@@ -230,7 +230,7 @@ static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name
 // sampler's steps 5-7 draw with that uniform, or -1 as greedy_pick says it.
 nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
                              nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
-                             nb::handle uniform_in, int threads_in) {
+                             nb::handle uniform_in, nb::handle top_n_in, int threads_in) {
     const Array logits(logits_in, "logits", false);
     logits.expect_ndim(2);
     logits.expect_float32();
@@ -242,11 +242,13 @@ nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
     const auto top_p_64 = numbers_of<double>(top_p_in, rows, "top_p");
     const auto min_p_64 = numbers_of<double>(min_p_in, rows, "min_p");
     const auto uniform = numbers_of<double>(uniform_in, rows, "uniform");
+    const auto top_n = numbers_of<int64_t>(top_n_in, rows, "top_n");
     std::vector<float> temperature(rows), top_p(rows), min_p(rows);
     for (int64_t r = 0; r < rows; ++r) {
         const bool ok = temperature_64[r] == temperature_64[r] && temperature_64[r] < INFINITY && top_k[r] >= 0 &&
                         top_p_64[r] > 0.0 && top_p_64[r] <= 1.0 && min_p_64[r] >= 0.0 && min_p_64[r] <= 1.0 &&
-                        uniform[r] >= 0.0 && uniform[r] < 1.0;
+                        uniform[r] >= 0.0 && uniform[r] < 1.0 && top_n[r] >= 0 &&
+                        top_n[r] <= corral_kernels::TOP_LOGPROBS;
         if (!ok) fail(PyExc_ValueError, "sample_pick: a row's parameters are out of range");
         // in float32 as the torch path has them, where a temperature past its range divides every logit to
         // about 0 (all tokens alike) and a top_p below it keeps the first token alone
@@ -256,15 +258,29 @@ nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
         min_p[r] = float(min_p_64[r]);
     }
     const int threads = checked_threads(threads_in);
-    std::vector<int64_t> ids(rows);
-    std::vector<float> logprobs(rows);
+    std::vector<int64_t> ids(rows), top_ids(rows * corral_kernels::TOP_LOGPROBS);
+    std::vector<float> logprobs(rows), top_logprobs(rows * corral_kernels::TOP_LOGPROBS);
     {
         NoGil nogil;
-        const corral_kernels::DrawParams params{temperature.data(), top_k.data(), top_p.data(), min_p.data(), uniform.data()};
+        const corral_kernels::DrawParams params{temperature.data(), top_k.data(), top_p.data(), min_p.data(),
+                                                uniform.data()};
+        const corral_kernels::TopLogprobs top{top_n.data(), top_ids.data(), top_logprobs.data()};
         chosen->sample_pick(logits.data<const float>(), rows, logits.dim(1), n, masks.words(), masks.words_stride(),
-                            masks.rows(), params, ids.data(), logprobs.data(), threads);
+                            masks.rows(), params, top, ids.data(), logprobs.data(), threads);
     }
-    return id_and_logprob_lists(ids, logprobs);
+    nb::list tops;  // per row a list of (id, logprob): as many as asked for, fewer where the row has fewer finite
+    for (int64_t r = 0; r < rows; ++r) {
+        nb::list row;
+        const float* x = logits.data<const float>() + r * logits.dim(1);
+        int64_t finite = 0;
+        for (int64_t i = 0; i < n && finite < top_n[r]; ++i) finite += x[i] > -INFINITY;
+        for (int64_t j = 0; ids[r] >= 0 && j < std::min(top_n[r], finite); ++j)
+            row.append(nb::make_tuple(nb::int_(top_ids[r * corral_kernels::TOP_LOGPROBS + j]),
+                                      nb::float_(double(top_logprobs[r * corral_kernels::TOP_LOGPROBS + j]))));
+        tops.append(row);
+    }
+    nb::tuple picked = id_and_logprob_lists(ids, logprobs);
+    return nb::make_tuple(picked[0], picked[1], tops);
 }
 
 // A paged KV cache handed in, checked: k_cache and v_cache [blocks, block_size, KVH, head_dim] of one element type
@@ -484,7 +500,7 @@ void add_kernels(nb::module_& m) {
           nb::arg("masked").none(), nb::arg("threads"));
     m.def("sample_pick", &kernel_sample_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
           nb::arg("masked").none(), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
-          nb::arg("uniform"), nb::arg("threads"));
+          nb::arg("uniform"), nb::arg("top_n"), nb::arg("threads"));
     m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
           nb::arg("k_scale").none(), nb::arg("v_scale").none());

@@ -35,8 +35,16 @@ struct DrawParams {
     const float* min_p;
     const double* uniform;
 };
+// Per row, how many of the most likely columns to report (at most TOP_LOGPROBS), and where: row r's at
+// [r * TOP_LOGPROBS, r * TOP_LOGPROBS + count).
+constexpr int64_t TOP_LOGPROBS = 20;
+struct TopLogprobs {
+    const int64_t* count;
+    int64_t* ids;
+    float* logprobs;
+};
 using SamplePick = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
-                            int64_t words_stride, const uint8_t* masked, DrawParams params, int64_t* ids,
+                            int64_t words_stride, const uint8_t* masked, DrawParams params, TopLogprobs top, int64_t* ids,
                             float* logprobs, int threads);
 template <typename T, typename KV>
 using PagedDecode = void (*)(const T* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale,

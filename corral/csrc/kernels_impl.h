@@ -256,6 +256,36 @@ static void largest(const float* v, int64_t n, int64_t k, float floor, std::vect
     std::sort_heap(out.begin(), out.end(), less_first);
 }
 
+// The k largest of x[0, n) above -inf with their columns, largest first and the lower column first among equals
+// (torch's topk leaves that order open): a heap of k under a bar, 16 values at a time as in `largest`.
+static void largest_at(const float* x, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& out) {
+    out.clear();
+    const auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    float bar = -INFINITY;  // columns come in order: an equal value later never beats the heap's least
+    for (int64_t base = 0; base < n; base += 16) {
+        const int64_t span = std::min<int64_t>(16, n - base);
+        int any = 0;
+        #pragma omp simd reduction(| : any)
+        for (int64_t i = 0; i < span; ++i) any |= x[base + i] > bar;
+        if (!any) continue;
+        for (int64_t i = base; i < base + span; ++i) {
+            if (!(x[i] > bar)) continue;
+            if (int64_t(out.size()) < k) {
+                out.emplace_back(x[i], i);
+                std::push_heap(out.begin(), out.end(), better);
+            } else {
+                std::pop_heap(out.begin(), out.end(), better);
+                out.back() = {x[i], i};
+                std::push_heap(out.begin(), out.end(), better);
+            }
+            if (int64_t(out.size()) == k) bar = out.front().first;
+        }
+    }
+    std::sort_heap(out.begin(), out.end(), better);
+}
+
 // The probability of the last token top_p keeps in p[0, n) (float32, not all zero, summing to about 1): sorted
 // largest first, a token is kept while the mass before it (float32 running sums, as torch's cumsum rounds them) is
 // below top_p. The largest 64 are looked at first, 4x more while they hold less than top_p, and past 1,024 (a flat
@@ -292,15 +322,17 @@ static float top_p_smallest_kept(const float* p, int64_t n, float top_p, std::ve
 // whose running sum of probabilities (float64, in column order) exceeds u times their total. Temperature 0 takes
 // the first largest allowed column, as greedy_pick; a negative temperature skips the row (ids[r] = -2). ids[r] = -1
 // where no column is allowed or the row holds a NaN or +inf (the caller's general path then decides). logprobs[r]:
-// the raw logit less the row's log-normalizer over all n columns. The arithmetic is float32 with an exp of a few
+// the raw logit less the row's log-normalizer over all n columns; and the row's top_out.count[r] most likely raw
+// columns (above -inf) with theirs, largest first. The arithmetic is float32 with an exp of a few
 // ulp, where torch's softmax differs in its last bits: a draw can differ from the torch path's only where u lands
 // within that rounding of a boundary between two tokens' cumulative mass.
 static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
-                        int64_t words_stride, const uint8_t* masked, DrawParams params, int64_t* ids, float* logprobs,
-                        int threads) {
+                        int64_t words_stride, const uint8_t* masked, DrawParams params, TopLogprobs top_out,
+                        int64_t* ids, float* logprobs, int threads) {
     #pragma omp parallel for num_threads(threads) if (rows * n >= 4 * PARALLEL_MIN)
     for (int64_t r = 0; r < rows; ++r) {
         static thread_local std::vector<float> v, sorted;
+        static thread_local std::vector<std::pair<float, int64_t>> best;
         const float* x = logits + r * stride;
         const float t = params.temperature[r];
         ids[r] = t < 0.0f ? -2 : -1;
@@ -390,8 +422,16 @@ static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64
             }
         }
         if (at < 0) continue;
+        const float normalizer = log_normalizer_at(x, n, full);
         ids[r] = at;
-        logprobs[r] = x[at] - log_normalizer_at(x, n, full);
+        logprobs[r] = x[at] - normalizer;
+        if (top_out.count[r] > 0) {  // the raw distribution's most likely columns, as the torch path reports them
+            largest_at(x, n, std::min(top_out.count[r], TOP_LOGPROBS), best);
+            for (size_t j = 0; j < best.size(); ++j) {
+                top_out.ids[r * TOP_LOGPROBS + int64_t(j)] = best[j].second;
+                top_out.logprobs[r * TOP_LOGPROBS + int64_t(j)] = best[j].first - normalizer;
+            }
+        }
     }
 }
 

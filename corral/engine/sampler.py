@@ -109,7 +109,8 @@ class Sampler:
         picked = self._native_draws(logits, rows, native, random_rows, uniforms, bitmask, masked_rows) \
             if any(native) else None
         if picked is not None and all(native):
-            return SampleResult(picked[0], picked[1], None)
+            asked = any(row.params.logprobs for row in rows)
+            return SampleResult(picked[0], picked[1], picked[2] if asked else None)
         bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
@@ -128,25 +129,27 @@ class Sampler:
     @staticmethod
     def _only_masked_draw(row: SamplingRow) -> bool:
         """Whether the row's token depends on its masked logits, its temperature and filters and its uniform
-        alone (steps 5-7; steps 1, 3, 4 and the hold-back of step 2 change nothing): the native pass draws it."""
+        alone (steps 3, 4 and the hold-back of step 2 change nothing): the native pass draws it, and reports its
+        top logprobs (step 1)."""
         params = row.params
-        return params.plain and (not params.min_tokens or len(row.output_token_ids) >= params.min_tokens)
+        return params.unshaped and (not params.min_tokens or len(row.output_token_ids) >= params.min_tokens)
 
     def _native_draws(self, logits, rows, native: list[bool], random_rows: list[int], uniforms: list[float], bitmask,
-                      masked_rows) -> tuple[list[int], list[float]] | None:
+                      masked_rows) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
         """The native pass over the rows marked in ``native`` (others get id -2), with the uniforms drawn for
         ``random_rows``; None where it cannot decide every one of them (the torch path then does)."""
         row_uniform = dict(zip(random_rows, uniforms))
-        temperature, top_k, top_p, min_p, uniform = [], [], [], [], []
+        temperature, top_k, top_p, min_p, uniform, top_n = [], [], [], [], [], []
         for i, (row, yes) in enumerate(zip(rows, native)):
             params = row.params
+            top_n.append(params.logprobs or 0)
             temperature.append(-1.0 if not yes else 0.0 if params.is_greedy else params.temperature)
             top_k.append(int(min(params.top_k, logits.shape[1])))  # past the width it keeps every column
             top_p.append(params.top_p)
             min_p.append(params.min_p)
             uniform.append(row_uniform.get(i, 0.0))
         return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows, temperature,
-                                   top_k, top_p, min_p, uniform)
+                                   top_k, top_p, min_p, uniform, top_n)
 
     @staticmethod
     def _only_masked_greedy(row: SamplingRow) -> bool:
@@ -213,7 +216,7 @@ class Sampler:
                 picked = cpu_ops.sample_pick(logits[at:at + 1], self.vocab_size or logits.shape[1],
                                              bitmask[at:at + 1] if sub else None, [0] if sub else None,
                                              [params.temperature], [int(min(params.top_k, logits.shape[1]))],
-                                             [params.top_p], [params.min_p], [u])
+                                             [params.top_p], [params.min_p], [u], [0])
                 if picked is not None:
                     return picked[0][0]
             return _draw_one(torch_probs(at), u)

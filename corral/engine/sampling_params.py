@@ -133,16 +133,17 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @functools.cached_property
-    def plain(self) -> bool:
-        """No top logprobs, bias or penalty: once ``min_tokens`` is reached, the token depends on the masked
-        logits, the temperature, the filters and one uniform alone. Read at every step of every row, so computed
-        once (not a field: equality and hash are the fields')."""
-        return not self.logprobs and not self.logit_bias and not self.has_penalties
+    def unshaped(self) -> bool:
+        """No bias and no penalty: once ``min_tokens`` is reached, the token depends on the masked logits, the
+        temperature, the filters and one uniform alone. Read at every step of every row, so computed once (not a
+        field: equality and hash are the fields')."""
+        return not self.logit_bias and not self.has_penalties
 
     @functools.cached_property
     def plain_greedy(self) -> bool:
-        """Plain and greedy: the token is the argmax of the masked logits once ``min_tokens`` is reached."""
-        return self.is_greedy and self.plain
+        """Unshaped and greedy, with no top logprobs: the token is the argmax of the masked logits once
+        ``min_tokens`` is reached, and nothing else is asked."""
+        return self.is_greedy and not self.logprobs and self.unshaped
 
 
 def _require(ok: bool, param: str, message: str) -> None:

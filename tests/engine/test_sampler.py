@@ -380,4 +380,4 @@ def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty):
     verified = Sampler().verify(logits[:3], rows[:3], [DraftRows(0, [57, 58], True, [False, False])], bitmask[:3])
     assert set(verified[0].token_ids) <= {*range(16), *range(56, 60)}  # the draft's rows, the same rules
     tail = torch.tensor([[0.0, 200.0, 0.0, 0.0]])  # far below the max: probability 0, even at u = 0
-    assert cpu_ops.sample_pick(tail, 4, None, None, [1.0], [0], [1.0], [0.0], [0.0])[0] == [1]
+    assert cpu_ops.sample_pick(tail, 4, None, None, [1.0], [0], [1.0], [0.0], [0.0], [0])[0] == [1]

@@ -153,9 +153,16 @@ for trial in range(400):
         bitmask = bitmask.view(np.int32)[None]
     params = SamplingParams(temperature=float(rng.choice([0.3, 0.7, 1.0, 1.5])), top_k=int(rng.choice([0, 1, 5, 50])),
                             top_p=float(rng.choice([1.0, 0.95, 0.8, 0.3])), min_p=float(rng.choice([0.0, 0.05, 0.2])))
-    u = float(rng.random())
+    u, top_n = float(rng.random()), int(rng.choice([0, 1, 5, 20]))
     got = cpu_ops.sample_pick(logits, n, bitmask, [0] if bitmask is not None else None, [params.temperature],
-                              [params.top_k], [params.top_p], [params.min_p], [u])
+                              [params.top_k], [params.top_p], [params.min_p], [u], [top_n])
+    if got is not None:  # the raw distribution's most likely: torch's topk values, the lower id first among equals
+        values, order = torch.sort(logits[0], descending=True, stable=True)
+        lse = float(torch.logsumexp(logits[0], 0))  # the log-normalizer's error bounds theirs (below)
+        want_top = list(zip(order[:top_n].tolist(), (values[:top_n] - lse).tolist()))
+        if [i for i, _ in got[2][0]] != [i for i, _ in want_top] or \
+                any(abs(a - b) > 1e-5 * max(1.0, abs(lse)) for (_, a), (_, b) in zip(got[2][0], want_top)):
+            wrong.append([trial, "top logprobs"])
     work = logits.clone()
     work[0, ~torch.from_numpy(allowed)] = float("-inf")
     probs = _filtered_probs(work / params.temperature, [params]).double()
@@ -194,13 +201,17 @@ def test_the_native_draw_is_the_torch_samplers_in_every_variant(variant):
 
 def test_the_native_draw_takes_greedy_rows_skips_rows_and_checks_its_lists():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0], [0.0, float("nan"), 0.0, 0.0]])
-    ids, logprobs = cpu_ops.sample_pick(logits[:2], 4, None, None, [0.0, -1.0], [0, 0], [1.0, 1.0], [0.0, 0.0],
-                                        [0.5, 0.5])
+    ids, logprobs, tops = cpu_ops.sample_pick(logits[:2], 4, None, None, [0.0, -1.0], [0, 0], [1.0, 1.0],
+                                              [0.0, 0.0], [0.5, 0.5], [2, 2])
     assert ids == [1, -2] and abs(logprobs[0] - float(3.0 - torch.logsumexp(logits[0], 0))) < 1e-6
-    assert cpu_ops.sample_pick(logits, 4, None, None, [1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, [0.5] * 3) is None
+    assert [i for i, _ in tops[0]] == [1, 2] and tops[1] == []  # ties: the lower id first; a skipped row: none
+    assert cpu_ops.sample_pick(logits, 4, None, None, [1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, [0.5] * 3,
+                               [0] * 3) is None
     with pytest.raises(ValueError, match="out of range"):
-        cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [0.0], [0.0], [0.5])
+        cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [0.0], [0.0], [0.5], [0])
     with pytest.raises(ValueError, match="one number per row"):
-        cpu_ops.sample_pick(logits[:2], 4, None, None, [1.0], [0, 0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5])
+        cpu_ops.sample_pick(logits[:2], 4, None, None, [1.0], [0, 0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0, 0])
     with pytest.raises(ValueError, match="out of range"):
-        cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [1.0], [0.0], [1.0])
+        cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [1.0], [0.0], [1.0], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [1.0], [0.0], [0.5], [21])
