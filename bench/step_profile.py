@@ -13,6 +13,7 @@ step; the "Tale" prompts make prompt lookup draft often). Where the native decod
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --top-p 0.9 --seed 1
 """
 
 import argparse
@@ -86,9 +87,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafts", choices=("on", "off"), default="on",
                     help="jump-forward and prompt lookup, as a server runs them (on) or off")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the timed requests' sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (None: none)")
     args = ap.parse_args()
+    measured = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                           logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True)
     torch.set_num_threads(args.threads)
-    print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads; the timed requests: {measured}")
     for spec in args.formats.split(","):
         dtype, quantization, kv = spec.split("/")
         drafts = args.drafts == "on"
@@ -118,7 +126,7 @@ def main() -> int:
             prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
             steps = engine.stats().num_steps
             start = time.perf_counter()
-            engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+            engine.generate(prompts, measured)
             wall = time.perf_counter() - start
             steps = engine.stats().num_steps - steps
             if native_step is not None:
