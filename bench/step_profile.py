@@ -18,6 +18,7 @@ step; the "Tale" prompts make prompt lookup draft often). Where the native decod
 
 import argparse
 import collections
+import dataclasses
 import os
 import statistics
 import sys
@@ -126,7 +127,9 @@ def main() -> int:
             prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
             steps = engine.stats().num_steps
             start = time.perf_counter()
-            engine.generate(prompts, measured)
+            seeded = [measured if args.seed is None else dataclasses.replace(measured, seed=args.seed + i)
+                      for i in range(batch)]  # a seed each: the rows' draws independent
+            engine.generate(prompts, seeded)
             wall = time.perf_counter() - start
             steps = engine.stats().num_steps - steps
             if native_step is not None:

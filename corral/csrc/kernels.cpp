@@ -224,10 +224,12 @@ static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name
     return out;
 }
 
-// sample_pick(logits, n, bitmask or None, masked or None, temperature, top_k, top_p, min_p, uniform, threads) ->
-// (ids, logprobs): greedy_pick's arguments and lists, and five lists of one number per row (temperature 0: greedy;
-// negative: the row is skipped, id -2; top_k 0, top_p 1, min_p 0: off; uniform in [0, 1)); per row the token the
-// sampler's steps 5-7 draw with that uniform, or -1 as greedy_pick says it.
+// sample_pick(logits, n, bitmask or None, masked or None, temperature, top_k, top_p, min_p, uniform, top_n,
+// threads) -> (ids, logprobs, tops): greedy_pick's arguments and lists, and six lists of one number per row
+// (temperature 0: greedy; negative: the row is skipped, id -2; top_k 0, top_p 1, min_p 0: off; uniform in [0, 1);
+// top_n 0-20 top logprobs); per row the token the sampler's steps 5-7 draw with that uniform, or -1 as greedy_pick
+// says it, and its top_n most likely raw columns above -inf as (id, logprob) pairs (torch's topk would also list
+// -inf columns, where a row has fewer finite ones).
 nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
                              nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
                              nb::handle uniform_in, nb::handle top_n_in, int threads_in) {

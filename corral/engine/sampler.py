@@ -16,7 +16,7 @@ The order, after vLLM's, is fixed and every step is a row-wise function of that 
    and can never be drawn. A row with a ``generator`` draws its uniform from it alone, so a seeded row gives
    the same tokens in any batch.
 
-A plain row (no top logprobs, bias or penalty, ``min_tokens`` reached) runs steps 1, 2 and 5-7 in one native pass
+An unshaped row (no bias or penalty, ``min_tokens`` reached) runs steps 1, 2 and 5-7 in one native pass
 (``cpu_ops.greedy_pick`` when greedy, ``cpu_ops.sample_pick`` otherwise), in every batch and when it verifies a
 draft, so its token never depends on what shares the batch; the torch ops here are the other rows' path and the
 oracle the native pass is tested against (the same token, except where the uniform lands within float32 rounding
@@ -104,7 +104,7 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
         native = [self._only_masked_draw(row) for row in rows]
-        # A plain row is drawn natively whatever shares its batch, so its token does not depend on the batch (unless
+        # An unshaped row is drawn natively whatever shares its batch, so its token does not depend on the batch (unless
         # the native pass cannot decide some row, a NaN or +inf in its logits: then the torch path draws them all).
         picked = self._native_draws(logits, rows, native, random_rows, uniforms, bitmask, masked_rows) \
             if any(native) else None
@@ -210,7 +210,7 @@ class Sampler:
 
         masked = _row_set(tensors[1], len(rows)) if bitmask is not None else set()
 
-        def draw(at: int, u: float) -> int:  # a plain row natively, as the plain path draws it
+        def draw(at: int, u: float) -> int:  # an unshaped row natively, as the plain path draws it
             if self._only_masked_draw(rows[at]):
                 params, sub = rows[at].params, at in masked
                 picked = cpu_ops.sample_pick(logits[at:at + 1], self.vocab_size or logits.shape[1],
