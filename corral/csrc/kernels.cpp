@@ -172,6 +172,15 @@ struct RowMasks {
     const uint8_t* rows() const { return bitmask ? masked.data() : nullptr; }
 };
 
+// The logits of greedy_pick and sample_pick: [rows, width] float32, of which the first n columns are tokens.
+static Array pick_logits(nb::handle logits_in, int64_t n, const char* name) {
+    Array logits(logits_in, "logits", false);
+    logits.expect_ndim(2);
+    logits.expect_float32();
+    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, (std::string(name) + ": n must be 1..width").c_str());
+    return logits;
+}
+
 static nb::tuple id_and_logprob_lists(const std::vector<int64_t>& ids, const std::vector<float>& logprobs) {
     nb::list id_list, logprob_list;
     for (size_t r = 0; r < ids.size(); ++r) {
@@ -188,10 +197,7 @@ static nb::tuple id_and_logprob_lists(const std::vector<int64_t>& ids, const std
 // tens of microseconds in a step that finds the caches cold.
 nb::tuple kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
                              int threads_in) {
-    const Array logits(logits_in, "logits", false);
-    logits.expect_ndim(2);
-    logits.expect_float32();
-    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "greedy_pick: n must be 1..width");
+    const Array logits = pick_logits(logits_in, n, "greedy_pick");
     const int64_t rows = logits.dim(0);
     const RowMasks masks(bitmask_in, masked_in, rows, n, "greedy_pick");
     const int threads = checked_threads(threads_in);
@@ -233,10 +239,7 @@ static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name
 nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
                              nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
                              nb::handle uniform_in, nb::handle top_n_in, int threads_in) {
-    const Array logits(logits_in, "logits", false);
-    logits.expect_ndim(2);
-    logits.expect_float32();
-    if (n < 1 || n > logits.dim(1)) fail(PyExc_ValueError, "sample_pick: n must be 1..width");
+    const Array logits = pick_logits(logits_in, n, "sample_pick");
     const int64_t rows = logits.dim(0);
     const RowMasks masks(bitmask_in, masked_in, rows, n, "sample_pick");
     const auto temperature_64 = numbers_of<double>(temperature_in, rows, "temperature");

@@ -226,12 +226,15 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
     }
 }
 
-// The k largest of v[0, n) above `floor`, largest first, into out: a min-heap of k, and 16 values at a time
-// tested against the heap's least at once (a row's distribution has few large values: once the heap is full,
-// almost every group of 16 is passed over with one vector comparison).
-static void largest(const float* v, int64_t n, int64_t k, float floor, std::vector<float>& out) {
+// The k best of v[0, n) above `floor`, best first, into out: item(i) makes column i's entry, better orders entries
+// (largest value first) and value_of reads an entry's value. A min-heap of k, and 16 values at a time tested against
+// the heap's least at once (a row's distribution has few large values: once the heap is full, almost every group
+// of 16 is passed over with one vector comparison). Columns come in order, so a later column whose value equals
+// the heap's least never beats it.
+template <typename Item, typename Make, typename Better, typename Value>
+static void best_of(const float* v, int64_t n, int64_t k, float floor, std::vector<Item>& out, Make item,
+                    Better better, Value value_of) {
     out.clear();
-    const auto less_first = std::greater<float>();
     float bar = floor;  // a value must exceed it to enter: the floor, then the full heap's least
     for (int64_t base = 0; base < n; base += 16) {
         const int64_t span = std::min<int64_t>(16, n - base);
@@ -240,50 +243,35 @@ static void largest(const float* v, int64_t n, int64_t k, float floor, std::vect
         for (int64_t i = 0; i < span; ++i) any |= v[base + i] > bar;
         if (!any) continue;
         for (int64_t i = base; i < base + span; ++i) {
-            const float a = v[i];
-            if (!(a > bar)) continue;
+            if (!(v[i] > bar)) continue;
             if (int64_t(out.size()) < k) {
-                out.push_back(a);
-                std::push_heap(out.begin(), out.end(), less_first);
-            } else {
-                std::pop_heap(out.begin(), out.end(), less_first);
-                out.back() = a;
-                std::push_heap(out.begin(), out.end(), less_first);
-            }
-            if (int64_t(out.size()) == k) bar = std::max(floor, out.front());
-        }
-    }
-    std::sort_heap(out.begin(), out.end(), less_first);
-}
-
-// The k largest of x[0, n) above -inf with their columns, largest first and the lower column first among equals
-// (torch's topk leaves that order open): a heap of k under a bar, 16 values at a time as in `largest`.
-static void largest_at(const float* x, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& out) {
-    out.clear();
-    const auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-    };
-    float bar = -INFINITY;  // columns come in order: an equal value later never beats the heap's least
-    for (int64_t base = 0; base < n; base += 16) {
-        const int64_t span = std::min<int64_t>(16, n - base);
-        int any = 0;
-        #pragma omp simd reduction(| : any)
-        for (int64_t i = 0; i < span; ++i) any |= x[base + i] > bar;
-        if (!any) continue;
-        for (int64_t i = base; i < base + span; ++i) {
-            if (!(x[i] > bar)) continue;
-            if (int64_t(out.size()) < k) {
-                out.emplace_back(x[i], i);
+                out.push_back(item(i));
                 std::push_heap(out.begin(), out.end(), better);
             } else {
                 std::pop_heap(out.begin(), out.end(), better);
-                out.back() = {x[i], i};
+                out.back() = item(i);
                 std::push_heap(out.begin(), out.end(), better);
             }
-            if (int64_t(out.size()) == k) bar = out.front().first;
+            if (int64_t(out.size()) == k) bar = std::max(floor, value_of(out.front()));
         }
     }
     std::sort_heap(out.begin(), out.end(), better);
+}
+
+// The k largest values of v[0, n) above `floor`, largest first.
+static void largest(const float* v, int64_t n, int64_t k, float floor, std::vector<float>& out) {
+    best_of(v, n, k, floor, out, [v](int64_t i) { return v[i]; }, std::greater<float>(), [](float a) { return a; });
+}
+
+// The k largest of x[0, n) above -inf with their columns, largest first and the lower column first among equals
+// (torch's topk leaves that order open).
+static void largest_at(const float* x, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& out) {
+    using Entry = std::pair<float, int64_t>;
+    const auto better = [](const Entry& a, const Entry& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    best_of(x, n, k, -INFINITY, out, [x](int64_t i) { return Entry{x[i], i}; }, better,
+            [](const Entry& e) { return e.first; });
 }
 
 // The probability of the last token top_p keeps in p[0, n) (float32, not all zero, summing to about 1): sorted
