@@ -14,6 +14,8 @@ step; the "Tale" prompts make prompt lookup draft often). Where the native decod
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --top-p 0.9 --seed 1
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --frequency-penalty 0.5 \\
+        --repetition-penalty 1.1 --logit-bias 20
 """
 
 import argparse
@@ -93,9 +95,18 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (None: none)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--logit-bias", type=int, default=0,
+                    help="bias this many token ids (every 97th from id 0; +1.0 and -1.0 alternating)")
+    ap.add_argument("--min-tokens", type=int, default=0)
     args = ap.parse_args()
     measured = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                           logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True)
+                           logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True,
+                           repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                           presence_penalty=args.presence_penalty, min_tokens=args.min_tokens,
+                           logit_bias={97 * i: (1.0 if i % 2 else -1.0) for i in range(args.logit_bias)})
     torch.set_num_threads(args.threads)
     print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads; the timed requests: {measured}")
     for spec in args.formats.split(","):

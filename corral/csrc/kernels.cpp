@@ -230,18 +230,147 @@ static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name
     return out;
 }
 
-// sample_pick(logits, n, bitmask or None, masked or None, temperature, top_k, top_p, min_p, uniform, top_n,
+// The items of a list or tuple (borrowed), and how many.
+static PyObject* const* items_of(PyObject* seq, Py_ssize_t& size, const char* what) {
+    if (!PyList_Check(seq) && !PyTuple_Check(seq))
+        fail(PyExc_TypeError, (std::string("sample_pick: ") + what + " must be a list or a tuple").c_str());
+    size = PySequence_Fast_GET_SIZE(seq);
+    return PySequence_Fast_ITEMS(seq);
+}
+
+static double exact_number_of(PyObject* value, const char* what) {
+    if (PyFloat_CheckExact(value)) return PyFloat_AS_DOUBLE(value);
+    if (PyLong_CheckExact(value)) {
+        const double number = PyLong_AsDouble(value);
+        if (number == -1.0 && PyErr_Occurred()) throw PyFailure();
+        return number;
+    }
+    fail(PyExc_TypeError, (std::string("sample_pick: ") + what + " must be a float or an int").c_str());
+}
+
+// Token runs: a list of (tokens, start, stop), tokens a list or tuple of ints of which items start .. stop count;
+// f(id) for each of those ids in 0 .. n (others name no column). Reading them runs no Python code.
+template <typename F>
+static void for_each_token(PyObject* runs, int64_t n, const char* what, F f) {
+    Py_ssize_t num_runs;
+    PyObject* const* run = items_of(runs, num_runs, what);
+    for (Py_ssize_t j = 0; j < num_runs; ++j) {
+        Py_ssize_t three;
+        PyObject* const* parts = items_of(run[j], three, what);
+        if (three != 3) fail(PyExc_ValueError, (std::string("sample_pick: ") + what + ": (tokens, start, stop)").c_str());
+        Py_ssize_t size;
+        PyObject* const* tokens = items_of(parts[0], size, what);
+        const int64_t start = exact_int_of(parts[1]), stop = exact_int_of(parts[2]);
+        if (start < 0 || start > stop || stop > size)
+            fail(PyExc_IndexError, (std::string("sample_pick: ") + what + ": a run outside its tokens").c_str());
+        for (int64_t i = start; i < stop; ++i) {
+            const int64_t id = exact_int_of(tokens[i]);
+            if (id >= 0 && id < n) f(id);
+        }
+    }
+}
+
+// The sampler's steps 2-4 for the rows that have them (see RowShaping), read from shaping: None, or one entry per row,
+// None (unshaped) or (hold, bias, repetition, frequency, presence, seen, output): hold the stop ids min_tokens holds
+// back (ints), bias (id, value) pairs, the three penalties (numbers; 1, 0, 0 are off), seen the token runs the
+// repetition penalty reads (prompt and output) and output those the frequency and presence penalties count. Ids
+// past n name no column (as the torch path's); a negative one is an error.
+struct Shapings {
+    std::vector<corral_kernels::RowShaping> rows;
+    std::vector<corral_kernels::ColumnEdit> edits;
+    std::vector<int64_t> holds;
+
+    Shapings(nb::handle shaping_in, int64_t num_rows, int64_t n) {
+        if (shaping_in.is_none()) return;
+        if (!PyList_Check(shaping_in.ptr()) || PyList_GET_SIZE(shaping_in.ptr()) != num_rows)
+            fail(PyExc_ValueError, "sample_pick: shaping must be None or a list of one entry per row");
+        static thread_local std::vector<int32_t> slot;  // column -> its edit in this row, -1: none yet
+        if (int64_t(slot.size()) < n) slot.assign(n, -1);
+        std::vector<int64_t> edit_at(num_rows + 1, 0), hold_at(num_rows + 1, 0);
+        rows.assign(num_rows, corral_kernels::RowShaping{false, nullptr, 0, nullptr, 0, 1.0f, 0.0f, 0.0f});
+        for (int64_t r = 0; r < num_rows; ++r) {
+            edit_at[r] = int64_t(edits.size()), hold_at[r] = int64_t(holds.size());
+            PyObject* entry = PyList_GET_ITEM(shaping_in.ptr(), r);
+            if (entry != Py_None) read_row(entry, n, rows[r], slot);
+        }
+        edit_at[num_rows] = int64_t(edits.size()), hold_at[num_rows] = int64_t(holds.size());
+        for (int64_t r = 0; r < num_rows; ++r) {  // the arrays are whole now: point into them
+            rows[r].edits = edits.data() + edit_at[r], rows[r].num_edits = edit_at[r + 1] - edit_at[r];
+            rows[r].hold = holds.data() + hold_at[r], rows[r].num_hold = hold_at[r + 1] - hold_at[r];
+        }
+    }
+    const corral_kernels::RowShaping* data() const { return rows.empty() ? nullptr : rows.data(); }
+
+  private:
+    void read_row(PyObject* entry, int64_t n, corral_kernels::RowShaping& row, std::vector<int32_t>& slot) {
+        Py_ssize_t seven;
+        PyObject* const* part = items_of(entry, seven, "a shaping entry");
+        if (seven != 7)
+            fail(PyExc_ValueError, "sample_pick: a shaping entry is (hold, bias, repetition, frequency, presence, "
+                                   "seen, output)");
+        const double repetition = exact_number_of(part[2], "repetition"),
+                     frequency = exact_number_of(part[3], "frequency"), presence = exact_number_of(part[4], "presence");
+        if (!(repetition > 0.0 && repetition <= FLT_MAX) || !(std::fabs(frequency) <= FLT_MAX) ||
+            !(std::fabs(presence) <= FLT_MAX))
+            fail(PyExc_ValueError, "sample_pick: a penalty is out of range");
+        row.shaped = true;
+        row.repetition = float(repetition), row.frequency = float(frequency), row.presence = float(presence);
+        const size_t first = edits.size(), hold_first = holds.size();
+        const auto edit = [&](int64_t id) -> corral_kernels::ColumnEdit& {
+            if (slot[id] < 0) {
+                slot[id] = int32_t(edits.size() - first);
+                edits.push_back(corral_kernels::ColumnEdit{id, 0.0f, 0, 0, 0});
+            }
+            return edits[first + size_t(slot[id])];
+        };
+        try {
+            Py_ssize_t size;
+            PyObject* const* hold = items_of(part[0], size, "hold");
+            for (Py_ssize_t i = 0; i < size; ++i) {
+                const int64_t id = exact_int_of(hold[i]);
+                if (id < 0) fail(PyExc_ValueError, "sample_pick: a negative stop id");
+                if (id < n && std::find(holds.begin() + hold_first, holds.end(), id) == holds.end())
+                    holds.push_back(id);
+            }
+            PyObject* const* bias = items_of(part[1], size, "bias");
+            for (Py_ssize_t i = 0; i < size; ++i) {
+                Py_ssize_t two;
+                PyObject* const* pair = items_of(bias[i], two, "a bias pair");
+                if (two != 2) fail(PyExc_ValueError, "sample_pick: a bias entry is an (id, value) pair");
+                const int64_t id = exact_int_of(pair[0]);
+                const double value = exact_number_of(pair[1], "a bias value");
+                if (id < 0) fail(PyExc_ValueError, "sample_pick: a negative bias id");
+                if (!(std::fabs(value) <= FLT_MAX)) fail(PyExc_ValueError, "sample_pick: a bias value out of range");
+                if (id >= n) continue;
+                corral_kernels::ColumnEdit& e = edit(id);
+                if (e.biased) fail(PyExc_ValueError, "sample_pick: a bias names one id twice");
+                e.biased = 1, e.bias = float(value);
+            }
+            if (row.repetition != 1.0f) for_each_token(part[5], n, "seen", [&](int64_t id) { edit(id).seen = 1; });
+            if (row.frequency != 0.0f || row.presence != 0.0f)
+                for_each_token(part[6], n, "output", [&](int64_t id) { ++edit(id).count; });
+        } catch (...) {
+            for (size_t i = first; i < edits.size(); ++i) slot[edits[i].column] = -1;
+            throw;
+        }
+        for (size_t i = first; i < edits.size(); ++i) slot[edits[i].column] = -1;
+    }
+};
+
+// sample_pick(logits, n, bitmask or None, masked or None, temperature, top_k, top_p, min_p, uniform, top_n, shaping,
 // threads) -> (ids, logprobs, tops): greedy_pick's arguments and lists, and six lists of one number per row
 // (temperature 0: greedy; negative: the row is skipped, id -2; top_k 0, top_p 1, min_p 0: off; uniform in [0, 1);
-// top_n 0-20 top logprobs); per row the token the sampler's steps 5-7 draw with that uniform, or -1 as greedy_pick
-// says it, and its top_n most likely raw columns above -inf as (id, logprob) pairs (torch's topk would also list
-// -inf columns, where a row has fewer finite ones).
+// top_n 0-20 top logprobs), and the shaping of the rows that have a min_tokens hold-back, a bias or penalties (see
+// Shapings); per row the token the sampler's steps 2-7 draw with that uniform, or -1 as greedy_pick says it (or
+// where the row's bias or penalties take a column to +inf), and its top_n most likely raw columns above -inf as (id,
+// logprob) pairs (torch's topk would also list -inf columns, where a row has fewer finite ones).
 nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask_in, nb::handle masked_in,
                              nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
-                             nb::handle uniform_in, nb::handle top_n_in, int threads_in) {
+                             nb::handle uniform_in, nb::handle top_n_in, nb::handle shaping_in, int threads_in) {
     const Array logits = pick_logits(logits_in, n, "sample_pick");
     const int64_t rows = logits.dim(0);
     const RowMasks masks(bitmask_in, masked_in, rows, n, "sample_pick");
+    const Shapings shapings(shaping_in, rows, n);
     const auto temperature_64 = numbers_of<double>(temperature_in, rows, "temperature");
     const auto top_k = numbers_of<int64_t>(top_k_in, rows, "top_k");
     const auto top_p_64 = numbers_of<double>(top_p_in, rows, "top_p");
@@ -268,7 +397,7 @@ nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
     {
         NoGil nogil;
         const corral_kernels::DrawParams params{temperature.data(), top_k.data(), top_p.data(), min_p.data(),
-                                                uniform.data()};
+                                                uniform.data(), shapings.data()};
         const corral_kernels::TopLogprobs top{top_n.data(), top_ids.data(), top_logprobs.data()};
         chosen->sample_pick(logits.data<const float>(), rows, logits.dim(1), n, masks.words(), masks.words_stride(),
                             masks.rows(), params, top, ids.data(), logprobs.data(), threads);
@@ -505,7 +634,7 @@ void add_kernels(nb::module_& m) {
           nb::arg("masked").none(), nb::arg("threads"));
     m.def("sample_pick", &kernel_sample_pick, nb::arg("logits"), nb::arg("n"), nb::arg("bitmask").none(),
           nb::arg("masked").none(), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
-          nb::arg("uniform"), nb::arg("top_n"), nb::arg("threads"));
+          nb::arg("uniform"), nb::arg("top_n"), nb::arg("shaping").none(), nb::arg("threads"));
     m.def("paged_decode", &kernel_paged_decode, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_tables"), nb::arg("context_lens"), nb::arg("out"), nb::arg("scale"), nb::arg("threads"),
           nb::arg("k_scale").none(), nb::arg("v_scale").none());

@@ -26,14 +26,34 @@ using LogNormalizers = void (*)(const float* logits, int64_t rows, int64_t strid
                                int threads);
 using GreedyPick = void (*)(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
                             int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads);
-// Per row: temperature (0: greedy; < 0: the row is skipped), top_k (0: off), top_p (1: off), min_p (0: off) and the
-// row's uniform in [0, 1).
+// One column a row's bias or penalties touch (sampler.py's steps 3 and 4, in that order on it): bias added when
+// biased, the repetition penalty when seen (in the prompt or output), and count (its occurrences in the output)
+// times the frequency penalty, then the presence penalty, taken off when count > 0.
+struct ColumnEdit {
+    int64_t column;
+    float bias;
+    int32_t count;
+    uint8_t biased, seen;
+};
+// A row's steps 2-4 beyond its mask: the stop ids that min_tokens holds back (while some other token is allowed),
+// and the columns its bias and penalties change. A row with neither has shaped = false.
+struct RowShaping {
+    bool shaped;
+    const int64_t* hold;
+    int64_t num_hold;
+    const ColumnEdit* edits;
+    int64_t num_edits;
+    float repetition, frequency, presence;
+};
+// Per row: temperature (0: greedy; < 0: the row is skipped), top_k (0: off), top_p (1: off), min_p (0: off), the
+// row's uniform in [0, 1) and its shaping (null: no row is shaped).
 struct DrawParams {
     const float* temperature;
     const int64_t* top_k;
     const float* top_p;
     const float* min_p;
     const double* uniform;
+    const RowShaping* shaping;
 };
 // Per row, how many of the most likely columns to report (at most TOP_LOGPROBS), and where: row r's at
 // [r * TOP_LOGPROBS, r * TOP_LOGPROBS + count).

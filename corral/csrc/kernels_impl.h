@@ -303,8 +303,45 @@ static float top_p_smallest_kept(const float* p, int64_t n, float top_p, std::ve
     }
 }
 
+// v as float32 holds it, where the compiler may neither fuse it into the next operation nor reassociate around it:
+// each of the torch path's tensor operations rounds on its own.
+static inline float rounded(float v) {
+    volatile float held = v;
+    return held;
+}
+
+// The sampler's steps 2-4 past the mask on a row's masked logits w[0, n) (free of NaN and +inf), each rounded as the
+// torch path rounds it: the stop ids held back while any other column is allowed, then per edited column its bias,
+// its repetition penalty (l / p above 0, else l * p) and its frequency and presence penalties. False where that
+// takes a column to +inf or NaN (the torch path then decides).
+static bool shape(float* w, int64_t n, const RowShaping& s) {
+    if (s.num_hold > 0) {
+        int64_t allowed = 0, stops = 0;
+        #pragma omp simd reduction(+ : allowed)
+        for (int64_t i = 0; i < n; ++i) allowed += w[i] > -INFINITY;
+        for (int64_t j = 0; j < s.num_hold; ++j) stops += w[s.hold[j]] > -INFINITY;
+        if (allowed > stops)  // a grammar that allows only stops here outranks min_tokens
+            for (int64_t j = 0; j < s.num_hold; ++j) w[s.hold[j]] = -INFINITY;
+    }
+    for (int64_t j = 0; j < s.num_edits; ++j) {
+        const ColumnEdit& e = s.edits[j];
+        float value = w[e.column];
+        if (e.biased) value = rounded(value + e.bias);
+        if (e.seen && s.repetition != 1.0f)
+            value = value > 0.0f ? rounded(value / s.repetition) : rounded(value * s.repetition);
+        if (e.count > 0) {
+            value = rounded(value - rounded(float(e.count) * s.frequency));
+            value = rounded(value - s.presence);
+        }
+        if (!(value < INFINITY)) return false;  // +inf or NaN
+        w[e.column] = value;
+    }
+    return true;
+}
+
 // The sampler's row for a row that needs its mask, temperature, min_p, top_k, top_p and one uniform (sampler.py's
-// steps 5-7, in its order, on the masked logits): among the first n columns that the mask allows (and are above
+// steps 5-7, in its order, on the masked logits, shaped first where the row has a hold-back, bias or penalties, see
+// shape): among the first n columns that the mask allows (and are above
 // -inf), logits / temperature; min_p keeps those >= max + log(min_p); top_k those >= the k-th largest; then the
 // softmax, and top_p keeps those >= the last probability the nucleus takes (ties stay); the token is the first
 // whose running sum of probabilities (float64, in column order) exceeds u times their total. Temperature 0 takes
@@ -337,8 +374,11 @@ static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64
         v.resize(n);
         float* w = v.data();
         const float scale = t > 0.0f ? t : 1.0f;
+        const RowShaping* shaping = params.shaping != nullptr && params.shaping[r].shaped ? params.shaping + r : nullptr;
+        // an unshaped row is tempered as it is copied (a masked -inf stays -inf), a shaped one once it is shaped
+        const float first = shaping == nullptr ? scale : 1.0f;
         #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) w[i] = x[i] / scale;
+        for (int64_t i = 0; i < n; ++i) w[i] = x[i] / first;
         if (masked != nullptr && masked[r]) {
             const uint32_t* bits = reinterpret_cast<const uint32_t*>(words + r * words_stride);
             for (int64_t word = 0; word * 32 < n; ++word) {
@@ -347,6 +387,13 @@ static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64
                 const int64_t base = word * 32, span = std::min<int64_t>(32, n - base);
                 for (int64_t i = 0; i < span; ++i)
                     if (!((allowed >> i) & 1u)) w[base + i] = -INFINITY;
+            }
+        }
+        if (shaping != nullptr) {
+            if (!shape(w, n, *shaping)) continue;
+            if (scale != 1.0f) {
+                #pragma omp simd
+                for (int64_t i = 0; i < n; ++i) w[i] /= scale;
             }
         }
         float top = -INFINITY;

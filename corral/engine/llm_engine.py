@@ -17,6 +17,7 @@ decides. A group is preempted as a whole (see ``_schedule``).
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Iterator, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,18 @@ def _one_row_each(seqs: list[Sequence]) -> bool:
         if seq.draft or seq.is_beam or seq.num_forks_pending:
             return False
     return True
+
+
+def _token_ids(tokens) -> list[int]:
+    """A prompt's token ids as ints (numpy integers become ints; a bool, a float or a string is an error)."""
+    ids = list(tokens)
+    if all(type(t) is int for t in ids):  # the usual prompt, from the tokenizer
+        return ids
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not hasattr(type(t), "__index__"):
+            raise InvalidRequestError(f"prompt token {t!r} is not an integer token id", param="prompt")
+        ids[i] = operator.index(t)
+    return ids
 
 
 def _completion(seq: Sequence) -> CompletionOutput:
@@ -123,6 +136,7 @@ class LLMEngine:
         """Queue a request: sampling, or beam search. Raises PromptTooLongError when it can never fit,
         InvalidRequestError for bad input. A beam-search request finishes with one output per hypothesis, best
         first (EOS included in ``token_ids``, as for sampled outputs); it streams nothing before."""
+        prompt_token_ids = _token_ids(prompt_token_ids)
         self._check_request(request_id, prompt_token_ids, params)
         if isinstance(params, BeamSearchParams):
             return self._add_beam_request(request_id, prompt_token_ids, params, guide, cache_salt)

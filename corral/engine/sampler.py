@@ -16,13 +16,13 @@ The order, after vLLM's, is fixed and every step is a row-wise function of that 
    and can never be drawn. A row with a ``generator`` draws its uniform from it alone, so a seeded row gives
    the same tokens in any batch.
 
-An unshaped row (no bias or penalty, ``min_tokens`` reached) runs steps 1, 2 and 5-7 in one native pass
-(``cpu_ops.greedy_pick`` when greedy, ``cpu_ops.sample_pick`` otherwise), in every batch and when it verifies a
-draft, so its token never depends on what shares the batch; the torch ops here are the other rows' path and the
-oracle the native pass is tested against (the same token, except where the uniform lands within float32 rounding
-of a boundary between two tokens' cumulative mass). Columns of ``logits`` past ``vocab_size`` (a padded lm_head)
-are never sampled. The caller's logits are not
-modified. Left out: beam search and best-of-n, which are strategies built on top of this (see beam_search.py).
+Every row runs steps 1-7 in one native pass (``cpu_ops.greedy_pick`` for a greedy row with nothing but its mask,
+``cpu_ops.sample_pick`` otherwise, which takes the hold-back, bias and penalties as a few column edits: see
+:meth:`Sampler.shaping`), in every batch and when it verifies a draft, so its token never depends on what shares
+the batch. The torch ops here are the oracle the native pass is tested against (the same token, except where the
+uniform lands within float32 rounding of a boundary between two tokens' cumulative mass), and the path where the
+native one cannot decide (a NaN or +inf in a row, logits it cannot take, no native module). Columns of ``logits``
+past ``vocab_size`` (a padded lm_head) are never sampled. The caller's logits are not modified. Left out: beam search and best-of-n, which are strategies built on top of this (see beam_search.py).
 """
 
 import math
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from corral.engine.sampling_params import SamplingParams
+from corral.engine.sequence import TokenSpan
 from corral.kernels import cpu_ops
 from corral.kernels.bitmask import apply_token_bitmask_
 
@@ -103,12 +104,10 @@ class Sampler:
             return SampleResult([], [], None)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
-        native = [self._only_masked_draw(row) for row in rows]
-        # An unshaped row is drawn natively whatever shares its batch, so its token does not depend on the batch (unless
+        # Every row is drawn natively, whatever shares its batch, so its token does not depend on the batch (unless
         # the native pass cannot decide some row, a NaN or +inf in its logits: then the torch path draws them all).
-        picked = self._native_draws(logits, rows, native, random_rows, uniforms, bitmask, masked_rows) \
-            if any(native) else None
-        if picked is not None and all(native):
+        picked = self._native_draws(logits, rows, random_rows, uniforms, bitmask, masked_rows)
+        if picked is not None:
             asked = any(row.params.logprobs for row in rows)
             return SampleResult(picked[0], picked[1], picked[2] if asked else None)
         bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
@@ -121,35 +120,41 @@ class Sampler:
             "a row had no allowed token: a guide in the error state must finish before sampling"
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
-        if picked is not None:
-            for i in (i for i, yes in enumerate(native) if yes):
-                token_ids[i], logprobs[i] = picked[0][i], picked[1][i]
         return SampleResult(token_ids, logprobs, top_logprobs)
 
-    @staticmethod
-    def _only_masked_draw(row: SamplingRow) -> bool:
-        """Whether the row's token depends on its masked logits, its temperature and filters and its uniform
-        alone (steps 3, 4 and the hold-back of step 2 change nothing): the native pass draws it, and reports its
-        top logprobs (step 1)."""
+    def shaping(self, row: SamplingRow) -> tuple | None:
+        """The row's steps 2-4 beyond its mask as the native pass takes them (see ``cpu_ops.sample_pick``): None
+        when it has none (no bias, no penalty, ``min_tokens`` reached), else (the stop ids held back, the bias
+        pairs, the three penalties, the token runs the repetition penalty reads, those the others count)."""
         params = row.params
-        return params.unshaped and (not params.min_tokens or len(row.output_token_ids) >= params.min_tokens)
+        held = len(row.output_token_ids) < params.min_tokens
+        if params.unshaped and not held:
+            return None
+        hold = (*self.eos_token_ids, *params.stop_token_ids) if held else ()
+        output = _runs(row.output_token_ids)
+        seen = _runs(row.prompt_token_ids) + output if params.repetition_penalty != 1 else ()
+        counted = output if params.frequency_penalty or params.presence_penalty else ()
+        return (hold, params.logit_bias, params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+                seen, counted)
 
-    def _native_draws(self, logits, rows, native: list[bool], random_rows: list[int], uniforms: list[float], bitmask,
+    def _native_draws(self, logits, rows, random_rows: list[int], uniforms: list[float], bitmask,
                       masked_rows) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
-        """The native pass over the rows marked in ``native`` (others get id -2), with the uniforms drawn for
-        ``random_rows``; None where it cannot decide every one of them (the torch path then does)."""
+        """The native pass over every row, with the uniforms drawn for ``random_rows``; None where it cannot
+        decide every one of them (the torch path then does)."""
         row_uniform = dict(zip(random_rows, uniforms))
-        temperature, top_k, top_p, min_p, uniform, top_n = [], [], [], [], [], []
-        for i, (row, yes) in enumerate(zip(rows, native)):
+        temperature, top_k, top_p, min_p, uniform, top_n, shaping = [], [], [], [], [], [], []
+        for i, row in enumerate(rows):
             params = row.params
             top_n.append(params.logprobs or 0)
-            temperature.append(-1.0 if not yes else 0.0 if params.is_greedy else params.temperature)
+            temperature.append(0.0 if params.is_greedy else params.temperature)
             top_k.append(int(min(params.top_k, logits.shape[1])))  # past the width it keeps every column
             top_p.append(params.top_p)
             min_p.append(params.min_p)
             uniform.append(row_uniform.get(i, 0.0))
+            shaping.append(self.shaping(row))
         return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows, temperature,
-                                   top_k, top_p, min_p, uniform, top_n)
+                                   top_k, top_p, min_p, uniform, top_n,
+                                   shaping if any(entry is not None for entry in shaping) else None)
 
     @staticmethod
     def _only_masked_greedy(row: SamplingRow) -> bool:
@@ -197,34 +202,42 @@ class Sampler:
                 return out
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         tensors = _as_tensors(bitmask, masked_rows)
-        work = self.process(logits, rows, *tensors)
-        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
-        argmax = torch.argmax(work, dim=-1).tolist() if greedy else None
+        width, vocab_size = logits.shape[1], self.vocab_size or logits.shape[1]
+        work: list[torch.Tensor] = []  # the torch path's steps 2-4, where the native pass cannot decide a row
         probs: dict[int, torch.Tensor] = {}
+
+        def processed() -> torch.Tensor:
+            if not work:
+                work.append(self.process(logits, rows, *tensors))
+            return work[0]
 
         def torch_probs(at: int) -> torch.Tensor:  # a row's filtered probabilities, float64, not normalised
             if at not in probs:
-                tempered = work[at:at + 1] / _float32_temperature(rows[at].params)
+                tempered = processed()[at:at + 1] / _float32_temperature(rows[at].params)
                 probs[at] = _filtered_probs(tempered, [rows[at].params]).to(torch.float64)[0]
             return probs[at]
 
+        greedy = [row.params.is_greedy for row in rows]
+        argmax = None
+        if any(greedy):  # every greedy row's token in one native pass (the others skipped), as __call__ picks it
+            picked = cpu_ops.sample_pick(logits, vocab_size, bitmask, masked_rows, [0.0 if g else -1.0 for g in greedy],
+                                         [0] * len(rows), [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows),
+                                         [0] * len(rows), [self.shaping(row) if g else None
+                                                           for row, g in zip(rows, greedy)])
+            argmax = picked[0] if picked is not None else torch.argmax(processed(), dim=-1).tolist()
         masked = _row_set(tensors[1], len(rows)) if bitmask is not None else set()
 
-        def draw(at: int, u: float) -> int:  # an unshaped row natively, as the plain path draws it
-            if self._only_masked_draw(rows[at]):
-                params, sub = rows[at].params, at in masked
-                picked = cpu_ops.sample_pick(logits[at:at + 1], self.vocab_size or logits.shape[1],
-                                             bitmask[at:at + 1] if sub else None, [0] if sub else None,
-                                             [params.temperature], [int(min(params.top_k, logits.shape[1]))],
-                                             [params.top_p], [params.min_p], [u], [0])
-                if picked is not None:
-                    return picked[0][0]
-            return _draw_one(torch_probs(at), u)
+        def draw(at: int, u: float) -> int:  # natively, as the plain path draws the row
+            params, sub = rows[at].params, at in masked
+            picked = cpu_ops.sample_pick(logits[at:at + 1], vocab_size, bitmask[at:at + 1] if sub else None,
+                                         [0] if sub else None, [params.temperature], [int(min(params.top_k, width))],
+                                         [params.top_p], [params.min_p], [u], [0], [self.shaping(rows[at])])
+            return picked[0][0] if picked is not None else _draw_one(torch_probs(at), u)
 
         def possible(at: int, token: int) -> bool:  # p(token) > 0 where the mask allows that token alone
-            if self._only_masked_draw(rows[at]):  # the one allowed token is the largest: no filter drops it
-                return math.isfinite(float(logits[at, token]))
-            return bool(torch_probs(at)[token] > 0)
+            # the one allowed token is the largest: no filter drops it, and bias and penalties are finite edits
+            # (the min_tokens hold-back keeps a stop id that is the only token allowed)
+            return math.isfinite(float(logits[at, token]))
 
         out = []
         for draft in drafts:
@@ -317,6 +330,15 @@ class Sampler:
             return drawn.tolist()
         token_ids[index] = drawn
         return token_ids.tolist()
+
+
+def _runs(tokens: Sequence[int]) -> tuple:
+    """``tokens`` as the native pass reads them: runs ``(list or tuple, start, stop)``, in place for a span."""
+    if isinstance(tokens, TokenSpan):
+        return tokens.runs()
+    if not isinstance(tokens, (list, tuple)):
+        tokens = list(tokens)
+    return ((tokens, 0, len(tokens)),)
 
 
 def _as_tensors(bitmask, masked_rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -56,6 +56,11 @@ class TokenSpan(Seq):
     def __iter__(self):  # a copy of the span (islice would walk the prompt before an output span)
         return itertools.chain(self._tokens[self._start:self._stop], self._tail)
 
+    def runs(self) -> tuple:
+        """The span as the native sampler reads it, in place: ``((list, start, stop), (tail, 0, len(tail)))``."""
+        tail = self._tail if isinstance(self._tail, (list, tuple)) else tuple(self._tail)
+        return (self._tokens, self._start, self._stop), (tail, 0, len(tail))
+
     def __repr__(self) -> str:
         return f"TokenSpan({list(self)!r})"
 

@@ -106,21 +106,24 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
 
 def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
                 masked_rows: torch.Tensor | list[int] | None, temperature: list[float], top_k: list[int],
-                top_p: list[float], min_p: list[float], uniform: list[float],
-                top_n: list[int]) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
-    """The sampler's steps 5-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
+                top_p: list[float], min_p: list[float], uniform: list[float], top_n: list[int],
+                shaping: list | None = None) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
+    """The sampler's steps 2-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
     :func:`greedy_pick`'s arguments, and per row its temperature (0: greedy; negative: skip the row, its id is -2),
-    top_k, top_p, min_p, uniform and how many top logprobs to report (0-20; out of range: ValueError). (ids,
-    logprobs, per row its top (id, logprob) pairs of the raw distribution, largest first), or None where the
-    kernel cannot take the arrays, or a row it was asked for has no allowed finite column, holds a NaN or +inf
-    anywhere, or its running sum never passes its target (float64 rounding, when u is within it of 1): the torch
-    path then decides."""
+    top_k, top_p, min_p, uniform and how many top logprobs to report (0-20; out of range: ValueError); ``shaping``:
+    None, or per row None or ``(hold, bias, repetition, frequency, presence, seen, output)``: the stop ids that
+    ``min_tokens`` holds back, the (id, value) bias pairs, the three penalties, and the token runs ``(tokens, start,
+    stop)`` that the repetition penalty reads and that the frequency and presence penalties count. (ids, logprobs,
+    per row its top (id, logprob) pairs of the raw distribution, largest first), or None where the kernel cannot
+    take the arrays, or a row it was asked for has no allowed finite column, holds a NaN or +inf anywhere (or its
+    shaping makes one), or its running sum never passes its target (float64 rounding, when u is within it of 1):
+    the torch path then decides."""
     args = _pick_args(logits, n, bitmask, masked_rows)
     if args is None:
         return None
     module, array, bitmask, masked = args
     ids, logprobs, tops = module.sample_pick(array, n, bitmask, masked, temperature, top_k, top_p, min_p, uniform,
-                                             top_n, torch.get_num_threads())
+                                             top_n, shaping, torch.get_num_threads())
     if -1 in ids:
         return None
     return ids, logprobs, tops

@@ -224,3 +224,17 @@ def test_requests_that_can_never_fit_are_refused(engine):
     tiny.add_request("d", [1, 2], greedy(1))
     with pytest.raises(InvalidRequestError, match="already running"):
         tiny.add_request("d", [1, 2], greedy(1))
+
+
+def test_prompt_token_ids_must_be_integers(engine):
+    """numpy integers are token ids; a float, a bool or a string is not (the native sampler reads ints only)."""
+    np = pytest.importorskip("numpy")
+    ids = chat(engine, PROMPTS[0])
+    engine.add_request("numpy-ids", list(np.array(ids, dtype=np.int64)), greedy(3))
+    out = [o for o in engine.stream() if o.finished]
+    assert out and out[0].prompt_token_ids == ids and all(type(t) is int for t in out[0].prompt_token_ids)
+    for bad in (1.0, True, "1"):
+        with pytest.raises(InvalidRequestError, match="not an integer token id") as caught:
+            engine.add_request("bad-id", [1, bad], greedy(1))
+        assert caught.value.param == "prompt"
+    assert not engine.has_unfinished_requests()

@@ -199,6 +199,115 @@ def test_the_native_draw_is_the_torch_samplers_in_every_variant(variant):
     assert report["near"] <= 4, report
 
 
+_SHAPED_CHECK = """
+import json, numpy as np, torch
+from corral import native
+from corral.engine.sampler import Sampler, SamplingRow, _draw, _filtered_probs
+from corral.engine.sampling_params import SamplingParams
+from corral.engine.sequence import Sequence
+from corral.kernels import cpu_ops
+rng = np.random.default_rng(11)
+wrong, near, shaped = [], 0, 0
+for trial in range(300):
+    n = int(rng.choice([7, 64, 1000, 49152]))
+    values = rng.standard_normal(n) * float(rng.choice([0.5, 2.0, 6.0]))
+    if rng.random() < 0.4:
+        values = np.round(values)  # ties, which a rounding that differs from torch's would break differently
+    logits = torch.from_numpy(values.astype(np.float32))[None]
+    allowed, bitmask = np.ones(n, bool), None
+    if rng.random() < 0.4:
+        allowed = rng.random(n) < float(rng.choice([0.01, 0.3, 0.9]))
+        allowed[int(rng.integers(n))] = True
+        bits = np.zeros(32 * ((n + 31) // 32), np.uint64)
+        bits[:n] = allowed
+        bitmask = (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
+        bitmask = bitmask.view(np.int32)[None]
+    span = min(n, 40)  # prompt and output from few ids, so that they repeat
+    prompt = rng.integers(0, span, int(rng.integers(1, 30))).tolist()
+    output = rng.integers(0, span, int(rng.integers(0, 60))).tolist()
+    bias = {int(t): float(rng.choice([-100.0, -3.5, 0.25, 2.0, 100.0]))
+            for t in rng.integers(0, n + 5, int(rng.choice([0, 1, 5, 30])))}  # ids past n name no column
+    params = SamplingParams(
+        temperature=float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.5])), top_k=int(rng.choice([0, 1, 5, 50])),
+        top_p=float(rng.choice([1.0, 0.95, 0.8, 0.3])), min_p=float(rng.choice([0.0, 0.05])),
+        logit_bias=bias, repetition_penalty=float(rng.choice([1.0, 1.1, 0.8, 1.5])),
+        frequency_penalty=float(rng.choice([0.0, 0.5, -0.7, 2.0])),
+        presence_penalty=float(rng.choice([0.0, 0.3, -1.0])), max_tokens=200,
+        min_tokens=int(rng.choice([0, 100])), stop_token_ids=tuple(int(t) for t in rng.integers(0, n, 2)))
+    seq = Sequence("r", prompt, params)
+    seq.token_ids += output[: len(output) // 2]
+    draft = output[len(output) // 2:]  # a verified row's output: the sequence's, then draft tokens
+    row = SamplingRow(params, *seq.spans(draft), None)
+    sampler = Sampler(vocab_size=n, eos_token_ids=(int(rng.integers(0, n)),))
+    shaping = sampler.shaping(row)
+    shaped += shaping is not None
+    u, top_n = float(rng.random()), int(rng.choice([0, 3]))
+    got = cpu_ops.sample_pick(logits, n, bitmask, [0] if bitmask is not None else None,
+                              [0.0 if params.is_greedy else params.temperature], [params.top_k], [params.top_p],
+                              [params.min_p], [u], [top_n], [shaping])
+    work = sampler.process(logits, [row], torch.from_numpy(bitmask) if bitmask is not None else None,
+                           torch.tensor([0]) if bitmask is not None else None)
+    token = got[0][0] if got is not None else -1
+    if not torch.isfinite(work).any():
+        continue
+    if params.is_greedy:
+        if token != int(torch.argmax(work[0])):  # torch's argmax: the first largest, as the native pass
+            wrong.append([trial, "greedy", token, int(torch.argmax(work[0]))])
+        continue
+    probs = _filtered_probs(work / params.temperature, [params]).double()
+    want = int(_draw(probs, torch.tensor([u], dtype=torch.float64))[0])
+    if token == want:
+        continue
+    cdf = probs[0].cumsum(0)
+    target, slack = u * float(cdf[-1]), 1e-5 * float(cdf[-1])
+    low = float(cdf[token - 1]) if token > 0 else 0.0
+    if token >= 0 and probs[0, token] > 0 and low - slack <= target <= float(cdf[token]) + slack:
+        near += 1
+    else:
+        wrong.append([trial, token, want])
+print(json.dumps({"isa": native.module().kernel_isa, "wrong": wrong, "near": near, "shaped": shaped}))
+"""
+
+
+@pytest.mark.parametrize("variant", [None, "baseline"] + (
+    ["avx2"] if {"avx2", "fma", "f16c", "bmi2"} <= __import__("corral.native", fromlist=["x"]).cpu_flags() else []))
+def test_the_native_draw_shapes_rows_as_the_torch_sampler_does_in_every_variant(variant):
+    """Rows with a logit bias (ids past the vocabulary too), repetition, frequency and presence penalties over a
+    prompt, an output and draft tokens that repeat, and min_tokens holding stops back, masked or not, greedy (tied
+    logits, where a rounding unlike torch's would pick another column) and sampled: the torch path's token for the
+    same uniform, except within float32 rounding of a boundary between two tokens' mass."""
+    from tests.kernels.variants import report_in_variant
+
+    report = report_in_variant(_SHAPED_CHECK, **({"CORRAL_NATIVE_BUILD": variant} if variant else {}))
+    assert (variant is None or report["isa"].startswith(variant)) and report["wrong"] == [], report
+    assert report["near"] <= 4 and report["shaped"] > 250, report
+
+
+def test_the_native_draw_checks_its_shaping():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+
+    def pick(shaping, temperature=0.0):
+        return cpu_ops.sample_pick(logits, 4, None, None, [temperature], [0], [1.0], [0.0], [0.5], [0], [shaping])
+
+    assert pick(((), ((1, -5.0),), 1.0, 0.0, 0.0, (), ()))[0] == [2]  # biased down past the next one
+    assert pick(((1,), (), 1.0, 0.0, 0.0, (), ()))[0] == [2]  # a stop held back while others are allowed
+    seen = (([1, 1, 1], 0, 3),)
+    assert pick(((), (), 4.0, 0.0, 0.0, seen, ()))[0] == [2]  # 3 / 4 < 2
+    assert pick(((), (), 1.0, 0.9, 0.0, (), seen))[0] == [2]  # 3 - 3 x 0.9 < 2
+    assert pick(((), (), 1.0, 0.0, 1.5, (), seen))[0] == [2]  # present: 3 - 1.5 < 2
+    assert pick(((), (), 1.0, 0.0, 1.5, (), (([1, 1, 1], 0, 0),)))[0] == [1]  # an empty run counts nothing
+    assert pick(((), ((9, 100.0),), 1.0, 0.0, 0.0, (), ()))[0] == [1]  # past n: no column
+    assert pick(((), (), 1e-39, 0.0, 0.0, seen, ())) is None  # 3 / 1e-39 is +inf: the torch path decides
+    for bad, error in [(((-1,), (), 1.0, 0.0, 0.0, (), ()), ValueError),
+                       (((), ((1, 1.0), (1, 2.0)), 1.0, 0.0, 0.0, (), ()), ValueError),
+                       (((), (), 0.0, 0.0, 0.0, (), ()), ValueError),
+                       (((), (), 1.1, 0.0, 0.0, (([1], 0, 2),), ()), IndexError),
+                       (((), (), 1.1, 0.0, 0.0, (([1.0], 0, 1),), ()), TypeError),
+                       (((), (), 1.0, 0.0, 0.0, ()), ValueError)]:
+        with pytest.raises(error):
+            pick(bad)
+
+
 def test_the_native_draw_takes_greedy_rows_skips_rows_and_checks_its_lists():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0], [0.0, float("nan"), 0.0, 0.0]])
     ids, logprobs, tops = cpu_ops.sample_pick(logits[:2], 4, None, None, [0.0, -1.0], [0, 0], [1.0, 1.0],
