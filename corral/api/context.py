@@ -110,6 +110,13 @@ class ServingContext:
             raise
         return request_id, _chain(first, outputs, lambda: self.metrics.on_abandoned(request_id))
 
+    async def stream(self, raw: Request, prefix: str, prepared: PreparedRequest,
+                     grammar) -> tuple[str, AsyncIterator]:
+        """:meth:`start` for a streamed request: each output holds what is new since the previous one (the
+        engine's "delta" outputs), so a long stream's last chunk costs what its first did, here and in the
+        engine."""
+        return await self.start(raw, prefix, prepared, grammar, replace(prepared.params, output_kind="delta"))
+
     async def collect(self, raw: Request, prefix: str, prepared: PreparedRequest,
                       grammar) -> tuple[str, dict, object]:
         """Run to the end: (request id, the latest ``CompletionOutput`` per choice index, the last output). The

@@ -85,6 +85,8 @@ class ServerMetrics:
             if timing is None:
                 return
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if output.delta:  # its token_ids are the new ones alone
+                num_tokens += timing.num_tokens
             new = num_tokens - timing.num_tokens
             if new > 0:
                 self.generation_tokens += new

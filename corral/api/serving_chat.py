@@ -35,7 +35,7 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
         prepared = await ctx.prepare(raw, prepare_chat, req)
         grammar = await ctx.compile(raw, prepared)
         if req.stream:
-            request_id, outputs = await ctx.start(raw, "chatcmpl", prepared, grammar)
+            request_id, outputs = await ctx.stream(raw, "chatcmpl", prepared, grammar)
             events = _stream(ctx, req, request_id, prepared, outputs, warnings_of(grammar))
             response, ticket = EventStream(events, outputs, ticket, ctx.config.send_timeout_s), None  # it releases
             return response
@@ -66,7 +66,7 @@ def _completion(ctx, req, prepared, request_id, latest, last, warnings) -> ChatC
 
 class _ChoiceState:
     def __init__(self, tool_mode: bool):
-        self.num_chars = self.num_tokens = 0
+        self.num_tokens = 0
         self.tools = ToolCallStream() if tool_mode else None
         self.finish_reason = None
 
@@ -122,12 +122,12 @@ def _choice_chunks(ctx, req, state: _ChoiceState, out, chunk) -> list[str]:
     if state.finish_reason is not None:
         return []
     final = out.finish_reason is not None
-    text, state.num_chars = out.text[state.num_chars:], max(state.num_chars, len(out.text))
+    text = out.text  # a delta output: what is new since the previous one
     logprobs = None
     if req.logprobs:
-        rows = logprob_rows(out)[state.num_tokens:]
+        rows = logprob_rows(out)
         logprobs = chat_logprobs(ctx.vocabulary, rows, req.top_logprobs or 0) if rows else None
-    state.num_tokens = len(out.token_ids)
+    state.num_tokens += len(out.token_ids)
     choices = [ChunkChoice(index=out.index, delta=_delta_message(d)) for d in _deltas(state, text, final)]
     if logprobs is not None:  # this step's logprobs ride on its last delta
         choices = choices or [ChunkChoice(index=out.index, delta=DeltaMessage())]

@@ -26,7 +26,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
             raise InvalidRequestError("streaming takes one prompt", param="prompt")
         grammar = await ctx.compile(raw, batch[0])  # every prompt shares the one constraint: compiled once
         if req.stream:
-            request_id, outputs = await ctx.start(raw, "cmpl", batch[0], grammar)
+            request_id, outputs = await ctx.stream(raw, "cmpl", batch[0], grammar)
             events = _stream(ctx, req, request_id, batch[0], outputs, warnings_of(grammar))
             response, ticket = EventStream(events, outputs, ticket, ctx.config.send_timeout_s), None  # it releases
             return response
@@ -73,7 +73,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
         return f"data: {body.model_dump_json(exclude={'warnings'} if body.warnings is None else None)}\n\n"
 
     async with contextlib.aclosing(outputs):  # closed at once when the client goes: the engine request aborts
-        sent_chars, sent_tokens, done = [0] * req.n, [0] * req.n, [False] * req.n
+        sent_tokens, done = [0] * req.n, [False] * req.n
         num_cached, latest = 0, {}
         if req.echo:
             prompt_text = ctx.tokenizer.decode(prepared.prompt_token_ids)
@@ -86,9 +86,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     if done[out.index]:
                         continue
                     latest[out.index] = out
-                    text = out.text[sent_chars[out.index]:]
-                    rows = logprob_rows(out)[sent_tokens[out.index]:]
-                    sent_chars[out.index], sent_tokens[out.index] = len(out.text), len(out.token_ids)
+                    text, rows = out.text, logprob_rows(out)  # a delta output: what is new since the previous one
+                    sent_tokens[out.index] += len(out.token_ids)
                     done[out.index] = out.finish_reason is not None
                     logprobs = (completion_logprobs(ctx.vocabulary, rows, req.logprobs, 0)
                                 if req.logprobs is not None else None)

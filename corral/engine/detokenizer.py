@@ -54,3 +54,10 @@ class IncrementalDetokenizer:
         if finished or not self._hold:
             return self.text
         return self.text[: max(0, len(self.text) - self._hold)]
+
+    def visible_since(self, start: int, finished: bool) -> tuple[str, int]:
+        """What :meth:`visible_text` holds past its first ``start`` characters, and where that ends: a stream's
+        next piece, copied alone. (The visible text only grows: a stop string found later starts past what was
+        visible, since the characters it could start in were held back.)"""
+        end = len(self.text) if finished or not self._hold else max(0, len(self.text) - self._hold)
+        return self.text[start:end], max(start, end)

@@ -75,13 +75,25 @@ def _completion(seq: Sequence) -> CompletionOutput:
                             seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_forced_tokens)
 
 
+def _delta(seq: Sequence) -> CompletionOutput:
+    """What ``seq`` has produced since its previous delta (copies of that alone), with its totals."""
+    start, end = seq.num_prompt_tokens + seq.num_sent_tokens, len(seq.token_ids)
+    text, seq.num_sent_chars = seq.detokenizer.visible_since(seq.num_sent_chars, seq.is_finished)
+    logprobs = seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None
+    seq.num_sent_tokens = end - seq.num_prompt_tokens
+    return CompletionOutput(seq.index, seq.token_ids[start:end], text, seq.finish_reason, seq.stop_reason, logprobs,
+                            seq.cumulative_logprob, seq.num_draft_tokens, seq.num_accepted_tokens,
+                            seq.num_forced_tokens, seq.num_sent_tokens)
+
+
 class _Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], seqs: list[Sequence],
                  beam_group: BeamGroup | None = None):
         self.request_id, self.prompt_token_ids, self.seqs = request_id, prompt_token_ids, seqs
         self.beam_group = beam_group
         # an output after every step that advanced it, or the finished one alone (a beam group's: the latter)
-        self.every_step = beam_group is None and seqs[0].params.output_kind == "cumulative"
+        self.every_step = beam_group is None and seqs[0].params.output_kind != "final"
+        self.delta = beam_group is None and seqs[0].params.output_kind == "delta"
 
     @property
     def is_finished(self) -> bool:
@@ -591,19 +603,20 @@ class LLMEngine:
                              root.num_cached_tokens, metrics)
 
     def _output(self, request: _Request) -> RequestOutput:
+        completion = _delta if request.delta else _completion
         if len(request.seqs) == 1 and request.beam_group is None:  # the usual request: no sort, no scan
             s = request.seqs[0]
             finished = s.is_finished and not s.num_forks_pending  # request.is_finished, for one sequence
             metrics = RequestMetrics(s.arrival_time, s.first_token_time, s.finished_time if finished else None)
-            return RequestOutput(request.request_id, request.prompt_token_ids, [_completion(s)], finished,
-                                 s.num_cached_tokens, metrics)
+            return RequestOutput(request.request_id, request.prompt_token_ids, [completion(s)], finished,
+                                 s.num_cached_tokens, metrics, request.delta)
         seqs = sorted(request.seqs, key=lambda s: s.index)
-        outputs = [_completion(s) for s in seqs]
+        outputs = [completion(s) for s in seqs]
         first = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
         done = [s.finished_time for s in seqs if s.finished_time is not None]
         metrics = RequestMetrics(seqs[0].arrival_time, first, max(done) if request.is_finished and done else None)
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.is_finished,
-                             seqs[0].num_cached_tokens, metrics)
+                             seqs[0].num_cached_tokens, metrics, request.delta)
 
     # -- conveniences ---------------------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:

@@ -15,11 +15,13 @@ class CompletionOutput:
     num_draft_tokens: int = 0  # tokens drafted (jump-forward and prompt lookup) and checked by the model
     num_accepted_tokens: int = 0  # of those, kept: output tokens that took no forward pass of their own
     num_forced_tokens: int = 0  # of those kept, jump-forward tokens
+    # every token produced so far, where token_ids holds only the new ones (a "delta" output); None: len(token_ids)
+    num_tokens: int | None = None
 
     @property
     def num_forward_passes(self) -> int:
-        """Forward passes that produced this output: one per token, less the accepted draft tokens."""
-        return len(self.token_ids) - self.num_accepted_tokens
+        """Forward passes that produced the sequence so far: one per token, less the accepted draft tokens."""
+        return (len(self.token_ids) if self.num_tokens is None else self.num_tokens) - self.num_accepted_tokens
 
     @property
     def finished(self) -> bool:
@@ -41,6 +43,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    delta: bool = False  # each completion holds only what is new since this request's previous output
 
 
 @dataclass(frozen=True)

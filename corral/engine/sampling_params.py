@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from corral.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
-OUTPUT_KINDS = ("cumulative", "final")
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -47,8 +47,10 @@ class SamplingParams:
     ``jump_forward`` and ``speculation`` turn drafts on or off for this request (None: the engine's setting);
     neither changes the tokens a request gets, only how many forward passes produce them.
     ``output_kind``: ``cumulative`` gives an output after every step that advanced the request, each holding all
-    it has produced so far (for streaming); ``final`` gives the finished output alone, so a caller that waits for
-    the whole answer costs nothing per step (no output built, no thread woken).
+    it has produced so far; ``delta`` gives the same outputs holding only what is new since the request's previous
+    one (token ids, text and logprobs; the counters and ``cumulative_logprob`` stay totals), so the last step of a
+    long stream costs what its first did (for streaming); ``final`` gives the finished output alone, so a caller
+    that waits for the whole answer costs nothing per step (no output built, no thread woken).
     """
 
     n: int = 1
@@ -70,7 +72,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     jump_forward: bool | None = None  # draft the spans the grammar forces; None: the engine's default
     speculation: bool | None = None  # draft by prompt lookup; None: the engine's default
-    output_kind: str = "cumulative"  # or "final"
+    output_kind: str = "cumulative"  # or "delta", "final"
 
     def __post_init__(self):
         # Normalise containers to tuples so the params stay hashable; values are never derived or rewritten.

@@ -96,6 +96,8 @@ class Sequence:
         self.spec = None  # a SpecState once the sequence first drafts
         self.is_beam = False  # a beam of a beam-search request (its rows skip the sampler)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward
+        # what "delta" outputs have handed out: output tokens (and their logprobs), and characters of text
+        self.num_sent_tokens = self.num_sent_chars = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -25,6 +25,7 @@ class FakeRequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))  # no first-token time: as sent
+    delta: bool = False
 
 
 @dataclass
@@ -44,6 +45,8 @@ class _Seq:
     guide: object
     emitted: list = field(default_factory=list)
     finish: str | None = None
+    sent_tokens: int = 0  # what "delta" outputs have handed out
+    sent_chars: int = 0
 
 
 class FakeEngine:
@@ -94,16 +97,25 @@ class FakeEngine:
             for i, s in enumerate(live):
                 if s.finish is None:  # a guide with no allowed token has already ended its sequence
                     self._advance(s, params, drawn[i] if self.sampler is not None else None)
-            completions = [FakeCompletionOutput(
-                s.index, list(s.emitted), self.tokenizer.decode(s.emitted), s.finish,
-                logprobs=[(-0.5, [(t, -0.5)]) for t in s.emitted] if params.logprobs is not None else None,
-                cumulative_logprob=-0.5 * len(s.emitted) - s.index) for s in seqs]
+            delta = params.output_kind == "delta"
+            completions = [self._completion(s, params, delta) for s in seqs]
             finished = all(s.finish is not None for s in seqs)
-            if finished or params.output_kind == "cumulative":  # as the engine does
-                outs.append(FakeRequestOutput(request_id, prompt, completions, finished))
+            if finished or params.output_kind != "final":  # as the engine does
+                outs.append(FakeRequestOutput(request_id, prompt, completions, finished, delta=delta))
             if finished:
                 del self.requests[request_id]
         return outs
+
+    def _completion(self, s, params, delta: bool):
+        """All ``s`` has emitted, or (delta) what is new since its previous output, as the engine hands them."""
+        text, start = self.tokenizer.decode(s.emitted), s.sent_tokens if delta else 0
+        tokens, shown = s.emitted[start:], text[s.sent_chars if delta else 0:]
+        if delta:
+            s.sent_tokens, s.sent_chars = len(s.emitted), len(text)
+        return FakeCompletionOutput(
+            s.index, list(tokens), shown, s.finish,
+            logprobs=[(-0.5, [(t, -0.5)]) for t in tokens] if params.logprobs is not None else None,
+            cumulative_logprob=-0.5 * len(s.emitted) - s.index, num_tokens=len(s.emitted) if delta else None)
 
     def _sampled(self, seqs, params, prompt) -> list[int | None]:
         """One real Sampler call over random logits for the request's live sequences (None: EOS)."""

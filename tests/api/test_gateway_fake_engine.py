@@ -140,13 +140,25 @@ def test_disconnect_aborts_and_overload_is_429(server):
 
 
 def test_the_engine_sends_only_the_final_output_of_a_request_nobody_streams(server, client):
+    """A request nobody streams gets its finished output alone; a streamed one, what each step added alone."""
     engine = server[1]
     out = client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20)
     assert engine.added[-1][2].output_kind == "final" and out.choices[0].message.content == '{"a": 1}'
     out = client.completions.create(model="test-model", prompt="hi", max_tokens=20)
     assert engine.added[-1][2].output_kind == "final" and out.choices[0].text == '{"a": 1}'
-    chunks = list(client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20, stream=True))
-    assert engine.added[-1][2].output_kind == "cumulative" and len(chunks) > 3
+    chunks = list(client.chat.completions.create(model="test-model", messages=MSG, max_tokens=20, stream=True,
+                                                 logprobs=True, stream_options={"include_usage": True}))
+    assert engine.added[-1][2].output_kind == "delta" and len(chunks) > 3
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.delta.content or "" for p in pieces) == '{"a": 1}'
+    tokens = [t for p in pieces if p.logprobs is not None for t in p.logprobs.content]
+    assert "".join(t.token for t in tokens) == '{"a": 1}' and chunks[-1].usage.completion_tokens == len(tokens)
+    chunks = list(client.completions.create(model="test-model", prompt="hi", max_tokens=20, stream=True, logprobs=1,
+                                            stream_options={"include_usage": True}))
+    assert engine.added[-1][2].output_kind == "delta"
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == '{"a": 1}'
+    assert sum(len(p.logprobs.tokens) for p in pieces) == chunks[-1].usage.completion_tokens > 3
 
 
 def test_metrics_use_vllm_names(server, client):

@@ -14,10 +14,10 @@ def test_histogram_buckets_are_cumulative_and_le_inclusive():
         'm_bucket{model_name="x",le="+Inf"} 4', 'm_sum{model_name="x"} 3.65', 'm_count{model_name="x"} 4']
 
 
-def _output(request_id, num_tokens, finished, reason=None, first_token_time=None):
+def _output(request_id, num_tokens, finished, reason=None, first_token_time=None, delta=False):
     completion = SimpleNamespace(token_ids=list(range(num_tokens)), finish_reason=reason)
     return SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished, prompt_token_ids=[1] * 7,
-                           metrics=SimpleNamespace(first_token_time=first_token_time))
+                           metrics=SimpleNamespace(first_token_time=first_token_time), delta=delta)
 
 
 def test_a_final_only_output_times_its_first_token_by_the_engine_and_spreads_the_rest():
@@ -51,3 +51,14 @@ def test_outputs_drive_ttft_itl_e2e_and_token_counters():
                 'vllm:request_success_total{model_name="x",finished_reason="abort"} 1',
                 'vllm:time_to_first_token_seconds_count{model_name="x"} 1', '# TYPE vllm:e2e_request_latency_seconds histogram'):
         assert row in text.splitlines(), row
+
+
+def test_delta_outputs_count_their_new_tokens_alone():
+    m = ServerMetrics("x")
+    m.on_arrival("r", 10.0)
+    m.on_output(_output("r", 1, False, delta=True), 10.5)
+    m.on_output(_output("r", 2, False, delta=True), 11.5)  # two more tokens in 1 s
+    m.on_output(_output("r", 1, True, "stop", delta=True), 11.7)
+    assert (m.ttft.count, m.ttft.sum) == (1, 0.5)
+    assert m.itl.count == 3 and abs(m.itl.sum - 1.2) < 1e-9
+    assert (m.generation_tokens, m.finished) == (4, {"stop": 1})

@@ -142,6 +142,36 @@ def test_a_final_only_request_gets_its_finished_output_alone_and_a_cumulative_on
     assert (alone.token_ids, alone.text) == (final.outputs[0].token_ids, final.outputs[0].text)
 
 
+def test_delta_outputs_add_up_to_the_cumulative_ones(engine):
+    """n = 2 sampled sequences with logprobs and a stop string that holds text back, drafts on: each delta holds
+    what is new alone, and the deltas joined are the cumulative outputs' tokens, text and logprobs; the totals
+    (cumulative logprob, forward passes) are the cumulative outputs' own."""
+    from corral.engine.sampling_params import SamplingParams
+
+    ids = chat(engine, PROMPTS[2])
+    knobs = dict(n=2, temperature=0.8, seed=7, max_tokens=40, logprobs=2, stop=["\n\n", "the end"])
+    engine.add_request("whole", ids, SamplingParams(**knobs))
+    engine.add_request("delta", ids, SamplingParams(output_kind="delta", **knobs))
+    seen = {"whole": [], "delta": []}
+    for out in engine.stream():
+        seen[out.request_id].append(out)
+    assert all(o.delta for o in seen["delta"]) and not any(o.delta for o in seen["whole"])
+    for index in range(2):
+        whole = seen["whole"][-1].outputs[index]
+        pieces = [c for o in seen["delta"] for c in o.outputs if c.index == index]
+        assert sum(map(len, (p.token_ids for p in pieces))) == len(whole.token_ids) > 0
+        assert [t for p in pieces for t in p.token_ids] == whole.token_ids
+        assert "".join(p.text for p in pieces) == whole.text
+        # (the two requests' rows share the batch: their logits may differ in the last bits)
+        joined = [e for p in pieces for e in p.logprobs]
+        assert [[t for t, _ in top] for _, top in joined] == [[t for t, _ in top] for _, top in whole.logprobs]
+        assert [lp for lp, _ in joined] == pytest.approx([lp for lp, _ in whole.logprobs], abs=1e-4)
+        last = pieces[-1]
+        assert (last.finish_reason, last.num_forward_passes) == (whole.finish_reason, whole.num_forward_passes)
+        assert last.cumulative_logprob == pytest.approx(whole.cumulative_logprob, abs=1e-3)
+        assert all(len(p.token_ids) < len(whole.token_ids) for p in pieces[1:])  # pieces, not the whole again
+
+
 def test_incremental_text_equals_tokenizer_decode(engine):
     outs = engine.generate([chat(engine, q) for q in PROMPTS[:4]], greedy(40))
     for out in outs:

@@ -27,7 +27,7 @@ from corral.errors import InvalidRequestError
     (dict(frequency_penalty=2.5), "frequency_penalty", r"\[-2, 2\]"),
     (dict(presence_penalty=-3), "presence_penalty", r"\[-2, 2\]"),
     (dict(logprobs=21), "logprobs", r"\[0, 20\]"),
-    (dict(output_kind="delta"), "output_kind", "cumulative, final"),
+    (dict(output_kind="deltas"), "output_kind", "cumulative, delta, final"),
 ])
 def test_out_of_range_names_the_parameter(kwargs, param, message):
     with pytest.raises(InvalidRequestError, match=message) as info:
