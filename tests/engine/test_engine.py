@@ -193,6 +193,28 @@ def test_guides_constrain_and_an_error_ends_only_its_sequence(engine):
     assert outs[2].outputs[0].token_ids == free.token_ids
 
 
+@pytest.mark.parametrize("cores", [1, 10 ** 6])
+def test_masks_filled_before_the_forward_or_beside_it_give_the_same_outputs(engine, monkeypatch, cores):
+    """Where the forward leaves no core free the masks are filled before it, else on a worker beside it (a
+    pretended core count picks each): the same guided outputs, errors included."""
+    import threading
+
+    eos = engine.vocabulary.eos_token_ids[0]
+    script = engine.tokenizer.encode('{"answer": 42}')
+    words = -(-engine.vocabulary.size // 32)
+    ids = chat(engine, PROMPTS[0])
+    monkeypatch.setattr(engine, "_cores", cores)
+    threads = set()
+    fill = engine._fill_masks
+    monkeypatch.setattr(engine, "_fill_masks", lambda seqs: threads.add(threading.current_thread().name) or fill(seqs))
+    outs = engine.generate([ids, ids], greedy(32), guides=[ScriptGuide(script, eos, words),
+                                                           ScriptGuide(script, eos, words, lie_at=2)])
+    assert outs[0].outputs[0].token_ids == script + [eos] and outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == script[:3] and outs[1].outputs[0].finish_reason == "error"
+    worker = cores > 1  # (the test's torch runs at least one thread)
+    assert threads and all(name.startswith("corral-masks") == worker for name in threads), threads
+
+
 def test_a_guide_that_allows_no_token_ends_only_its_sequence(engine):
     from corral.budget import Budget
     from corral.fsm.fsm_guide import FSMGuide
