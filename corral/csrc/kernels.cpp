@@ -238,9 +238,20 @@ static PyObject* const* items_of(PyObject* seq, Py_ssize_t& size, const char* wh
     return PySequence_Fast_ITEMS(seq);
 }
 
-static double exact_number_of(PyObject* value, const char* what) {
-    if (PyFloat_CheckExact(value)) return PyFloat_AS_DOUBLE(value);
-    if (PyLong_CheckExact(value)) {
+// A float or an int (subclasses too, numpy's float64 among them; not a bool), read from its own value: no Python
+// code runs.
+// An int (a subclass too, not a bool), read from its own value: no Python code runs.
+static int64_t id_of(PyObject* value, const char* what) {
+    if (!PyLong_Check(value) || PyBool_Check(value))
+        fail(PyExc_TypeError, (std::string("sample_pick: ") + what + " must be an int").c_str());
+    const long long id = PyLong_AsLongLong(value);
+    if (id == -1 && PyErr_Occurred()) throw PyFailure();
+    return id;
+}
+
+static double number_of(PyObject* value, const char* what) {
+    if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
+    if (PyLong_Check(value) && !PyBool_Check(value)) {
         const double number = PyLong_AsDouble(value);
         if (number == -1.0 && PyErr_Occurred()) throw PyFailure();
         return number;
@@ -287,7 +298,7 @@ struct Shapings {
         static thread_local std::vector<int32_t> slot;  // column -> its edit in this row, -1: none yet
         if (int64_t(slot.size()) < n) slot.assign(n, -1);
         std::vector<int64_t> edit_at(num_rows + 1, 0), hold_at(num_rows + 1, 0);
-        rows.assign(num_rows, corral_kernels::RowShaping{false, nullptr, 0, nullptr, 0, 1.0f, 0.0f, 0.0f});
+        rows.assign(num_rows, corral_kernels::RowShaping{false, false, nullptr, 0, nullptr, 0, 1.0f, 0.0f, 0.0f});
         for (int64_t r = 0; r < num_rows; ++r) {
             edit_at[r] = int64_t(edits.size()), hold_at[r] = int64_t(holds.size());
             PyObject* entry = PyList_GET_ITEM(shaping_in.ptr(), r);
@@ -308,18 +319,20 @@ struct Shapings {
         if (seven != 7)
             fail(PyExc_ValueError, "sample_pick: a shaping entry is (hold, bias, repetition, frequency, presence, "
                                    "seen, output)");
-        const double repetition = exact_number_of(part[2], "repetition"),
-                     frequency = exact_number_of(part[3], "frequency"), presence = exact_number_of(part[4], "presence");
-        if (!(repetition > 0.0 && repetition <= FLT_MAX) || !(std::fabs(frequency) <= FLT_MAX) ||
-            !(std::fabs(presence) <= FLT_MAX))
+        const double repetition = number_of(part[2], "repetition"),
+                     frequency = number_of(part[3], "frequency"), presence = number_of(part[4], "presence");
+        if (!(repetition > 0.0) || repetition != repetition || frequency != frequency || presence != presence)
             fail(PyExc_ValueError, "sample_pick: a penalty is out of range");
         row.shaped = true;
+        // past float32's range the torch path decides what such a penalty means (the row's id is -1)
+        row.undecided = !(repetition <= FLT_MAX && float(repetition) > 0.0f) || !(std::fabs(frequency) <= FLT_MAX) ||
+                        !(std::fabs(presence) <= FLT_MAX);
         row.repetition = float(repetition), row.frequency = float(frequency), row.presence = float(presence);
         const size_t first = edits.size(), hold_first = holds.size();
         const auto edit = [&](int64_t id) -> corral_kernels::ColumnEdit& {
-            if (slot[id] < 0) {
-                slot[id] = int32_t(edits.size() - first);
+            if (slot[id] < 0) {  // pushed first: a failed push leaves no slot pointing past the edits
                 edits.push_back(corral_kernels::ColumnEdit{id, 0.0f, 0, 0, 0});
+                slot[id] = int32_t(edits.size() - 1 - first);
             }
             return edits[first + size_t(slot[id])];
         };
@@ -327,7 +340,7 @@ struct Shapings {
             Py_ssize_t size;
             PyObject* const* hold = items_of(part[0], size, "hold");
             for (Py_ssize_t i = 0; i < size; ++i) {
-                const int64_t id = exact_int_of(hold[i]);
+                const int64_t id = id_of(hold[i], "a stop id");
                 if (id < 0) fail(PyExc_ValueError, "sample_pick: a negative stop id");
                 if (id < n && std::find(holds.begin() + hold_first, holds.end(), id) == holds.end())
                     holds.push_back(id);
@@ -337,8 +350,8 @@ struct Shapings {
                 Py_ssize_t two;
                 PyObject* const* pair = items_of(bias[i], two, "a bias pair");
                 if (two != 2) fail(PyExc_ValueError, "sample_pick: a bias entry is an (id, value) pair");
-                const int64_t id = exact_int_of(pair[0]);
-                const double value = exact_number_of(pair[1], "a bias value");
+                const int64_t id = id_of(pair[0], "a bias id");
+                const double value = number_of(pair[1], "a bias value");
                 if (id < 0) fail(PyExc_ValueError, "sample_pick: a negative bias id");
                 if (!(std::fabs(value) <= FLT_MAX)) fail(PyExc_ValueError, "sample_pick: a bias value out of range");
                 if (id >= n) continue;

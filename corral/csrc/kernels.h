@@ -36,9 +36,10 @@ struct ColumnEdit {
     uint8_t biased, seen;
 };
 // A row's steps 2-4 beyond its mask: the stop ids that min_tokens holds back (while some other token is allowed),
-// and the columns its bias and penalties change. A row with neither has shaped = false.
+// and the columns its bias and penalties change. A row with neither has shaped = false; one whose penalty is past
+// float32's range is undecided (its id is -1: the torch path decides).
 struct RowShaping {
-    bool shaped;
+    bool shaped, undecided;
     const int64_t* hold;
     int64_t num_hold;
     const ColumnEdit* edits;

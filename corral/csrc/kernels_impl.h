@@ -390,7 +390,7 @@ static void sample_pick(const float* logits, int64_t rows, int64_t stride, int64
             }
         }
         if (shaping != nullptr) {
-            if (!shape(w, n, *shaping)) continue;
+            if (shaping->undecided || !shape(w, n, *shaping)) continue;
             if (scale != 1.0f) {
                 #pragma omp simd
                 for (int64_t i = 0; i < n; ++i) w[i] /= scale;

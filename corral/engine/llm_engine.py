@@ -62,9 +62,12 @@ def _token_ids(tokens) -> list[int]:
     if all(type(t) is int for t in ids):  # the usual prompt, from the tokenizer
         return ids
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not hasattr(type(t), "__index__"):
-            raise InvalidRequestError(f"prompt token {t!r} is not an integer token id", param="prompt")
-        ids[i] = operator.index(t)
+        try:
+            if isinstance(t, bool):
+                raise TypeError("a bool")
+            ids[i] = operator.index(t)
+        except TypeError:
+            raise InvalidRequestError(f"prompt token {t!r} is not an integer token id", param="prompt") from None
     return ids
 
 

@@ -104,11 +104,11 @@ class Sampler:
             return SampleResult([], [], None)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
-        # Every row is drawn natively, whatever shares its batch, so its token does not depend on the batch (unless
-        # the native pass cannot decide some row, a NaN or +inf in its logits: then the torch path draws them all).
+        # Every row is drawn natively, whatever shares its batch, so its token does not depend on the batch; a row
+        # the native pass cannot decide (a NaN or +inf in its logits) gets the torch path's draw, alone.
         picked = self._native_draws(logits, rows, random_rows, uniforms, bitmask, masked_rows)
-        if picked is not None:
-            asked = any(row.params.logprobs for row in rows)
+        asked = any(row.params.logprobs for row in rows)
+        if picked is not None and -1 not in picked[0]:
             return SampleResult(picked[0], picked[1], picked[2] if asked else None)
         bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
@@ -120,6 +120,12 @@ class Sampler:
             "a row had no allowed token: a guide in the error state must finish before sampling"
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
+        if picked is not None:  # the rows the native pass decided keep its draws
+            for i, token in enumerate(picked[0]):
+                if token >= 0:
+                    token_ids[i], logprobs[i] = token, picked[1][i]
+                    if top_logprobs is not None:
+                        top_logprobs[i] = picked[2][i]
         return SampleResult(token_ids, logprobs, top_logprobs)
 
     def shaping(self, row: SamplingRow) -> tuple | None:
@@ -139,8 +145,8 @@ class Sampler:
 
     def _native_draws(self, logits, rows, random_rows: list[int], uniforms: list[float], bitmask,
                       masked_rows) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
-        """The native pass over every row, with the uniforms drawn for ``random_rows``; None where it cannot
-        decide every one of them (the torch path then does)."""
+        """The native pass over every row, with the uniforms drawn for ``random_rows``: id -1 for a row it cannot
+        decide; None where it cannot take the arrays (the torch path then decides those)."""
         row_uniform = dict(zip(random_rows, uniforms))
         temperature, top_k, top_p, min_p, uniform, top_n, shaping = [], [], [], [], [], [], []
         for i, row in enumerate(rows):
@@ -154,7 +160,7 @@ class Sampler:
             shaping.append(self.shaping(row))
         return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows, temperature,
                                    top_k, top_p, min_p, uniform, top_n,
-                                   shaping if any(entry is not None for entry in shaping) else None)
+                                   shaping if any(entry is not None for entry in shaping) else None, partial=True)
 
     @staticmethod
     def _only_masked_greedy(row: SamplingRow) -> bool:
@@ -293,7 +299,8 @@ class Sampler:
                 pairs = [(t, b) for t, b in params.logit_bias if t < vocab_size]
                 if pairs:
                     ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=work.device)
-                    work[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], device=work.device))
+                    work[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=work.dtype,
+                                                            device=work.device))
             if params.has_penalties:
                 self._apply_penalties(work[i], row)
 

@@ -107,7 +107,8 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
 def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
                 masked_rows: torch.Tensor | list[int] | None, temperature: list[float], top_k: list[int],
                 top_p: list[float], min_p: list[float], uniform: list[float], top_n: list[int],
-                shaping: list | None = None) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
+                shaping: list | None = None, partial: bool = False
+                ) -> tuple[list[int], list[float], list[list[tuple[int, float]]]] | None:
     """The sampler's steps 2-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
     :func:`greedy_pick`'s arguments, and per row its temperature (0: greedy; negative: skip the row, its id is -2),
     top_k, top_p, min_p, uniform and how many top logprobs to report (0-20; out of range: ValueError); ``shaping``:
@@ -116,15 +117,16 @@ def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
     stop)`` that the repetition penalty reads and that the frequency and presence penalties count. (ids, logprobs,
     per row its top (id, logprob) pairs of the raw distribution, largest first), or None where the kernel cannot
     take the arrays, or a row it was asked for has no allowed finite column, holds a NaN or +inf anywhere (or its
-    shaping makes one), or its running sum never passes its target (float64 rounding, when u is within it of 1):
-    the torch path then decides."""
+    shaping makes one, or a penalty is past float32's range), or its running sum never passes its target (float64
+    rounding, when u is within it of 1): the torch path then decides. ``partial``: those rows get id -1 instead,
+    and the others their draws."""
     args = _pick_args(logits, n, bitmask, masked_rows)
     if args is None:
         return None
     module, array, bitmask, masked = args
     ids, logprobs, tops = module.sample_pick(array, n, bitmask, masked, temperature, top_k, top_p, min_p, uniform,
                                              top_n, shaping, torch.get_num_threads())
-    if -1 in ids:
+    if -1 in ids and not partial:
         return None
     return ids, logprobs, tops
 

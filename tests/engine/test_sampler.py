@@ -317,7 +317,9 @@ def test_greedy_verification_by_the_native_pass_equals_the_general_path(monkeypa
         monkeypatch.setattr(cpu_ops, "greedy_pick", counted)
         fast = Sampler(vocab).verify(logits, rows, drafts, bitmask, masked)
         monkeypatch.setattr(cpu_ops, "greedy_pick", lambda *args: None)
+        monkeypatch.setattr(cpu_ops, "sample_pick", lambda *args, **kwargs: None)  # the torch path's argmax
         slow = Sampler(vocab).verify(logits, rows, drafts, bitmask, masked)
+        monkeypatch.undo()
         assert fast == slow, trial  # tokens, acceptances, rows and logprobs, bit for bit
     assert any(taken)  # the native pass ran (min_tokens 1 with no output yet keeps the general path)
 
@@ -350,23 +352,29 @@ def test_a_numpy_bitmask_and_a_list_of_rows_sample_as_tensors_do():
         assert as_numpy == as_tensors, params
 
 
-def test_a_plain_rows_draw_is_the_same_alone_and_beside_a_row_the_torch_path_takes():
-    """A plain row (no top logprobs, bias or penalty) is drawn by the native pass whatever shares its batch."""
+def test_a_rows_draw_is_the_same_alone_and_beside_a_row_the_torch_path_takes():
+    """A row is drawn by the native pass whatever shares its batch, a row it cannot decide (a penalty past
+    float32's range) included: that row alone goes to the torch path."""
     sampler, steps = Sampler(), 25
     generator = torch.Generator().manual_seed(4)
     base = [torch.randn(2, 1000, generator=generator) * 3 for _ in range(steps)]
-    plain = SamplingParams(seed=42, temperature=1.3, top_p=0.9, top_k=50, min_p=0.01)
+    plain = SamplingParams(seed=42, temperature=1.3, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.2)
     alone = run_steps(sampler, [b[:1] for b in base], [(plain, make_generator(42))], 0)
-    penalized = SamplingParams(seed=7, frequency_penalty=0.5)
+    undecided = SamplingParams(seed=7, repetition_penalty=1e39)
     beside = run_steps(sampler, [torch.cat([b[1:], b[:1]]) for b in base],
-                       [(penalized, make_generator(7)), (plain, make_generator(42))], 1)
+                       [(undecided, make_generator(7)), (plain, make_generator(42))], 1)
     assert alone == beside and len(set(alone)) > 3  # drawn, not one token over and over
 
 
-@pytest.mark.parametrize("penalty", [0.0, 0.5])  # the native pass, and the torch path
-def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty):
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("penalty", [0.0, 0.5])
+def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty, native, monkeypatch):
     """top_p below float32's smallest keeps the first token alone; a temperature past its largest makes the
-    allowed tokens alike (never a masked one, never a NaN); a top_k past the vocabulary keeps every token."""
+    allowed tokens alike (never a masked one, never a NaN); a top_k past the vocabulary keeps every token. In the
+    native pass and in the torch path (the native one turned off)."""
+    if not native:
+        monkeypatch.setattr(cpu_ops, "sample_pick", lambda *args, **kwargs: None)
+        monkeypatch.setattr(cpu_ops, "greedy_pick", lambda *args, **kwargs: None)
     logits = torch.linspace(0.0, 6.0, 64).repeat(40, 1)  # the largest is token 63
     bitmask = torch.tensor([[0x0000FFFF, 0x0F000000]] * 40, dtype=torch.int32)  # tokens 0-15 and 56-59
     tiny_p = SamplingParams(temperature=1.0, top_p=5e-324, frequency_penalty=penalty)
@@ -379,5 +387,6 @@ def test_parameters_at_the_edges_of_float32_sample_what_they_mean(penalty):
     assert set(drawn) <= {*range(16), *range(56, 60)} and len(set(drawn)) > 5
     verified = Sampler().verify(logits[:3], rows[:3], [DraftRows(0, [57, 58], True, [False, False])], bitmask[:3])
     assert set(verified[0].token_ids) <= {*range(16), *range(56, 60)}  # the draft's rows, the same rules
+    monkeypatch.undo()
     tail = torch.tensor([[0.0, 200.0, 0.0, 0.0]])  # far below the max: probability 0, even at u = 0
     assert cpu_ops.sample_pick(tail, 4, None, None, [1.0], [0], [1.0], [0.0], [0.0], [0])[0] == [1]

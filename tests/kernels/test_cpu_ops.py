@@ -298,7 +298,15 @@ def test_the_native_draw_checks_its_shaping():
     assert pick(((), (), 1.0, 0.0, 1.5, (), (([1, 1, 1], 0, 0),)))[0] == [1]  # an empty run counts nothing
     assert pick(((), ((9, 100.0),), 1.0, 0.0, 0.0, (), ()))[0] == [1]  # past n: no column
     assert pick(((), (), 1e-39, 0.0, 0.0, seen, ())) is None  # 3 / 1e-39 is +inf: the torch path decides
+    assert pick(((), (), 1e39, 0.0, 0.0, seen, ())) is None  # a penalty past float32's range: the same
+    import enum
+
+    np = pytest.importorskip("numpy")  # numpy's floats and int subclasses are numbers and ids
+    one = enum.IntEnum("Stop", {"ONE": 1}).ONE
+    assert pick(((one,), ((1, np.float64(-5.0)),), np.float64(1.0), np.float64(0.0), np.float64(0.0), (), ()))[0] \
+        == [2]
     for bad, error in [(((-1,), (), 1.0, 0.0, 0.0, (), ()), ValueError),
+                       (((True,), (), 1.0, 0.0, 0.0, (), ()), TypeError),
                        (((), ((1, 1.0), (1, 2.0)), 1.0, 0.0, 0.0, (), ()), ValueError),
                        (((), (), 0.0, 0.0, 0.0, (), ()), ValueError),
                        (((), (), 1.1, 0.0, 0.0, (([1], 0, 2),), ()), IndexError),
@@ -306,6 +314,15 @@ def test_the_native_draw_checks_its_shaping():
                        (((), (), 1.0, 0.0, 0.0, ()), ValueError)]:
         with pytest.raises(error):
             pick(bad)
+        assert pick(((), ((2, 5.0),), 1.0, 0.0, 0.0, (), ()))[0] == [2]  # a call after a failed one is clean
+    # rows side by side: each one's edits, as it gets them alone
+    rows = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0], [1.0, 0.0, 2.5, 3.0]])
+    shapings = [((), (), 4.0, 0.0, 0.0, seen, ()), None, ((3,), ((2, 1.0),), 1.0, 0.0, 1.0, (), (([2, 0], 0, 2),))]
+    together = cpu_ops.sample_pick(rows, 4, None, None, [0.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, [0.5] * 3,
+                                   [0] * 3, shapings)[0]
+    alone = [cpu_ops.sample_pick(rows[i:i + 1], 4, None, None, [0.0], [0], [1.0], [0.0], [0.5], [0],
+                                 [shapings[i]])[0][0] for i in range(3)]
+    assert together == alone == [2, 1, 2]  # 3 / 4 < 2; unshaped; 2.5 + 1 - 1 > 1 - 1 with the stop held back
 
 
 def test_the_native_draw_takes_greedy_rows_skips_rows_and_checks_its_lists():
