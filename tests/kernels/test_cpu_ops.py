@@ -129,28 +129,37 @@ def test_the_greedy_pass_picks_the_first_largest_column_in_every_variant(variant
     assert (variant is None or report["isa"].startswith(variant)) and report["wrong"] == [], report
 
 
-_DRAW_CHECK = """
-import json, numpy as np, torch
-from corral import native
-from corral.engine.sampler import _draw, _filtered_probs
-from corral.engine.sampling_params import SamplingParams
-from corral.kernels import cpu_ops
-rng = np.random.default_rng(5)
-wrong, near = [], 0
-for trial in range(400):
-    n = int(rng.choice([5, 64, 1000, 49152]))
+# One random logits row for the draw checks: a width from `widths`, rounded (tied) values with chance `ties`, and
+# with chance `masked` a bitmask allowing some columns (at least one): (n, logits [1, n], allowed, bitmask or None).
+_RANDOM_ROW = """
+def random_row(rng, widths, ties, masked):
+    n = int(rng.choice(widths))
     values = rng.standard_normal(n) * float(rng.choice([0.5, 2.0, 6.0]))
-    if rng.random() < 0.3:
-        values = np.round(values)  # ties, at the top-k and top-p cuts too
+    if rng.random() < ties:
+        values = np.round(values)
     logits = torch.from_numpy(values.astype(np.float32))[None]
     allowed, bitmask = np.ones(n, bool), None
-    if rng.random() < 0.5:
+    if rng.random() < masked:
         allowed = rng.random(n) < float(rng.choice([0.01, 0.3, 0.9]))
         allowed[int(rng.integers(n))] = True
         bits = np.zeros(32 * ((n + 31) // 32), np.uint64)
         bits[:n] = allowed
         bitmask = (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
         bitmask = bitmask.view(np.int32)[None]
+    return n, logits, allowed, bitmask
+"""
+
+_DRAW_CHECK = """
+import json, numpy as np, torch
+from corral import native
+from corral.engine.sampler import _draw, _filtered_probs
+from corral.engine.sampling_params import SamplingParams
+from corral.kernels import cpu_ops
+""" + _RANDOM_ROW + """
+rng = np.random.default_rng(5)
+wrong, near = [], 0
+for trial in range(400):
+    n, logits, allowed, bitmask = random_row(rng, [5, 64, 1000, 49152], 0.3, 0.5)  # ties at the cuts too
     params = SamplingParams(temperature=float(rng.choice([0.3, 0.7, 1.0, 1.5])), top_k=int(rng.choice([0, 1, 5, 50])),
                             top_p=float(rng.choice([1.0, 0.95, 0.8, 0.3])), min_p=float(rng.choice([0.0, 0.05, 0.2])))
     u, top_n = float(rng.random()), int(rng.choice([0, 1, 5, 20]))
@@ -206,22 +215,12 @@ from corral.engine.sampler import Sampler, SamplingRow, _draw, _filtered_probs
 from corral.engine.sampling_params import SamplingParams
 from corral.engine.sequence import Sequence
 from corral.kernels import cpu_ops
+""" + _RANDOM_ROW + """
 rng = np.random.default_rng(11)
 wrong, near, shaped = [], 0, 0
 for trial in range(300):
-    n = int(rng.choice([7, 64, 1000, 49152]))
-    values = rng.standard_normal(n) * float(rng.choice([0.5, 2.0, 6.0]))
-    if rng.random() < 0.4:
-        values = np.round(values)  # ties, which a rounding that differs from torch's would break differently
-    logits = torch.from_numpy(values.astype(np.float32))[None]
-    allowed, bitmask = np.ones(n, bool), None
-    if rng.random() < 0.4:
-        allowed = rng.random(n) < float(rng.choice([0.01, 0.3, 0.9]))
-        allowed[int(rng.integers(n))] = True
-        bits = np.zeros(32 * ((n + 31) // 32), np.uint64)
-        bits[:n] = allowed
-        bitmask = (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
-        bitmask = bitmask.view(np.int32)[None]
+    # ties, which a rounding that differs from torch's would break differently
+    n, logits, allowed, bitmask = random_row(rng, [7, 64, 1000, 49152], 0.4, 0.4)
     span = min(n, 40)  # prompt and output from few ids, so that they repeat
     prompt = rng.integers(0, span, int(rng.integers(1, 30))).tolist()
     output = rng.integers(0, span, int(rng.integers(0, 60))).tolist()
