@@ -238,8 +238,6 @@ static PyObject* const* items_of(PyObject* seq, Py_ssize_t& size, const char* wh
     return PySequence_Fast_ITEMS(seq);
 }
 
-// A float or an int (subclasses too, numpy's float64 among them; not a bool), read from its own value: no Python
-// code runs.
 // An int (a subclass too, not a bool), read from its own value: no Python code runs.
 static int64_t id_of(PyObject* value, const char* what) {
     if (!PyLong_Check(value) || PyBool_Check(value))
@@ -249,6 +247,8 @@ static int64_t id_of(PyObject* value, const char* what) {
     return id;
 }
 
+// A float or an int (subclasses too, numpy's float64 among them; not a bool), read from its own value: no Python
+// code runs.
 static double number_of(PyObject* value, const char* what) {
     if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
     if (PyLong_Check(value) && !PyBool_Check(value)) {
@@ -281,11 +281,90 @@ static void for_each_token(PyObject* runs, int64_t n, const char* what, F f) {
     }
 }
 
+// The distinct tokens of one sequence's prompt and output, kept from step to step so that its penalties read what
+// its distinct tokens number, not its length: each id once, with how often the output has it (0: the prompt alone).
+// catch_up counts what the sequence's token list gained since the last call; it counts again from the start where the
+// list is another one, is shorter than what was counted, or splits prompt from output elsewhere. A list that changes
+// in place is not seen: the engine's lists only grow. Ids outside 0 .. 2^31 name no column and are not kept.
+class TokenTally {
+  public:
+    void catch_up(nb::handle tokens, int64_t split, int64_t stop) {
+        if (!PyList_Check(tokens.ptr())) fail(PyExc_TypeError, "token tally: its tokens must be a list");
+        const Py_ssize_t size = PyList_GET_SIZE(tokens.ptr());
+        if (split < 0 || split > size || stop < 0 || stop > size)
+            fail(PyExc_IndexError, "token tally: split or stop outside its tokens");
+        if (!list_.is(tokens) || split != split_ || stop < counted_) clear(tokens, split);
+        PyObject* const* items = PySequence_Fast_ITEMS(tokens.ptr());
+        try {
+            for (; counted_ < stop; ++counted_) {
+                const int64_t id = exact_int_of(items[counted_]);
+                if (id < 0 || id > INT32_MAX) continue;
+                const int32_t entry = entry_of(int32_t(id));
+                if (counted_ >= split && counts_[entry]++ == 0) output_.push_back(entry);
+            }
+        } catch (...) {
+            list_ = nb::object();  // counted again from the start next time
+            throw;
+        }
+    }
+    // f(id) for each id of the prompt and output below n
+    template <typename F>
+    void for_each_seen(int64_t n, F f) const {
+        for (const int32_t id : ids_)
+            if (id < n) f(int64_t(id));
+    }
+    // f(id, count) for each id of the output below n
+    template <typename F>
+    void for_each_counted(int64_t n, F f) const {
+        for (const int32_t entry : output_)
+            if (ids_[entry] < n) f(int64_t(ids_[entry]), counts_[entry]);
+    }
+    // {id: its output count} for every id kept (tests read it)
+    nb::dict counts() const {
+        nb::dict out;
+        for (size_t e = 0; e < ids_.size(); ++e) out[nb::int_(ids_[e])] = nb::int_(counts_[e]);
+        return out;
+    }
+    int64_t num_seen() const { return int64_t(ids_.size()); }
+    int64_t num_counted() const { return int64_t(output_.size()); }
+    int64_t num_tokens() const { return counted_; }
+
+  private:
+    nb::object list_;  // held, so that no other list takes its address while the tally counts it
+    int64_t split_ = 0, counted_ = 0;
+    std::vector<int32_t> ids_, counts_, output_;  // per entry its id and output count; the entries counted > 0
+    std::vector<int32_t> table_;  // open addressing on the id: entry + 1, 0 empty; a power of two, at most half full
+
+    void clear(nb::handle tokens, int64_t split) {
+        list_ = nb::borrow(tokens), split_ = split, counted_ = 0;
+        ids_.clear(), counts_.clear(), output_.clear(), table_.assign(64, 0);
+    }
+    size_t slot_of(int32_t id) const { return (uint32_t(id) * 2654435761u) & (table_.size() - 1); }
+    int32_t entry_of(int32_t id) {
+        size_t i = slot_of(id);
+        for (; table_[i] != 0; i = (i + 1) & (table_.size() - 1))
+            if (ids_[table_[i] - 1] == id) return table_[i] - 1;
+        ids_.push_back(id), counts_.push_back(0);
+        table_[i] = int32_t(ids_.size());
+        if (ids_.size() * 2 > table_.size()) {  // grow: every entry placed again
+            table_.assign(table_.size() * 2, 0);
+            for (size_t e = 0; e < ids_.size(); ++e) {
+                size_t j = slot_of(ids_[e]);
+                while (table_[j] != 0) j = (j + 1) & (table_.size() - 1);
+                table_[j] = int32_t(e + 1);
+            }
+        }
+        return int32_t(ids_.size() - 1);
+    }
+};
+
 // The sampler's steps 2-4 for the rows that have them (see RowShaping), read from shaping: None, or one entry per row,
-// None (unshaped) or (hold, bias, repetition, frequency, presence, seen, output): hold the stop ids min_tokens holds
-// back (ints), bias (id, value) pairs, the three penalties (numbers; 1, 0, 0 are off), seen the token runs the
-// repetition penalty reads (prompt and output) and output those the frequency and presence penalties count. Ids
-// past n name no column (as the torch path's); a negative one is an error.
+// None (unshaped) or (hold, bias, repetition, frequency, presence, seen, output[, tallied]): hold the stop ids
+// min_tokens holds back (ints), bias (id, value) pairs, the three penalties (numbers; 1, 0, 0 are off), seen the token
+// runs the repetition penalty reads (prompt and output) and output those the frequency and presence penalties count.
+// tallied: None, or (a TokenTally, the sequence's token list, where its output starts, how many of it count): the
+// tally is caught up on that list and stands for its prompt and output, seen and output then name only the tokens
+// past them (a draft's). Ids past n name no column (as the torch path's); a negative one is an error.
 struct Shapings {
     std::vector<corral_kernels::RowShaping> rows;
     std::vector<corral_kernels::ColumnEdit> edits;
@@ -314,11 +393,20 @@ struct Shapings {
 
   private:
     void read_row(PyObject* entry, int64_t n, corral_kernels::RowShaping& row, std::vector<int32_t>& slot) {
-        Py_ssize_t seven;
-        PyObject* const* part = items_of(entry, seven, "a shaping entry");
-        if (seven != 7)
+        Py_ssize_t num_parts;
+        PyObject* const* part = items_of(entry, num_parts, "a shaping entry");
+        if (num_parts != 7 && num_parts != 8)
             fail(PyExc_ValueError, "sample_pick: a shaping entry is (hold, bias, repetition, frequency, presence, "
-                                   "seen, output)");
+                                   "seen, output[, tallied])");
+        TokenTally* tally = nullptr;
+        if (num_parts == 8 && part[7] != Py_None) {
+            Py_ssize_t four;
+            PyObject* const* tallied = items_of(part[7], four, "tallied");
+            if (four != 4 || !nb::isinstance<TokenTally>(tallied[0]))
+                fail(PyExc_TypeError, "sample_pick: tallied is (TokenTally, tokens, split, stop)");
+            tally = nb::inst_ptr<TokenTally>(tallied[0]);
+            tally->catch_up(tallied[1], exact_int_of(tallied[2]), exact_int_of(tallied[3]));
+        }
         const double repetition = number_of(part[2], "repetition"),
                      frequency = number_of(part[3], "frequency"), presence = number_of(part[4], "presence");
         if (!(repetition > 0.0) || repetition != repetition || frequency != frequency || presence != presence)
@@ -359,9 +447,16 @@ struct Shapings {
                 if (e.biased) fail(PyExc_ValueError, "sample_pick: a bias names one id twice");
                 e.biased = 1, e.bias = float(value);
             }
-            if (row.repetition != 1.0f) for_each_token(part[5], n, "seen", [&](int64_t id) { edit(id).seen = 1; });
-            if (row.frequency != 0.0f || row.presence != 0.0f)
+            if (row.repetition != 1.0f) {
+                const auto see = [&](int64_t id) { edit(id).seen = 1; };
+                if (tally != nullptr) tally->for_each_seen(n, see);
+                for_each_token(part[5], n, "seen", see);
+            }
+            if (row.frequency != 0.0f || row.presence != 0.0f) {
+                if (tally != nullptr)
+                    tally->for_each_counted(n, [&](int64_t id, int32_t count) { edit(id).count += count; });
                 for_each_token(part[6], n, "output", [&](int64_t id) { ++edit(id).count; });
+            }
         } catch (...) {
             for (size_t i = first; i < edits.size(); ++i) slot[edits[i].column] = -1;
             throw;
@@ -637,6 +732,13 @@ void add_kernels(nb::module_& m) {
     chosen = choose();
     m.attr("kernel_isa") = chosen->isa;
     m.def("release_thread_pool", &release_thread_pool);
+    nb::class_<TokenTally>(m, "TokenTally")
+        .def(nb::init<>())
+        .def("catch_up", &TokenTally::catch_up, nb::arg("tokens"), nb::arg("split"), nb::arg("stop"))
+        .def("counts", &TokenTally::counts)
+        .def_prop_ro("num_seen", &TokenTally::num_seen)
+        .def_prop_ro("num_counted", &TokenTally::num_counted)
+        .def_prop_ro("num_tokens", &TokenTally::num_tokens);
     // None is an argument only where one is named with .none()
     m.def("add_rms_norm", &kernel_add_rms_norm, nb::arg("h"), nb::arg("delta").none(), nb::arg("weight"),
           nb::arg("out"), nb::arg("eps"), nb::arg("threads"));

@@ -33,7 +33,7 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import DraftRows, Sampler, SampleResult, SamplingRow, Verified, make_generator
+from corral.engine.sampler import DraftRows, Sampler, SampleResult, SamplingRow, Verified, make_generator, sampling_row
 from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
@@ -475,7 +475,7 @@ class LLMEngine:
         return child
 
     def _sampling_rows(self, rows) -> list[SamplingRow]:
-        return [SamplingRow(seq.params, *seq.spans(), seq.generator) for seq, _ in rows]
+        return [sampling_row(seq) for seq, _ in rows]
 
     def _bitmask(self, filled: dict[int, np.ndarray], rows) -> tuple[np.ndarray | None, list[int] | None]:
         """The sampler's bitmask and masked rows, as a numpy array and a list (no torch call: see Sampler)."""

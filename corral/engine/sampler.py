@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from corral.engine.sampling_params import SamplingParams
+from corral.engine.sequence import Sequence as SequenceState
 from corral.engine.sequence import TokenSpan
 from corral.kernels import cpu_ops
 from corral.kernels.bitmask import apply_token_bitmask_
@@ -43,6 +44,16 @@ class SamplingRow(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
+    # the sequence's cpu_ops.token_tally, where the two spans are its Sequence.spans() (None: the penalties read them)
+    tally: object = None
+
+
+def sampling_row(seq: "SequenceState", draft: Sequence[int] = ()) -> SamplingRow:
+    """The row of ``seq`` with ``draft`` after its output: its tokens read in place, and the tally its penalties
+    read, made at its first sampled step, so that they cost what its distinct tokens number, not its length."""
+    if seq.tally is None and seq.params.has_penalties:
+        seq.tally = cpu_ops.token_tally()
+    return SamplingRow(seq.params, *seq.spans(draft), seq.generator, seq.tally)
 
 
 class SampleResult(NamedTuple):
@@ -137,6 +148,11 @@ class Sampler:
         if params.unshaped and not held:
             return None
         hold = (*self.eos_token_ids, *params.stop_token_ids) if held else ()
+        if row.tally is not None and params.has_penalties:  # the tally stands for the prompt and output
+            tokens, split, stop, tail = row.output_token_ids.parts()
+            draft = ((tail if isinstance(tail, (list, tuple)) else tuple(tail), 0, len(tail)),)
+            return (hold, params.logit_bias, params.repetition_penalty, params.frequency_penalty,
+                    params.presence_penalty, draft, draft, (row.tally, tokens, split, stop))
         output = _runs(row.output_token_ids)
         seen = _runs(row.prompt_token_ids) + output if params.repetition_penalty != 1 else ()
         counted = output if params.frequency_penalty or params.presence_penalty else ()

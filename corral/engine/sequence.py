@@ -56,6 +56,10 @@ class TokenSpan(Seq):
     def __iter__(self):  # a copy of the span (islice would walk the prompt before an output span)
         return itertools.chain(self._tokens[self._start:self._stop], self._tail)
 
+    def parts(self) -> tuple[list[int], int, int, Seq[int]]:
+        """``(tokens, start, stop, tail)``: what the span reads, in place."""
+        return self._tokens, self._start, self._stop, self._tail
+
     def runs(self) -> tuple:
         """The span as the native sampler reads it, in place: ``((list, start, stop), (tail, 0, len(tail)))``."""
         tail = self._tail if isinstance(self._tail, (list, tuple)) else tuple(self._tail)
@@ -98,6 +102,8 @@ class Sequence:
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward
         # what "delta" outputs have handed out: output tokens (and their logprobs), and characters of text
         self.num_sent_tokens = self.num_sent_chars = 0
+        # the native tally of token_ids that its penalties read, made at its first sampled step (sampler.sampling_row)
+        self.tally = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

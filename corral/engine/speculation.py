@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from corral.engine.sampler import DraftRows, SamplingRow
+from corral.engine.sampler import DraftRows, SamplingRow, sampling_row
 from corral.engine.sequence import Sequence
 from corral.fsm.guide import Guide
 from corral.fsm.vocabulary import Vocabulary
@@ -304,7 +304,7 @@ def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray
         forced = [single_token(mask[j]) if mask is not None else False for j in range(tested)]
         drafts.append(DraftRows(len(rows), seq.draft[:tested], final, forced))
         for j in range(tested + int(final)):
-            rows.append(SamplingRow(seq.params, *seq.spans(seq.draft[:j]), seq.generator))
+            rows.append(sampling_row(seq, seq.draft[:j]))
             logits_rows.append(first + j)
             words.append(mask[j] if mask is not None else None)
     masked = [i for i, w in enumerate(words) if w is not None]

@@ -84,6 +84,13 @@ def log_normalizers(logits: torch.Tensor, n: int) -> torch.Tensor | None:
     return out
 
 
+def token_tally():
+    """A new native ``TokenTally`` (the distinct tokens of one sequence's prompt and output and their output counts,
+    kept from step to step for its penalties: see ``corral/csrc/kernels.cpp``), or None without the native module."""
+    module = native.module()
+    return None if module is None else module.TokenTally()
+
+
 def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
                 masked_rows: torch.Tensor | list[int] | None) -> tuple[list[int], list[float]] | None:
     """The greedy sampler's rows in one native pass each: per row of float32 CPU ``logits`` [rows, width], the
@@ -112,9 +119,11 @@ def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
     """The sampler's steps 2-7 in one native pass per row (see ``sample_pick`` in ``corral/csrc/kernels_impl.h``):
     :func:`greedy_pick`'s arguments, and per row its temperature (0: greedy; negative: skip the row, its id is -2),
     top_k, top_p, min_p, uniform and how many top logprobs to report (0-20; out of range: ValueError); ``shaping``:
-    None, or per row None or ``(hold, bias, repetition, frequency, presence, seen, output)``: the stop ids that
-    ``min_tokens`` holds back, the (id, value) bias pairs, the three penalties, and the token runs ``(tokens, start,
-    stop)`` that the repetition penalty reads and that the frequency and presence penalties count. (ids, logprobs,
+    None, or per row None or ``(hold, bias, repetition, frequency, presence, seen, output[, tallied])``: the stop ids
+    that ``min_tokens`` holds back, the (id, value) bias pairs, the three penalties, and the token runs ``(tokens,
+    start, stop)`` that the repetition penalty reads and that the frequency and presence penalties count; ``tallied``:
+    None or ``(tally, tokens, split, stop)``, a :func:`token_tally` caught up on ``tokens[:stop]`` (its output from
+    ``split``) that stands for the prompt and output, the runs then naming only a draft's tokens. (ids, logprobs,
     per row its top (id, logprob) pairs of the raw distribution, largest first), or None where the kernel cannot
     take the arrays, or a row it was asked for has no allowed finite column, holds a NaN or +inf anywhere (or its
     shaping makes one, or a penalty is past float32's range), or its running sum never passes its target (float64

@@ -121,6 +121,37 @@ def test_drafts_change_no_output(compiler, pattern, params):
         assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
 
 
+def test_penalties_that_read_the_native_tally_change_no_output(compiler, monkeypatch):
+    """Seeded n = 2 and greedy requests with repetition, frequency and presence penalties, drafts on, guided or
+    not, in a pool small enough to preempt: the same tokens and logprobs whether the penalties read each
+    sequence's native tally (caught up step by step) or its tokens, and every sequence made one tally."""
+    made = []
+    real = sampler_module.cpu_ops.token_tally
+
+    def counted():
+        made.append(real())
+        return made[-1]
+
+    outputs = {}
+    for name, tally in (("tokens", lambda: None), ("tally", counted)):
+        monkeypatch.setattr(sampler_module.cpu_ops, "token_tally", tally)
+        engine = draft_engine(ToyModel(seed=5, sharpness=2.0), num_blocks=40, max_num_seqs=6)
+        requests = []
+        for i in range(6):
+            knobs = dict(temperature=0.9, seed=i, n=2) if i % 2 else dict(temperature=0)
+            guide = compiler.compile_node(parse_regex("(ab|c)+")).new_guide() if i % 3 == 0 else None
+            requests.append((f"r{i}", PROMPT[i:] * 2, SamplingParams(
+                max_tokens=24, logprobs=1, ignore_eos=guide is None, repetition_penalty=1.4, frequency_penalty=0.6,
+                presence_penalty=0.3, **knobs, **ON), guide))
+        outputs[name] = run_all(engine, requests)
+    assert made and all(tally is not None for tally in made)
+    assert len(made) == sum(len(out.outputs) for out in outputs["tally"].values())  # one per sequence
+    for request_id, out in outputs["tokens"].items():
+        for a, b in zip(out.outputs, outputs["tally"][request_id].outputs, strict=True):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+    assert sum(made[0].counts().values()) > 0
+
+
 def test_jump_forward_drafts_the_forced_span_less_its_tail(compiler):
     guide = compiler.compile_node(parse_regex("acabab(c|b)")).new_guide()
     drafter = Drafter(VOCAB)

@@ -2,6 +2,7 @@
 bfloat16: RoPE and the residual add round exactly as torch does; RMSNorm may differ only through the order of
 its sum of squares, SiLU only through its exp (both within one bf16 rounding step)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,7 +217,7 @@ from corral.engine.sampling_params import SamplingParams
 from corral.engine.sequence import Sequence
 from corral.kernels import cpu_ops
 """ + _RANDOM_ROW + """
-rng = np.random.default_rng(11)
+rng, tally_rng = np.random.default_rng(11), np.random.default_rng(12)
 wrong, near, shaped = [], 0, 0
 for trial in range(300):
     # ties, which a rounding that differs from torch's would break differently
@@ -241,9 +242,16 @@ for trial in range(300):
     shaping = sampler.shaping(row)
     shaped += shaping is not None
     u, top_n = float(rng.random()), int(rng.choice([0, 3]))
-    got = cpu_ops.sample_pick(logits, n, bitmask, [0] if bitmask is not None else None,
-                              [0.0 if params.is_greedy else params.temperature], [params.top_k], [params.top_p],
-                              [params.min_p], [u], [top_n], [shaping])
+    lists = ([0.0 if params.is_greedy else params.temperature], [params.top_k], [params.top_p], [params.min_p], [u],
+             [top_n])
+    got = cpu_ops.sample_pick(logits, n, bitmask, [0] if bitmask is not None else None, *lists, [shaping])
+    # the same row with its prompt and output read from a tally (caught up before on part of them, at times)
+    tally = cpu_ops.token_tally()
+    if tally_rng.random() < 0.5:
+        tally.catch_up(seq.token_ids, len(prompt), int(tally_rng.integers(0, len(seq.token_ids) + 1)))
+    tallied = sampler.shaping(SamplingRow(params, *seq.spans(draft), None, tally))
+    if cpu_ops.sample_pick(logits, n, bitmask, [0] if bitmask is not None else None, *lists, [tallied]) != got:
+        wrong.append([trial, "tallied"])
     work = sampler.process(logits, [row], torch.from_numpy(bitmask) if bitmask is not None else None,
                            torch.tensor([0]) if bitmask is not None else None)
     token = got[0][0] if got is not None else -1
@@ -274,7 +282,8 @@ def test_the_native_draw_shapes_rows_as_the_torch_sampler_does_in_every_variant(
     """Rows with a logit bias (ids past the vocabulary too), repetition, frequency and presence penalties over a
     prompt, an output and draft tokens that repeat, and min_tokens holding stops back, masked or not, greedy (tied
     logits, where a rounding unlike torch's would pick another column) and sampled: the torch path's token for the
-    same uniform, except within float32 rounding of a boundary between two tokens' mass."""
+    same uniform, except within float32 rounding of a boundary between two tokens' mass; and the same draw
+    (token, logprob, top logprobs) where a token tally stands for the prompt and output."""
     from tests.kernels.variants import report_in_variant
 
     report = report_in_variant(_SHAPED_CHECK, **({"CORRAL_NATIVE_BUILD": variant} if variant else {}))
@@ -298,6 +307,13 @@ def test_the_native_draw_checks_its_shaping():
     assert pick(((), ((9, 100.0),), 1.0, 0.0, 0.0, (), ()))[0] == [1]  # past n: no column
     assert pick(((), (), 1e-39, 0.0, 0.0, seen, ())) is None  # 3 / 1e-39 is +inf: the torch path decides
     assert pick(((), (), 1e39, 0.0, 0.0, seen, ())) is None  # a penalty past float32's range: the same
+    tally = cpu_ops.token_tally()  # a tally of the prompt and output [1, 1, 1], then a draft's run
+    assert pick(((), (), 4.0, 0.0, 0.0, (), (), (tally, [1, 1, 1], 1, 3)))[0] == [2]  # 3 / 4 < 2
+    # twice in the output (from split 1): 3 - 0.8 > 2; once more in a draft: 3 - 1.2 < 2
+    assert pick(((), (), 1.0, 0.4, 0.0, (), (), (tally, [1, 1, 1], 1, 3)))[0] == [1]
+    assert pick(((), (), 1.0, 0.4, 0.0, (), (([1], 0, 1),), (tally, [1, 1, 1], 1, 3)))[0] == [2]
+    assert pick(((), (), 1.0, 0.4, 0.0, (), (), (tally, [1, 1, 1], 0, 3)))[0] == [2]  # three times from split 0
+    assert pick(((), (), 1.0, 0.4, 0.0, (), (), None))[0] == [1]  # no tally, no runs: nothing counted
     import enum
 
     np = pytest.importorskip("numpy")  # numpy's floats and int subclasses are numbers and ids
@@ -310,7 +326,10 @@ def test_the_native_draw_checks_its_shaping():
                        (((), (), 0.0, 0.0, 0.0, (), ()), ValueError),
                        (((), (), 1.1, 0.0, 0.0, (([1], 0, 2),), ()), IndexError),
                        (((), (), 1.1, 0.0, 0.0, (([1.0], 0, 1),), ()), TypeError),
-                       (((), (), 1.0, 0.0, 0.0, ()), ValueError)]:
+                       (((), (), 1.0, 0.0, 0.0, ()), ValueError),
+                       (((), (), 1.1, 0.0, 0.0, (), (), ("tally", [1], 0, 1)), TypeError),
+                       (((), (), 1.1, 0.0, 0.0, (), (), (tally, [1], 0)), TypeError),
+                       (((), (), 1.1, 0.0, 0.0, (), (), (tally, [1], 0, 2)), IndexError)]:
         with pytest.raises(error):
             pick(bad)
         assert pick(((), ((2, 5.0),), 1.0, 0.0, 0.0, (), ()))[0] == [2]  # a call after a failed one is clean
@@ -322,6 +341,54 @@ def test_the_native_draw_checks_its_shaping():
     alone = [cpu_ops.sample_pick(rows[i:i + 1], 4, None, None, [0.0], [0], [1.0], [0.0], [0.5], [0],
                                  [shapings[i]])[0][0] for i in range(3)]
     assert together == alone == [2, 1, 2]  # 3 / 4 < 2; unshaped; 2.5 + 1 - 1 > 1 - 1 with the stop held back
+
+
+def test_a_token_tally_counts_what_its_list_gained_and_counts_again_where_the_list_is_not_the_one_it_counted():
+    """Each id of the prompt and output once, with its output count, caught up as the list grows past every
+    resize of its table; a shorter stop, another list or another split counts again from the start; ids outside
+    0 .. 2^31 are passed over; a bad item raises and leaves the tally to count again."""
+    rng = np.random.default_rng(4)
+
+    def expected(tokens, split, stop):
+        counts = {t: 0 for t in tokens[:stop] if 0 <= t < 2 ** 31}
+        for t in tokens[split:stop]:
+            if 0 <= t < 2 ** 31:
+                counts[t] += 1
+        return counts
+
+    tally = cpu_ops.token_tally()
+    tokens = rng.integers(0, 50, 20).tolist()
+    for stop in (8, 8, 12, 20):
+        tally.catch_up(tokens, 8, stop)
+        assert tally.counts() == expected(tokens, 8, stop) and tally.num_tokens == stop
+    for _ in range(3000):  # thousands of distinct ids: the table grows many times
+        tokens.append(int(rng.integers(0, 5000)))
+        if rng.random() < 0.3:
+            tally.catch_up(tokens, 8, len(tokens))
+    tally.catch_up(tokens, 8, len(tokens))
+    want = expected(tokens, 8, len(tokens))
+    assert tally.counts() == want and tally.num_seen == len(want)
+    assert tally.num_counted == len(set(tokens[8:]))
+    tally.catch_up(tokens, 8, 10)  # shorter: counted again
+    assert tally.counts() == expected(tokens, 8, 10)
+    other = list(tokens)
+    other[0] = 4999
+    tally.catch_up(other, 8, len(other))  # another list, however alike
+    assert tally.counts() == expected(other, 8, len(other))
+    tally.catch_up(other, 3, len(other))  # split elsewhere
+    assert tally.counts() == expected(other, 3, len(other))
+    odd = [-5, 2 ** 31, 2 ** 40, 7, 7]
+    tally.catch_up(odd, 1, 5)
+    assert tally.counts() == {7: 2} and tally.num_tokens == 5
+    bad = [1, 2, 3.0, 4]
+    with pytest.raises(TypeError):
+        tally.catch_up(bad, 0, 4)
+    bad[2] = 3
+    tally.catch_up(bad, 0, 4)
+    assert tally.counts() == {1: 1, 2: 1, 3: 1, 4: 1}
+    for args, error in [((bad, 0, 5), IndexError), ((bad, 5, 2), IndexError), ((bad, 0, -1), IndexError), ((tuple(bad), 0, 4), TypeError)]:
+        with pytest.raises(error):
+            tally.catch_up(*args)
 
 
 def test_the_native_draw_takes_greedy_rows_skips_rows_and_checks_its_lists():
