@@ -149,10 +149,9 @@ class Sampler:
             return None
         hold = (*self.eos_token_ids, *params.stop_token_ids) if held else ()
         if row.tally is not None and params.has_penalties:  # the tally stands for the prompt and output
-            tokens, split, stop, tail = row.output_token_ids.parts()
-            draft = ((tail if isinstance(tail, (list, tuple)) else tuple(tail), 0, len(tail)),)
+            (tokens, split, stop), draft = row.output_token_ids.runs()
             return (hold, params.logit_bias, params.repetition_penalty, params.frequency_penalty,
-                    params.presence_penalty, draft, draft, (row.tally, tokens, split, stop))
+                    params.presence_penalty, (draft,), (draft,), (row.tally, tokens, split, stop))
         output = _runs(row.output_token_ids)
         seen = _runs(row.prompt_token_ids) + output if params.repetition_penalty != 1 else ()
         counted = output if params.frequency_penalty or params.presence_penalty else ()

@@ -56,10 +56,6 @@ class TokenSpan(Seq):
     def __iter__(self):  # a copy of the span (islice would walk the prompt before an output span)
         return itertools.chain(self._tokens[self._start:self._stop], self._tail)
 
-    def parts(self) -> tuple[list[int], int, int, Seq[int]]:
-        """``(tokens, start, stop, tail)``: what the span reads, in place."""
-        return self._tokens, self._start, self._stop, self._tail
-
     def runs(self) -> tuple:
         """The span as the native sampler reads it, in place: ``((list, start, stop), (tail, 0, len(tail)))``."""
         tail = self._tail if isinstance(self._tail, (list, tuple)) else tuple(self._tail)
