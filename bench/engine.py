@@ -38,6 +38,7 @@ times slower in fp32); their model dtype is ``auto``'s.
     .venv/bin/python bench/engine.py                     # everything, about 30 minutes on 2 cores
     .venv/bin/python bench/engine.py --cells short-1,json-16 --no-hf
     .venv/bin/python bench/engine.py --formats --no-hf --slots 1,16,64   # about 25 minutes
+    .venv/bin/python bench/engine.py --cells short-1,short-4,short-16 --no-hf --no-fp32 --decode-bursts 1
 """
 
 import argparse
@@ -437,6 +438,8 @@ def main() -> None:
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write every timing as JSON")
+    parser.add_argument("--decode-bursts", default="", help="also Corral (make serve's formats) with each of these "
+                        "--decode-burst values, as corral-auto-burstN (comma separated; corral-auto runs the default)")
     parser.add_argument("--formats", nargs="?", const=",".join(FORMATS), default=None,
                         help=f"Corral in each number format (default list: {','.join(FORMATS)}; each also with an "
                              "int8 KV cache)")
@@ -470,6 +473,10 @@ def main() -> None:
                 corrals[label] = corral_server(**FORMATS_ARGS[name], kv_cache_dtype=kv, label=label).start()
     else:
         corrals = {"corral-auto": corral_server("auto", quantization="auto", label="corral-auto").start()}
+        for burst in (int(b) for b in args.decode_bursts.split(",") if b):
+            label = f"corral-auto-burst{burst}"
+            corrals[label] = corral_server("auto", quantization="auto", extra=("--decode-burst", str(burst)),
+                                           label=label).start()
         if not args.no_fp32:
             corrals["corral-float32"] = corral_server("float32").start()
     for label, server in corrals.items():

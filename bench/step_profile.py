@@ -8,7 +8,9 @@ inside a timed part (views, splits, casts), and "engine loop" is the step's time
 sampler (scheduling, guides, drafts, outputs), also given per step (median and p90; inside ``engine.step``, so
 without ``generate``'s own work). Drafts are on as a server runs them (``--drafts off``: one row per sequence per
 step; the "Tale" prompts make prompt lookup draft often). Where the native decode step runs (``w4a8``), it times its own parts
-("native: ..."; the prefill steps still go through the timed torch parts). No HTTP: compare with
+("native: ..."; the prefill steps still go through the timed torch parts), and greedy steps with no draft may decode
+up to ``--decode-burst`` tokens per sequence in one native call (4, as a server runs; 1: a call per token): the
+shares are then per step, and the engine loop is also given per generated token. No HTTP: compare with
 ``bench/engine.py`` for what the server adds.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
@@ -77,6 +79,7 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
         setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
     engine.sampler = _TimedSampler(engine.sampler, timed)
     runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
+    runner.execute_burst = timed("forward", runner.execute_burst)  # a burst's steps, each with its LM head
     runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
@@ -88,6 +91,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-burst", type=int, default=4,
+                    help="the most greedy tokens a native call decodes per sequence (1: a call per token)")
     ap.add_argument("--drafts", choices=("on", "off"), default="on",
                     help="jump-forward and prompt lookup, as a server runs them (on) or off")
     ap.add_argument("--temperature", type=float, default=0.0, help="the timed requests' sampling (0: greedy)")
@@ -113,7 +118,8 @@ def main() -> int:
         dtype, quantization, kv = spec.split("/")
         drafts = args.drafts == "on"
         engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
-                                        num_kv_blocks=2048, max_num_seqs=64, jump_forward=drafts, speculation=drafts))
+                                        num_kv_blocks=2048, max_num_seqs=64, jump_forward=drafts, speculation=drafts,
+                                        decode_burst=args.decode_burst))
         spent = collections.defaultdict(float)
         instrument(engine, spent)
         loops = []  # per step: its time outside the forward and the sampler
@@ -136,7 +142,7 @@ def main() -> int:
             if native_step is not None:
                 native_step.profile.zero_()
             prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
-            steps = engine.stats().num_steps
+            steps, bursts_before = engine.stats().num_steps, engine.stats().num_burst_steps
             start = time.perf_counter()
             seeded = [measured if args.seed is None else dataclasses.replace(measured, seed=args.seed + i)
                       for i in range(batch)]  # a seed each: the rows' draws independent
@@ -155,8 +161,10 @@ def main() -> int:
                   f"{batch * args.tokens / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
             for name in (*native_parts, *PARTS, "other torch in forward", "sampler", "engine loop"):
                 print(f"| {name} | {per.get(name, 0.0):.3f} | {per.get(name, 0.0) / step:.1%} |")
+            bursts = engine.stats().num_burst_steps - bursts_before
             print(f"\nengine loop per step (inside engine.step): median {statistics.median(loops) * 1e6:.0f} us, "
-                  f"p90 {sorted(loops)[int(len(loops) * 0.9)] * 1e6:.0f} us over {len(loops)} steps")
+                  f"p90 {sorted(loops)[int(len(loops) * 0.9)] * 1e6:.0f} us over {len(loops)} steps ({bursts} "
+                  f"bursts); per generated token {sum(loops) / (batch * args.tokens) * 1e6:.0f} us")
         del engine
     return 0
 

@@ -39,6 +39,7 @@ def _serve(args) -> int:
 def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "quant_group_size": args.quant_group_size, "awq": args.awq, "decode_step": args.decode_step,
+            "decode_burst": args.decode_burst,
             "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
             "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
@@ -63,6 +64,10 @@ def _add_format_args(command) -> None:
     command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),
                          help="decode-only steps in one native call (auto: where it serves the model, w4a8) or op "
                               "by op in torch (the oracle)")
+    command.add_argument("--decode-burst", type=int, default=4,
+                         help="the most tokens one native call decodes per sequence while every running sequence "
+                              "decodes greedily with no draft, guide or penalty and no request waits (1: a call per "
+                              "token); the tokens are verified as drafts are, so outputs do not change")
     command.add_argument("--jump-forward", default="on", choices=("on", "off"),
                          help="draft the spans a grammar forces (a request's jump_forward overrides it); drafts are "
                               "verified and never change an output")

@@ -71,14 +71,24 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
                           protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
                           default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
                           reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
-                          decode_step=decode_path(engine), **formats_fields(getattr(engine, "formats", None)))
-    metrics.decode_step = config.decode_step
+                          decode_step=decode_path(engine), decode_burst=decode_burst(engine),
+                          **formats_fields(getattr(engine, "formats", None)))
+    metrics.decode_step, metrics.decode_burst = config.decode_step, config.decode_burst
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
 
 
 def decode_path(engine) -> str | None:
     """``native`` or ``torch`` for a real engine's decode-only steps; None for a toy one."""
     return getattr(getattr(engine, "runner", None), "decode_path", None)
+
+
+def decode_burst(engine) -> int | None:
+    """The most greedy tokens one native call decodes per sequence (``EngineConfig.decode_burst`` where the
+    runner can burst, else 1); None for a toy engine."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or not hasattr(runner, "max_burst_rows"):
+        return None
+    return engine.config.decode_burst if runner.max_burst_rows else 1
 
 
 def formats_fields(formats) -> dict:

@@ -68,6 +68,7 @@ class ServerMetrics:
         self.finished: dict[str, int] = {}
         self.stats = None
         self.decode_step: str | None = None  # native | torch, set by the server once the engine is built
+        self.decode_burst: int | None = None  # the most tokens a native call decodes per sequence, set with it
         self._timings: dict[str, _Timing] = {}
         self._lock = threading.Lock()
 
@@ -131,9 +132,11 @@ class ServerMetrics:
                [f"{{{lab}}} {num_compiling}"])
         paths = native.status()
         metric("corral:native_info", "gauge", "Which paths run: the CORRAL_NATIVE mode, the mask path, the CPU "
-               "kernels, the quantized products and the decode step (always 1).",
+               "kernels, the quantized products, the decode step and the most tokens its calls decode per sequence "
+               "(always 1).",
                [f'{{{lab},mode="{paths["mode"]}",mask_path="{paths["mask_path"]}",kernels="{paths["kernels"]}",'
-                f'qmatmul="{paths["qmatmul"] or "none"}",decode_step="{self.decode_step or "none"}"}} 1'])
+                f'qmatmul="{paths["qmatmul"] or "none"}",decode_step="{self.decode_step or "none"}",'
+                f'decode_burst="{self.decode_burst or "none"}"}} 1'])
 
         running, waiting, usage, queries, hits = stats_numbers(self.stats)
         metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])
@@ -158,6 +161,11 @@ class ServerMetrics:
                [f"_total{{{lab}}} {model_accepted}"])
         metric("corral:draft_model_forward_passes", "counter", "The draft model's forward passes.",
                [f"_total{{{lab}}} {model_forwards}"])
+        bursts, burst_tokens = (getattr(self.stats, name, 0) for name in ("num_burst_steps", "num_burst_tokens"))
+        metric("corral:decode_bursts", "counter", "Steps whose native call decoded several greedy tokens per "
+               "sequence.", [f"_total{{{lab}}} {bursts}"])
+        metric("corral:decode_burst_tokens", "counter", "The tokens those calls decoded past each sequence's first.",
+               [f"_total{{{lab}}} {burst_tokens}"])
         metric("corral:sequence_forward_passes", "counter", "Per sequence, the steps that produced its output "
                "tokens, summed (generation tokens less accepted draft tokens).", [f"_total{{{lab}}} {passes}"])
         metric("vllm:prompt_tokens", "counter", "Prefilled prompt tokens.", [f"_total{{{lab}}} {self.prompt_tokens}"])

@@ -197,7 +197,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}})
     async def health():
         ctx.engine.check_admission(0)
-        return Health(native=NativePaths(**native.status()), decode_step=ctx.config.decode_step)
+        return Health(native=NativePaths(**native.status()), decode_step=ctx.config.decode_step,
+                      decode_burst=ctx.config.decode_burst)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

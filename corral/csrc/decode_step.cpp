@@ -54,15 +54,15 @@ struct Ints {
 };
 
 // The block tables: an int64 buffer [B, W], or a list of B lists (each sequence's own block table, as long as it
-// is), copied here into [B, W] with W the most blocks a row's context needs, the rest of a row 0. A list row
-// shorter than its context needs is an error.
+// is), copied here into [B, W] with W the most blocks a row's context needs (its context length plus `extra`
+// tokens: a burst's later steps), the rest of a row 0. A list row shorter than its context needs is an error.
 struct Tables {
     std::vector<int64_t> owned;
     std::unique_ptr<Array> array;
     const int64_t* data = nullptr;
     int64_t width = 0;
 
-    Tables(nb::handle in, const Ints& lens, int64_t block_size) {
+    Tables(nb::handle in, const Ints& lens, int64_t block_size, int64_t extra) {
         const Py_ssize_t B = lens.size;
         if (PyList_Check(in.ptr())) {
             if (PyList_GET_SIZE(in.ptr()) != B) fail(PyExc_ValueError, "tables: one row per sequence");
@@ -70,7 +70,7 @@ struct Tables {
             for (Py_ssize_t b = 0; b < B; ++b) {  // each row's blocks, checked against its list before any copy
                 PyObject* row = PyList_GET_ITEM(in.ptr(), b);
                 if (!PyList_Check(row)) fail(PyExc_TypeError, "tables: a list of lists of block ids expected");
-                need[b] = lens.data[b] < 1 ? 0 : (lens.data[b] - 1) / block_size + 1;
+                need[b] = lens.data[b] < 1 ? 0 : (lens.data[b] + extra - 1) / block_size + 1;
                 if (PyList_GET_SIZE(row) < need[b])
                     fail(PyExc_IndexError, "decode_step: a context length outside its block table");
                 width = std::max(width, need[b]);
@@ -127,14 +127,26 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             int8, out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part:
 //             embedding, norms, matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32
 //             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
-//             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None)
+//             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None; steps: how many tokens
+//             each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
+//             columns a burst's greedy pick reads (0: all n)) -> None, or for a burst (picks: B lists of steps
+//             token ids, their logprobs: B lists of floats, decided: whether the greedy pass decided every pick)
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
-void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
+//
+// A burst decodes `steps` tokens per sequence in this one call: after each step's LM head, every row's greedy
+// token (greedy_pick's: the first column at the max of its first pick_columns, with its logprob over them; id 0
+// where that pass cannot decide, a NaN or +inf in the row) is picks[b][s] and, but for the last step, the row's
+// next input, at the next
+// position of its block table. Row b's logits of step s are logits row b * steps + s: the layout of a sequence's
+// draft rows, which is what the engine makes of them (the picks but the last are its draft, verified as any is).
+// The block tables must cover every step's position; out holds the last step's final norm.
+nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
                  nb::handle tables_in, nb::handle lens_in, nb::handle embed_in, nb::handle layer_tiles_in,
                  nb::handle norms_in, nb::handle cos_in, nb::handle sin_in, nb::handle k_cache_in,
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
-                 nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in) {
+                 nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
+                 int64_t steps, int64_t pick_columns) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -151,7 +163,8 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
     const Py_ssize_t B = ids.size;
     for (const Ints* a : {&positions, &slots, &lens})
         if (a->size != B) fail(PyExc_ValueError, "decode_step: ids, positions, slots and lens differ in length");
-    const Tables tables(tables_in, lens, block_size);
+    if (steps < 1 || steps > 64) fail(PyExc_ValueError, "decode_step: steps must be 1 to 64");
+    const Tables tables(tables_in, lens, block_size, steps - 1);
     const int64_t width = tables.width;
     const Array embed(embed_in, "embed", false), layer_tiles(layer_tiles_in, "layer_tiles", false),
         norms(norms_in, "norms", false), cos(cos_in, "cos", false), sin(sin_in, "sin", false),
@@ -198,7 +211,10 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
         timings.expect_shape({PARTS});
         timings.expect_format('d', 8, "float64");
     }
-    const int64_t *id = ids.data, *pos = positions.data, *slot = slots.data, *table = tables.data, *len = lens.data;
+    const int64_t* table = tables.data;
+    // the rows' inputs, positions, slots and lengths: a burst moves each on by one a step
+    std::vector<int64_t> id(ids.data, ids.data + B), pos(positions.data, positions.data + B),
+        slot(slots.data, slots.data + B), len(lens.data, lens.data + B);
     const bool has_head = !head_in.is_none();
     if (has_head == logits_in.is_none()) fail(PyExc_TypeError, "decode_step: head and logits go together");
     const Array head(has_head ? head_in : spec_in, "head", false), logits(has_head ? logits_in : spec_in, "logits",
@@ -207,108 +223,154 @@ void decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handl
     if (has_head) {
         logits.expect_float32();
         logits.expect_ndim(2);
-        if (logits.dim(0) != B) fail(PyExc_ValueError, "logits: one row per sequence");
+        if (logits.dim(0) != B * steps) fail(PyExc_ValueError, "logits: one row per sequence and step");
         head_rows = logits.dim(1);
         head.expect_uint8();
         head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
     }
+    const bool burst = steps > 1;
+    if (burst && !has_head) fail(PyExc_TypeError, "decode_step: a burst needs the LM head");
+    if (pick_columns == 0) pick_columns = head_rows;
+    if (burst && (pick_columns < 1 || pick_columns > head_rows || pick_columns > vocab))
+        fail(PyExc_ValueError, "decode_step: pick_columns outside the head's rows or the vocabulary");
     for (Py_ssize_t b = 0; b < B; ++b) {
         if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
-        if (pos[b] < 0 || pos[b] >= cos.dim(0)) fail(PyExc_IndexError, "decode_step: a position past the table");
+        if (pos[b] < 0 || pos[b] + steps - 1 >= cos.dim(0))
+            fail(PyExc_IndexError, "decode_step: a position past the table");
         if (slot[b] < 0 || slot[b] >= blocks * block_size)
             fail(PyExc_IndexError, "decode_step: a slot outside the cache");
-        if (len[b] < 1 || len[b] > width * block_size)
+        if (len[b] < 1 || len[b] + steps - 1 > width * block_size)
             fail(PyExc_IndexError, "decode_step: a context length outside its block table");
-        for (int64_t j = 0; j < (len[b] + block_size - 1) / block_size; ++j)
+        if (burst && (slot[b] != table[b * width + pos[b] / block_size] * block_size + pos[b] % block_size
+                      || len[b] != pos[b] + 1))
+            fail(PyExc_ValueError, "decode_step: a burst's row must be at its position's slot, its length past it");
+        for (int64_t j = 0; j < (len[b] + steps - 1 + block_size - 1) / block_size; ++j)
             if (table[b * width + j] < 0 || table[b * width + j] >= blocks)
                 fail(PyExc_IndexError, "decode_step: a block id outside the cache");
     }
-    if (B == 0) return;
+    if (B == 0) return burst ? nb::object(nb::make_tuple(nb::list(), nb::list(), nb::bool_(true))) : nb::none();
     std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
         gate_up(B * 2 * I), act(B * I);
+    std::vector<int64_t> picks(burst ? B * steps : 0);  // a burst's tokens, row by row, and their logprobs
+    std::vector<float> pick_logprobs(burst ? B * steps : 0);
+    bool decided = true;
     {
         NoGil nogil;
         Clock clock{profiled ? timings.data<double>() : nullptr};
         const corral_kernels::KernelTable* k = kernel_table();
         const uint8_t* embed_tiles = embed.data<const uint8_t>();
-        for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
-        clock.mark(EMBED);
         const float* norm = norms.data<const float>();
         const int64_t layer_cache = blocks * block_size * KVW;
         const float scale = 1.0f / std::sqrt(float(D));
-        bool has_delta = false;
-        for (int64_t l = 0; l < L; ++l) {
-            const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
-            k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
-                                H, eps, threads);
-            clock.mark(NORM);
-            q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
-            clock.mark(MATMUL);
-            k->rope_f32(qkv.data(), QKV, pos, cos.data<const float>(), sin.data<const float>(), B,
-                        heads + kv_heads, D, threads);
-            clock.mark(ROPE);
-            for (Py_ssize_t b = 0; b < B; ++b) {
-                const float* row = qkv.data() + b * QKV;
-                std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
-                const int64_t at = l * layer_cache + slot[b] * KVW;
-                if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
-                    const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
-                    for (int half = 0; half < 2; ++half) {
-                        const float* x = row + Q + half * KVW;
-                        int8_t* codes = (half ? v_cache : k_cache).data<int8_t>() + at;
-                        float* scales = (half ? v_scale : k_scale).data<float>() + scale_at;
-                        for (int64_t g = 0; g < kv_heads; ++g) quantize_row(x + g * D, D, codes + g * D, scales + g);
+        std::vector<int64_t> picked(burst ? B : 0);
+        std::vector<float> picked_logprobs(burst ? B : 0);
+        for (int64_t step = 0; step < steps; ++step) {
+            for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
+            clock.mark(EMBED);
+            bool has_delta = false;
+            for (int64_t l = 0; l < L; ++l) {
+                const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
+                k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
+                                    H, eps, threads);
+                clock.mark(NORM);
+                q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
+                clock.mark(MATMUL);
+                k->rope_f32(qkv.data(), QKV, pos.data(), cos.data<const float>(), sin.data<const float>(), B,
+                            heads + kv_heads, D, threads);
+                clock.mark(ROPE);
+                for (Py_ssize_t b = 0; b < B; ++b) {
+                    const float* row = qkv.data() + b * QKV;
+                    std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
+                    const int64_t at = l * layer_cache + slot[b] * KVW;
+                    if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
+                        const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
+                        for (int half = 0; half < 2; ++half) {
+                            const float* x = row + Q + half * KVW;
+                            int8_t* codes = (half ? v_cache : k_cache).data<int8_t>() + at;
+                            float* scales = (half ? v_scale : k_scale).data<float>() + scale_at;
+                            for (int64_t g = 0; g < kv_heads; ++g)
+                                quantize_row(x + g * D, D, codes + g * D, scales + g);
+                        }
+                    } else if (kv_kind == 4) {
+                        std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
+                        std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
+                    } else {
+                        uint16_t* kd = k_cache.data<uint16_t>() + at;
+                        uint16_t* vd = v_cache.data<uint16_t>() + at;
+                        for (int64_t i = 0; i < KVW; ++i)
+                            kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
                     }
-                } else if (kv_kind == 4) {
-                    std::memcpy(k_cache.data<float>() + at, row + Q, sizeof(float) * KVW);
-                    std::memcpy(v_cache.data<float>() + at, row + Q + KVW, sizeof(float) * KVW);
-                } else {
-                    uint16_t* kd = k_cache.data<uint16_t>() + at;
-                    uint16_t* vd = v_cache.data<uint16_t>() + at;
-                    for (int64_t i = 0; i < KVW; ++i) kd[i] = to_bf16(row[Q + i]), vd[i] = to_bf16(row[Q + KVW + i]);
                 }
+                clock.mark(KV_WRITE);
+                const int64_t scale_layer = l * blocks * block_size * kv_heads;
+                if (kv_kind == 1)
+                    k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
+                                           v_cache.data<const int8_t>() + l * layer_cache,
+                                           k_scale.data<const float>() + scale_layer,
+                                           v_scale.data<const float>() + scale_layer, table, width, len.data(),
+                                           attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
+                else if (kv_kind == 4)
+                    k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
+                                        v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
+                                        len.data(), attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
+                else
+                    k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
+                                             v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
+                                             table, width, len.data(), attn.data(), B, heads, kv_heads, D,
+                                             block_size, scale, threads);
+                clock.mark(ATTENTION);
+                w += sizes[0];
+                q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
+                clock.mark(MATMUL);
+                k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
+                clock.mark(NORM);
+                w += sizes[1];
+                q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
+                clock.mark(MATMUL);
+                k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
+                clock.mark(SILU);
+                w += sizes[2];
+                q4_product(act.data(), B, I, w, H, delta.data(), threads);
+                clock.mark(MATMUL);
+                has_delta = true;
             }
-            clock.mark(KV_WRITE);
-            const int64_t scale_layer = l * blocks * block_size * kv_heads;
-            if (kv_kind == 1)
-                k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
-                                       v_cache.data<const int8_t>() + l * layer_cache,
-                                       k_scale.data<const float>() + scale_layer,
-                                       v_scale.data<const float>() + scale_layer, table, width, len, attn.data(), B,
-                                       heads, kv_heads, D, block_size, scale, threads);
-            else if (kv_kind == 4)
-                k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
-                                    v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
-                                    len, attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
-            else
-                k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
-                                         v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
-                                         table, width, len, attn.data(), B, heads, kv_heads, D, block_size, scale,
-                                         threads);
-            clock.mark(ATTENTION);
-            w += sizes[0];
-            q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
-            clock.mark(MATMUL);
-            k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
+            k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
             clock.mark(NORM);
-            w += sizes[1];
-            q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
-            clock.mark(MATMUL);
-            k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
-            clock.mark(SILU);
-            w += sizes[2];
-            q4_product(act.data(), B, I, w, H, delta.data(), threads);
-            clock.mark(MATMUL);
-            has_delta = true;
-        }
-        k->add_rms_norm_f32(h.data(), delta.data(), norm + 2 * L * H, out.data<float>(), B, H, eps, threads);
-        clock.mark(NORM);
-        if (has_head) {
-            q8_product(out.data<const float>(), B, H, head.data<const uint8_t>(), head_rows, logits.data<float>(),
-                       threads);
+            if (has_head) {
+                float* step_logits = logits.data<float>() + step * head_rows;
+                q8_product(out.data<const float>(), B, H, head.data<const uint8_t>(), head_rows, step_logits, threads,
+                           steps * head_rows);
+                clock.mark(LM_HEAD);
+            }
+            if (!burst) break;
+            k->greedy_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
+                           nullptr, 0, nullptr, picked.data(), picked_logprobs.data(), threads);
+            for (Py_ssize_t b = 0; b < B; ++b) {
+                decided = decided && picked[b] >= 0;
+                const int64_t token = picked[b] < 0 ? 0 : picked[b];  // undecided: any token, verification decides
+                picks[b * steps + step] = token;
+                pick_logprobs[b * steps + step] = picked_logprobs[b];
+                if (step + 1 == steps) continue;
+                id[b] = token;
+                pos[b] += 1;
+                len[b] += 1;
+                slot[b] = table[b * width + pos[b] / block_size] * block_size + pos[b] % block_size;
+            }
             clock.mark(LM_HEAD);
         }
     }
+    if (!burst) return nb::none();
+    nb::list tokens, logprobs;
+    for (Py_ssize_t b = 0; b < B; ++b) {
+        nb::list row, row_logprobs;
+        for (int64_t step = 0; step < steps; ++step) {
+            row.append(nb::int_(picks[b * steps + step]));
+            row_logprobs.append(nb::float_(pick_logprobs[b * steps + step]));
+        }
+        tokens.append(row);
+        logprobs.append(row_logprobs);
+    }
+    return nb::make_tuple(tokens, logprobs, nb::bool_(decided));
 }
 
 
@@ -319,7 +381,8 @@ void add_decode_step(nb::module_& m) {
           nb::arg("slots"), nb::arg("tables"), nb::arg("lens"), nb::arg("embed"), nb::arg("layer_tiles"),
           nb::arg("norms"), nb::arg("cos"), nb::arg("sin"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
           nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(),
-          nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none());
+          nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
+          nb::arg("pick_columns") = 0);
 }
 
 }  // namespace corral_native

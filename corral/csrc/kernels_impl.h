@@ -156,14 +156,15 @@ static void log_normalizers(const float* logits, int64_t rows, int64_t stride, i
 // The greedy sampler's row, where a row needs nothing but its mask: among the first n columns of logits row r
 // (those whose bit is set in bitmask row r, when masked[r]; bit i of int32 word i / 32), the first largest. ids[r]
 // is it, or -1 when no column is allowed, none is above -inf, or a NaN or +inf is met (the caller's general path then
-// decides, as torch's argmax would); logprobs[r] its raw logit less the row's log-normalizer over all n columns.
+// decides, as torch's argmax would); logprobs[r] its raw logit less the row's log-normalizer over all n columns
+// (logprobs null: not computed).
 static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64_t n, const int32_t* words,
                         int64_t words_stride, const uint8_t* masked, int64_t* ids, float* logprobs, int threads) {
     #pragma omp parallel for num_threads(threads) if (rows * n >= 4 * PARALLEL_MIN)
     for (int64_t r = 0; r < rows; ++r) {
         const float* x = logits + r * stride;
         ids[r] = -1;
-        logprobs[r] = 0.0f;
+        if (logprobs != nullptr) logprobs[r] = 0.0f;
         // one pass for the whole row's max (the log-normalizer's) and whether it holds a NaN or +inf (then the
         // general path says what that means)
         float full = -INFINITY;
@@ -222,7 +223,7 @@ static void greedy_pick(const float* logits, int64_t rows, int64_t stride, int64
         }
         if (at < 0 || top == -INFINITY) continue;
         ids[r] = at;
-        logprobs[r] = x[at] - log_normalizer_at(x, n, full);
+        if (logprobs != nullptr) logprobs[r] = x[at] - log_normalizer_at(x, n, full);
     }
 }
 

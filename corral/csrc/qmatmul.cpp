@@ -75,12 +75,14 @@ thread_local QuantizedRows scratch;
 
 }  // namespace
 
-void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
-    chosen_q->q4(scratch.of(x, rows, cols, threads), tiles, n, y, n, threads);
+void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    chosen_q->q4(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
-void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads) {
-    chosen_q->q8(scratch.of(x, rows, cols, threads), tiles, n, y, n, threads);
+void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    chosen_q->q8(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
@@ -113,7 +115,7 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     if (rows > 0) {
         NoGil nogil;
         (four_bit ? q4_product : q8_product)(x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n,
-                                             out.data<float>(), threads);
+                                             out.data<float>(), threads, n);
     }
 }
 

@@ -86,9 +86,12 @@ const QTable* avx512_table();
 
 namespace corral_native {
 
-// With the GIL released: x [rows, cols] float32 quantized per block, times the tiles' n rows into y [rows, n].
-void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads);
-void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads);
+// With the GIL released: x [rows, cols] float32 quantized per block, times the tiles' n rows into y [rows, n] (its
+// rows ldy apart; 0: n).
+void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy = 0);
+void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy = 0);
 // Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);
 

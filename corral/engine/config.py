@@ -15,6 +15,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.b
 DECODE_STEPS = ("auto", "native", "torch")
 QUANTIZATIONS = ("auto", "none", "w8a16", "w4a16", "gguf", "w4a8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "int8")
+MAX_DECODE_BURST = 16  # the native call takes up to 64; past a few tokens a burst gains nothing and delays arrivals
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     decode_step: str = "auto"  # auto: the native decode step where it serves the model; native: required; torch
+    # the most tokens one native call decodes per sequence, where every sequence of a step decodes greedily with
+    # no draft, guide or penalty and nothing waits (a burst: its tokens but the last are verified as a draft is);
+    # 1: a call per token
+    decode_burst: int = 4
     # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
     jump_forward: bool = True
     speculation: bool = True
@@ -66,6 +71,10 @@ class EngineConfig:
         if self.decode_step not in DECODE_STEPS:
             raise InvalidRequestError(f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}",
                                       param="decode_step")
+        if isinstance(self.decode_burst, bool) or not isinstance(self.decode_burst, int) \
+                or not 1 <= self.decode_burst <= MAX_DECODE_BURST:
+            raise InvalidRequestError(f"decode_burst must be an integer from 1 to {MAX_DECODE_BURST}",
+                                      param="decode_burst")
         if self.quant_group_size not in GROUP_SIZES:
             raise InvalidRequestError("quant_group_size must be 32, 64 or 128", param="quant_group_size")
         if not isinstance(self.awq, bool):

@@ -5,6 +5,13 @@ forward → sample, or verify each draft and roll back what it rejected (``corra
 advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
 siblings are forked from it, sharing its KV blocks, each with its own ``guide.copy()`` and generator.
 
+A burst (``EngineConfig.decode_burst``): while every running sequence decodes greedily with no draft, guide or
+penalty and no request waits, the native step decodes up to that many tokens per sequence in one call, each step's
+input the greedy token of the step before, so the loop's Python runs once for them all (after the forward's weight
+stream it finds its data cold, about 100 us a step on a 2-core EPYC). The tokens are the sampler's own greedy
+picks (one native pass, the same one), so they are emitted as they are; where that pass could not decide a row or
+top logprobs are asked for, they are verified as a draft is. A stop among them drops the rest.
+
 A beam-search request (``BeamSearchParams``) is a :class:`BeamGroup` whose live beams are sequences in the same
 batches as everything else. Its rows skip the sampler: each beam's full raw logprob row, masked by its own
 guide, goes to the group, and once every live beam has its row the group picks the extensions. The first
@@ -90,6 +97,10 @@ def _delta(seq: Sequence) -> CompletionOutput:
                             seq.num_forced_tokens, seq.num_sent_tokens)
 
 
+# bursts pay where the loop's share of a step is large: over HTTP (bench/engine.py, one run, 2-core EPYC) +12-14% at
+# 1, 4 and 16 streaming clients, but -12% at 64, where a step is ~30 ms and arrivals in a closed loop wait
+_BURST_MAX_SEQS = 16
+
 class _Ready:
     """A result already computed, read as a future's."""
 
@@ -153,7 +164,8 @@ class LLMEngine:
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._requests: dict[str, _Request] = {}
         self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0,
-                          "model_drafted": 0, "model_accepted": 0}
+                          "model_drafted": 0, "model_accepted": 0, "burst_steps": 0, "burst_tokens": 0,
+                          "burst_accepted": 0}
         # drafts need a runner that computes a draft's rows (a toy runner may not)
         encode = self.tokenizer.encode if self.tokenizer is not None else None
         self.drafter = Drafter(vocabulary, encode) if getattr(self.runner, "supports_drafts", False) else None
@@ -238,6 +250,7 @@ class LLMEngine:
         batch = self._schedule()                                            # who advances, by how many tokens
         if not batch:
             return []
+        batch, burst = self._plan_burst(batch)                              # several greedy tokens in one call
         copies = self.block_manager.take_pending_copies()
         if copies:  # a step after a forward finds the interpreter's data cold: skip what would do nothing
             self.runner.copy_blocks(copies)                                 # copy-on-write of forked blocks
@@ -245,8 +258,17 @@ class LLMEngine:
         if guided:  # of those, the ones that sample this step
             guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
-        seqs, logits = self.runner.execute(batch)                           # forward
-        self._commit(batch)                                                 # their K/V is in the cache now
+        if burst > 1:  # each sequence's tokens but its last are its draft
+            seqs, logits, picks, logprobs, decided = self.runner.execute_burst(batch, burst,
+                                                                               self.sampler.vocab_size or 0)
+            for seq, tokens in zip(seqs, picks):
+                seq.draft, seq.draft_by_self = tokens[:-1], True
+            self._counters["burst_steps"] += 1
+        else:
+            seqs, logits = self.runner.execute(batch)                       # forward
+        self._commit(batch)
+        if burst > 1 and decided and not any(seq.params.logprobs for seq in seqs):
+            return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens                                                 # their K/V is in the cache now
         if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
             drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
         else:
@@ -280,6 +302,32 @@ class LLMEngine:
                                        batch.preempted)
             if batch or not self._requeue_blocking_groups():
                 return batch
+
+    def _plan_burst(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, int]:
+        """``batch`` as it runs, and how many tokens each sequence decodes in it: 1, or a burst of up to
+        ``decode_burst`` when at most ``_BURST_MAX_SEQS`` sequences run, each decodes one token greedily with no
+        draft, guide, beam, fork or penalty (the native call's greedy pick is then the sampler's), nothing waits
+        (a burst would hold an arrival back), each has room for the tokens under its limits, and the pool has the
+        blocks. The tokens are emitted as the sampler's own picks (see :meth:`_settle_burst`), so a burst never
+        changes an output, and a stop among them drops the rest. Its extra blocks are taken here."""
+        steps = min(self.config.decode_burst, getattr(self.runner, "max_burst_rows", 0) // len(batch.seqs))
+        if steps < 2 or self.scheduler.waiting or len(batch.seqs) > _BURST_MAX_SEQS:
+            return batch, 1
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            params = seq.params
+            if count != 1 or seq.num_uncomputed_tokens != 1 or seq.draft or seq.guide is not None or seq.is_beam \
+                    or seq.num_forks_pending or not params.is_greedy or not params.unshaped \
+                    or seq.num_output_tokens < params.min_tokens:
+                return batch, 1
+            steps = min(steps, params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+            if steps < 2:
+                return batch, 1
+        bm = self.block_manager
+        if sum(bm.num_blocks_to_append(seq, steps) for seq in batch.seqs) > bm.num_free_blocks:
+            return batch, 1
+        for seq in batch.seqs:
+            bm.append(seq, steps)
+        return ScheduledBatch(batch.seqs, [steps] * len(batch.seqs), batch.preempted), steps
 
     def _preempt_group(self, group: BeamGroup, to_back: bool = False) -> None:
         for beam in group.beams:
@@ -369,6 +417,19 @@ class LLMEngine:
         if model is not None:
             model.propose(wanted, self.scheduler.running)
 
+    def _settle_burst(self, seqs: list[Sequence], picks: list[list[int]], logprobs: list[list[float]]) -> dict:
+        """Emit a burst's tokens as the plain path would have emitted them one step each: every token is the
+        greedy pass's first largest of its row, as the sampler picks a greedy row with no mask, bias, penalty or
+        top logprobs, so there is nothing to verify (the rows were ruled on where that pass could not decide, or
+        top logprobs are asked for). A stop among them ends the sequence there. Returns the requests touched."""
+        touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        for seq, tokens, token_logprobs in zip(seqs, picks, logprobs):
+            touched[seq.request_id] = self._requests[seq.request_id]
+            self._settle(seq, DraftRows(0, seq.draft, True, []),
+                         Verified(tokens, len(tokens) - 1, [], token_logprobs, None), now)
+        return touched
+
     def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):
         """((sequences without a draft, their rows: None when there are none), (drafted sequences with their first
         row, their rows))."""
@@ -410,17 +471,21 @@ class LLMEngine:
         row: the grammar allows no token after the tokens tested, and the sequence ends there with 'error'."""
         tested = draft.tokens if draft is not None else []
         accepted = result.num_accepted if result is not None else 0
-        forced = min(accepted, seq.num_draft_forced)
-        seq.num_draft_tokens += len(tested)
-        seq.num_accepted_tokens += accepted
-        seq.num_forced_tokens += forced
-        seq.spec.record(len(tested), min(len(tested), seq.num_draft_forced), accepted, seq.draft_by_model)
-        for key, value in (("drafted", len(tested)), ("accepted", accepted), ("forced", forced)):
-            self._counters[key] += value
-        if seq.draft_by_model:
-            self._counters["model_drafted"] += len(tested)
-            self._counters["model_accepted"] += accepted
-        seq.draft, seq.num_draft_forced, seq.draft_by_model = [], 0, False
+        if seq.draft_by_self:  # a burst's tokens: each took a forward pass of its own, so none is a draft's gain
+            self._counters["burst_tokens"] += len(tested)
+            self._counters["burst_accepted"] += accepted
+        else:
+            forced = min(accepted, seq.num_draft_forced)
+            seq.num_draft_tokens += len(tested)
+            seq.num_accepted_tokens += accepted
+            seq.num_forced_tokens += forced
+            seq.spec.record(len(tested), min(len(tested), seq.num_draft_forced), accepted, seq.draft_by_model)
+            for key, value in (("drafted", len(tested)), ("accepted", accepted), ("forced", forced)):
+                self._counters[key] += value
+            if seq.draft_by_model:
+                self._counters["model_drafted"] += len(tested)
+                self._counters["model_accepted"] += accepted
+        seq.draft, seq.num_draft_forced, seq.draft_by_model, seq.draft_by_self = [], 0, False, False
         for j, token in enumerate(result.token_ids if result is not None else ()):
             top = result.top_logprobs[j] if result.top_logprobs is not None else []
             if self._emit(seq, token, result.logprobs[j], top, now):
@@ -678,4 +743,5 @@ class LLMEngine:
                            counters["steps"], counters["generated"], counters["computed"], counters["drafted"],
                            counters["accepted"], counters["forced"], counters["model_drafted"],
                            counters["model_accepted"],
-                           self.model_drafter.num_forwards if self.model_drafter is not None else 0)
+                           self.model_drafter.num_forwards if self.model_drafter is not None else 0,
+                           counters["burst_steps"], counters["burst_tokens"], counters["burst_accepted"])

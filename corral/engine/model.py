@@ -154,6 +154,11 @@ class NativeStep:
 
     PARTS = ("embedding", "norms", "linears", "RoPE", "KV write", "attention", "SiLU", "LM head")
 
+    @property
+    def max_burst_rows(self) -> int:
+        """The most logits rows a :meth:`decode_burst` call keeps its buffers for."""
+        return self._outputs.keep_rows
+
     def truncated(self, model: "LlamaModel") -> "NativeStep":
         """The step of ``model``, this step's model cut to its first layers (:meth:`LlamaModel.truncated`): the
         same weight buffer, read only as far as those layers reach."""
@@ -195,6 +200,33 @@ class NativeStep:
         step after the forward's weight stream finds the caches cold, where each such call cost 10-30 us. The
         logits are a view of a buffer that the next call overwrites. Only where the LM head is Q8 tiles
         (:attr:`head_tiles`)."""
+        _, logits, hidden_buffer, logits_buffer = self._outputs.rows(len(input_ids))
+        self._native_decode((input_ids, positions, slots, tables, context_lens), threads, k_cache, v_cache, k_scale,
+                            v_scale, hidden_buffer, logits_buffer, 1, 0)
+        return logits
+
+    def decode_burst(self, steps: int, pick_columns: int, input_ids: list[int], positions: list[int],
+                     slots: list[int], tables: list[list[int]], context_lens: list[int], threads: int,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[list[int]], list[list[float]],
+                                                                   bool]:
+        """``steps`` tokens of B greedy decodes in one call, as :meth:`decode` would make them one call each, each
+        step's input the greedy token of the step before (``cpu_ops.greedy_pick``'s over the first
+        ``pick_columns`` logits): (float32 logits [B * steps, vocab], each row's ``steps`` rows together, each
+        row's ``steps`` tokens, their logprobs, and whether the greedy pass decided every token: where it could
+        not, a NaN or +inf in a row, the token is 0 and only a verification of the rows may say what it is).
+        ``tables`` must hold every step's position. The logits are a view of a buffer that the next call
+        overwrites."""
+        hidden_buffer = self._outputs.rows(len(input_ids))[2]
+        _, logits, _, logits_buffer = self._outputs.rows(len(input_ids) * steps)
+        picks, logprobs, decided = self._native_decode((input_ids, positions, slots, tables, context_lens), threads,
+                                                       k_cache, v_cache, k_scale, v_scale, hidden_buffer,
+                                                       logits_buffer, steps, pick_columns)
+        return logits, picks, logprobs, decided
+
+    def _native_decode(self, rows: tuple, threads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, hidden_buffer, logits_buffer,
+                       steps: int, pick_columns: int):
         args = self._decode_args
         if args is None or args[0] is not k_cache or args[1] is not v_cache or args[2] is not k_scale \
                 or args[3] is not v_scale:  # the buffers that stay put, converted once (they are 12 calls)
@@ -206,11 +238,9 @@ class NativeStep:
                  view(k_cache), view(v_cache)),
                 (None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
                  view(self.head_tiles)))
-        hidden, logits, hidden_buffer, logits_buffer = self._outputs.rows(len(input_ids))
-        native.module().decode_step(*args[4], input_ids, positions, slots, tables, context_lens, *args[5],
-                                    hidden_buffer, threads, None if self.profile is None else self.profile.numpy(),
-                                    *args[6], logits_buffer)
-        return logits
+        return native.module().decode_step(*args[4], *rows, *args[5], hidden_buffer, threads,
+                                           None if self.profile is None else self.profile.numpy(), *args[6],
+                                           logits_buffer, steps, pick_columns)
 
     def _set_block_size(self, block_size: int) -> None:
         if block_size != self._block_size:  # known once the cache is

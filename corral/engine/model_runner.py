@@ -116,6 +116,35 @@ class ModelRunner:
                                                                  kv.k_scale, kv.v_scale)
         return self._execute(batch)
 
+    @property
+    def max_burst_rows(self) -> int:
+        """The most logits rows (sequences x tokens) a burst may make (:meth:`execute_burst`); 0: no bursts here
+        (no native step with its LM head). Past it a step's logits would need a buffer of their own."""
+        step = self.native_step
+        return step.max_burst_rows if step is not None and step.head_tiles is not None else 0
+
+    def execute_burst(self, batch: ScheduledBatch, steps: int, pick_columns: int
+                      ) -> tuple[list[Sequence], torch.Tensor, list[list[int]], list[list[float]], bool]:
+        """``steps`` greedy tokens for each of ``batch``'s decoding sequences in one native call (each step's
+        input the greedy token, among the first ``pick_columns`` logits, of the step before; the block tables hold
+        room for every step, and a sequence's draft is empty): (the sequences, their float32 logits [B * steps,
+        vocab] with each sequence's rows together, as a draft's, each sequence's tokens and their logprobs, and
+        whether the greedy pass decided every token: see :meth:`NativeStep.decode_burst`). The logits may be a
+        view of a buffer that the next step overwrites."""
+        size = self.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq in batch.seqs:
+            position, table = seq.num_computed_tokens, seq.block_table
+            ids.append(seq.token_ids[position])
+            positions.append(position)
+            slots.append(table[position // size] * size + position % size)
+            tables.append(table)
+            lens.append(position + 1)
+        kv = self.whole_kv
+        return (list(batch.seqs), *self.native_step.decode_burst(steps, pick_columns, ids, positions, slots, tables,
+                                                                 lens, torch.get_num_threads(), kv.k, kv.v,
+                                                                 kv.k_scale, kv.v_scale))
+
     def prepare_decode(self, batch: ScheduledBatch) -> tuple[list, ...] | None:
         """What :meth:`prepare` gives the native step, as the scheduler's own lists (token ids, positions, slots,
         each row's block table, context lengths), rows in batch order, for a step whose rows are all single

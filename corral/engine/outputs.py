@@ -65,3 +65,6 @@ class EngineStats:
     num_model_draft_tokens: int = 0  # draft tokens that came from a draft model (corral/engine/draft_model.py)
     num_model_accepted_tokens: int = 0  # of those, kept
     num_draft_model_forwards: int = 0  # the draft model's forward passes
+    num_burst_steps: int = 0  # steps that decoded several tokens per sequence in one native call (decode_burst)
+    num_burst_tokens: int = 0  # the tokens those steps decoded past each sequence's first, verified as drafts
+    num_burst_accepted_tokens: int = 0  # of those, kept (the rest came after a stop, or after a tie or NaN)

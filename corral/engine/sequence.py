@@ -93,6 +93,7 @@ class Sequence:
         self.draft: list[int] = []
         self.num_draft_forced = 0  # of the draft, how many are jump-forward tokens
         self.draft_by_model = False  # whether the draft came from a draft model (corral/engine/draft_model.py)
+        self.draft_by_self = False  # whether the draft is a burst's own greedy tokens (each took a forward pass)
         self.spec = None  # a SpecState once the sequence first drafts
         self.is_beam = False  # a beam of a beam-search request (its rows skip the sampler)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward

@@ -81,3 +81,4 @@ class Health(Open):
     status: Literal["ok"] = "ok"
     native: NativePaths | None = None
     decode_step: Literal["native", "torch"] | None = None  # what runs decode-only steps (None: a toy engine)
+    decode_burst: int | None = None  # the most greedy tokens one native call decodes per sequence (1: one a call)

@@ -80,6 +80,9 @@ def test_gguf_needs_q4_blocks():
     ("dtype", "float16", "dtype must be auto or one of"),
     ("quant_group_size", 48, "quant_group_size must be 32, 64 or 128"),
     ("decode_step", "fast", "decode_step must be one of"),
+    ("decode_burst", 0, "decode_burst must be an integer from 1 to 16"),
+    ("decode_burst", 17, "decode_burst must be an integer from 1 to 16"),
+    ("decode_burst", True, "decode_burst must be an integer from 1 to 16"),
 ])
 def test_bad_format_names_are_refused(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):

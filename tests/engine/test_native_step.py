@@ -174,3 +174,118 @@ def test_the_step_keeps_its_output_buffers_up_to_a_bound():
     assert big[1].shape == (outputs.keep_rows + 1, 49152) and outputs.rows(outputs.keep_rows + 1) is not big
     kept = outputs.rows(outputs.keep_rows)
     assert kept[1].shape[0] == outputs.keep_rows and outputs._capacity == outputs.keep_rows
+
+
+def test_a_burst_is_its_steps_one_call_each(engines):
+    """:meth:`NativeStep.decode_burst` against :meth:`NativeStep.decode` called once a step, each step fed the
+    greedy token of the one before: the same logits bit for bit (each sequence's rows together), the same tokens,
+    and each token's logprob as the sampler's greedy pass gives it; one sequence and three of different lengths,
+    across a block boundary. The rows write K/V into blocks that may hold cached prefixes: the prefix cache is
+    forgotten after."""
+    from corral.kernels import cpu_ops
+
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size, vocab = runner.block_size, engines["native"].sampler.vocab_size
+    cases = [([7], [size - 2], [[5, 9]]), ([3, 11, 19], [4, size + 6, 2 * size - 1], [[1], [2, 6], [8, 4, 10]])]
+    for ids, positions, tables in cases:
+        steps = 3 if len(ids) > 1 else 5
+        slots = [table[p // size] * size + p % size for table, p in zip(tables, positions)]
+        logits, picks, logprobs, decided = step.decode_burst(steps, vocab, ids, positions, slots, tables,
+                                                             [p + 1 for p in positions], 2, kv.k, kv.v)
+        assert decided and logits.shape == (len(ids) * steps, runner.model.lm_head.out_features)
+        got, rows = logits.clone(), list(ids)
+        expected_rows, expected_picks, expected_logprobs = [], [[] for _ in ids], [[] for _ in ids]
+        for s in range(steps):
+            at = [p + s for p in positions]
+            one = step.decode(rows, at, [t[p // size] * size + p % size for t, p in zip(tables, at)], tables,
+                              [p + 1 for p in at], 2, kv.k, kv.v).clone()
+            expected_rows.append(one)
+            rows, row_logprobs = cpu_ops.greedy_pick(one, vocab, None, None)
+            for b, (token, logprob) in enumerate(zip(rows, row_logprobs)):
+                expected_picks[b].append(token)
+                expected_logprobs[b].append(logprob)
+        for b in range(len(ids)):
+            for s in range(steps):
+                assert torch.equal(got[b * steps + s], expected_rows[s][b])
+        assert picks == expected_picks and logprobs == expected_logprobs  # exact: the same float32 pass
+    engines["native"].block_manager.reset_prefix_cache()
+
+
+def test_a_burst_refuses_what_does_not_fit(engines):
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size = runner.block_size
+    with pytest.raises(IndexError, match="context length outside its block table"):  # step 3 is past block 0
+        step.decode_burst(3, 0, [1], [size - 2], [size - 2], [[0]], [size - 1], 2, kv.k, kv.v)
+    with pytest.raises(ValueError, match="steps must be 1 to 64"):
+        step.decode_burst(65, 0, [1], [0], [0], [[0] * 8], [1], 2, kv.k, kv.v)
+    with pytest.raises(ValueError, match="pick_columns"):
+        step.decode_burst(2, 10 ** 6, [1], [0], [0], [[0]], [1], 2, kv.k, kv.v)
+    with pytest.raises(ValueError, match="at its position's slot"):  # a burst's later slots follow the table
+        step.decode_burst(2, 0, [1], [0], [5], [[0]], [1], 2, kv.k, kv.v)
+    with pytest.raises(TypeError, match="burst needs the LM head"):
+        native.module().decode_step(step._view(step.spec), 1e-5, [1], [0], [0], [[0]], [1],
+                                    step._view(step.embed_tiles), step._view(step.layer_tiles),
+                                    step._view(step.norms), step._view(runner.model.cos),
+                                    step._view(runner.model.sin), step._view(kv.k), step._view(kv.v),
+                                    buffer(torch.empty(1, runner.model.config.hidden_size)), 1, None, None, None,
+                                    None, None, 2)
+
+
+def test_bursts_change_no_output(engines):
+    """An engine that decodes up to 4 greedy tokens per native call against one that makes a call per token
+    (``decode_burst`` 1), on the same batches: the same tokens, texts, finish reasons and logprobs, with stop
+    strings, stop tokens, ``min_tokens``, top logprobs (whose bursts are verified as drafts), limits that end
+    inside a burst, and a sampled request alongside (no burst while it runs). Bursts must have run."""
+    from corral.engine.sampling_params import SamplingParams
+
+    burst = engines["native"]
+    plain = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=256,
+                                   num_threads=2, decode_burst=1))
+    prompts = [chat(burst, q) for q in QUESTIONS[:6]]
+    batches = [
+        [greedy(23, ignore_eos=True)],
+        [greedy(30, stop=[","]), greedy(17, logprobs=2), greedy(9, min_tokens=5), greedy(40)],
+        [greedy(21), SamplingParams(temperature=0.8, seed=3, max_tokens=12), greedy(13, stop_token_ids=[13])],
+    ]
+    before = burst.stats().num_burst_steps
+    for params in batches:
+        chosen = prompts[:len(params)]
+        for engine in (burst, plain):
+            engine.block_manager.reset_prefix_cache()
+        outs = [engine.generate(chosen, params) for engine in (burst, plain)]
+        for a, b in zip(*outs):
+            a, b = a.outputs[0], b.outputs[0]
+            assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
+                (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+    stats = burst.stats()
+    assert stats.num_burst_steps > before and stats.num_burst_tokens >= stats.num_burst_accepted_tokens > 0
+    assert plain.stats().num_burst_steps == 0
+
+
+def test_health_and_metrics_say_how_many_tokens_a_call_decodes(engines):
+    from corral.api.launch import decode_burst
+
+    assert decode_burst(engines["native"]) == 4  # the default
+    assert decode_burst(engines["torch"]) == 1  # the torch path makes a call per op, never a burst
+
+
+def test_no_burst_holds_back_a_waiting_request():
+    """With one running sequence allowed, a second request waits; while it does, the running one decodes a token
+    a step (a burst would keep the waiting one out that much longer), and it bursts once alone."""
+    from corral.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=64,
+                                    num_threads=2, max_num_seqs=1))
+    first, second = (chat(engine, q) for q in QUESTIONS[:2])
+    engine.add_request("first", first, greedy(12, ignore_eos=True))
+    engine.step()  # the prompt
+    engine.add_request("second", second, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while engine.stats().num_waiting:
+        before = engine.stats().num_burst_steps
+        engine.step()
+        assert engine.stats().num_burst_steps == before
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_burst_steps > 0  # the second one, alone
