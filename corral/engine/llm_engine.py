@@ -5,12 +5,12 @@ forward → sample, or verify each draft and roll back what it rejected (``corra
 advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
 siblings are forked from it, sharing its KV blocks, each with its own ``guide.copy()`` and generator.
 
-A burst (``EngineConfig.decode_burst``): while every running sequence decodes greedily with no draft, guide or
-penalty and no request waits, the native step decodes up to that many tokens per sequence in one call, each step's
-input the greedy token of the step before, so the loop's Python runs once for them all (after the forward's weight
-stream it finds its data cold, about 100 us a step on a 2-core EPYC). The tokens are the sampler's own greedy
-picks (one native pass, the same one), so they are emitted as they are; where that pass could not decide a row or
-top logprobs are asked for, they are verified as a draft is. A stop among them drops the rest.
+A burst (``EngineConfig.decode_burst``): while at most 16 sequences run, each decoding greedily with no draft,
+guide or penalty, and no request waits, the native step decodes up to that many tokens per sequence in one call,
+each step's input the greedy token of the step before, so the loop's Python runs once for them all (after the
+forward's weight stream it finds its data cold, about 100 us a step on a 2-core EPYC). The tokens are the
+sampler's own greedy picks (one native pass, the same one), so they are emitted as they are; where that pass could
+not decide a row or top logprobs are asked for, they are verified as a draft is. A stop among them drops the rest.
 
 A beam-search request (``BeamSearchParams``) is a :class:`BeamGroup` whose live beams are sequences in the same
 batches as everything else. Its rows skip the sampler: each beam's full raw logprob row, masked by its own
@@ -100,6 +100,7 @@ def _delta(seq: Sequence) -> CompletionOutput:
 # bursts pay where the loop's share of a step is large: over HTTP (bench/engine.py, one run, 2-core EPYC) +12-14% at
 # 1, 4 and 16 streaming clients, but -12% at 64, where a step is ~30 ms and arrivals in a closed loop wait
 _BURST_MAX_SEQS = 16
+
 
 class _Ready:
     """A result already computed, read as a future's."""
@@ -266,9 +267,9 @@ class LLMEngine:
             self._counters["burst_steps"] += 1
         else:
             seqs, logits = self.runner.execute(batch)                       # forward
-        self._commit(batch)
+        self._commit(batch)                                                 # their K/V is in the cache now
         if burst > 1 and decided and not any(seq.params.logprobs for seq in seqs):
-            return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens                                                 # their K/V is in the cache now
+            return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens
         if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
             drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
         else:
