@@ -129,13 +129,14 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
 //             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None; steps: how many tokens
 //             each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
-//             columns a burst's greedy pick reads (0: all n)) -> None, or for a burst (picks: B lists of steps
-//             token ids, their logprobs: B lists of floats, decided: whether the greedy pass decided every pick)
+//             columns each step's greedy pick reads (0: no pick, for a single step only)) -> None without a pick,
+//             else (picks: B lists of steps token ids, their logprobs: B lists of floats, decided: whether the
+//             greedy pass decided every pick)
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
-// A burst decodes `steps` tokens per sequence in this one call: after each step's LM head, every row's greedy
-// token (greedy_pick's: the first column at the max of its first pick_columns, with its logprob over them; id 0
+// A burst decodes `steps` tokens per sequence in this one call: after each step's LM head (and after a single
+// step's, where pick_columns > 0), every row's greedy token (greedy_pick's: the first column at the max of its first pick_columns, with its logprob over them; id 0
 // where that pass cannot decide, a NaN or +inf in the row) is picks[b][s] and, but for the last step, the row's
 // next input, at the next
 // position of its block table. Row b's logits of step s are logits row b * steps + s: the layout of a sequence's
@@ -228,10 +229,9 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         head.expect_uint8();
         head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
     }
-    const bool burst = steps > 1;
-    if (burst && !has_head) fail(PyExc_TypeError, "decode_step: a burst needs the LM head");
-    if (pick_columns == 0) pick_columns = head_rows;
-    if (burst && (pick_columns < 1 || pick_columns > head_rows || pick_columns > vocab))
+    const bool burst = steps > 1, picking = burst || pick_columns != 0;
+    if (picking && !has_head) fail(PyExc_TypeError, "decode_step: a burst or a pick needs the LM head");
+    if (picking && (pick_columns < 1 || pick_columns > head_rows || pick_columns > vocab))
         fail(PyExc_ValueError, "decode_step: pick_columns outside the head's rows or the vocabulary");
     for (Py_ssize_t b = 0; b < B; ++b) {
         if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
@@ -248,11 +248,11 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             if (table[b * width + j] < 0 || table[b * width + j] >= blocks)
                 fail(PyExc_IndexError, "decode_step: a block id outside the cache");
     }
-    if (B == 0) return burst ? nb::object(nb::make_tuple(nb::list(), nb::list(), nb::bool_(true))) : nb::none();
+    if (B == 0) return picking ? nb::object(nb::make_tuple(nb::list(), nb::list(), nb::bool_(true))) : nb::none();
     std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
         gate_up(B * 2 * I), act(B * I);
-    std::vector<int64_t> picks(burst ? B * steps : 0);  // a burst's tokens, row by row, and their logprobs
-    std::vector<float> pick_logprobs(burst ? B * steps : 0);
+    std::vector<int64_t> picks(picking ? B * steps : 0);  // the picks, row by row, and their logprobs
+    std::vector<float> pick_logprobs(picking ? B * steps : 0);
     bool decided = true;
     {
         NoGil nogil;
@@ -262,8 +262,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         const float* norm = norms.data<const float>();
         const int64_t layer_cache = blocks * block_size * KVW;
         const float scale = 1.0f / std::sqrt(float(D));
-        std::vector<int64_t> picked(burst ? B : 0);
-        std::vector<float> picked_logprobs(burst ? B : 0);
+        std::vector<int64_t> picked(picking ? B : 0);
+        std::vector<float> picked_logprobs(picking ? B : 0);
         for (int64_t step = 0; step < steps; ++step) {
             for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
             clock.mark(EMBED);
@@ -342,7 +342,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                            steps * head_rows);
                 clock.mark(LM_HEAD);
             }
-            if (!burst) break;
+            if (!picking) break;
             k->greedy_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
                            nullptr, 0, nullptr, picked.data(), picked_logprobs.data(), threads);
             for (Py_ssize_t b = 0; b < B; ++b) {
@@ -359,7 +359,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             clock.mark(LM_HEAD);
         }
     }
-    if (!burst) return nb::none();
+    if (!picking) return nb::none();
     nb::list tokens, logprobs;
     for (Py_ssize_t b = 0; b < B; ++b) {
         nb::list row, row_logprobs;

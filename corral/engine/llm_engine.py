@@ -11,6 +11,8 @@ each step's input the greedy token of the step before, so the loop's Python runs
 forward's weight stream it finds its data cold, about 100 us a step on a 2-core EPYC). The tokens are the
 sampler's own greedy picks (one native pass, the same one), so they are emitted as they are; where that pass could
 not decide a row or top logprobs are asked for, they are verified as a draft is. A stop among them drops the rest.
+Where a burst may not run (more sequences, or a request waits) but every sequence is such a plain greedy decode,
+the native step still makes the greedy pick in its call, and the sampler's call is saved.
 
 A beam-search request (``BeamSearchParams``) is a :class:`BeamGroup` whose live beams are sequences in the same
 batches as everything else. Its rows skip the sampler: each beam's full raw logprob row, masked by its own
@@ -251,7 +253,7 @@ class LLMEngine:
         batch = self._schedule()                                            # who advances, by how many tokens
         if not batch:
             return []
-        batch, burst = self._plan_burst(batch)                              # several greedy tokens in one call
+        batch, burst = self._plan_burst(batch)                              # greedy tokens picked in the call
         copies = self.block_manager.take_pending_copies()
         if copies:  # a step after a forward finds the interpreter's data cold: skip what would do nothing
             self.runner.copy_blocks(copies)                                 # copy-on-write of forked blocks
@@ -259,16 +261,17 @@ class LLMEngine:
         if guided:  # of those, the ones that sample this step
             guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
-        if burst > 1:  # each sequence's tokens but its last are its draft
+        if burst:
             seqs, logits, picks, logprobs, decided = self.runner.execute_burst(batch, burst,
                                                                                self.sampler.vocab_size or 0)
-            for seq, tokens in zip(seqs, picks):
-                seq.draft, seq.draft_by_self = tokens[:-1], True
-            self._counters["burst_steps"] += 1
+            if burst > 1:  # each sequence's tokens but its last are its draft
+                for seq, tokens in zip(seqs, picks):
+                    seq.draft, seq.draft_by_self = tokens[:-1], True
+                self._counters["burst_steps"] += 1
         else:
             seqs, logits = self.runner.execute(batch)                       # forward
         self._commit(batch)                                                 # their K/V is in the cache now
-        if burst > 1 and decided and not any(seq.params.logprobs for seq in seqs):
+        if burst and decided and not any(seq.params.logprobs for seq in seqs):
             return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens
         if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
             drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
@@ -305,27 +308,35 @@ class LLMEngine:
                 return batch
 
     def _plan_burst(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, int]:
-        """``batch`` as it runs, and how many tokens each sequence decodes in it: 1, or a burst of up to
-        ``decode_burst`` when at most ``_BURST_MAX_SEQS`` sequences run, each decodes one token greedily with no
-        draft, guide, beam, fork or penalty (the native call's greedy pick is then the sampler's), nothing waits
-        (a burst would hold an arrival back), each has room for the tokens under its limits, and the pool has the
-        blocks. The tokens are emitted as the sampler's own picks (see :meth:`_settle_burst`), so a burst never
-        changes an output, and a stop among them drops the rest. Its extra blocks are taken here."""
-        steps = min(self.config.decode_burst, getattr(self.runner, "max_burst_rows", 0) // len(batch.seqs))
-        if steps < 2 or self.scheduler.waiting or len(batch.seqs) > _BURST_MAX_SEQS:
-            return batch, 1
+        """``batch`` as it runs, and how many tokens each sequence decodes in it with its greedy pick made inside
+        the native call (the same pass as the sampler's, so the same token): 0 (none: the sampler picks), 1 where
+        every sequence decodes one token greedily with no draft, guide, beam, fork, bias, penalty or top logprobs
+        (the sampler's call and its rows are saved), or a burst of up to ``decode_burst`` where besides at most
+        ``_BURST_MAX_SEQS`` sequences run (top logprobs allowed), nothing waits (a burst would hold an arrival
+        back), each has room for the tokens under its limits, and the pool has the blocks. A burst's tokens are
+        emitted as the sampler's own picks (see :meth:`_settle_burst`), so a burst never changes an output, and a
+        stop among them drops the rest. Its extra blocks are taken here."""
+        most = getattr(self.runner, "max_burst_rows", 0)
+        if not most:
+            return batch, 0
+        steps = min(self.config.decode_burst, most // len(batch.seqs))
+        if self.scheduler.waiting or len(batch.seqs) > _BURST_MAX_SEQS:
+            steps = 1
+        asked = False
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
             params = seq.params
             if count != 1 or seq.num_uncomputed_tokens != 1 or seq.draft or seq.guide is not None or seq.is_beam \
                     or seq.num_forks_pending or not params.is_greedy or not params.unshaped \
                     or seq.num_output_tokens < params.min_tokens:
-                return batch, 1
-            steps = min(steps, params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
-            if steps < 2:
-                return batch, 1
+                return batch, 0
+            asked = asked or bool(params.logprobs)
+            if steps > 1:
+                steps = min(steps, params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+        if steps <= 1:  # top logprobs come from the sampler: a pick made in the call would be thrown away
+            return batch, 0 if asked else 1
         bm = self.block_manager
         if sum(bm.num_blocks_to_append(seq, steps) for seq in batch.seqs) > bm.num_free_blocks:
-            return batch, 1
+            return batch, 0 if asked else 1
         for seq in batch.seqs:
             bm.append(seq, steps)
         return ScheduledBatch(batch.seqs, [steps] * len(batch.seqs), batch.preempted), steps
@@ -427,8 +438,11 @@ class LLMEngine:
         now = time.monotonic()
         for seq, tokens, token_logprobs in zip(seqs, picks, logprobs):
             touched[seq.request_id] = self._requests[seq.request_id]
-            self._settle(seq, DraftRows(0, seq.draft, True, []),
-                         Verified(tokens, len(tokens) - 1, [], token_logprobs, None), now)
+            if len(tokens) == 1:  # a single step's pick: nothing drafted, nothing to give back
+                self._emit(seq, tokens[0], token_logprobs[0], [], now)
+            else:
+                self._settle(seq, DraftRows(0, seq.draft, True, []),
+                             Verified(tokens, len(tokens) - 1, [], token_logprobs, None), now)
         return touched
 
     def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):

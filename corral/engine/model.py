@@ -212,16 +212,16 @@ class NativeStep:
                                                                    bool]:
         """``steps`` tokens of B greedy decodes in one call, as :meth:`decode` would make them one call each, each
         step's input the greedy token of the step before (``cpu_ops.greedy_pick``'s over the first
-        ``pick_columns`` logits): (float32 logits [B * steps, vocab], each row's ``steps`` rows together, each
-        row's ``steps`` tokens, their logprobs, and whether the greedy pass decided every token: where it could
-        not, a NaN or +inf in a row, the token is 0 and only a verification of the rows may say what it is).
-        ``tables`` must hold every step's position. The logits are a view of a buffer that the next call
-        overwrites."""
+        ``pick_columns`` logits, 0: all): (float32 logits [B * steps, vocab], each row's ``steps`` rows together,
+        each row's ``steps`` tokens, their logprobs, and whether the greedy pass decided every token: where it
+        could not, a NaN or +inf in a row, the token is 0 and only a verification of the rows may say what it is).
+        ``steps`` 1 is :meth:`decode` with the pick made in its call. ``tables`` must hold every step's position.
+        The logits are a view of a buffer that the next call overwrites."""
         hidden_buffer = self._outputs.rows(len(input_ids))[2]
         _, logits, _, logits_buffer = self._outputs.rows(len(input_ids) * steps)
         picks, logprobs, decided = self._native_decode((input_ids, positions, slots, tables, context_lens), threads,
                                                        k_cache, v_cache, k_scale, v_scale, hidden_buffer,
-                                                       logits_buffer, steps, pick_columns)
+                                                       logits_buffer, steps, pick_columns or self._outputs.vocab)
         return logits, picks, logprobs, decided
 
     def _native_decode(self, rows: tuple, threads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

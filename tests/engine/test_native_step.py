@@ -26,6 +26,15 @@ def engines():
     return made
 
 
+@pytest.fixture(scope="module")
+def sampler_engine():
+    """The native step with every token picked by the sampler: no burst, and no pick inside the native call."""
+    engine = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=256,
+                                    num_threads=2, decode_burst=1))
+    engine._plan_burst = lambda batch: (batch, 0)
+    return engine
+
+
 def run(engine, prompts, max_tokens=12):
     outs = engine.generate(prompts, greedy(max_tokens, logprobs=3, ignore_eos=True))
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -180,8 +189,8 @@ def test_a_burst_is_its_steps_one_call_each(engines):
     """:meth:`NativeStep.decode_burst` against :meth:`NativeStep.decode` called once a step, each step fed the
     greedy token of the one before: the same logits bit for bit (each sequence's rows together), the same tokens,
     and each token's logprob as the sampler's greedy pass gives it; one sequence and three of different lengths,
-    across a block boundary. The rows write K/V into blocks that may hold cached prefixes: the prefix cache is
-    forgotten after."""
+    across a block boundary; and a single step with its pick. The rows write K/V into blocks that may hold cached
+    prefixes: the prefix cache is forgotten after."""
     from corral.kernels import cpu_ops
 
     runner = engines["native"].runner
@@ -189,26 +198,26 @@ def test_a_burst_is_its_steps_one_call_each(engines):
     size, vocab = runner.block_size, engines["native"].sampler.vocab_size
     cases = [([7], [size - 2], [[5, 9]]), ([3, 11, 19], [4, size + 6, 2 * size - 1], [[1], [2, 6], [8, 4, 10]])]
     for ids, positions, tables in cases:
-        steps = 3 if len(ids) > 1 else 5
-        slots = [table[p // size] * size + p % size for table, p in zip(tables, positions)]
-        logits, picks, logprobs, decided = step.decode_burst(steps, vocab, ids, positions, slots, tables,
-                                                             [p + 1 for p in positions], 2, kv.k, kv.v)
-        assert decided and logits.shape == (len(ids) * steps, runner.model.lm_head.out_features)
-        got, rows = logits.clone(), list(ids)
-        expected_rows, expected_picks, expected_logprobs = [], [[] for _ in ids], [[] for _ in ids]
-        for s in range(steps):
-            at = [p + s for p in positions]
-            one = step.decode(rows, at, [t[p // size] * size + p % size for t, p in zip(tables, at)], tables,
-                              [p + 1 for p in at], 2, kv.k, kv.v).clone()
-            expected_rows.append(one)
-            rows, row_logprobs = cpu_ops.greedy_pick(one, vocab, None, None)
-            for b, (token, logprob) in enumerate(zip(rows, row_logprobs)):
-                expected_picks[b].append(token)
-                expected_logprobs[b].append(logprob)
-        for b in range(len(ids)):
+        for steps in (1, 3 if len(ids) > 1 else 5):  # 1: one step with its pick made in the call
+            slots = [table[p // size] * size + p % size for table, p in zip(tables, positions)]
+            logits, picks, logprobs, decided = step.decode_burst(steps, vocab, ids, positions, slots, tables,
+                                                                 [p + 1 for p in positions], 2, kv.k, kv.v)
+            assert decided and logits.shape == (len(ids) * steps, runner.model.lm_head.out_features)
+            got, rows = logits.clone(), list(ids)
+            expected_rows, expected_picks, expected_logprobs = [], [[] for _ in ids], [[] for _ in ids]
             for s in range(steps):
-                assert torch.equal(got[b * steps + s], expected_rows[s][b])
-        assert picks == expected_picks and logprobs == expected_logprobs  # exact: the same float32 pass
+                at = [p + s for p in positions]
+                one = step.decode(rows, at, [t[p // size] * size + p % size for t, p in zip(tables, at)], tables,
+                                  [p + 1 for p in at], 2, kv.k, kv.v).clone()
+                expected_rows.append(one)
+                rows, row_logprobs = cpu_ops.greedy_pick(one, vocab, None, None)
+                for b, (token, logprob) in enumerate(zip(rows, row_logprobs)):
+                    expected_picks[b].append(token)
+                    expected_logprobs[b].append(logprob)
+            for b in range(len(ids)):
+                for s in range(steps):
+                    assert torch.equal(got[b * steps + s], expected_rows[s][b])
+            assert picks == expected_picks and logprobs == expected_logprobs  # exact: the same float32 pass
     engines["native"].block_manager.reset_prefix_cache()
 
 
@@ -224,7 +233,7 @@ def test_a_burst_refuses_what_does_not_fit(engines):
         step.decode_burst(2, 10 ** 6, [1], [0], [0], [[0]], [1], 2, kv.k, kv.v)
     with pytest.raises(ValueError, match="at its position's slot"):  # a burst's later slots follow the table
         step.decode_burst(2, 0, [1], [0], [5], [[0]], [1], 2, kv.k, kv.v)
-    with pytest.raises(TypeError, match="burst needs the LM head"):
+    with pytest.raises(TypeError, match="burst or a pick needs the LM head"):
         native.module().decode_step(step._view(step.spec), 1e-5, [1], [0], [0], [[0]], [1],
                                     step._view(step.embed_tiles), step._view(step.layer_tiles),
                                     step._view(step.norms), step._view(runner.model.cos),
@@ -233,16 +242,14 @@ def test_a_burst_refuses_what_does_not_fit(engines):
                                     None, None, 2)
 
 
-def test_bursts_change_no_output(engines):
-    """An engine that decodes up to 4 greedy tokens per native call against one that makes a call per token
-    (``decode_burst`` 1), on the same batches: the same tokens, texts, finish reasons and logprobs, with stop
+def test_bursts_change_no_output(engines, sampler_engine):
+    """An engine that decodes up to 4 greedy tokens per native call against one whose sampler picks every token
+    (a native call per token), on the same batches: the same tokens, texts, finish reasons and logprobs, with stop
     strings, stop tokens, ``min_tokens``, top logprobs (whose bursts are verified as drafts), limits that end
     inside a burst, and a sampled request alongside (no burst while it runs). Bursts must have run."""
     from corral.engine.sampling_params import SamplingParams
 
-    burst = engines["native"]
-    plain = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=256,
-                                   num_threads=2, decode_burst=1))
+    burst, plain = engines["native"], sampler_engine
     prompts = [chat(burst, q) for q in QUESTIONS[:6]]
     batches = [
         [greedy(23, ignore_eos=True)],
@@ -262,6 +269,39 @@ def test_bursts_change_no_output(engines):
     stats = burst.stats()
     assert stats.num_burst_steps > before and stats.num_burst_tokens >= stats.num_burst_accepted_tokens > 0
     assert plain.stats().num_burst_steps == 0
+
+
+def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_engine):
+    """Past 16 sequences no burst runs, but a step of plain greedy decodes still makes its greedy picks in the
+    native call: the same tokens, texts, finish reasons and logprobs as the sampler's, for 18 sequences with stop
+    strings and limits, and with a request asking for top logprobs among them (its steps go to the sampler). Such
+    steps must have run, and none with the top logprobs."""
+    engine = engines["native"]
+    prompts = [chat(engine, q) for q in QUESTIONS + ["Name a colour.", "Name a number."]]
+    single = []
+    execute_burst = engine.runner.execute_burst
+
+    def counted(batch, steps, pick_columns):
+        if steps == 1:
+            single.append(any(seq.params.logprobs for seq in batch.seqs))
+        return execute_burst(batch, steps, pick_columns)
+
+    engine.runner.execute_burst = counted
+    try:
+        for asked in (None, 2):
+            params = [greedy(8 + i % 7, stop=["."] if i % 3 == 0 else ()) for i in range(len(prompts))]
+            params[5] = greedy(10, logprobs=asked) if asked else params[5]
+            for e in (engine, sampler_engine):
+                e.block_manager.reset_prefix_cache()
+            outs = [e.generate(prompts, params) for e in (engine, sampler_engine)]
+            for a, b in zip(*outs):
+                a, b = a.outputs[0], b.outputs[0]
+                assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
+                    (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+    finally:
+        del engine.runner.execute_burst
+    assert single and not any(single) and len(prompts) > 16
+    engine.block_manager.reset_prefix_cache()
 
 
 def test_health_and_metrics_say_how_many_tokens_a_call_decodes(engines):
