@@ -26,7 +26,10 @@ worth more than its cost, ``a**i * (F + S*r) / S > r``, that is ``a**i >= price(
 ``c = r / (F + r)``, the draft row's share of a whole step at batch 1 (``draft_row_cost``, 0.25 measured here).
 So the price is 0.25 alone, 0.57 at 4 sequences, 0.84 at 16 and 0.96 at 64: as the batch grows drafts stop, except
 where they are almost always accepted. A draft takes the largest ``k`` with ``a**k >= price``, and a kind of draft
-whose rate falls below it stops for that sequence.
+whose rate falls below it stops for that sequence. A stopped lookup length keeps learning from shadows: what it
+would have drafted is compared with the tokens that came instead, and recorded as a verification would record
+it (no row is spent), so it drafts again once its text turns repetitive, and a length whose prior is below the
+price (at 4 sequences and more) starts where its text earns it.
 Jump-forward needs pricing too: where the model would rather write something else, its constrained argmax is
 usually a shorter token than the tokenizer's split of the forced bytes (``P`` where ``Presentation`` is forced).
 
@@ -97,6 +100,9 @@ class SpecState:
     lookup: list[Rate] = field(default_factory=lambda: [Rate() for _ in range(MAX_NGRAM)])
     lookup_order: int = 0  # the matched suffix's length behind this step's lookup tokens (0: none)
     model: Rate = field(default_factory=Rate)  # a draft model's tokens (corral/engine/draft_model.py)
+    # a stopped match length's shadow draft: (that length, the sequence's length then, the tokens it would have
+    # drafted), checked against the tokens that came instead (see Drafter.shadow)
+    shadow: tuple[int, int, list[int]] | None = None
 
     def record(self, num_tested: int, num_forced: int, num_accepted: int, by_model: bool = False) -> None:
         """A verified draft: ``num_tested`` tokens, the first ``num_forced`` of them jump-forward ones and the
@@ -156,6 +162,8 @@ class Drafter:
         the sequences left without a draft that a draft model's tokens would pay for, at ``model_cost`` (a draft
         model step's share of a step; None: there is no draft model), with the most tokens each may draft."""
         price = draft_price(len(decoding), config.draft_row_cost)
+        # a shadow is worth its lookup where a rate could yet pay: a record of every token accepted, at its most
+        shadows = price < best_rate(config.num_speculative_tokens)
         wanted: list[tuple[Sequence, int]] = []
         for seq in decoding:
             seq.draft, seq.num_draft_forced, seq.draft_by_model = [], 0, False
@@ -168,6 +176,8 @@ class Drafter:
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
+            if seq.spec.shadow is not None:
+                settle_shadow(seq.token_ids, seq.spec)
             # a forced span needs a guide; a rate's length is only worth reading where its kind of draft is on
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump and seq.guide is not None else 0
             lookup_cap = tuple([rate.length(config.num_speculative_tokens, price) for rate in seq.spec.lookup]) \
@@ -176,6 +186,8 @@ class Drafter:
                 draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
                                      lookup_cap=lookup_cap, room=room)
                 seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
+            if not seq.draft and lookup and shadows and seq.spec.shadow is None:
+                self.shadow(seq.token_ids, seq.guide, seq.spec, lookup_cap, min(room, config.num_speculative_tokens))
             if not seq.draft and lookup and model_cost is not None:  # the draft model's turn
                 cap = min(seq.spec.model.length(config.num_speculative_tokens, price + model_cost), room)
                 if cap > 0:
@@ -262,6 +274,27 @@ class Drafter:
             return draft
         return []
 
+    def shadow(self, tokens: list[int], guide: Guide | None, state: SpecState, caps: tuple[int, ...],
+               length: int) -> None:
+        """Where the longest matching suffix's length is stopped (its cap 0: its record is below the price), keep
+        the ``length`` tokens it would have drafted as ``state.shadow``, to be checked against the tokens that come
+        instead. A stopped length is never verified, so without this its record would never change again: text
+        that turns repetitive (a list, a table, code) would go undrafted for the rest of the sequence."""
+        if length <= 0:
+            return
+        self._index(tokens, state)
+        for n in range(MAX_NGRAM, 0, -1):
+            start = state.ngrams[n - 1].get(tuple(tokens[-n:])) if len(tokens) >= n else None
+            if start is None:
+                continue
+            if caps[n - 1] == 0:
+                draft = tokens[start: start + length]
+                if guide is not None:  # a token the grammar forbids is never drafted, so never counted against
+                    draft = self._allowed_prefix(draft, [], guide)
+                if draft:
+                    state.shadow = (n, len(tokens), draft)
+            return
+
     @staticmethod
     def _allowed_prefix(draft: list[int], forced: list[int], guide: Guide) -> list[int]:
         """The longest prefix of ``draft`` the guide accepts after ``forced`` (checked on a copy)."""
@@ -274,6 +307,29 @@ class Drafter:
                 break
             kept += 1
         return draft[:kept]
+
+
+def best_rate(length: int) -> float:
+    """The most a :class:`Rate` reaches when every record is ``length`` tokens, all accepted (its counts settle at
+    ``length / (1 - _DECAY)``)."""
+    most = max(1, length) / (1.0 - _DECAY)
+    return (most + 1.0) / (most + 2.0)
+
+
+def settle_shadow(tokens: list[int], state: SpecState) -> None:
+    """Check ``state.shadow`` against the tokens that came after it, once they decide it: the record of its match
+    length gets what a verification of that draft would have given (the tokens kept up to the first that differs,
+    and that one reached). Acceptance of a single proposed token is the chance the model's own token is that
+    token, so the record learns the same rate as from real drafts, greedy or sampled, with no row spent."""
+    order, at, draft = state.shadow
+    came = tokens[at: at + len(draft)]
+    kept = 0
+    while kept < len(came) and came[kept] == draft[kept]:
+        kept += 1
+    if kept == len(came) < len(draft):
+        return  # every token so far agrees, and the rest have not come yet
+    state.shadow = None
+    state.lookup[order - 1].record(min(len(draft), kept + 1), kept)
 
 
 # ---- verification input --------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from corral.engine import sampler as sampler_module
 from corral.engine.config import EngineConfig
 from corral.engine.llm_engine import LLMEngine
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
-from corral.engine.speculation import Drafter, Rate, SpecState, draft_price
+from corral.engine.speculation import Drafter, Rate, SpecState, best_rate, draft_price, settle_shadow
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
@@ -222,6 +222,71 @@ def test_draft_length_follows_the_acceptance_rate_and_the_price():
     state.record(num_tested=6, num_forced=2, num_accepted=4)  # both forced kept, 2 of 4 lookups, a third reached
     assert (state.lookup[1].reached, state.lookup[1].accepted) == (3, 2)
     assert state.lookup[0].reached == state.lookup[2].reached == 0  # the other match lengths keep their own record
+
+
+class _Decoding:
+    """What :meth:`Drafter.propose_all` reads of a decoding sequence."""
+
+    def __init__(self, token_ids, max_tokens=1000):
+        self.token_ids, self.guide, self.spec, self.num_output_tokens = token_ids, None, None, 0
+        self.draft, self.num_draft_forced, self.draft_by_model = [], 0, False
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
+
+    def __len__(self):
+        return len(self.token_ids)
+
+
+def test_a_shadow_is_recorded_as_its_verification_would_be():
+    """A stopped match length's shadow: the tokens that length would have drafted, checked once the tokens that
+    came decide it: kept up to the first that differs (that one reached), or all of them; undecided while every
+    token so far agrees."""
+    drafter = Drafter(VOCAB)
+    tokens = [0, 1, 2, 3, 3, 2, 1, 0, 1, 2]  # "0 1 2" was followed by "3 3 2 1 0"
+    state = SpecState()
+    drafter.shadow(tokens, None, state, (5, 5, 5), 4)
+    assert state.shadow is None  # the length that matched drafts: nothing to shadow
+    drafter.shadow(tokens, None, state, (5, 5, 0), 4)
+    assert state.shadow == (3, len(tokens), [3, 3, 2, 1])
+    settle_shadow(tokens + [3], state)
+    assert state.shadow is not None and state.lookup[2].reached == 0  # one token came, and it agrees
+    settle_shadow(tokens + [3, 3, 0], state)  # the third differs: two kept, three reached
+    assert state.shadow is None and (state.lookup[2].reached, state.lookup[2].accepted) == (3, 2)
+    drafter.shadow(tokens, None, state, (0, 0, 0), 2)
+    settle_shadow(tokens + [3, 3, 0], state)  # both came as drafted
+    assert (state.lookup[2].reached, state.lookup[2].accepted) == (3 * 0.8 + 2, 2 * 0.8 + 2)
+    assert state.lookup[0].reached == state.lookup[1].reached == 0
+
+
+def test_a_stopped_lookup_drafts_again_once_its_text_repeats():
+    """Without shadows a length whose record fell below the price would never be verified again, so never drafted
+    again. Here the text turns into a cycle: the stopped lengths' shadows agree with it and, with no row spent
+    (no draft) until then, lookup drafts again within a few steps. Text that contradicts every shadow keeps it
+    stopped. At 256 sequences no rate can pay, so no shadow is even looked up."""
+    drafter, config = Drafter(VOCAB), EngineConfig(jump_forward=False, speculation=True)
+    for repeats in (True, False):
+        seq = _Decoding([0, 1, 2, 3, 1, 0, 3, 2])
+        seq.spec = SpecState()
+        for rate in seq.spec.lookup:  # every length stopped at one sequence's price
+            rate.record(12, 0)
+        assert all(rate.length(8, draft_price(1, config.draft_row_cost)) == 0 for rate in seq.spec.lookup)
+        undrafted = 0
+        for step in range(40):
+            drafter.propose_all([seq], config, 10_000)
+            if seq.draft:
+                break
+            undrafted += 1
+            shadow, token = seq.spec.shadow, step % 4
+            if not repeats and shadow is not None:  # whatever the pending shadow does not expect next
+                token = (shadow[2][len(seq.token_ids) - shadow[1]] + 1) % 4
+            seq.token_ids.append(token)
+        assert (undrafted < 20) == repeats, undrafted
+        if repeats:
+            assert seq.draft == [(undrafted + k) % 4 for k in range(len(seq.draft))]  # the cycle, continued
+    assert draft_price(256, config.draft_row_cost) > best_rate(config.num_speculative_tokens)
+    seq = _Decoding([0, 1, 2, 3, 0, 1, 2])
+    seq.spec = SpecState()
+    drafter.propose_all([seq] * 256, config, 10_000)
+    assert seq.spec.shadow is None and not seq.draft
 
 
 def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
