@@ -182,6 +182,8 @@ class Drafter:
             forced_cap = seq.spec.forced.length(MAX_FORCED_TOKENS, price) if jump and seq.guide is not None else 0
             lookup_cap = tuple([rate.length(config.num_speculative_tokens, price) for rate in seq.spec.lookup]) \
                 if lookup else (0,) * MAX_NGRAM
+            if seq.spec.shadow is not None and lookup_cap[seq.spec.shadow[0] - 1]:
+                seq.spec.shadow = None  # its length drafts again (a smaller batch): its drafts are recorded, not both
             if forced_cap or max(lookup_cap):
                 draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
                                      lookup_cap=lookup_cap, room=room)

@@ -282,6 +282,13 @@ def test_a_stopped_lookup_drafts_again_once_its_text_repeats():
         assert (undrafted < 20) == repeats, undrafted
         if repeats:
             assert seq.draft == [(undrafted + k) % 4 for k in range(len(seq.draft))]  # the cycle, continued
+    seq = _Decoding([0, 1, 2, 3, 0, 1, 2])  # a shadow waiting when its length drafts again is dropped
+    seq.spec = SpecState()
+    drafter.propose_all([seq] * 4, config, 10_000)  # at 4 sequences the prior 1/2 is under the price: a shadow
+    assert seq.spec.shadow == (3, 7, [3, 0, 1, 2]) and not seq.draft
+    seq.token_ids.append(3)
+    drafter.propose_all([seq], config, 10_000)  # alone it drafts: its verification records, the shadow does not
+    assert seq.spec.shadow is None and seq.draft == [0, 1] and seq.spec.lookup[2].reached == 0
     assert draft_price(256, config.draft_row_cost) > best_rate(config.num_speculative_tokens)
     seq = _Decoding([0, 1, 2, 3, 0, 1, 2])
     seq.spec = SpecState()
