@@ -10,7 +10,8 @@ without ``generate``'s own work). Drafts are on as a server runs them (``--draft
 step; the "Tale" prompts make prompt lookup draft often). Where the native decode step runs (``w4a8``), it times its own parts
 ("native: ..."; the prefill steps still go through the timed torch parts), and greedy steps with no draft may decode
 up to ``--decode-burst`` tokens per sequence in one native call (4, as a server runs; 1: a call per token): the
-shares are then per step, and the engine loop is also given per generated token. No HTTP: compare with
+shares are then per step, and the engine loop is also given per generated token. A plain greedy step makes its
+pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with
 ``bench/engine.py`` for what the server adds.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16

@@ -311,9 +311,10 @@ class LLMEngine:
         """``batch`` as it runs, and how many tokens each sequence decodes in it with its greedy pick made inside
         the native call (the same pass as the sampler's, so the same token): 0 (none: the sampler picks), 1 where
         every sequence decodes one token greedily with no draft, guide, beam, fork, bias, penalty or top logprobs
-        (the sampler's call and its rows are saved), or a burst of up to ``decode_burst`` where besides at most
-        ``_BURST_MAX_SEQS`` sequences run (top logprobs allowed), nothing waits (a burst would hold an arrival
-        back), each has room for the tokens under its limits, and the pool has the blocks. A burst's tokens are
+        (the sampler's call and its rows are saved), or a burst of up to ``decode_burst`` where, on top of that
+        (top logprobs allowed: they are verified), at most ``_BURST_MAX_SEQS`` sequences run, nothing waits (a
+        burst would hold an arrival back), each has room for the tokens under its limits, and the pool has the
+        blocks. A burst's tokens are
         emitted as the sampler's own picks (see :meth:`_settle_burst`), so a burst never changes an output, and a
         stop among them drops the rest. Its extra blocks are taken here."""
         most = getattr(self.runner, "max_burst_rows", 0)

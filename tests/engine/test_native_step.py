@@ -35,6 +35,14 @@ def sampler_engine():
     return engine
 
 
+def assert_same_outputs(engine, oracle, prompts, params) -> None:
+    """Both engines' tokens, texts, finish reasons, logprobs and cumulative logprobs for the same requests."""
+    for a, b in zip(*(e.generate(prompts, params) for e in (engine, oracle))):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
+            (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+
+
 def run(engine, prompts, max_tokens=12):
     outs = engine.generate(prompts, greedy(max_tokens, logprobs=3, ignore_eos=True))
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -261,11 +269,7 @@ def test_bursts_change_no_output(engines, sampler_engine):
         chosen = prompts[:len(params)]
         for engine in (burst, plain):
             engine.block_manager.reset_prefix_cache()
-        outs = [engine.generate(chosen, params) for engine in (burst, plain)]
-        for a, b in zip(*outs):
-            a, b = a.outputs[0], b.outputs[0]
-            assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
-                (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+        assert_same_outputs(burst, plain, chosen, params)
     stats = burst.stats()
     assert stats.num_burst_steps > before and stats.num_burst_tokens >= stats.num_burst_accepted_tokens > 0
     assert plain.stats().num_burst_steps == 0
@@ -293,11 +297,7 @@ def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_eng
             params[5] = greedy(10, logprobs=asked) if asked else params[5]
             for e in (engine, sampler_engine):
                 e.block_manager.reset_prefix_cache()
-            outs = [e.generate(prompts, params) for e in (engine, sampler_engine)]
-            for a, b in zip(*outs):
-                a, b = a.outputs[0], b.outputs[0]
-                assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
-                    (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+            assert_same_outputs(engine, sampler_engine, prompts, params)
     finally:
         del engine.runner.execute_burst
     assert single and not any(single) and len(prompts) > 16
