@@ -70,11 +70,13 @@ def _messages(prompt: str | list[dict], system: str | None) -> list[dict]:
 def _embedded_engine(model: str | None):
     with _embedded_lock:
         if model not in _embedded:
-            from corral.api.launch import build_compiler, build_engine, engine_max_model_len
+            from corral.api.launch import build_compiler, build_engine, engine_max_model_len, warm_up
             from corral.engine import EngineConfig
 
             engine = build_engine(EngineConfig(model=model, dtype="auto", quantization="auto"))  # as corral serve
-            _embedded[model] = (engine, build_compiler(engine), engine_max_model_len(engine), threading.Lock())
+            compiler = build_compiler(engine)
+            warm_up(compiler)  # as the server does: no full collection of the model's objects mid-generation
+            _embedded[model] = (engine, compiler, engine_max_model_len(engine), threading.Lock())
         return _embedded[model]
 
 
@@ -97,6 +99,7 @@ def _wrapped(engine):
         if id(engine) not in _embedded:
             from corral.api.launch import build_compiler, engine_max_model_len
 
+            # the caller's own engine: its process's heap is the caller's to freeze (launch.warm_up), not ours
             _embedded[id(engine)] = (engine, build_compiler(engine), engine_max_model_len(engine), threading.Lock())
         return _embedded[id(engine)]
 

@@ -105,15 +105,15 @@ def formats_fields(formats) -> dict:
                         "kv_cache_dtype": formats.kv_cache_dtype, "reason": formats.reason}}
 
 
-def warm_up(ctx: ServingContext) -> None:
+def warm_up(compiler) -> None:
     """Before the first request: build what every constrained request shares (the vocabulary's token tables and
     trie, the any-value grammar), so the first one does not pay for it; then move everything alive into the
-    garbage collector's permanent generation. A full collection otherwise walks the model's and tokenizer's half
-    a million objects: 100-200 ms holding the GIL, stalling every other request, at a moment chosen by the
-    allocations of whichever request is compiling (vLLM freezes its heap for the same reason)."""
+    garbage collector's permanent generation. A full collection otherwise walks every object the imports, the
+    model and the tokenizer made (200,000 with the default model, 90-150 ms here) holding the GIL, stalling every
+    stream, at a moment chosen by the allocations of whichever request is compiling (vLLM freezes its heap for the
+    same reason). The server runs it before it listens, the in-process ``generate_json`` once per engine."""
     from corral.grammar.constraint import Constraint
 
-    compiler = ctx.engine.compiler
     if hasattr(compiler, "vocab"):
         compiler.compile(Constraint("json_schema", {"type": "object", "properties": {"a": {}}}))
     gc.collect()
@@ -151,7 +151,7 @@ class GracefulServer:
 
     def run(self) -> None:
         """Warm up, serve until shut down, then stop the engine loop."""
-        warm_up(self.ctx)
+        warm_up(self.ctx.engine.compiler)
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:

@@ -83,17 +83,17 @@ def gguf_has_q4(files: ModelFiles) -> bool:
     """Whether ``files`` is a GGUF whose layers' linear weights are Q4_0 or Q4_1 blocks (the int4 kernel's)."""
     if files.kind != "gguf":
         return False
-    from corral.models.gguf_file import open_gguf
+    from corral.models.gguf_file import gguf_tensors
 
     return any(t.tensor_type.name in _Q4_KINDS and (_gguf_name(t.name) or "").endswith("_proj.weight")
-               for t in open_gguf(files.path).tensors)
+               for t in gguf_tensors(files.path))
 
 
 def _log_dequantized(path: str) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
-    from corral.models.gguf_file import open_gguf
+    from corral.models.gguf_file import gguf_tensors
 
-    kinds = sorted({t.tensor_type.name for t in open_gguf(path).tensors if _gguf_name(t.name)} -
+    kinds = sorted({t.tensor_type.name for t in gguf_tensors(path) if _gguf_name(t.name)} -
                    {*_Q4_KINDS, "F32", "F16", "BF16"})
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0 and Q4_1 linears run as "
@@ -103,10 +103,10 @@ def _log_dequantized(path: str) -> None:
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[str, torch.Tensor | Q4Blocks]:
     from gguf.quants import dequantize
 
-    from corral.models.gguf_file import open_gguf
+    from corral.models.gguf_file import gguf_tensors
 
     tensors = {}
-    for tensor in open_gguf(path).tensors:
+    for tensor in gguf_tensors(path):
         name = _gguf_name(tensor.name)
         if name is None:
             continue

@@ -79,9 +79,9 @@ def _from_gguf(path: str) -> ModelConfig:
 
 
 def _gguf_tensor_names(path: str) -> frozenset[str]:
-    from corral.models.gguf_file import open_gguf
+    from corral.models.gguf_file import gguf_tensors
 
-    return frozenset(t.name for t in open_gguf(path).tensors)
+    return frozenset(t.name for t in gguf_tensors(path))
 
 
 def _from_hf(folder: str) -> ModelConfig:

@@ -62,6 +62,29 @@ def test_cli_generate_prints_the_value(engine, tmp_path, capsys, monkeypatch):
     assert "corral: 'type' must be one of" in capsys.readouterr().err
 
 
+def test_the_default_embedded_engine_is_warmed_up_and_its_heap_frozen(engine, monkeypatch):
+    """The engine ``generate_json`` builds for itself is served as ``corral serve`` serves: its shared grammar
+    tables built, then everything alive moved out of the garbage collector's walks (a full collection of the
+    model's and tokenizer's objects took 90-200 ms, every stream stalled). An engine the caller passes in is
+    left alone: that process's heap is the caller's."""
+    import gc
+
+    from corral.api import generate_json as module
+    from corral.api import launch
+
+    monkeypatch.setattr(launch, "build_engine", lambda config: engine)
+    assert gc.get_freeze_count() == 0
+    try:
+        module._wrapped(engine)
+        assert gc.get_freeze_count() == 0
+        _, compiler, _, _ = module._embedded_engine("frozen-test")
+        assert gc.get_freeze_count() > 0
+        assert compiler.vocab is engine.vocabulary
+    finally:
+        gc.unfreeze()
+        module._embedded.pop("frozen-test", None)
+
+
 def test_pydantic_schemas_are_closed_where_they_say_nothing():
     from corral.api.generate_json import _closed
 

@@ -15,7 +15,7 @@ from corral.engine.model import LlamaModel
 from corral.engine.quant import Q4Blocks
 from corral.engine.weights import load_weights
 from corral.models import load_model_config, resolve_model
-from corral.models.gguf_file import open_gguf
+from corral.models.gguf_file import gguf_tensors
 from tests.models import kquant_fixture
 from tests.engine.test_weights import corral_logits_of
 
@@ -49,7 +49,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 def test_every_tensor_reads_back_within_its_format_error(fixture_files):
     files, config = fixture_files
-    kinds = {t.name: t.tensor_type.name for t in open_gguf(PATH).tensors}
+    kinds = {t.name: t.tensor_type.name for t in gguf_tensors(PATH)}
     assert {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"} <= set(kinds.values())
     weights = load_weights(files, config, torch.float32)
     for name, want in kquant_fixture.weights().items():

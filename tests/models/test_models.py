@@ -1,6 +1,7 @@
 """Model artifacts: the shipped GGUF's config, clear errors for missing models, and the chat template rendered
 exactly as transformers renders it."""
 
+import gc
 import json
 import os
 
@@ -9,6 +10,7 @@ import pytest
 from corral.errors import ModelNotFoundError
 from corral.models import load_model_config, load_tokenizer, resolve_model
 from corral.models.files import default_gguf_path
+from corral.models.gguf_file import gguf_metadata, gguf_tensors
 
 
 def test_default_model_config_matches_the_published_architecture():
@@ -79,3 +81,20 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     resolve_model.cache_clear()
     assert load_model_config(str(tmp_path)).rope_scaling is None
+
+
+def test_a_gguf_is_parsed_once_and_its_reader_is_not_kept():
+    """What loading needs is cached (metadata as plain values, the tensors' descriptions); the reader is not: it
+    holds a memmap view, with its own dict, for each part of each metadata array (about half a million objects for
+    the default model's tokenizer), which every full garbage collection would walk for the life of the process."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    path = default_gguf_path()
+    metadata, tensors = gguf_metadata(path), gguf_tensors(path)
+    assert gguf_metadata(path) is metadata and gguf_tensors(path) is tensors
+    assert len(metadata["tokenizer.ggml.tokens"]) == 49152 and len(tensors) > 200
+    gc.collect()
+    alive = gc.get_objects()
+    assert not any(isinstance(o, GGUFReader) for o in alive)
+    assert sum(isinstance(o, np.memmap) for o in alive) < 10_000
