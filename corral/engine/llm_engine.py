@@ -80,6 +80,14 @@ def _token_ids(tokens) -> list[int]:
     return ids
 
 
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``: a view where the rows are consecutive (the scheduler puts drafted decodes after the
+    others, so a step's plain and drafted rows are two runs), else a copy (a few MB at 16 sequences)."""
+    if rows[-1] - rows[0] == len(rows) - 1:  # increasing: consecutive
+        return logits[rows[0]:rows[-1] + 1]
+    return logits[torch.tensor(rows)]
+
+
 def _completion(seq: Sequence) -> CompletionOutput:
     """What ``seq`` has produced so far (copies: the consumer reads it on another thread while this one goes on)."""
     return CompletionOutput(seq.index, seq.output_token_ids, seq.detokenizer.visible_text(seq.is_finished),
@@ -463,7 +471,7 @@ class LLMEngine:
             at += 1 + len(seq.draft)
         if not plain:  # every row is a draft's: no copy, and no rows left to sample (nothing reads them)
             return ([], None), (drafted, logits)
-        return (plain, logits[torch.tensor(plain_rows)]), (drafted, logits[torch.tensor(draft_rows)])
+        return (plain, _take_rows(logits, plain_rows)), (drafted, _take_rows(logits, draft_rows))
 
     def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
                        masks: dict[int, np.ndarray], touched: dict) -> None:

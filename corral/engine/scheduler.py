@@ -26,7 +26,7 @@ from corral.engine.sequence import Sequence, SequenceStatus
 
 
 class ScheduledBatch(NamedTuple):
-    seqs: list[Sequence]  # decodes first, then prefill chunks
+    seqs: list[Sequence]  # decodes first (those without a draft, then those with), then prefill chunks
     num_new_tokens: list[int]  # per sequence, how many tokens it advances this step
     preempted: list[Sequence]
 
@@ -58,7 +58,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id → (seq, tokens), insertion order = batch order
         preempted: list[Sequence] = []
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1):  # stable: decodes first
+        # stable: decodes first, drafted ones after the others (their rows then split from the logits as two views,
+        # not copies), then prefills
+        for seq in sorted(self.running, key=lambda s: 2 if s.num_uncomputed_tokens != 1 else 1 if s.draft else 0):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 seq.draft = []
                 continue

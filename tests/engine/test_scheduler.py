@@ -118,3 +118,15 @@ def test_finish_frees_everything_at_once():
     sched.finish(b)  # b is mid-prefill or waiting; either way nothing remains
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished()
     assert a.status is SequenceStatus.FINISHED and b.status is SequenceStatus.FINISHED
+
+
+def test_drafted_decodes_come_after_the_other_decodes_and_before_prefills():
+    """So that a step's plain rows and drafted rows are two runs of the logits, split as views, not copies."""
+    sched = make(num_blocks=32, budget=16, max_num_seqs=4)
+    a, b, c = add(sched, "a", 3), add(sched, "b", 3, first_token=10), add(sched, "c", 3, first_token=20)
+    assert step(sched) == [("a", 3), ("b", 3), ("c", 3)]
+    d = add(sched, "d", 5, first_token=30)
+    a.draft = [7, 8]
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
+        [("b", 1), ("c", 1), ("a", 3), ("d", 5)]

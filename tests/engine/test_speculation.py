@@ -454,3 +454,26 @@ def test_the_chi_square_test_rejects_a_biased_acceptance_rule(compiler, monkeypa
     monkeypatch.setattr(sampler_module, "_verify_sampled", biased)
     on = sample_texts(compiler, ON, 10_000, temperature=1.0)
     assert chi_square_p(off, on) < 1e-6
+
+
+def test_plain_and_drafted_rows_are_split_as_views_when_each_is_one_run():
+    """The scheduler puts drafted decodes last, so the split copies nothing (it copied a few MB a step at 16
+    sequences); rows in any other order are still taken right, as copies."""
+    import types
+
+    import torch
+
+    from corral.engine.llm_engine import LLMEngine
+
+    logits = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    plain = [types.SimpleNamespace(draft=[]) for _ in range(2)]
+    drafted = [types.SimpleNamespace(draft=[5, 6]), types.SimpleNamespace(draft=[9, 9])]
+    (seqs, rows), (with_drafts, draft_rows) = LLMEngine._split_drafts(None, plain + drafted[:1], logits[:5])
+    assert seqs == plain and rows.data_ptr() == logits.data_ptr() and torch.equal(rows, logits[:2])
+    assert with_drafts == [(drafted[0], 0)] and draft_rows.data_ptr() == logits[2].data_ptr()
+    assert torch.equal(draft_rows, logits[2:5])
+    mixed = [drafted[0], plain[0], drafted[1], plain[1]]  # rows: 0-2, 3, 4-6, 7: not runs
+    logits = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    (seqs, rows), (with_drafts, draft_rows) = LLMEngine._split_drafts(None, mixed, logits)
+    assert seqs == plain and torch.equal(rows, logits[[3, 7]])
+    assert with_drafts == [(drafted[0], 0), (drafted[1], 3)] and torch.equal(draft_rows, logits[[0, 1, 2, 4, 5, 6]])
