@@ -189,15 +189,18 @@ def llama_server_version(binary: str = LLAMA_SERVER) -> str:
 @contextlib.contextmanager
 def frozen_heap():
     """Everything alive moved out of the garbage collector's walks while the block runs, as ``corral serve`` does
-    before it listens (``corral.api.launch.warm_up``): an engine measured in process otherwise pays full
-    collections of the imports' and model's objects (about 100 ms each) that the server never makes. Thawed after,
-    so engines built later in the same process can be collected."""
+    before it listens (``corral.api.launch.warm_up``): an engine measured in process otherwise has its full
+    collections walk the imports' and model's objects (90-105 ms each here), which the server's skip. Thawed
+    after, so engines built later in the same process can be collected; a heap frozen before the block (by
+    someone else) stays frozen."""
+    thaw = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if thaw:
+            gc.unfreeze()
 
 
 def cpu_summary() -> str:

@@ -2,7 +2,10 @@
 
 Both speak the chat-completions request shape. With ``base_url`` the request goes over HTTP to a Corral (or any
 OpenAI-compatible, structured-output capable) server; without, it runs on an embedded engine created on first
-use and kept for the process. The result is checked again here (``jsonschema`` or the pydantic model): the
+use and kept for the process. Building that engine also freezes the process's heap out of the garbage collector,
+as ``corral serve`` does (``corral.api.launch.warm_up``): objects alive then, the caller's too, are never walked
+by a collection again, so a cycle among them that later becomes garbage is not freed. An engine passed as
+``engine=`` changes nothing of the kind. The result is checked again here (``jsonschema`` or the pydantic model): the
 engine's guarantee is the contract, the check is the receipt. Greedy decoding is the default (``temperature=0``)
 since extraction wants the most likely value, not a sample; without ``max_tokens`` the output may use the rest of
 the context window (the grammar, not a token budget, ends a JSON value).
@@ -99,7 +102,8 @@ def _wrapped(engine):
         if id(engine) not in _embedded:
             from corral.api.launch import build_compiler, engine_max_model_len
 
-            # the caller's own engine: its process's heap is the caller's to freeze (launch.warm_up), not ours
+            # the caller built this engine and decides how its process is tuned: no heap freeze here (the
+            # default engine is ours, and is served as corral serve serves it)
             _embedded[id(engine)] = (engine, build_compiler(engine), engine_max_model_len(engine), threading.Lock())
         return _embedded[id(engine)]
 
@@ -155,7 +159,8 @@ def generate_json(schema_or_model, prompt: str | list[dict], *, base_url: str | 
 
     Returns the parsed value (a dict for object schemas), or an instance of the pydantic model. ``sampling``
     takes the chat-completions parameters (``max_tokens``, ``temperature``, ``seed``, ``top_p``, ...).
-    ``engine``: an ``LLMEngine`` to run on in-process instead of the lazily created default one.
+    ``engine``: an ``LLMEngine`` to run on in-process instead of the lazily created default one (whose creation
+    freezes the process's heap: see the module's docstring).
     Raises ``UserInputError`` subclasses for a bad schema, :class:`IncompleteOutputError` when the output was cut.
     """
     schema, model_cls = _schema_of(schema_or_model)

@@ -109,9 +109,10 @@ def warm_up(compiler) -> None:
     """Before the first request: build what every constrained request shares (the vocabulary's token tables and
     trie, the any-value grammar), so the first one does not pay for it; then move everything alive into the
     garbage collector's permanent generation. A full collection otherwise walks every object the imports, the
-    model and the tokenizer made (200,000 with the default model, 90-150 ms here) holding the GIL, stalling every
+    model and the tokenizer made (200,000 with the default model, 90-105 ms here) holding the GIL, stalling every
     stream, at a moment chosen by the allocations of whichever request is compiling (vLLM freezes its heap for the
-    same reason). The server runs it before it listens, the in-process ``generate_json`` once per engine."""
+    same reason). The server runs it before it listens, the in-process ``generate_json`` once for the engine it
+    builds itself."""
     from corral.grammar.constraint import Constraint
 
     if hasattr(compiler, "vocab"):

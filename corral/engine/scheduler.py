@@ -3,8 +3,9 @@ running sequences.
 
 Order of a step (vLLM V1's policy, in one pass):
 
-1. running sequences that decode (one uncomputed token, and its draft when it has one) first, then running
-   sequences still in a chunked prefill, oldest first; each takes ``min(uncomputed, budget left)`` tokens. A
+1. running sequences that decode (one uncomputed token, and its draft when it has one) first, those without a
+   draft before those with one, then running sequences still in a chunked prefill, oldest first; each takes
+   ``min(uncomputed, budget left)`` tokens. A
    draft is cut to the budget, and dropped when the pool cannot hold it (a draft never preempts);
 2. when the pool cannot hold a running sequence's new tokens, the *newest* running sequence is preempted by
    recompute: its blocks are freed, it goes back to the front of the queue and later recomputes prompt plus
@@ -59,7 +60,8 @@ class Scheduler:
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id → (seq, tokens), insertion order = batch order
         preempted: list[Sequence] = []
         # stable: decodes first, drafted ones after the others (their rows then split from the logits as two views,
-        # not copies), then prefills
+        # not copies; a draft cut below to nothing leaves its sequence among them, and the split copies), then
+        # prefills
         for seq in sorted(self.running, key=lambda s: 2 if s.num_uncomputed_tokens != 1 else 1 if s.draft else 0):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 seq.draft = []

@@ -125,8 +125,10 @@ def test_drafted_decodes_come_after_the_other_decodes_and_before_prefills():
     sched = make(num_blocks=32, budget=16, max_num_seqs=4)
     a, b, c = add(sched, "a", 3), add(sched, "b", 3, first_token=10), add(sched, "c", 3, first_token=20)
     assert step(sched) == [("a", 3), ("b", 3), ("c", 3)]
-    d = add(sched, "d", 5, first_token=30)
+    d = add(sched, "d", 20, first_token=30)
+    assert step(sched) == [("a", 1), ("b", 1), ("c", 1), ("d", 13)]  # d runs, its prefill chunked
     a.draft = [7, 8]
     batch = sched.schedule()
+    assert d.status is SequenceStatus.RUNNING and sched.running[0] is a
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
-        [("b", 1), ("c", 1), ("a", 3), ("d", 5)]
+        [("b", 1), ("c", 1), ("a", 3), ("d", 7)]

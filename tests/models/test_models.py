@@ -90,6 +90,7 @@ def test_a_gguf_is_parsed_once_and_its_reader_is_not_kept():
     import numpy as np
     from gguf import GGUFReader
 
+    assert gc.get_freeze_count() == 0  # frozen objects are not in gc.get_objects(): a kept reader would hide
     path = default_gguf_path()
     metadata, tensors = gguf_metadata(path), gguf_tensors(path)
     assert gguf_metadata(path) is metadata and gguf_tensors(path) is tensors
