@@ -31,6 +31,22 @@ class IncrementalDetokenizer:
         self.text += self._decoder.decode(self.vocabulary.token_bytes[token_id])
         return self._find_stop(start)
 
+    def add_tokens(self, token_ids: list[int]) -> tuple[int, str | None]:
+        """:meth:`add_token` for each of ``token_ids`` in turn until one completes a stop string: (how many were
+        added, that stop string or None). With no stop strings the run's bytes go through the decoder in one call,
+        which gives the text of one call per token (an incremental decoder holds a split character either way)."""
+        if self.stop:
+            for i, token_id in enumerate(token_ids):
+                stop = self.add_token(token_id)
+                if stop is not None:
+                    return i + 1, stop
+            return len(token_ids), None
+        assert self.stopped_by is None, "no token may follow a stop string"
+        table = self.vocabulary.token_bytes
+        special = self.vocabulary.special_ids if self.skip_special_tokens else ()
+        self.text += self._decoder.decode(b"".join([table[t] for t in token_ids if t not in special]))
+        return len(token_ids), None
+
     def _find_stop(self, start: int) -> str | None:
         best = None
         for stop in self.stop:

@@ -442,17 +442,63 @@ class LLMEngine:
         """Emit a burst's tokens as the plain path would have emitted them one step each: every token is the
         greedy pass's first largest of its row, as the sampler picks a greedy row with no mask, bias, penalty or
         top logprobs, so there is nothing to verify (the rows were ruled on where that pass could not decide, or
-        top logprobs are asked for). A stop among them ends the sequence there. Returns the requests touched."""
+        top logprobs are asked for). A stop among them ends the sequence there, and the blocks past what was
+        computed go back. Returns the requests touched."""
         touched: dict[str, _Request] = {}
         now = time.monotonic()
+        counters, block_manager = self._counters, self.block_manager
         for seq, tokens, token_logprobs in zip(seqs, picks, logprobs):
             touched[seq.request_id] = self._requests[seq.request_id]
-            if len(tokens) == 1:  # a single step's pick: nothing drafted, nothing to give back
-                self._emit(seq, tokens[0], token_logprobs[0], [], now)
-            else:
-                self._settle(seq, DraftRows(0, seq.draft, True, []),
-                             Verified(tokens, len(tokens) - 1, [], token_logprobs, None), now)
+            drafted = len(tokens) - 1  # each took a forward pass of its own: none is a draft's gain
+            if drafted:
+                counters["burst_tokens"] += drafted
+                counters["burst_accepted"] += drafted
+                seq.draft, seq.num_draft_forced, seq.draft_by_model, seq.draft_by_self = [], 0, False, False
+            if self._emit_run(seq, tokens, token_logprobs, now) or not drafted:
+                continue
+            seq.num_computed_tokens += drafted  # their K/V, computed in the burst
+            block_manager.truncate(seq, seq.num_computed_tokens)
+            block_manager.cache_full_blocks(seq)
         return touched
+
+    def _emit_run(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float) -> bool:
+        """:meth:`_emit` for each of ``tokens`` (with no top logprobs) until one ends ``seq``, with the same stop
+        checks in the same order, made once for the run where no guide is involved: the first EOS or stop id,
+        the text of the tokens before it in one detokenizer call, and the length limit. True when ``seq``
+        ended."""
+        if seq.guide is not None:
+            return any(self._emit(seq, token, logprob, [], now) for token, logprob in zip(tokens, logprobs))
+        params = seq.params
+        # a token is emitted before its limit is checked, so at least one is (a burst is planned within them)
+        room = max(1, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)))
+        run = tokens[:room] if room < len(tokens) else tokens
+        count, reason, stop_reason = len(run), "length" if len(run) == room else None, None
+        eos = () if params.ignore_eos else self.vocabulary.eos_token_ids
+        for i, token in enumerate(run):
+            if token in eos or token in params.stop_token_ids:
+                count, reason, stop_reason = i + 1, "stop", None if token in eos else token
+                break
+        added, stop = seq.detokenizer.add_tokens(run[:count - 1] if reason == "stop" else run)
+        if stop is not None:  # a stop string, completed before any stop id
+            count, reason, stop_reason = added, "stop", stop
+        if count < len(run):
+            run, logprobs = run[:count], logprobs[:count]
+        seq.token_ids.extend(run)
+        self._counters["generated"] += count
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        cumulative = seq.cumulative_logprob
+        for logprob in logprobs[:count]:  # one at a time: the sum of a run of single steps, bit for bit
+            cumulative += logprob
+        seq.cumulative_logprob = cumulative
+        if seq.logprobs is not None:
+            seq.logprobs.extend([(logprob, []) for logprob in logprobs[:count]])
+        if reason is None:
+            return False
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        self._finish(seq, reason)
+        return True
 
     def _split_drafts(self, seqs: list[Sequence], logits: torch.Tensor):
         """((sequences without a draft, their rows: None when there are none), (drafted sequences with their first

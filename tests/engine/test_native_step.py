@@ -36,11 +36,12 @@ def sampler_engine():
 
 
 def assert_same_outputs(engine, oracle, prompts, params) -> None:
-    """Both engines' tokens, texts, finish reasons, logprobs and cumulative logprobs for the same requests."""
+    """Both engines' tokens, texts, finish and stop reasons, logprobs and cumulative logprobs for the same
+    requests."""
     for a, b in zip(*(e.generate(prompts, params) for e in (engine, oracle))):
         a, b = a.outputs[0], b.outputs[0]
-        assert (a.token_ids, a.text, a.finish_reason, a.logprobs, a.cumulative_logprob) == \
-            (b.token_ids, b.text, b.finish_reason, b.logprobs, b.cumulative_logprob)
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason, a.logprobs, a.cumulative_logprob) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason, b.logprobs, b.cumulative_logprob)
 
 
 def run(engine, prompts, max_tokens=12):
@@ -273,6 +274,37 @@ def test_bursts_change_no_output(engines, sampler_engine):
     stats = burst.stats()
     assert stats.num_burst_steps > before and stats.num_burst_tokens >= stats.num_burst_accepted_tokens > 0
     assert plain.stats().num_burst_steps == 0
+
+
+def test_a_stop_inside_a_burst_ends_it_where_single_steps_end(engines, sampler_engine):
+    """One sequence alone (so bursts run) whose stop id, stop string or EOS falls at several places of a 4-token
+    burst, and one with both a stop id and a stop string in the same burst: a burst's run of tokens is checked
+    once (the first stop id, then the text before it), and must end where the single steps end, with the same
+    text, reasons and logprobs."""
+    burst, plain = engines["native"], sampler_engine
+    prompt = chat(burst, QUESTIONS[0])
+    (full,) = plain.generate([prompt], greedy(24, ignore_eos=True))
+    tokens, vocab = full.outputs[0].token_ids, burst.vocabulary
+    firsts = [k for k in range(3, len(tokens)) if tokens[k] not in tokens[:k]]  # a stop id first met at k
+    pieces = [(k, vocab.token_bytes[tokens[k]].decode(errors="ignore").strip()) for k in firsts]
+    words = [(k, w) for k, w in pieces if w and w not in full.outputs[0].text.split(w, 1)[0] + w[:-1]]
+    assert len(firsts) >= 4 and len(words) >= 2, (tokens, pieces)
+    cases = [greedy(24, stop_token_ids=[tokens[k]]) for k in firsts[:4]]  # 4 places in a burst, one each
+    cases += [greedy(24, stop=[w]) for _, w in words[:2]]
+    cases += [greedy(24, stop=[words[0][1]], stop_token_ids=[tokens[firsts[-1]]]),
+              greedy(24, stop=[words[-1][1]], stop_token_ids=[tokens[firsts[0]]]),
+              greedy(24, stop_token_ids=[tokens[firsts[0]]], ignore_eos=True),
+              greedy(24, logprobs=0)]
+    short = chat(burst, "Reply with one word: is the sky blue?")  # answered in 9 tokens, the last EOS
+    cases += [(short, params) for params in (greedy(24), greedy(24, ignore_eos=True),
+                                             greedy(24, stop_token_ids=[*vocab.eos_token_ids]))]
+    before = burst.stats().num_burst_steps
+    for case in cases:
+        chosen, params = case if isinstance(case, tuple) else (prompt, case)
+        for engine in (burst, plain):  # a prompt read from a quantized KV cache is not the one computed afresh
+            engine.block_manager.reset_prefix_cache()
+        assert_same_outputs(burst, plain, [chosen], [params])
+    assert burst.stats().num_burst_steps > before
 
 
 def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_engine):
