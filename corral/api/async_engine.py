@@ -95,6 +95,8 @@ class AsyncEngine:
         ``observer``: optional ``on_output(request_id, output, now)`` / ``on_stats(stats)`` hooks (metrics)."""
         self.engine, self.compiler, self.config, self.observer = engine, compiler, config, observer
         self._commands: list[tuple] = []
+        # raised with each command, so that a burst (several tokens in one native call) does not hold it back
+        self._interrupt = getattr(engine, "burst_interrupt", None) or _NoInterrupt()
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -238,6 +240,7 @@ class AsyncEngine:
     def _send(self, command: tuple) -> None:
         with self._wake:
             self._commands.append(command)
+            self._interrupt.set()  # a running burst ends at its next token: the command waits for no more
             self._wake.notify()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -261,6 +264,7 @@ class AsyncEngine:
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, []
+                    self._interrupt.clear()  # under the lock: a command sent after this raises it again
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
@@ -311,6 +315,16 @@ class AsyncEngine:
                 ready.setdefault(stream.loop, []).append((stream, output))
         for loop, items in ready.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+class _NoInterrupt:
+    """What an engine without bursts is interrupted with."""
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
 
 
 def _put_all(ready: list) -> None:

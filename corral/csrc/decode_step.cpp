@@ -129,9 +129,10 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
 //             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None; steps: how many tokens
 //             each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
-//             columns each step's greedy pick reads (0: no pick, for a single step only)) -> None without a pick,
-//             else (picks: B lists of steps token ids, their logprobs: B lists of floats, decided: whether the
-//             greedy pass decided every pick)
+//             columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token
+//             ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1]
+//             that ends a burst once nonzero) -> None without a pick, else (picks: B lists of the steps done's
+//             token ids, their logprobs: B lists of floats, decided: whether the greedy pass decided every pick)
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -142,12 +143,17 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 // position of its block table. Row b's logits of step s are logits row b * steps + s: the layout of a sequence's
 // draft rows, which is what the engine makes of them (the picks but the last are its draft, verified as any is).
 // The block tables must cover every step's position; out holds the last step's final norm.
+//
+// A burst ends early, after the step that gave it cause, where a row's decided pick is one of end_ids (a stop
+// token: what follows it would be thrown away) or where interrupt holds a nonzero value when a step ends (another
+// thread sets it: a request arrived or left, and should not wait for the rest). Every row then has the same
+// number of picks, the steps done, and its logits rows b * steps + s for s below that.
 nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
                  nb::handle tables_in, nb::handle lens_in, nb::handle embed_in, nb::handle layer_tiles_in,
                  nb::handle norms_in, nb::handle cos_in, nb::handle sin_in, nb::handle k_cache_in,
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
                  nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
-                 int64_t steps, int64_t pick_columns) {
+                 int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -233,6 +239,17 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     if (picking && !has_head) fail(PyExc_TypeError, "decode_step: a burst or a pick needs the LM head");
     if (picking && (pick_columns < 1 || pick_columns > head_rows || pick_columns > vocab))
         fail(PyExc_ValueError, "decode_step: pick_columns outside the head's rows or the vocabulary");
+    const bool has_ends = !end_ids_in.is_none(), interruptible = !interrupt_in.is_none();
+    if ((has_ends || interruptible) && !burst) fail(PyExc_TypeError, "decode_step: end_ids and interrupt end a burst");
+    const std::unique_ptr<Ints> end_ids = has_ends ? std::make_unique<Ints>(end_ids_in, "end_ids") : nullptr;
+    const int64_t* end_id = has_ends ? end_ids->data : nullptr;
+    const Py_ssize_t num_end_ids = has_ends ? end_ids->size : 0;
+    const Array interrupt(interruptible ? interrupt_in : spec_in, "interrupt", false);
+    if (interruptible) {
+        interrupt.expect_shape({1});
+        interrupt.expect_int64();
+    }
+    const int64_t* interrupt_flag = interruptible ? interrupt.data<const int64_t>() : nullptr;
     for (Py_ssize_t b = 0; b < B; ++b) {
         if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
         if (pos[b] < 0 || pos[b] + steps - 1 >= cos.dim(0))
@@ -254,6 +271,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     std::vector<int64_t> picks(picking ? B * steps : 0);  // the picks, row by row, and their logprobs
     std::vector<float> pick_logprobs(picking ? B * steps : 0);
     bool decided = true;
+    int64_t done = steps;  // the steps made: fewer where the burst ended early
     {
         NoGil nogil;
         Clock clock{profiled ? timings.data<double>() : nullptr};
@@ -345,25 +363,31 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             if (!picking) break;
             k->greedy_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
                            nullptr, 0, nullptr, picked.data(), picked_logprobs.data(), threads);
+            bool ended = step + 1 < steps && interrupt_flag != nullptr &&
+                         __atomic_load_n(interrupt_flag, __ATOMIC_RELAXED) != 0;
+            for (Py_ssize_t b = 0; b < B && !ended; ++b)
+                for (Py_ssize_t e = 0; e < num_end_ids && !ended; ++e) ended = picked[b] == end_id[e];
+            if (ended) done = step + 1;
             for (Py_ssize_t b = 0; b < B; ++b) {
                 decided = decided && picked[b] >= 0;
                 const int64_t token = picked[b] < 0 ? 0 : picked[b];  // undecided: any token, verification decides
                 picks[b * steps + step] = token;
                 pick_logprobs[b * steps + step] = picked_logprobs[b];
-                if (step + 1 == steps) continue;
+                if (step + 1 == done) continue;
                 id[b] = token;
                 pos[b] += 1;
                 len[b] += 1;
                 slot[b] = table[b * width + pos[b] / block_size] * block_size + pos[b] % block_size;
             }
             clock.mark(LM_HEAD);
+            if (step + 1 == done) break;
         }
     }
     if (!picking) return nb::none();
     nb::list tokens, logprobs;
     for (Py_ssize_t b = 0; b < B; ++b) {
         nb::list row, row_logprobs;
-        for (int64_t step = 0; step < steps; ++step) {
+        for (int64_t step = 0; step < done; ++step) {
             row.append(nb::int_(picks[b * steps + step]));
             row_logprobs.append(nb::float_(pick_logprobs[b * steps + step]));
         }
@@ -382,7 +406,8 @@ void add_decode_step(nb::module_& m) {
           nb::arg("norms"), nb::arg("cos"), nb::arg("sin"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
           nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(),
           nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
-          nb::arg("pick_columns") = 0);
+          nb::arg("pick_columns") = 0, nb::arg("end_ids").none() = nb::none(),
+          nb::arg("interrupt").none() = nb::none());
 }
 
 }  // namespace corral_native

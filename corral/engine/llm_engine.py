@@ -112,6 +112,22 @@ def _delta(seq: Sequence) -> CompletionOutput:
 _BURST_MAX_SEQS = 16
 
 
+class BurstInterrupt:
+    """A flag that another thread raises to end the engine's running burst after its current token: a request
+    arrived or left, and should not wait for the rest of the burst. The native call reads it between its steps
+    (with the GIL released, so the other thread runs meanwhile). Whoever feeds the engine from another thread lowers
+    it as it takes the commands that raised it (:class:`corral.api.async_engine.AsyncEngine`)."""
+
+    def __init__(self):
+        self.flag = np.zeros(1, dtype=np.int64)
+
+    def set(self) -> None:
+        self.flag[0] = 1
+
+    def clear(self) -> None:
+        self.flag[0] = 0
+
+
 class _Ready:
     """A result already computed, read as a future's."""
 
@@ -174,6 +190,7 @@ class LLMEngine:
         self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-masks")
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._requests: dict[str, _Request] = {}
+        self.burst_interrupt = BurstInterrupt()
         self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0,
                           "model_drafted": 0, "model_accepted": 0, "burst_steps": 0, "burst_tokens": 0,
                           "burst_accepted": 0}
@@ -270,8 +287,12 @@ class LLMEngine:
             guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
         if burst:
-            seqs, logits, picks, logprobs, decided = self.runner.execute_burst(batch, burst,
-                                                                               self.sampler.vocab_size or 0)
+            ends = self._end_ids(batch.seqs) if burst > 1 else None  # a stop among them ends the burst there
+            seqs, logits, picks, logprobs, decided = self.runner.execute_burst(
+                batch, burst, self.sampler.vocab_size or 0, ends, self.burst_interrupt.flag if burst > 1 else None)
+            if picks and len(picks[0]) < burst:  # it ended early
+                batch, logits = self._cut_burst(batch, logits, burst, len(picks[0]))
+                burst = len(picks[0])
             if burst > 1:  # each sequence's tokens but its last are its draft
                 for seq, tokens in zip(seqs, picks):
                     seq.draft, seq.draft_by_self = tokens[:-1], True
@@ -349,6 +370,26 @@ class LLMEngine:
         for seq in batch.seqs:
             bm.append(seq, steps)
         return ScheduledBatch(batch.seqs, [steps] * len(batch.seqs), batch.preempted), steps
+
+    def _end_ids(self, seqs: list[Sequence]) -> list[int] | None:
+        """The token ids that end one of ``seqs`` (EOS unless ignored, and its stop ids): a burst stops after
+        the step that picks one, for every sequence (a shorter burst is always safe)."""
+        ends = set()
+        for seq in seqs:
+            params = seq.params
+            if not params.ignore_eos:
+                ends.update(self.vocabulary.eos_token_ids)
+            ends.update(params.stop_token_ids)
+        return list(ends) or None
+
+    def _cut_burst(self, batch: ScheduledBatch, logits: torch.Tensor, planned: int, done: int):
+        """A burst that ended after ``done`` of its ``planned`` steps: the batch as it ran, its logits with each
+        sequence's rows together again, and the blocks taken for the steps not made given back."""
+        for seq in batch.seqs:
+            self.block_manager.truncate(seq, seq.num_computed_tokens + done)
+        n = len(batch.seqs)
+        logits = logits[:done] if n == 1 else logits.view(n, planned, -1)[:, :done].reshape(n * done, -1)
+        return ScheduledBatch(batch.seqs, [done] * n, batch.preempted), logits
 
     def _preempt_group(self, group: BeamGroup, to_back: bool = False) -> None:
         for beam in group.beams:

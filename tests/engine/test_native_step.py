@@ -230,6 +230,74 @@ def test_a_burst_is_its_steps_one_call_each(engines):
     engines["native"].block_manager.reset_prefix_cache()
 
 
+def test_a_burst_ends_after_a_stop_id_or_an_interrupt(engines):
+    """A burst stops after the step whose pick is one of ``end_ids`` (for every row), or after the step during
+    which ``interrupt`` became nonzero (here: before the call, so after its first step): the steps made are the
+    full burst's first ones, tokens, logprobs and logits alike."""
+    import numpy as np
+
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size, vocab = runner.block_size, engines["native"].sampler.vocab_size
+    ids, positions, tables = [3, 11], [4, size + 6], [[1, 3], [2, 6]]
+    slots = [table[p // size] * size + p % size for table, p in zip(tables, positions)]
+    args = (ids, positions, slots, tables, [p + 1 for p in positions], 2, kv.k, kv.v)
+    logits, picks, logprobs, decided = step.decode_burst(6, vocab, *args)
+    full = logits.clone()
+    assert decided and [len(row) for row in picks] == [6, 6]
+    cases = [([picks[0][0], 10 ** 9], 0, 1), (None, 1, 1), ([10 ** 9], 0, 6), (None, 0, 6)]
+    seen = set(row[0] for row in picks)
+    for s in range(1, 6):  # a token first picked at a later step ends the burst there (the blocks' state decides)
+        fresh = [row[s] for row in picks if row[s] not in seen]
+        if fresh:
+            cases.append(([fresh[0]], 0, s + 1))
+            break
+        seen.update(row[s] for row in picks)
+    for ends, flag, done in cases:
+        interrupt = np.array([flag], dtype=np.int64)
+        logits, got, got_logprobs, _ = step.decode_burst(6, vocab, *args, end_ids=ends, interrupt=interrupt)
+        assert got == [row[:done] for row in picks] and got_logprobs == [row[:done] for row in logprobs]
+        for b in range(2):
+            assert torch.equal(logits[b * 6: b * 6 + done], full[b * 6: b * 6 + done])
+    with pytest.raises(TypeError, match="end a burst"):
+        step.decode_burst(1, vocab, *args, end_ids=[1])
+    with pytest.raises(TypeError, match="int64"):
+        step.decode_burst(2, vocab, *args, interrupt=np.zeros(1, dtype=np.int32))
+    engines["native"].block_manager.reset_prefix_cache()
+
+
+def test_an_engine_burst_ends_at_eos_and_at_an_interrupt():
+    """With bursts of up to 16: a request answered with EOS inside a burst computes no row past it (the burst
+    ended there, and its blocks went back); a raised interrupt makes the next burst one token long, and with it
+    lowered the bursts are whole again. The tokens are those of an uninterrupted run."""
+    engine = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=64,
+                                    num_threads=2, decode_burst=16, speculation=False, jump_forward=False))
+    short = chat(engine, "Reply with one word: is the sky blue?")  # answered in 9 tokens, the last EOS
+    before = engine.stats()
+    (out,) = engine.generate([short], greedy(40))
+    stats = engine.stats()
+    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) == 9
+    assert stats.num_tokens_computed - before.num_tokens_computed == len(short) + 8  # EOS itself is never input
+    assert engine.block_manager.num_used_blocks == 0
+
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("r", chat(engine, QUESTIONS[1]), greedy(40, ignore_eos=True))
+    engine.step()  # the prompt, and the first token
+    engine.burst_interrupt.set()
+    (delta,) = engine.step()
+    assert len(delta.outputs[0].token_ids) == 2  # one step made before the flag was read
+    (seq,) = engine.scheduler.running  # the blocks taken for the other 15 steps went back
+    assert len(seq.block_table) == -(-seq.num_computed_tokens // engine.block_manager.block_size)
+    engine.burst_interrupt.clear()
+    (whole,) = engine.step()
+    assert len(whole.outputs[0].token_ids) == 2 + 16
+    while engine.has_unfinished_requests():
+        (last,) = engine.step()
+    engine.block_manager.reset_prefix_cache()
+    (single,) = engine.generate([chat(engine, QUESTIONS[1])], greedy(40, ignore_eos=True))
+    assert last.outputs[0].token_ids == single.outputs[0].token_ids
+
+
 def test_a_burst_refuses_what_does_not_fit(engines):
     runner = engines["native"].runner
     step, kv = runner.model.native_step, runner.whole_kv
@@ -317,10 +385,10 @@ def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_eng
     single = []
     execute_burst = engine.runner.execute_burst
 
-    def counted(batch, steps, pick_columns):
+    def counted(batch, steps, pick_columns, *rest):
         if steps == 1:
             single.append(any(seq.params.logprobs for seq in batch.seqs))
-        return execute_burst(batch, steps, pick_columns)
+        return execute_burst(batch, steps, pick_columns, *rest)
 
     engine.runner.execute_burst = counted
     try:
