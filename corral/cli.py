@@ -66,8 +66,9 @@ def _add_format_args(command) -> None:
                               "by op in torch (the oracle)")
     command.add_argument("--decode-burst", type=int, default=4,
                          help="the most tokens one native call decodes per sequence while every running sequence "
-                              "decodes greedily with no draft, guide or penalty and no request waits (1: a call per "
-                              "token); the tokens are verified as drafts are, so outputs do not change")
+                              "decodes greedily or samples with no draft, guide, bias or penalty and no request "
+                              "waits (1: a call per token); each token is the one the sampler would pick or draw, "
+                              "so outputs do not change")
     command.add_argument("--jump-forward", default="on", choices=("on", "off"),
                          help="draft the spans a grammar forces (a request's jump_forward overrides it); drafts are "
                               "verified and never change an output")

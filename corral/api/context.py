@@ -53,7 +53,7 @@ class ServerConfig:
     system_fingerprint: str | None = None  # e.g. "corral-bf16-gguf-kvbf16-avx512": the formats behind the outputs
     formats: dict[str, str] | None = None  # for /v1/models
     decode_step: str | None = None  # native | torch: what runs decode-only steps, for /health and /metrics
-    decode_burst: int | None = None  # the most greedy tokens one native call decodes per sequence (None: a toy)
+    decode_burst: int | None = None  # the most tokens one native call decodes per sequence (None: a toy)
 
     def __post_init__(self):
         assert self.max_model_len > 0 and self.max_body_bytes > 0 and self.send_timeout_s > 0

@@ -83,7 +83,7 @@ def decode_path(engine) -> str | None:
 
 
 def decode_burst(engine) -> int | None:
-    """The most greedy tokens one native call decodes per sequence (``EngineConfig.decode_burst`` where the
+    """The most tokens one native call decodes per sequence (``EngineConfig.decode_burst`` where the
     runner can burst, else 1); None for a toy engine."""
     runner = getattr(engine, "runner", None)
     if runner is None or not hasattr(runner, "max_burst_rows"):

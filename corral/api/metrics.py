@@ -162,8 +162,8 @@ class ServerMetrics:
         metric("corral:draft_model_forward_passes", "counter", "The draft model's forward passes.",
                [f"_total{{{lab}}} {model_forwards}"])
         bursts, burst_tokens = (getattr(self.stats, name, 0) for name in ("num_burst_steps", "num_burst_tokens"))
-        metric("corral:decode_bursts", "counter", "Steps whose native call decoded several greedy tokens per "
-               "sequence.", [f"_total{{{lab}}} {bursts}"])
+        metric("corral:decode_bursts", "counter", "Steps whose native call decoded several tokens per sequence.",
+               [f"_total{{{lab}}} {bursts}"])
         metric("corral:decode_burst_tokens", "counter", "The tokens those calls decoded past each sequence's first.",
                [f"_total{{{lab}}} {burst_tokens}"])
         metric("corral:sequence_forward_passes", "counter", "Per sequence, the steps that produced its output "

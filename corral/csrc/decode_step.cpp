@@ -8,6 +8,7 @@
 // that path's bit for bit; tests/engine/test_native_step.py holds it to that.
 #include "arrays.h"
 #include "common.h"
+#include "draws.h"
 #include "kernels.h"
 #include "qmatmul.h"
 
@@ -131,7 +132,9 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
 //             columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token
 //             ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1]
-//             that ends a burst once nonzero) -> None without a pick, else (picks: B lists of the steps done's
+//             that ends a burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one
+//             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
+//             pick, else (picks: B lists of the steps done's
 //             token ids, their logprobs: B lists of floats, decided: whether the greedy pass decided every pick)
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
@@ -148,12 +151,17 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 // token: what follows it would be thrown away) or where interrupt holds a nonzero value when a step ends (another
 // thread sets it: a request arrived or left, and should not wait for the rest). Every row then has the same
 // number of picks, the steps done, and its logits rows b * steps + s for s below that.
+//
+// With draws, each step's picks are sample_pick's (no mask, no shaping, no top logprobs) with that step's uniforms:
+// a greedy row (temperature 0) gets greedy_pick's token, a sampled row the draw the sampler makes with that
+// uniform. A draw the native pass cannot decide (id -1: a NaN or +inf in the row) ends the burst at its step.
 nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb::handle positions_in, nb::handle slots_in,
                  nb::handle tables_in, nb::handle lens_in, nb::handle embed_in, nb::handle layer_tiles_in,
                  nb::handle norms_in, nb::handle cos_in, nb::handle sin_in, nb::handle k_cache_in,
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
                  nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
-                 int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in) {
+                 int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in,
+                 nb::handle draws_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -250,6 +258,15 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         interrupt.expect_int64();
     }
     const int64_t* interrupt_flag = interruptible ? interrupt.data<const int64_t>() : nullptr;
+    const bool sampled = !draws_in.is_none();
+    if (sampled && !picking) fail(PyExc_TypeError, "decode_step: draws go with a pick");
+    if (sampled && (!PyTuple_Check(draws_in.ptr()) || PyTuple_GET_SIZE(draws_in.ptr()) != 5))
+        fail(PyExc_TypeError, "decode_step: draws must be (temperature, top_k, top_p, min_p, uniform)");
+    auto draw_item = [&](int i) { return nb::handle(sampled ? PyTuple_GET_ITEM(draws_in.ptr(), i) : nullptr); };
+    const std::unique_ptr<DrawLists> draws =
+        sampled ? std::make_unique<DrawLists>(draw_item(0), draw_item(1), draw_item(2), draw_item(3), draw_item(4), B,
+                                              steps, "decode_step")
+                : nullptr;
     for (Py_ssize_t b = 0; b < B; ++b) {
         if (id[b] < 0 || id[b] >= vocab) fail(PyExc_IndexError, "decode_step: a token id outside the vocabulary");
         if (pos[b] < 0 || pos[b] + steps - 1 >= cos.dim(0))
@@ -282,6 +299,9 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         const float scale = 1.0f / std::sqrt(float(D));
         std::vector<int64_t> picked(picking ? B : 0);
         std::vector<float> picked_logprobs(picking ? B : 0);
+        const std::vector<int64_t> no_tops(sampled ? B : 0);  // sampled picks report no top logprobs
+        std::vector<int64_t> top_ids(sampled ? B * corral_kernels::TOP_LOGPROBS : 0);
+        std::vector<float> top_logprobs(sampled ? B * corral_kernels::TOP_LOGPROBS : 0);
         for (int64_t step = 0; step < steps; ++step) {
             for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
             clock.mark(EMBED);
@@ -361,10 +381,17 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 clock.mark(LM_HEAD);
             }
             if (!picking) break;
-            k->greedy_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
-                           nullptr, 0, nullptr, picked.data(), picked_logprobs.data(), threads);
+            if (sampled)
+                k->sample_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
+                               nullptr, 0, nullptr, draws->params(step), {no_tops.data(), top_ids.data(),
+                                                                            top_logprobs.data()},
+                               picked.data(), picked_logprobs.data(), threads);
+            else
+                k->greedy_pick(logits.data<const float>() + step * head_rows, B, steps * head_rows, pick_columns,
+                               nullptr, 0, nullptr, picked.data(), picked_logprobs.data(), threads);
             bool ended = step + 1 < steps && interrupt_flag != nullptr &&
                          __atomic_load_n(interrupt_flag, __ATOMIC_RELAXED) != 0;
+            for (Py_ssize_t b = 0; b < B && sampled && !ended; ++b) ended = picked[b] < 0;
             for (Py_ssize_t b = 0; b < B && !ended; ++b)
                 for (Py_ssize_t e = 0; e < num_end_ids && !ended; ++e) ended = picked[b] == end_id[e];
             if (ended) done = step + 1;
@@ -407,7 +434,7 @@ void add_decode_step(nb::module_& m) {
           nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(),
           nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
           nb::arg("pick_columns") = 0, nb::arg("end_ids").none() = nb::none(),
-          nb::arg("interrupt").none() = nb::none());
+          nb::arg("interrupt").none() = nb::none(), nb::arg("draws").none() = nb::none());
 }
 
 }  // namespace corral_native

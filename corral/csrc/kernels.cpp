@@ -4,6 +4,7 @@
 
 #include "arrays.h"
 #include "common.h"
+#include "draws.h"
 #include "kernels.h"
 
 #include <memory>
@@ -215,7 +216,7 @@ nb::tuple kernel_greedy_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
 template <typename T>
 static std::vector<T> numbers_of(nb::handle list, int64_t rows, const char* name) {
     if (!PyList_Check(list.ptr()) || PyList_GET_SIZE(list.ptr()) != rows)
-        fail(PyExc_ValueError, (std::string("sample_pick: ") + name + " must be a list of one number per row").c_str());
+        fail(PyExc_ValueError, (std::string(name) + " must be a list of one number per row").c_str());
     std::vector<T> out(rows);
     for (int64_t r = 0; r < rows; ++r) {
         PyObject* item = PyList_GET_ITEM(list.ptr(), r);
@@ -479,33 +480,17 @@ nb::tuple kernel_sample_pick(nb::handle logits_in, int64_t n, nb::handle bitmask
     const int64_t rows = logits.dim(0);
     const RowMasks masks(bitmask_in, masked_in, rows, n, "sample_pick");
     const Shapings shapings(shaping_in, rows, n);
-    const auto temperature_64 = numbers_of<double>(temperature_in, rows, "temperature");
-    const auto top_k = numbers_of<int64_t>(top_k_in, rows, "top_k");
-    const auto top_p_64 = numbers_of<double>(top_p_in, rows, "top_p");
-    const auto min_p_64 = numbers_of<double>(min_p_in, rows, "min_p");
-    const auto uniform = numbers_of<double>(uniform_in, rows, "uniform");
-    const auto top_n = numbers_of<int64_t>(top_n_in, rows, "top_n");
-    std::vector<float> temperature(rows), top_p(rows), min_p(rows);
-    for (int64_t r = 0; r < rows; ++r) {
-        const bool ok = temperature_64[r] == temperature_64[r] && temperature_64[r] < INFINITY && top_k[r] >= 0 &&
-                        top_p_64[r] > 0.0 && top_p_64[r] <= 1.0 && min_p_64[r] >= 0.0 && min_p_64[r] <= 1.0 &&
-                        uniform[r] >= 0.0 && uniform[r] < 1.0 && top_n[r] >= 0 &&
-                        top_n[r] <= corral_kernels::TOP_LOGPROBS;
-        if (!ok) fail(PyExc_ValueError, "sample_pick: a row's parameters are out of range");
-        // in float32 as the torch path has them, where a temperature past its range divides every logit to
-        // about 0 (all tokens alike) and a top_p below it keeps the first token alone
-        temperature[r] = float(std::min<double>(temperature_64[r], FLT_MAX));
-        if (temperature_64[r] > 0.0 && temperature[r] == 0.0f) temperature[r] = FLT_MIN;
-        top_p[r] = std::max(float(top_p_64[r]), FLT_MIN);
-        min_p[r] = float(min_p_64[r]);
-    }
+    const DrawLists draws(temperature_in, top_k_in, top_p_in, min_p_in, uniform_in, rows, 1, "sample_pick");
+    const auto top_n = numbers_of<int64_t>(top_n_in, rows, "sample_pick: top_n");
+    for (int64_t r = 0; r < rows; ++r)
+        if (top_n[r] < 0 || top_n[r] > corral_kernels::TOP_LOGPROBS)
+            fail(PyExc_ValueError, "sample_pick: a row's parameters are out of range");
     const int threads = checked_threads(threads_in);
     std::vector<int64_t> ids(rows), top_ids(rows * corral_kernels::TOP_LOGPROBS);
     std::vector<float> logprobs(rows), top_logprobs(rows * corral_kernels::TOP_LOGPROBS);
     {
         NoGil nogil;
-        const corral_kernels::DrawParams params{temperature.data(), top_k.data(), top_p.data(), min_p.data(),
-                                                uniform.data(), shapings.data()};
+        const corral_kernels::DrawParams params = draws.params(0, shapings.data());
         const corral_kernels::TopLogprobs top{top_n.data(), top_ids.data(), top_logprobs.data()};
         chosen->sample_pick(logits.data<const float>(), rows, logits.dim(1), n, masks.words(), masks.words_stride(),
                             masks.rows(), params, top, ids.data(), logprobs.data(), threads);
@@ -725,6 +710,30 @@ void kernel_prefill_paged(nb::handle q_in, nb::handle k_cache_in, nb::handle v_c
 int release_thread_pool() { return omp_pause_resource_all(omp_pause_soft); }
 
 }  // namespace
+
+DrawLists::DrawLists(nb::handle temperature_in, nb::handle top_k_in, nb::handle top_p_in, nb::handle min_p_in,
+                     nb::handle uniform_in, int64_t rows, int64_t steps, const char* who) {
+    const std::string name = who;
+    const auto temperature_64 = numbers_of<double>(temperature_in, rows, (name + ": temperature").c_str());
+    top_k = numbers_of<int64_t>(top_k_in, rows, (name + ": top_k").c_str());
+    const auto top_p_64 = numbers_of<double>(top_p_in, rows, (name + ": top_p").c_str());
+    const auto min_p_64 = numbers_of<double>(min_p_in, rows, (name + ": min_p").c_str());
+    uniform = numbers_of<double>(uniform_in, rows * steps, (name + ": uniform").c_str());
+    temperature.resize(rows), top_p.resize(rows), min_p.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+        const bool ok = temperature_64[r] == temperature_64[r] && temperature_64[r] < INFINITY && top_k[r] >= 0 &&
+                        top_p_64[r] > 0.0 && top_p_64[r] <= 1.0 && min_p_64[r] >= 0.0 && min_p_64[r] <= 1.0;
+        if (!ok) fail(PyExc_ValueError, (name + ": a row's parameters are out of range").c_str());
+        // in float32 as the torch path has them, where a temperature past its range divides every logit to
+        // about 0 (all tokens alike) and a top_p below it keeps the first token alone
+        temperature[r] = float(std::min<double>(temperature_64[r], FLT_MAX));
+        if (temperature_64[r] > 0.0 && temperature[r] == 0.0f) temperature[r] = FLT_MIN;
+        top_p[r] = std::max(float(top_p_64[r]), FLT_MIN);
+        min_p[r] = float(min_p_64[r]);
+    }
+    for (const double u : uniform)
+        if (!(u >= 0.0 && u < 1.0)) fail(PyExc_ValueError, (name + ": a row's parameters are out of range").c_str());
+}
 
 const corral_kernels::KernelTable* kernel_table() { return chosen; }
 

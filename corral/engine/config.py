@@ -39,9 +39,9 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     decode_step: str = "auto"  # auto: the native decode step where it serves the model; native: required; torch
-    # the most tokens one native call decodes per sequence, where every sequence of a step decodes greedily with
-    # no draft, guide or penalty and nothing waits (a burst: its tokens but the last are verified as a draft is);
-    # 1: a call per token
+    # the most tokens one native call decodes per sequence, where every sequence of a step decodes greedily or
+    # samples with no draft, guide, bias or penalty and nothing waits (each token is the pick or draw the sampler
+    # would make; a stop id, an arrival or a departure ends the burst early); 1: a call per token
     decode_burst: int = 4
     # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
     jump_forward: bool = True

@@ -42,7 +42,8 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import DraftRows, Sampler, SampleResult, SamplingRow, Verified, make_generator, sampling_row
+from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, draw_uniforms,
+                                   make_generator, sampling_row)
 from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
@@ -288,11 +289,18 @@ class LLMEngine:
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
         if burst:
             ends = self._end_ids(batch.seqs) if burst > 1 else None  # a stop among them ends the burst there
+            draws = self._burst_draws(batch.seqs, burst)  # None: every row greedy
             seqs, logits, picks, logprobs, decided = self.runner.execute_burst(
-                batch, burst, self.sampler.vocab_size or 0, ends, self.burst_interrupt.flag if burst > 1 else None)
-            if picks and len(picks[0]) < burst:  # it ended early
-                batch, logits = self._cut_burst(batch, logits, burst, len(picks[0]))
-                burst = len(picks[0])
+                batch, burst, self.sampler.vocab_size or 0, ends, self.burst_interrupt.flag if burst > 1 else None,
+                draws and draws[0])
+            done = len(picks[0]) if picks else burst
+            if draws is not None and (done < burst or not decided):  # the uniforms of the steps not kept go back
+                self._rewind_draws(draws[1], done if decided else 0)
+            if draws is not None and not decided:  # a draw it could not decide: the sampler takes the first step
+                done = 1
+            if done < burst:  # it ended early
+                batch, logits = self._cut_burst(batch, logits, burst, done)
+                burst = done
             if burst > 1:  # each sequence's tokens but its last are its draft
                 for seq, tokens in zip(seqs, picks):
                     seq.draft, seq.draft_by_self = tokens[:-1], True
@@ -349,6 +357,7 @@ class LLMEngine:
         most = getattr(self.runner, "max_burst_rows", 0)
         if not most:
             return batch, 0
+        sampled = False
         steps = min(self.config.decode_burst, most // len(batch.seqs))
         if self.scheduler.waiting or len(batch.seqs) > _BURST_MAX_SEQS:
             steps = 1
@@ -356,10 +365,12 @@ class LLMEngine:
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
             params = seq.params
             if count != 1 or seq.num_uncomputed_tokens != 1 or seq.draft or seq.guide is not None or seq.is_beam \
-                    or seq.num_forks_pending or not params.is_greedy or not params.unshaped \
-                    or seq.num_output_tokens < params.min_tokens:
+                    or seq.num_forks_pending or not params.unshaped or seq.num_output_tokens < params.min_tokens:
                 return batch, 0
             asked = asked or bool(params.logprobs)
+            sampled = sampled or not params.is_greedy
+            if asked and sampled:  # top logprobs verify a burst's rows, and a sampled row's verification draws anew
+                return batch, 0
             if steps > 1:
                 steps = min(steps, params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
         if steps <= 1:  # top logprobs come from the sampler: a pick made in the call would be thrown away
@@ -370,6 +381,37 @@ class LLMEngine:
         for seq in batch.seqs:
             bm.append(seq, steps)
         return ScheduledBatch(batch.seqs, [steps] * len(batch.seqs), batch.preempted), steps
+
+    def _burst_draws(self, seqs: list[Sequence], steps: int):
+        """The native call's draws for ``steps`` steps of ``seqs`` where one of them samples (None where every one
+        is greedy): each row's parameters and, step by step, the uniforms the sampler would draw for it (each
+        step's as :func:`corral.engine.sampler.draw_uniforms` draws them, in turn), and the random states before
+        them, to give back the uniforms of the steps a burst does not make."""
+        drawn = [s for s in seqs if not s.params.is_greedy]
+        if not drawn:
+            return None
+        generators = [s.generator for s in drawn]
+        states = (torch.get_rng_state(), [(g, g.get_state()) for g in generators if g is not None], generators)
+        at = {s.seq_id: j for j, s in enumerate(drawn)}
+        uniforms = []
+        for _ in range(steps):
+            step = draw_uniforms(generators)
+            uniforms.extend([step[at[s.seq_id]] if s.seq_id in at else 0.0 for s in seqs])
+        params = [s.params for s in seqs]
+        width = self.sampler.vocab_size or 0
+        return ([0.0 if p.is_greedy else p.temperature for p in params], [min(p.top_k, width) for p in params],
+                [p.top_p for p in params], [p.min_p for p in params], uniforms), states
+
+    @staticmethod
+    def _rewind_draws(states, kept: int) -> None:
+        """Put the random states back as they were before a burst's draws, then draw again the uniforms of the
+        ``kept`` steps it made: the states are then those of ``kept`` single steps."""
+        global_state, seeded, generators = states
+        torch.set_rng_state(global_state)
+        for generator, state in seeded:
+            generator.set_state(state)
+        for _ in range(kept):
+            draw_uniforms(generators)
 
     def _end_ids(self, seqs: list[Sequence]) -> list[int] | None:
         """The token ids that end one of ``seqs`` (EOS unless ignored, and its stop ids): a burst stops after

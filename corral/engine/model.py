@@ -210,8 +210,8 @@ class NativeStep:
                      slots: list[int], tables: list[list[int]], context_lens: list[int], threads: int,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, end_ids: list[int] | None = None,
-                     interrupt: np.ndarray | None = None) -> tuple[torch.Tensor, list[list[int]],
-                                                                   list[list[float]], bool]:
+                     interrupt: np.ndarray | None = None, draws: tuple | None = None
+                     ) -> tuple[torch.Tensor, list[list[int]], list[list[float]], bool]:
         """``steps`` tokens of B greedy decodes in one call, as :meth:`decode` would make them one call each, each
         step's input the greedy token of the step before (``cpu_ops.greedy_pick``'s over the first
         ``pick_columns`` logits, 0: all): (float32 logits [B * steps, vocab], each row's ``steps`` rows together,
@@ -220,19 +220,22 @@ class NativeStep:
         ``steps`` 1 is :meth:`decode` with the pick made in its call. ``tables`` must hold every step's position.
         The logits are a view of a buffer that the next call overwrites. A burst ends early, every row with the
         same number of tokens, after a step where a row's pick is one of ``end_ids`` or ``interrupt`` (int64 [1],
-        set by another thread while the call runs) is nonzero; its rows' logits stay at their places."""
+        set by another thread while the call runs) is nonzero; its rows' logits stay at their places. ``draws``
+        (temperature, top_k, top_p, min_p per row, and ``steps`` uniforms per row, step-major) makes each pick the
+        sampler's native draw with that uniform instead of the greedy one; a draw it cannot decide ends the burst
+        there, undecided."""
         hidden_buffer = self._outputs.rows(len(input_ids))[2]
         _, logits, _, logits_buffer = self._outputs.rows(len(input_ids) * steps)
         picks, logprobs, decided = self._native_decode((input_ids, positions, slots, tables, context_lens), threads,
                                                        k_cache, v_cache, k_scale, v_scale, hidden_buffer,
                                                        logits_buffer, steps, pick_columns or self._outputs.vocab,
-                                                       end_ids, interrupt)
+                                                       end_ids, interrupt, draws)
         return logits, picks, logprobs, decided
 
     def _native_decode(self, rows: tuple, threads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, hidden_buffer, logits_buffer,
                        steps: int, pick_columns: int, end_ids: list[int] | None = None,
-                       interrupt: np.ndarray | None = None):
+                       interrupt: np.ndarray | None = None, draws: tuple | None = None):
         args = self._decode_args
         if args is None or args[0] is not k_cache or args[1] is not v_cache or args[2] is not k_scale \
                 or args[3] is not v_scale:  # the buffers that stay put, converted once (they are 12 calls)
@@ -246,7 +249,7 @@ class NativeStep:
                  view(self.head_tiles)))
         return native.module().decode_step(*args[4], *rows, *args[5], hidden_buffer, threads,
                                            None if self.profile is None else self.profile.numpy(), *args[6],
-                                           logits_buffer, steps, pick_columns, end_ids, interrupt)
+                                           logits_buffer, steps, pick_columns, end_ids, interrupt, draws)
 
     def _set_block_size(self, block_size: int) -> None:
         if block_size != self._block_size:  # known once the cache is

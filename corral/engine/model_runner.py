@@ -124,13 +124,14 @@ class ModelRunner:
         return step.max_burst_rows if step is not None and step.head_tiles is not None else 0
 
     def execute_burst(self, batch: ScheduledBatch, steps: int, pick_columns: int, end_ids: list[int] | None = None,
-                      interrupt=None) -> tuple[list[Sequence], torch.Tensor, list[list[int]], list[list[float]], bool]:
+                      interrupt=None, draws: tuple | None = None
+                      ) -> tuple[list[Sequence], torch.Tensor, list[list[int]], list[list[float]], bool]:
         """``steps`` greedy tokens for each of ``batch``'s decoding sequences in one native call (each step's
         input the greedy token, among the first ``pick_columns`` logits, of the step before; the block tables hold
         room for every step, and a sequence's draft is empty): (the sequences, their float32 logits [B * steps,
         vocab] with each sequence's rows together, as a draft's, each sequence's tokens and their logprobs, and
-        whether the greedy pass decided every token: see :meth:`NativeStep.decode_burst`, which ``end_ids`` and
-        ``interrupt`` may end early). The logits may be a view of a buffer that the next step overwrites."""
+        whether the native pass decided every token: see :meth:`NativeStep.decode_burst`, which ``end_ids`` and
+        ``interrupt`` may end early, and whose picks are ``draws``' where given). The logits may be a view of a buffer that the next step overwrites."""
         size = self.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for seq in batch.seqs:
@@ -143,7 +144,8 @@ class ModelRunner:
         kv = self.whole_kv
         return (list(batch.seqs), *self.native_step.decode_burst(steps, pick_columns, ids, positions, slots, tables,
                                                                  lens, torch.get_num_threads(), kv.k, kv.v,
-                                                                 kv.k_scale, kv.v_scale, end_ids, interrupt))
+                                                                 kv.k_scale, kv.v_scale, end_ids, interrupt,
+                                                                 draws))
 
     def prepare_decode(self, batch: ScheduledBatch) -> tuple[list, ...] | None:
         """What :meth:`prepare` gives the native step, as the scheduler's own lists (token ids, positions, slots,

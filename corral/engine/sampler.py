@@ -114,7 +114,7 @@ class Sampler:
         if not rows:
             return SampleResult([], [], None)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        uniforms = _uniforms([rows[i].generator for i in random_rows]) if random_rows else []
+        uniforms = draw_uniforms([rows[i].generator for i in random_rows]) if random_rows else []
         # Every row is drawn natively, whatever shares its batch, so its token does not depend on the batch; a row
         # the native pass cannot decide (a NaN or +inf in its logits) gets the torch path's draw, alone.
         picked = self._native_draws(logits, rows, random_rows, uniforms, bitmask, masked_rows)
@@ -392,7 +392,7 @@ def _row_set(masked_rows: torch.Tensor | None, num_rows: int) -> set[int]:
 
 
 def _uniform(generator: torch.Generator | None) -> float:
-    """One U[0, 1) in float64, from ``generator`` when the row has one (as :func:`_uniforms` draws it)."""
+    """One U[0, 1) in float64, from ``generator`` when the row has one (as :func:`draw_uniforms` draws it)."""
     if generator is None:
         return torch.rand(1, dtype=torch.float64).item()
     return torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
@@ -440,7 +440,7 @@ def _draw_one(p: torch.Tensor, u: float) -> int:
     return int(_draw(p[None], torch.tensor([u], dtype=torch.float64))[0])
 
 
-def _uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
+def draw_uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
     """One U[0, 1) per row, in float64: a seeded row takes it from its own generator alone (per-request
     generators are CPU ones), the others from torch's global generator, which draws one for every row."""
     uniforms = torch.rand(len(generators), dtype=torch.float64).tolist()

@@ -375,6 +375,81 @@ def test_a_stop_inside_a_burst_ends_it_where_single_steps_end(engines, sampler_e
     assert burst.stats().num_burst_steps > before
 
 
+def test_sampled_bursts_change_no_output(engines, sampler_engine):
+    """Bursts of sampled requests (temperature, top_k, top_p, min_p; no bias, penalty or top logprobs) draw each
+    token natively with the uniform the sampler would draw for it, from the request's generator: the same tokens
+    and logprobs as the sampler's one step at a time, for a seeded request alone, an unseeded one alone (the same
+    global seed before each), and seeded ones beside a greedy one where a stop id ends bursts early for all (the
+    uniforms of the steps not made go back to the generators). Sampled bursts must have run."""
+    import torch
+    from corral.engine.sampling_params import SamplingParams
+
+    burst, plain = engines["native"], sampler_engine
+    prompts = [chat(burst, q) for q in QUESTIONS[:3]]
+
+    def sampled(seed, **kwargs):
+        return SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=seed, max_tokens=30,
+                              ignore_eos=True, **kwargs)
+
+    plain.block_manager.reset_prefix_cache()
+    tokens = plain.generate(prompts, [sampled(7), sampled(5), greedy(30)])[1].outputs[0].token_ids
+    stop = next(t for k, t in enumerate(tokens) if k >= 6 and t not in tokens[:k])  # first met at 6 or later
+    before = burst.stats().num_burst_steps
+    cases = [([prompts[0]], [sampled(11)]), ([prompts[0]], [sampled(None)]),
+             (prompts, [sampled(7), sampled(5, stop_token_ids=[stop]), greedy(30)])]
+    for chosen, params in cases:
+        for engine in (burst, plain):
+            engine.block_manager.reset_prefix_cache()
+        results = []
+        for engine in (burst, plain):
+            torch.manual_seed(1234)  # the unseeded request's uniforms come from the global generator
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].cumulative_logprob)
+                            for o in engine.generate(chosen, params)])
+        assert results[0] == results[1]
+    assert results[0][1][1] == "stop" and len(results[0][1][0]) < 30  # the stop id ended the second one early
+    assert burst.stats().num_burst_steps > before
+
+    # a draw the native pass could not decide (a NaN or +inf in its row): the sampler takes that burst's first step
+    execute_burst, undecided = burst.runner.execute_burst, []
+
+    def undecided_draws(batch, steps, columns, ends=None, interrupt=None, draws=None):
+        seqs, logits, picks, logprobs, decided = execute_burst(batch, steps, columns, ends, interrupt, draws)
+        undecided.append(draws is not None)
+        return seqs, logits, picks, logprobs, decided and draws is None
+
+    burst.runner.execute_burst = undecided_draws
+    try:
+        for engine in (burst, plain):
+            engine.block_manager.reset_prefix_cache()
+        outs = [[o.outputs[0].token_ids for o in engine.generate(prompts[:2], [sampled(7), greedy(30)])]
+                for engine in (burst, plain)]
+    finally:
+        del burst.runner.execute_burst
+    assert outs[0] == outs[1] and any(undecided)
+
+
+def test_an_interrupted_sampled_burst_gives_its_uniforms_back():
+    """An interrupt ends a sampled burst after its first token; the uniforms it drew for the rest go back to the
+    request's generator, so the run goes on as an uninterrupted one does."""
+    from corral.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", num_kv_blocks=64,
+                                    num_threads=2, decode_burst=16, speculation=False, jump_forward=False))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    prompt = chat(engine, QUESTIONS[2])
+    (whole,) = engine.generate([prompt], params)
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("r", prompt, params)
+    engine.step()
+    engine.burst_interrupt.set()
+    (delta,) = engine.step()
+    assert len(delta.outputs[0].token_ids) == 2
+    engine.burst_interrupt.clear()
+    while engine.has_unfinished_requests():
+        (last,) = engine.step()
+    assert last.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
 def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_engine):
     """Past 16 sequences no burst runs, but a step of plain greedy decodes still makes its greedy picks in the
     native call: the same tokens, texts, finish reasons and logprobs as the sampler's, for 18 sequences with stop
