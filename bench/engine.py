@@ -39,6 +39,8 @@ times slower in fp32); their model dtype is ``auto``'s.
     .venv/bin/python bench/engine.py --cells short-1,json-16 --no-hf
     .venv/bin/python bench/engine.py --formats --no-hf --slots 1,16,64   # about 25 minutes
     .venv/bin/python bench/engine.py --cells short-1,short-4,short-16 --no-hf --no-fp32 --decode-bursts 1
+    .venv/bin/python bench/engine.py --cells short-1,short-4 --no-hf --no-fp32 --temperature 0.8 --top-p 0.95 \
+        --top-k 40 --min-p 0.05                          # sampled, the same parameters sent to every server
 """
 
 import argparse
@@ -191,8 +193,11 @@ def make_cells(seed: int) -> list[Cell]:
 
 
 # ---- the HTTP client, the same for every server ---------------------------------------------------------------
+SAMPLING = {"temperature": 0}  # every request's sampling parameters (main sets them from the command line)
+
+
 def body_of(request: Request, engine: str) -> dict:
-    body = {"model": MODEL, "messages": request.messages, "max_tokens": request.max_tokens, "temperature": 0,
+    body = {"model": MODEL, "messages": request.messages, "max_tokens": request.max_tokens, **SAMPLING,
             "stream": True, "stream_options": {"include_usage": True}}
     if request.exact:
         body["ignore_eos"] = True  # both servers take it: exactly max_tokens tokens
@@ -443,14 +448,23 @@ def main() -> None:
     parser.add_argument("--formats", nargs="?", const=",".join(FORMATS), default=None,
                         help=f"Corral in each number format (default list: {','.join(FORMATS)}; each also with an "
                              "int8 KV cache)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (0: greedy); above 0 the HF rows are off (--no-hf)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
     args = parser.parse_args()
+    if args.temperature > 0 and not args.no_hf:
+        parser.error("sampled requests (--temperature > 0) run without the HF rows: add --no-hf")
+    SAMPLING.update({"temperature": args.temperature}, **{name: value for name, value in (
+        ("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p)) if value is not None})
     from corral.models import load_tokenizer
 
     started = time.time()
     fast_bf16 = has_fast_bf16()
     dtypes = ["float32", "bfloat16"] if fast_bf16 else ["float32"]
     print(f"# bench/engine.py, {time.strftime('%Y-%m-%d %H:%M')}\n\nCPU: {cpu_summary()}; fast bf16: {fast_bf16}; "
-          f"HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}")
+          f"HF dtypes: {', '.join(dtypes)}; load average {os.getloadavg()[0]:.2f}\nsampling: {SAMPLING}")
     cells = make_cells(args.seed)
     if args.cells or args.formats:
         wanted = (args.cells or "short-1,short-16,short-64").split(",")
