@@ -360,7 +360,9 @@ def run_llama_cpp_python(tokenizer, cell: Cell) -> Result:
         llm.reset()  # a fresh context per request, as each HTTP request here is distinct
         timing = Timing(time.perf_counter() - start)
         for chunk in llm.create_completion(chat_ids(tokenizer, request), max_tokens=request.max_tokens,
-                                           temperature=0.0, logit_bias={eos: -1e9}, stream=True):
+                                           temperature=SAMPLING["temperature"], top_p=SAMPLING.get("top_p", 1.0),
+                                           top_k=SAMPLING.get("top_k", 0), min_p=SAMPLING.get("min_p", 0.0),
+                                           logit_bias={eos: -1e9}, stream=True):
             if chunk["choices"][0]["finish_reason"] is not None:
                 continue  # the closing chunk carries no token
             timing.num_tokens += 1
@@ -450,14 +452,15 @@ def main() -> None:
                              "int8 KV cache)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request's temperature (0: greedy); above 0 the HF rows are off (--no-hf)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature (default 1: off)")
+    parser.add_argument("--top-k", type=int, default=None, help="with --temperature (default 0: off)")
+    parser.add_argument("--min-p", type=float, default=None, help="with --temperature (default 0: off)")
     args = parser.parse_args()
     if args.temperature > 0 and not args.no_hf:
         parser.error("sampled requests (--temperature > 0) run without the HF rows: add --no-hf")
-    SAMPLING.update({"temperature": args.temperature}, **{name: value for name, value in (
-        ("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p)) if value is not None})
+    if args.temperature > 0:  # all four, sent to every server: llama-server's own defaults filter (top_k 40, ...)
+        SAMPLING.update(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+                        top_k=0 if args.top_k is None else args.top_k, min_p=0.0 if args.min_p is None else args.min_p)
     from corral.models import load_tokenizer
 
     started = time.time()

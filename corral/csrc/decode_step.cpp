@@ -134,8 +134,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1]
 //             that ends a burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one
 //             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
-//             pick, else (picks: B lists of the steps done's
-//             token ids, their logprobs: B lists of floats, decided: whether the greedy pass decided every pick)
+//             pick, else (picks: B lists of the steps done's token ids, their logprobs: B lists of floats,
+//             decided: whether the native pass decided every pick)
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //

@@ -296,8 +296,8 @@ class LLMEngine:
             done = len(picks[0]) if picks else burst
             if draws is not None and (done < burst or not decided):  # the uniforms of the steps not kept go back
                 self._rewind_draws(draws[1], done if decided else 0)
-            if draws is not None and not decided:  # a draw it could not decide: the sampler takes the first step
-                done = 1
+            if draws is not None and not decided:  # a draw it could not decide (a NaN or +inf, at any step, of a
+                done = 1  # greedy or sampled row): the burst counts for its first step alone, which the sampler takes
             if done < burst:  # it ended early
                 batch, logits = self._cut_burst(batch, logits, burst, done)
                 burst = done
@@ -345,15 +345,15 @@ class LLMEngine:
                 return batch
 
     def _plan_burst(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, int]:
-        """``batch`` as it runs, and how many tokens each sequence decodes in it with its greedy pick made inside
-        the native call (the same pass as the sampler's, so the same token): 0 (none: the sampler picks), 1 where
-        every sequence decodes one token greedily with no draft, guide, beam, fork, bias, penalty or top logprobs
-        (the sampler's call and its rows are saved), or a burst of up to ``decode_burst`` where, on top of that
-        (top logprobs allowed: they are verified), at most ``_BURST_MAX_SEQS`` sequences run, nothing waits (a
-        burst would hold an arrival back), each has room for the tokens under its limits, and the pool has the
-        blocks. A burst's tokens are
-        emitted as the sampler's own picks (see :meth:`_settle_burst`), so a burst never changes an output, and a
-        stop among them drops the rest. Its extra blocks are taken here."""
+        """``batch`` as it runs, and how many tokens each sequence decodes in it with its greedy pick or sampled
+        draw made inside the native call (the same pass as the sampler's with the uniform the sampler would draw,
+        so the same token): 0 (none: the sampler picks), 1 where every sequence decodes one token, greedily or
+        sampled, with no draft, guide, beam, fork, bias, penalty or top logprobs (the sampler's call and its rows
+        are saved), or a burst of up to ``decode_burst`` where, on top of that (top logprobs allowed where every
+        row is greedy: they are verified), at most ``_BURST_MAX_SEQS`` sequences run, nothing waits (a burst would
+        hold an arrival back), each has room for the tokens under its limits, and the pool has the blocks. A
+        burst's tokens are emitted as the sampler's own (see :meth:`_settle_burst`), so a burst never changes an
+        output, and a stop among them drops the rest. Its extra blocks are taken here."""
         most = getattr(self.runner, "max_burst_rows", 0)
         if not most:
             return batch, 0
@@ -397,9 +397,9 @@ class LLMEngine:
         for _ in range(steps):
             step = draw_uniforms(generators)
             uniforms.extend([step[at[s.seq_id]] if s.seq_id in at else 0.0 for s in seqs])
-        params = [s.params for s in seqs]
-        width = self.sampler.vocab_size or 0
-        return ([0.0 if p.is_greedy else p.temperature for p in params], [min(p.top_k, width) for p in params],
+        params, width = [s.params for s in seqs], self.sampler.vocab_size or 2 ** 31 - 1
+        # a top_k of the vocabulary or more keeps every token, as 0 does (the sampler bounds it the same way)
+        return ([0.0 if p.is_greedy else p.temperature for p in params], [int(min(p.top_k, width)) for p in params],
                 [p.top_p for p in params], [p.min_p for p in params], uniforms), states
 
     @staticmethod
@@ -523,8 +523,8 @@ class LLMEngine:
 
     def _settle_burst(self, seqs: list[Sequence], picks: list[list[int]], logprobs: list[list[float]]) -> dict:
         """Emit a burst's tokens as the plain path would have emitted them one step each: every token is the
-        greedy pass's first largest of its row, as the sampler picks a greedy row with no mask, bias, penalty or
-        top logprobs, so there is nothing to verify (the rows were ruled on where that pass could not decide, or
+        native pass's greedy pick or draw of its row, as the sampler makes it for a row with no mask, bias, penalty
+        or top logprobs, so there is nothing to verify (the rows were ruled on where that pass could not decide, or
         top logprobs are asked for). A stop among them ends the sequence there, and the blocks past what was
         computed go back. Returns the requests touched."""
         touched: dict[str, _Request] = {}

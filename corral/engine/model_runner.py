@@ -126,12 +126,13 @@ class ModelRunner:
     def execute_burst(self, batch: ScheduledBatch, steps: int, pick_columns: int, end_ids: list[int] | None = None,
                       interrupt=None, draws: tuple | None = None
                       ) -> tuple[list[Sequence], torch.Tensor, list[list[int]], list[list[float]], bool]:
-        """``steps`` greedy tokens for each of ``batch``'s decoding sequences in one native call (each step's
-        input the greedy token, among the first ``pick_columns`` logits, of the step before; the block tables hold
-        room for every step, and a sequence's draft is empty): (the sequences, their float32 logits [B * steps,
-        vocab] with each sequence's rows together, as a draft's, each sequence's tokens and their logprobs, and
-        whether the native pass decided every token: see :meth:`NativeStep.decode_burst`, which ``end_ids`` and
-        ``interrupt`` may end early, and whose picks are ``draws``' where given). The logits may be a view of a buffer that the next step overwrites."""
+        """``steps`` tokens for each of ``batch``'s decoding sequences in one native call (each step's input the
+        token picked, among the first ``pick_columns`` logits, at the step before: the greedy one, or ``draws``'
+        where given; the block tables hold room for every step, and a sequence's draft is empty): (the sequences,
+        their float32 logits [B * steps, vocab] with each sequence's rows together, as a draft's, each sequence's
+        tokens and their logprobs, and whether the native pass decided every token: see
+        :meth:`NativeStep.decode_burst`, which ``end_ids`` and ``interrupt`` may end early). The logits may be a
+        view of a buffer that the next step overwrites."""
         size = self.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for seq in batch.seqs:

@@ -1,5 +1,6 @@
-"""The engine thread's bursts (several tokens per sequence in one native call) never hold a command back: every
-command raises the engine's burst interrupt, and the engine thread lowers it as it takes the commands."""
+"""Every command sent to the engine thread raises the engine's burst interrupt (which ends a running burst after
+its token in flight: tests/engine/test_native_step.py), and the engine thread lowers it as it takes the commands,
+under the lock they are sent under."""
 
 import time
 

@@ -259,6 +259,19 @@ def test_a_burst_ends_after_a_stop_id_or_an_interrupt(engines):
         assert got == [row[:done] for row in picks] and got_logprobs == [row[:done] for row in logprobs]
         for b in range(2):
             assert torch.equal(logits[b * 6: b * 6 + done], full[b * 6: b * 6 + done])
+    # raised by another thread while the call runs (the GIL is released there): the burst ends early
+    import threading
+
+    table = [list(range(1, 9))]  # 8 blocks: room for 64 steps from position 4
+    long_args = ([3], [4], [table[0][0] * size + 4], table, [5], 2, kv.k, kv.v)
+    interrupt = np.zeros(1, dtype=np.int64)
+    timer = threading.Timer(0.02, lambda: interrupt.__setitem__(0, 1))
+    timer.start()
+    try:
+        _, got, _, _ = step.decode_burst(64, vocab, *long_args, interrupt=interrupt)
+    finally:
+        timer.cancel()
+    assert interrupt[0] == 1 and 1 <= len(got[0]) < 64, len(got[0])
     with pytest.raises(TypeError, match="end a burst"):
         step.decode_burst(1, vocab, *args, end_ids=[1])
     with pytest.raises(TypeError, match="int64"):
@@ -281,7 +294,9 @@ def test_an_engine_burst_ends_at_eos_and_at_an_interrupt():
     assert engine.block_manager.num_used_blocks == 0
 
     engine.block_manager.reset_prefix_cache()
-    engine.add_request("r", chat(engine, QUESTIONS[1]), greedy(40, ignore_eos=True))
+    prompt = chat(engine, QUESTIONS[1])
+    assert len(prompt) % engine.block_manager.block_size != 0  # else the 15 steps' blocks would be none
+    engine.add_request("r", prompt, greedy(40, ignore_eos=True))
     engine.step()  # the prompt, and the first token
     engine.burst_interrupt.set()
     (delta,) = engine.step()
@@ -323,7 +338,8 @@ def test_bursts_change_no_output(engines, sampler_engine):
     """An engine that decodes up to 4 greedy tokens per native call against one whose sampler picks every token
     (a native call per token), on the same batches: the same tokens, texts, finish reasons and logprobs, with stop
     strings, stop tokens, ``min_tokens``, top logprobs (whose bursts are verified as drafts), limits that end
-    inside a burst, and a sampled request alongside (no burst while it runs). Bursts must have run."""
+    inside a burst, and a seeded sampled request alongside (its draws made in the call too). Bursts must have
+    run."""
     from corral.engine.sampling_params import SamplingParams
 
     burst, plain = engines["native"], sampler_engine
@@ -353,11 +369,15 @@ def test_a_stop_inside_a_burst_ends_it_where_single_steps_end(engines, sampler_e
     prompt = chat(burst, QUESTIONS[0])
     (full,) = plain.generate([prompt], greedy(24, ignore_eos=True))
     tokens, vocab = full.outputs[0].token_ids, burst.vocabulary
-    firsts = [k for k in range(3, len(tokens)) if tokens[k] not in tokens[:k]]  # a stop id first met at k
+    firsts = [k for k in range(1, len(tokens)) if tokens[k] not in tokens[:k]]  # a stop id first met at k
+    # bursts of 4 after the prompt's step: token k is at place (k - 1) % 4 of its burst; one stop id per place
+    places = {}
+    for k in firsts:
+        places.setdefault((k - 1) % 4, k)
     pieces = [(k, vocab.token_bytes[tokens[k]].decode(errors="ignore").strip()) for k in firsts]
     words = [(k, w) for k, w in pieces if w and w not in full.outputs[0].text.split(w, 1)[0] + w[:-1]]
-    assert len(firsts) >= 4 and len(words) >= 2, (tokens, pieces)
-    cases = [greedy(24, stop_token_ids=[tokens[k]]) for k in firsts[:4]]  # 4 places in a burst, one each
+    assert len(places) >= 3 and len(words) >= 2, (tokens, pieces)
+    cases = [greedy(24, stop_token_ids=[tokens[k]]) for k in places.values()]
     cases += [greedy(24, stop=[w]) for _, w in words[:2]]
     cases += [greedy(24, stop=[words[0][1]], stop_token_ids=[tokens[firsts[-1]]]),
               greedy(24, stop=[words[-1][1]], stop_token_ids=[tokens[firsts[0]]]),
@@ -389,7 +409,7 @@ def test_sampled_bursts_change_no_output(engines, sampler_engine):
 
     def sampled(seed, **kwargs):
         return SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=seed, max_tokens=30,
-                              ignore_eos=True, **kwargs)
+                              ignore_eos=True, logprobs=0, **kwargs)
 
     plain.block_manager.reset_prefix_cache()
     tokens = plain.generate(prompts, [sampled(7), sampled(5), greedy(30)])[1].outputs[0].token_ids
@@ -397,16 +417,29 @@ def test_sampled_bursts_change_no_output(engines, sampler_engine):
     before = burst.stats().num_burst_steps
     cases = [([prompts[0]], [sampled(11)]), ([prompts[0]], [sampled(None)]),
              (prompts, [sampled(7), sampled(5, stop_token_ids=[stop]), greedy(30)])]
-    for chosen, params in cases:
-        for engine in (burst, plain):
-            engine.block_manager.reset_prefix_cache()
-        results = []
-        for engine in (burst, plain):
-            torch.manual_seed(1234)  # the unseeded request's uniforms come from the global generator
-            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].cumulative_logprob)
-                            for o in engine.generate(chosen, params)])
-        assert results[0] == results[1]
-    assert results[0][1][1] == "stop" and len(results[0][1][0]) < 30  # the stop id ended the second one early
+    execute_burst, short = burst.runner.execute_burst, []
+
+    def counted(batch, steps, *rest):  # which bursts ended before their planned steps
+        out = execute_burst(batch, steps, *rest)
+        short.append(steps > 1 and len(out[2][0]) < steps)
+        return out
+
+    burst.runner.execute_burst = counted
+    try:
+        for chosen, params in cases:
+            for engine in (burst, plain):
+                engine.block_manager.reset_prefix_cache()
+            results = []
+            for engine in (burst, plain):
+                torch.manual_seed(1234)  # the unseeded request's uniforms come from the global generator
+                results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                                 o.outputs[0].stop_reason, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob)
+                                for o in engine.generate(chosen, params)])
+            assert results[0] == results[1]
+    finally:
+        del burst.runner.execute_burst
+    assert results[0][1][2:4] == ("stop", stop) and len(results[0][1][0]) < 30  # the stop id ended it early
+    assert any(short)  # and with it a burst, before the others' last planned step: their uniforms went back
     assert burst.stats().num_burst_steps > before
 
     # a draw the native pass could not decide (a NaN or +inf in its row): the sampler takes that burst's first step
@@ -453,8 +486,11 @@ def test_an_interrupted_sampled_burst_gives_its_uniforms_back():
 def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_engine):
     """Past 16 sequences no burst runs, but a step of plain greedy decodes still makes its greedy picks in the
     native call: the same tokens, texts, finish reasons and logprobs as the sampler's, for 18 sequences with stop
-    strings and limits, and with a request asking for top logprobs among them (its steps go to the sampler). Such
-    steps must have run, and none with the top logprobs."""
+    strings and limits, with seeded sampled requests among them (drawn in the call with the uniforms the sampler
+    would draw), and with a request asking for top logprobs among them (its steps go to the sampler). Such steps
+    must have run, and none with the top logprobs."""
+    from corral.engine.sampling_params import SamplingParams
+
     engine = engines["native"]
     prompts = [chat(engine, q) for q in QUESTIONS + ["Name a colour.", "Name a number."]]
     single = []
@@ -467,9 +503,13 @@ def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_eng
 
     engine.runner.execute_burst = counted
     try:
-        for asked in (None, 2):
+        for asked in (None, 2, "sampled"):
             params = [greedy(8 + i % 7, stop=["."] if i % 3 == 0 else ()) for i in range(len(prompts))]
-            params[5] = greedy(10, logprobs=asked) if asked else params[5]
+            if asked == "sampled":
+                params[1::4] = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=9 + i % 5,
+                                               logprobs=0) for i in range(len(params[1::4]))]
+            else:
+                params[5] = greedy(10, logprobs=asked) if asked else params[5]
             for e in (engine, sampler_engine):
                 e.block_manager.reset_prefix_cache()
             assert_same_outputs(engine, sampler_engine, prompts, params)
