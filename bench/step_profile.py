@@ -9,7 +9,7 @@ sampler (scheduling, guides, drafts, outputs), also given per step (median and p
 without ``generate``'s own work). Drafts are on as a server runs them (``--drafts off``: one row per sequence per
 step; the "Tale" prompts make prompt lookup draft often). Where the native decode step runs (``w4a8``), it times its own parts
 ("native: ..."; the prefill steps still go through the timed torch parts), and greedy steps with no draft may decode
-up to ``--decode-burst`` tokens per sequence in one native call (4, as a server runs; 1: a call per token): the
+up to ``--decode-burst`` tokens per sequence in one native call (8, as a server runs; 1: a call per token): the
 shares are then per step, and the engine loop is also given per generated token. A plain greedy step makes its
 pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with
 ``bench/engine.py`` for what the server adds.
@@ -92,8 +92,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-burst", type=int, default=4,
-                    help="the most greedy tokens a native call decodes per sequence (1: a call per token)")
+    ap.add_argument("--decode-burst", type=int, default=8,
+                    help="the most tokens a native call decodes per sequence, as a server runs it (1: a call per "
+                         "token)")
     ap.add_argument("--drafts", choices=("on", "off"), default="on",
                     help="jump-forward and prompt lookup, as a server runs them (on) or off")
     ap.add_argument("--temperature", type=float, default=0.0, help="the timed requests' sampling (0: greedy)")

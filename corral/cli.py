@@ -64,7 +64,7 @@ def _add_format_args(command) -> None:
     command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),
                          help="decode-only steps in one native call (auto: where it serves the model, w4a8) or op "
                               "by op in torch (the oracle)")
-    command.add_argument("--decode-burst", type=int, default=4,
+    command.add_argument("--decode-burst", type=int, default=8,
                          help="the most tokens one native call decodes per sequence while every running sequence "
                               "decodes greedily or samples with no draft, guide, bias or penalty and no request "
                               "waits (1: a call per token); each token is the one the sampler would pick or draw, "

@@ -42,7 +42,7 @@ class EngineConfig:
     # the most tokens one native call decodes per sequence, where every sequence of a step decodes greedily or
     # samples with no draft, guide, bias or penalty and nothing waits (each token is the pick or draw the sampler
     # would make; a stop id, an arrival or a departure ends the burst early); 1: a call per token
-    decode_burst: int = 4
+    decode_burst: int = 8
     # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
     jump_forward: bool = True
     speculation: bool = True

@@ -21,7 +21,8 @@ QUESTIONS = PROMPTS + [f"Name {n} animals that live in the {place}." for n, plac
 @pytest.fixture(scope="module")
 def engines():
     made = {step: LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto", decode_step=step,
-                                         num_kv_blocks=256, num_threads=2)) for step in ("native", "torch")}
+                                         num_kv_blocks=256, num_threads=2, decode_burst=4))
+            for step in ("native", "torch")}  # bursts of 4: the tests place stops at each place of one
     assert made["native"].runner.decode_path == "native" and made["torch"].runner.decode_path == "torch"
     return made
 
@@ -522,8 +523,9 @@ def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_eng
 def test_health_and_metrics_say_how_many_tokens_a_call_decodes(engines):
     from corral.api.launch import decode_burst
 
-    assert decode_burst(engines["native"]) == 4  # the default
+    assert decode_burst(engines["native"]) == 4  # as configured
     assert decode_burst(engines["torch"]) == 1  # the torch path makes a call per op, never a burst
+    assert EngineConfig().decode_burst == 8  # the default
 
 
 def test_no_burst_holds_back_a_waiting_request():
