@@ -42,8 +42,8 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, draw_uniforms,
-                                   make_generator, sampling_row)
+from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, draw_parameters,
+                                   draw_uniforms, make_generator, sampling_row)
 from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
@@ -397,10 +397,8 @@ class LLMEngine:
         for _ in range(steps):
             step = draw_uniforms(generators)
             uniforms.extend([step[at[s.seq_id]] if s.seq_id in at else 0.0 for s in seqs])
-        params, width = [s.params for s in seqs], self.sampler.vocab_size or 2 ** 31 - 1
-        # a top_k of the vocabulary or more keeps every token, as 0 does (the sampler bounds it the same way)
-        return ([0.0 if p.is_greedy else p.temperature for p in params], [int(min(p.top_k, width)) for p in params],
-                [p.top_p for p in params], [p.min_p for p in params], uniforms), states
+        width = self.sampler.vocab_size or 2 ** 31 - 1
+        return (*draw_parameters([s.params for s in seqs], width), uniforms), states
 
     @staticmethod
     def _rewind_draws(states, kept: int) -> None:

@@ -212,10 +212,10 @@ class NativeStep:
                      v_scale: torch.Tensor | None = None, end_ids: list[int] | None = None,
                      interrupt: np.ndarray | None = None, draws: tuple | None = None
                      ) -> tuple[torch.Tensor, list[list[int]], list[list[float]], bool]:
-        """``steps`` tokens of B greedy decodes in one call, as :meth:`decode` would make them one call each, each
-        step's input the greedy token of the step before (``cpu_ops.greedy_pick``'s over the first
+        """``steps`` tokens of B decodes in one call, as :meth:`decode` would make them one call each, each
+        step's input the token picked at the step before (without ``draws``, ``cpu_ops.greedy_pick``'s over the first
         ``pick_columns`` logits, 0: all): (float32 logits [B * steps, vocab], each row's ``steps`` rows together,
-        each row's ``steps`` tokens, their logprobs, and whether the greedy pass decided every token: where it
+        each row's ``steps`` tokens, their logprobs, and whether the native pass decided every token: where it
         could not, a NaN or +inf in a row, the token is 0 and only a verification of the rows may say what it is).
         ``steps`` 1 is :meth:`decode` with the pick made in its call. ``tables`` must hold every step's position.
         The logits are a view of a buffer that the next call overwrites. A burst ends early, every row with the

@@ -163,18 +163,11 @@ class Sampler:
         """The native pass over every row, with the uniforms drawn for ``random_rows``: id -1 for a row it cannot
         decide; None where it cannot take the arrays (the torch path then decides those)."""
         row_uniform = dict(zip(random_rows, uniforms))
-        temperature, top_k, top_p, min_p, uniform, top_n, shaping = [], [], [], [], [], [], []
-        for i, row in enumerate(rows):
-            params = row.params
-            top_n.append(params.logprobs or 0)
-            temperature.append(0.0 if params.is_greedy else params.temperature)
-            top_k.append(int(min(params.top_k, logits.shape[1])))  # past the width it keeps every column
-            top_p.append(params.top_p)
-            min_p.append(params.min_p)
-            uniform.append(row_uniform.get(i, 0.0))
-            shaping.append(self.shaping(row))
-        return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows, temperature,
-                                   top_k, top_p, min_p, uniform, top_n,
+        uniform = [row_uniform.get(i, 0.0) for i in range(len(rows))]
+        top_n = [row.params.logprobs or 0 for row in rows]
+        shaping = [self.shaping(row) for row in rows]
+        return cpu_ops.sample_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows,
+                                   *draw_parameters([row.params for row in rows], logits.shape[1]), uniform, top_n,
                                    shaping if any(entry is not None for entry in shaping) else None, partial=True)
 
     @staticmethod
@@ -438,6 +431,13 @@ def _verify_sampled(draft: DraftRows, draw, possible, generator: torch.Generator
 
 def _draw_one(p: torch.Tensor, u: float) -> int:
     return int(_draw(p[None], torch.tensor([u], dtype=torch.float64))[0])
+
+
+def draw_parameters(params: Sequence[SamplingParams], width: int) -> tuple[list, list, list, list]:
+    """The native draw's temperature (0: greedy), top_k (bounded by the logits' ``width``: past it every column is
+    kept, as with 0), top_p and min_p, one of each per row."""
+    return ([0.0 if p.is_greedy else p.temperature for p in params], [int(min(p.top_k, width)) for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
 
 
 def draw_uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
