@@ -26,6 +26,13 @@ verified row that ``EngineConfig.draft_row_cost`` (``--draft-row-cost``) stands 
     .venv/bin/python bench/speculation.py --formats auto --cells free-1 --draft-layers 24   # self-speculation
     .venv/bin/python bench/speculation.py --formats auto --cells extract-1 --records-seed 8  # other records
 
+``--masks`` runs, drafts on, the same requests with every guided row's mask filled before its step (as where a
+core beside the forward fills them) and with a plain greedy row's mask deferred (filled only where its grammar
+refuses the model's own token: see ``LLMEngine._deferred``), taking turns; it reports tok/s both ways, the masks
+filled per output token, and whether the outputs are token-identical (it exits 1 where one is not).
+
+    .venv/bin/python bench/speculation.py --masks --formats auto --cells json-1,json-16,extract-1 --repeats 2
+
 ``--draft-model``/``--draft-layers`` add a draft model to the "on" side (prompt lookup and jump-forward first, the
 draft model for the sequences they leave without a draft); ``--draft-model-cost 0`` and ``--draft-row-cost 0``
 make every sequence draft whatever it costs, which measures what the draft model's tokens are worth.
@@ -319,6 +326,50 @@ def check(formats: list[str], max_tokens: int | None, drafts: dict | None = None
     return 1 if failures else 0
 
 
+def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
+    """Masks filled before every step against deferred masks, drafts on, in one run: see the module's text."""
+    from corral.fsm.cfg_guide import CFGGuide
+    from corral.fsm.fsm_guide import FSMGuide
+    filled, side = {False: 0, True: 0}, [False]
+
+    def counting(fill_mask):
+        def fill(self, row):
+            filled[side[0]] += 1
+            fill_mask(self, row)
+        return fill
+    for guide_class in (FSMGuide, CFGGuide):  # every mask a guided row fills, either way, counted by side
+        guide_class.fill_mask = counting(guide_class.fill_mask)
+    print(f"machine: {cpu_summary()}")
+    print("| format | cell | requests | tok/s masks first | deferred | speed-up | masks per token, first | deferred | "
+          "identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    failures = 0
+    for fmt in formats:
+        b = Bench(fmt)
+        b.run(free_jobs(2), 1, OFF)  # warm-up
+        for cell in cells_for(cell_names):
+            jobs = b.usable(cell.jobs)
+            runs = {False: [], True: []}
+            counts = {False: 0, True: 0}
+            check = machine_check()
+            for i in range(repeats):  # taking turns, the order swapped each time
+                for defer in (False, True)[:: 1 if i % 2 == 0 else -1]:
+                    b.engine.defer_masks, side[0] = defer, defer
+                    before = filled[defer]
+                    runs[defer].append(b.run(jobs, cell.concurrency, ON))
+                    counts[defer] += filled[defer] - before
+            first, deferred = merged(runs[False]), merged(runs[True])
+            same = sum(a == c for a, c in zip(first.tokens, deferred.tokens))
+            failures += len(first.tokens) - same
+            rate = {d: (r.num_tokens / r.wall) for d, r in ((False, first), (True, deferred))}
+            print(f"| {fmt} | {cell.name} | {len(jobs)} | {rate[False]:.1f} | {rate[True]:.1f} | "
+                  f"**{rate[True] / rate[False]:.2f}x** | {counts[False] / max(1, first.num_tokens):.2f} | "
+                  f"{counts[True] / max(1, deferred.num_tokens):.2f} | {same}/{len(first.tokens)} | {check}; "
+                  f"refused {len(cell.jobs) - len(jobs)}", flush=True)
+        b.engine.defer_masks = None
+    return 1 if failures else 0
+
+
 def row_cost(formats: list[str]) -> None:
     """One sequence, a fixed forced draft of k tokens each step (the last token repeated, a free-text request
     so the model decides what it accepts): mean step time by k, against k = 0."""
@@ -357,6 +408,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=None, help="--check: cap every request's output")
     parser.add_argument("--row-cost", action="store_true")
+    parser.add_argument("--masks", action="store_true", help="masks filled first against deferred masks")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side and cell, taking turns")
     parser.add_argument("--draft-model", default=None, help="drafts from this model too (same vocabulary)")
     parser.add_argument("--draft-layers", type=int, default=None,
@@ -379,6 +431,8 @@ def main() -> None:
         sys.exit(check(formats, args.max_tokens, drafts))
     if args.row_cost:
         return row_cost(formats)
+    if args.masks:
+        sys.exit(masks(formats, args.cells.split(","), args.repeats))
     bench(formats, args.cells.split(","), args.repeats, drafts, args.records_seed)
 
 

@@ -1,8 +1,9 @@
 """LLMEngine: requests in, tokens out, one ``step()`` at a time (vLLM's shape).
 
-A step is: propose drafts → schedule → fill the grammar masks (on a worker thread, while the model runs) →
-forward → sample, or verify each draft and roll back what it rejected (``corral.engine.speculation``) →
-advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
+A step is: propose drafts → schedule → fill the grammar masks (on a worker thread while the model runs, where a
+core is free; else before the forward, and a plain greedy row's not at all unless its grammar refuses the model's
+own token: see ``_deferred``) → forward → sample, or verify each draft and roll back what it rejected
+(``corral.engine.speculation``) → advance guides, detokenize, check stops → finish. ``n > 1`` runs the prompt once: when it is computed the
 siblings are forked from it, sharing its KV blocks, each with its own ``guide.copy()`` and generator.
 
 A burst (``EngineConfig.decode_burst``): while at most 16 sequences run, each decoding greedily with no draft,
@@ -190,6 +191,9 @@ class LLMEngine:
         self._mask_words = -(-self.vocabulary.size // 32)
         self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-masks")
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        # whether a plain greedy guided row's mask waits for its token (see _deferred); None: where masks would be
+        # filled on the engine's own thread, not beside the forward
+        self.defer_masks: bool | None = None
         self._requests: dict[str, _Request] = {}
         self.burst_interrupt = BurstInterrupt()
         self._counters = {"steps": 0, "generated": 0, "computed": 0, "drafted": 0, "accepted": 0, "forced": 0,
@@ -284,8 +288,12 @@ class LLMEngine:
         if copies:  # a step after a forward finds the interpreter's data cold: skip what would do nothing
             self.runner.copy_blocks(copies)                                 # copy-on-write of forked blocks
         guided = [s for s in batch.seqs if s.guide is not None]
-        if guided:  # of those, the ones that sample this step
+        deferred = None
+        if guided:  # of those, the ones that sample this step, less those whose masks wait for their tokens
             guided = [s for s in self._sampling_seqs(batch) if s.guide is not None]
+            deferred = self._deferred(guided)
+            if deferred:
+                guided = [s for s in guided if s.seq_id not in deferred]
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
         if burst:
             ends = self._end_ids(batch.seqs) if burst > 1 else None  # a stop among them ends the burst there
@@ -321,9 +329,11 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         if rows or stuck:
             result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
+            if deferred:  # a token its grammar refuses: that row's mask now, and its pick again
+                rows, result = self._repick_refused(rows, row_logits, result, deferred, stuck)
             self._process(rows, result, stuck, touched)                     # guides, stops
         if drafted:
-            self._verify_drafts(*drafted, masks, touched)                   # accept, then roll back the rest
+            self._verify_drafts(*drafted, masks, touched, deferred)         # accept, then roll back the rest
         outputs = self._outputs(touched)
         return outputs + self._advance_beams(*beams, masks) if beams and beams[0] else outputs
 
@@ -475,6 +485,113 @@ class LLMEngine:
             return self._mask_worker.submit(self._fill_masks, guided)
         return _Ready(self._fill_masks(guided))
 
+    def _deferred(self, guided: list[Sequence]) -> set[int] | None:
+        """The ids of the guided sequences whose masks wait for their tokens: where masks would be filled on this
+        thread (no core beside the forward), a plain greedy row (no top logprobs, bias or penalty, ``min_tokens``
+        reached; no beam, no sibling to fork) takes the argmax of its unmasked logits, drafted rows included, and
+        its grammar is asked whether it allows that token (one advance of a copy of its guide). Where it does, the
+        token is the masked argmax too, and the mask was never needed; where it does not, that row's mask is filled
+        then and the row picked again (:meth:`_repick_refused`, :meth:`_walk_deferred`). So the tokens are those
+        of a mask filled for every row, and a mask costs only where the model's own token breaks the grammar. What
+        differs: a mask never filled never meets its limits (its fuel), so a sequence goes on past a state whose
+        mask would have ended it with an error. None or empty: every mask is filled before the forward."""
+        defer = self.defer_masks if self.defer_masks is not None else torch.get_num_threads() >= self._cores
+        if not defer:
+            return None
+        return {seq.seq_id for seq in guided if seq.params.plain_greedy and not seq.is_beam
+                and not seq.num_forks_pending and seq.num_output_tokens >= seq.params.min_tokens}
+
+    def _refused_at(self, guide: Guide, tokens: list[int]) -> int | None:
+        """Where ``guide``'s grammar refuses the first of ``tokens`` (taken in turn, on a copy), or None."""
+        probe = guide.copy()
+        for j, token in enumerate(tokens):
+            if not probe.advance(token):
+                return j
+        return None
+
+    def _repick_refused(self, rows, logits: torch.Tensor, result: SampleResult, deferred: set[int],
+                        stuck: list[Sequence]) -> tuple[list, SampleResult]:
+        """The rows of deferred sequences whose unmasked argmax their grammar refuses, picked again with their
+        masks; a row whose mask allows nothing leaves the batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
+        tokens, logprobs, dropped = result.token_ids, result.logprobs, []
+        for i, (seq, _) in enumerate(rows):
+            if seq.seq_id not in deferred or self._refused_at(seq.guide, tokens[i:i + 1]) is None:
+                continue
+            mask = np.zeros((1, self._mask_words), dtype=np.int32)
+            seq.guide.fill_mask(mask[0])  # its own guide's: a limit it meets is its error, as before the forward
+            if not mask.any():
+                dropped.append(i)
+                stuck.append(seq)
+                continue
+            picked = self.sampler(logits[i:i + 1], [sampling_row(seq)], mask, [0])
+            if tokens is result.token_ids:  # the first change: copies
+                tokens, logprobs = list(tokens), list(logprobs)
+            tokens[i], logprobs[i] = picked.token_ids[0], picked.logprobs[0]
+        top = result.top_logprobs
+        if dropped:
+            kept = [i for i in range(len(rows)) if i not in dropped]
+            rows, tokens, logprobs = [rows[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
+            top = [top[i] for i in kept] if top is not None else None
+        return rows, SampleResult(tokens, logprobs, top) if tokens is not result.token_ids or dropped else result
+
+    def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor
+                         ) -> dict[int, tuple[DraftRows, Verified | None]]:
+        """Verify the drafts of deferred sequences (``drafted``: each with its first row of ``logits``) as their
+        masks would have: per sequence, its draft and what it verified, by sequence id. Every row's unmasked
+        argmax comes from one sampler call; each sequence then walks its rows with a copy of its guide (see
+        :meth:`_walk_deferred`)."""
+        at, rows = [], []
+        for seq, first in drafted:
+            draft = seq.draft
+            at.extend(range(first, first + len(draft) + 1))
+            rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
+        logits = _take_rows(logits, at)
+        picked = self.sampler(logits, rows)
+        out, start = {}, 0
+        for seq, _ in drafted:
+            count = len(seq.draft) + 1
+            out[seq.seq_id] = self._walk_deferred(seq, logits, start, picked.token_ids[start:start + count],
+                                                  picked.logprobs[start:start + count])
+            start += count
+        return out
+
+    def _walk_deferred(self, seq: Sequence, logits: torch.Tensor, start: int, argmax: list[int],
+                       logprobs: list[float]) -> tuple[DraftRows, Verified | None]:
+        """One deferred sequence's draft, verified on its rows ``logits[start:]`` from their unmasked argmax (and
+        its logprob) as :meth:`Sampler.verify` verifies a greedy draft on masked rows, with the same result: the
+        draft tested ends after the first draft token its grammar refuses (the masks after it would allow
+        nothing), and a row whose argmax the grammar refuses has its mask filled and is picked again; where that
+        mask allows nothing, the tokens before it are the ones tested and none is drawn after them."""
+        draft = seq.draft
+        refused = self._refused_at(seq.guide, draft)
+        tested = len(draft) if refused is None else refused + 1
+        final = refused is None
+        probe, tokens, chosen_logprobs, accepted = seq.guide.copy(), [], [], 0
+        for j in range(tested + int(final)):
+            token, logprob = argmax[j], logprobs[j]
+            if j < tested and token == draft[j]:  # walked above
+                allowed = refused is None or j < refused
+            else:
+                allowed = self._refused_at(probe, [token]) is None
+            if not allowed:  # the masked row's pick, as filling its mask first would have made it
+                mask = np.zeros((1, self._mask_words), dtype=np.int32)
+                probe.fill_mask(mask[0])
+                if not mask.any():
+                    tested, final = j, False
+                    break
+                picked = self.sampler(logits[start + j:start + j + 1], [sampling_row(seq, draft[:j])], mask, [0])
+                token, logprob = picked.token_ids[0], picked.logprobs[0]
+            tokens.append(token)
+            chosen_logprobs.append(logprob)
+            if j < tested and token == draft[j]:
+                accepted += 1
+                probe.advance(token)
+            else:
+                break
+        rows = list(range(start, start + len(tokens)))
+        return (DraftRows(0, draft[:tested], final, [False] * tested),
+                Verified(tokens, accepted, rows, chosen_logprobs, None))
+
     def _fill_masks(self, seqs: list[Sequence]) -> dict[int, np.ndarray]:
         """Each guided sequence's mask; a drafted one's ``[1 + len(draft), words]``: here, and after each draft
         token, computed on a copy of its guide (a limit reached on a draft the model rejects must not stay)."""
@@ -601,20 +718,29 @@ class LLMEngine:
         return (plain, _take_rows(logits, plain_rows)), (drafted, _take_rows(logits, draft_rows))
 
     def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
-                       masks: dict[int, np.ndarray], touched: dict) -> None:
+                       masks: dict[int, np.ndarray], touched: dict, deferred: set[int] | None = None) -> None:
         """Verify every draft against its rows, emit what it accepted and the token after, and roll the rest
-        back. Guides, hashes and detokenizers only ever see emitted tokens."""
-        batch = draft_batch(drafted, masks)
-        live = [d for d in batch.drafts if d is not None]
-        rows = batch.logits_rows
-        if rows != list(range(len(logits))):  # some sequence's rows end early (its grammar allows no more)
-            logits = logits[torch.tensor(rows, dtype=torch.long)]
-        results = iter(self.sampler.verify(logits, batch.rows, live, batch.bitmask, batch.masked_rows)
-                       if live else [])
+        back. Guides, hashes and detokenizers only ever see emitted tokens. A ``deferred`` sequence's rows have
+        no mask: they are verified by :meth:`_verify_deferred`."""
+        order = [seq for seq, _ in drafted]
+        walked = {}
+        if deferred and any(seq.seq_id in deferred for seq in order):
+            walked = self._verify_deferred([d for d in drafted if d[0].seq_id in deferred], logits)
+            drafted = [d for d in drafted if d[0].seq_id not in deferred]
+        if drafted:
+            batch = draft_batch(drafted, masks)
+            live = [d for d in batch.drafts if d is not None]
+            rows = batch.logits_rows
+            if rows != list(range(len(logits))):  # some sequence's rows end early (its grammar allows no more)
+                logits = logits[torch.tensor(rows, dtype=torch.long)]
+            results = iter(self.sampler.verify(logits, batch.rows, live, batch.bitmask, batch.masked_rows)
+                           if live else [])
+            for seq, draft in zip(batch.seqs, batch.drafts):
+                walked[seq.seq_id] = (draft, next(results) if draft is not None else None)
         now = time.monotonic()
-        for seq, draft in zip(batch.seqs, batch.drafts):
+        for seq in order:  # in batch order
             touched[seq.request_id] = self._requests[seq.request_id]
-            self._settle(seq, draft, next(results) if draft is not None else None, now)
+            self._settle(seq, *walked[seq.seq_id], now)
 
     def _settle(self, seq: Sequence, draft: DraftRows | None, result: Verified | None, now: float) -> None:
         """Count the draft, emit the verified tokens, and give back what the rejected positions took: their

@@ -65,7 +65,8 @@ class SampleResult(NamedTuple):
 class DraftRows(NamedTuple):
     """One sequence's draft in a :meth:`Sampler.verify` batch: ``tokens[j]`` is tested on logits row
     ``start + j``; when ``final``, row ``start + len(tokens)`` gives the token after a fully accepted draft.
-    ``forced[j]``: that row's grammar mask allows ``tokens[j]`` alone."""
+    ``forced[j]``: that row's grammar mask allows ``tokens[j]`` alone (read for a sampled row only; a greedy row's
+    are all False)."""
     start: int
     tokens: list[int]
     final: bool

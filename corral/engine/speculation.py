@@ -348,8 +348,10 @@ class DraftBatch(NamedTuple):
 def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray]) -> DraftBatch:
     """``drafted``: (sequence, its first row in the drafted logits); ``masks``: a guided sequence's
     ``[1 + len(draft), words]`` rows (its mask here and after each draft token). A row that allows nothing ends
-    what can be tested: the draft tokens before it are tested, and no token is drawn after them."""
-    seqs, drafts, rows, logits_rows, words = [], [], [], [], []
+    what can be tested: the draft tokens before it are tested, and no token is drawn after them. A sampled row's
+    ``forced`` flags are read from its masks; a greedy row's verification never reads them (all False). The
+    bitmask is one sequence's own mask rows where it alone is verified (no copy), else its rows copied in."""
+    seqs, drafts, rows, logits_rows, blocks = [], [], [], [], []
     for seq, first in drafted:
         mask = masks.get(seq.seq_id)
         tested, final = len(seq.draft), True
@@ -359,17 +361,26 @@ def draft_batch(drafted: list[tuple[Sequence, int]], masks: dict[int, np.ndarray
         if tested == 0 and not final:
             drafts.append(None)
             continue
-        forced = [single_token(mask[j]) if mask is not None else False for j in range(tested)]
-        drafts.append(DraftRows(len(rows), seq.draft[:tested], final, forced))
-        for j in range(tested + int(final)):
-            rows.append(sampling_row(seq, seq.draft[:j]))
-            logits_rows.append(first + j)
-            words.append(mask[j] if mask is not None else None)
-    masked = [i for i, w in enumerate(words) if w is not None]
-    if not masked:
+        count, start = tested + int(final), len(rows)
+        if mask is not None and not seq.params.is_greedy:
+            forced = [single_token(mask[j]) for j in range(tested)]
+        else:
+            forced = [False] * tested
+        drafts.append(DraftRows(start, seq.draft[:tested], final, forced))
+        draft = seq.draft
+        rows.extend([sampling_row(seq, draft[:j]) for j in range(count)])
+        logits_rows.extend(range(first, first + count))
+        if mask is not None:
+            blocks.append((start, mask[:count]))
+    if not blocks:
         return DraftBatch(seqs, drafts, rows, logits_rows, None, None)
-    width = next(w for w in words if w is not None).shape[0]
-    bitmask = np.stack([w if w is not None else np.zeros(width, np.int32) for w in words])
+    if len(blocks) == 1 and len(blocks[0][1]) == len(rows):  # one guided sequence alone: its rows as they are
+        bitmask = blocks[0][1]
+    else:
+        bitmask = np.zeros((len(rows), blocks[0][1].shape[1]), dtype=np.int32)
+        for start, block in blocks:
+            bitmask[start:start + len(block)] = block
+    masked = [i for start, block in blocks for i in range(start, start + len(block))]
     return DraftBatch(seqs, drafts, rows, logits_rows, bitmask, masked)
 
 

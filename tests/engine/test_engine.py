@@ -193,10 +193,12 @@ def test_guides_constrain_and_an_error_ends_only_its_sequence(engine):
     assert outs[2].outputs[0].token_ids == free.token_ids
 
 
-@pytest.mark.parametrize("cores", [1, 10 ** 6])
-def test_masks_filled_before_the_forward_or_beside_it_give_the_same_outputs(engine, monkeypatch, cores):
+@pytest.mark.parametrize("cores, defer", [(1, False), (10 ** 6, None), (1, None)])
+def test_masks_filled_before_the_forward_or_beside_it_give_the_same_outputs(engine, monkeypatch, cores, defer):
     """Where the forward leaves no core free the masks are filled before it, else on a worker beside it (a
-    pretended core count picks each): the same guided outputs, errors included."""
+    pretended core count picks each), or, by default where no core is free, a plain greedy row's mask waits for
+    its token and is filled only where the guide refuses it (never before the forward): the same guided outputs,
+    errors included (the second guide refuses a token its mask allows)."""
     import threading
 
     eos = engine.vocabulary.eos_token_ids[0]
@@ -204,6 +206,7 @@ def test_masks_filled_before_the_forward_or_beside_it_give_the_same_outputs(engi
     words = -(-engine.vocabulary.size // 32)
     ids = chat(engine, PROMPTS[0])
     monkeypatch.setattr(engine, "_cores", cores)
+    monkeypatch.setattr(engine, "defer_masks", defer)
     threads = set()
     fill = engine._fill_masks
     monkeypatch.setattr(engine, "_fill_masks", lambda seqs: threads.add(threading.current_thread().name) or fill(seqs))
@@ -211,6 +214,9 @@ def test_masks_filled_before_the_forward_or_beside_it_give_the_same_outputs(engi
                                                            ScriptGuide(script, eos, words, lie_at=2)])
     assert outs[0].outputs[0].token_ids == script + [eos] and outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].token_ids == script[:3] and outs[1].outputs[0].finish_reason == "error"
+    if cores == 1 and defer is None:  # every row deferred: no mask filled before the forward
+        assert not threads, threads
+        return
     worker = cores > 1  # (the test's torch runs at least one thread)
     assert threads and all(name.startswith("corral-masks") == worker for name in threads), threads
 

@@ -312,6 +312,128 @@ def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
             assert len(outs[1].token_ids) == 3
 
 
+# "abd": after "ab" no token spells "d", so the mask there allows nothing and the sequence ends with an error
+DEFERRED_PATTERNS = [AMBIGUOUS, "(ab|c)+", "a[bc]{0,3}(ab){2}c", "abd", "(a|b|c){2,9}"]
+
+
+def outputs_with_masks(compiler, model, switches, defer: bool) -> dict:
+    """Every pattern under plain greedy requests (stop strings, stop ids, limits among them), with sampled and
+    top-logprob requests beside them, on one engine whose plain greedy rows defer their masks or not."""
+    engine = draft_engine(model, **switches)
+    engine.defer_masks = defer
+    requests = []
+    for i in range(3 * len(DEFERRED_PATTERNS)):
+        guide = compiler.compile_node(parse_regex(DEFERRED_PATTERNS[i % len(DEFERRED_PATTERNS)])).new_guide()
+        extra = [dict(), dict(stop=["cab"], max_tokens=4, logprobs=0),
+                 dict(stop_token_ids=[3], min_tokens=2)][i // len(DEFERRED_PATTERNS)]
+        if i % 4 == 3:
+            extra = dict(temperature=0.9, seed=i)
+        elif i % 7 == 5:
+            extra = dict(logprobs=2)
+        p = SamplingParams(**{"temperature": 0, "max_tokens": 8, **extra}, **switches)
+        requests.append((f"r{i}", PROMPT[i % 5:], p, guide))
+    outputs = run_all(engine, requests)
+    assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+    return outputs
+
+
+@pytest.mark.parametrize("switches", [OFF, ON])
+def test_deferred_masks_change_no_output(compiler, switches, monkeypatch):
+    """A plain greedy guided row whose mask waits for its token (its unmasked argmax, the mask filled and the
+    row picked again only where the grammar refuses it) gives the tokens, text, logprobs, finish and stop reasons
+    and draft counts that masks filled before every step give, beside sampled and top-logprob rows that fill
+    theirs; fewer masks are filled."""
+    from corral.fsm.fsm_guide import FSMGuide
+    fills, mode = collections.Counter(), [None]
+    fill_mask = FSMGuide.fill_mask
+
+    def counted(self, row):
+        fills[mode[0]] += 1
+        fill_mask(self, row)
+    monkeypatch.setattr(FSMGuide, "fill_mask", counted)
+    model = ToyModel(seed=7, sharpness=2.0)
+    runs = {}
+    for defer in (False, True):
+        mode[0] = defer
+        runs[defer] = outputs_with_masks(compiler, model, switches, defer)
+    eager, deferred = runs[False], runs[True]
+    assert eager.keys() == deferred.keys()
+    reasons = collections.Counter()
+    for request_id, out in eager.items():
+        a, b = out.outputs[0], deferred[request_id].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
+        assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+        assert (a.num_draft_tokens, a.num_accepted_tokens, a.num_forced_tokens) == \
+            (b.num_draft_tokens, b.num_accepted_tokens, b.num_forced_tokens), request_id
+        reasons[a.finish_reason] += 1
+    assert reasons["error"] and reasons["stop"] and reasons["length"], reasons
+    if switches is ON:
+        assert sum(o.outputs[0].num_accepted_tokens for o in deferred.values()) > 0
+    # fewer: the refused rows' alone (this toy model's argmax breaks these grammars often), and the other rows'
+    assert 0 < fills[True] < fills[False], fills
+
+
+class PrefersC(ToyModel):
+    """A model whose argmax is always "c", then "ab", "b", "a", EOS."""
+
+    def __init__(self):
+        super().__init__(seed=0)
+
+    def logprobs(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        return torch.log_softmax(torch.tensor([0.0, 0.5, 1.0, 3.0, -1.0], dtype=torch.float64), dim=0)
+
+
+@pytest.mark.parametrize("pattern", ["(ab)+", "abd", "ab(c|ab)*"])
+def test_deferred_masks_verify_a_draft_the_grammar_refuses(compiler, pattern):
+    """A draft of tokens the grammar refuses (here "c, c, b" at every step, as a draft model might propose them),
+    whose first is the model's own argmax: deferred masks reject it where the masked rows would, test the draft up
+    to the token the grammar refuses, and end a sequence whose mask allows nothing with an error, as masks filled
+    before the step do (tokens, reasons, logprobs and draft counts alike)."""
+    outs = {}
+    for defer in (False, True):
+        engine = draft_engine(PrefersC(), jump_forward=False, speculation=True)
+        engine.defer_masks = defer
+
+        def propose_all(decoding, config, max_model_len, model_cost=None):
+            for seq in decoding:
+                room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
+                seq.spec = seq.spec or SpecState()
+                seq.draft, seq.num_draft_forced, seq.draft_by_model = [3, 3, 1][:max(room, 0)], 0, False
+            return []
+        engine.drafter.propose_all = propose_all
+        guide = compiler.compile_node(parse_regex(pattern)).new_guide()
+        out = run_all(engine, [("r", PROMPT, SamplingParams(temperature=0, max_tokens=6), guide)])["r"].outputs[0]
+        assert engine.block_manager.num_used_blocks == 0
+        outs[defer] = (out.token_ids, out.text, out.finish_reason, out.stop_reason, out.logprobs,
+                       out.cumulative_logprob, out.num_draft_tokens, out.num_accepted_tokens)
+    assert outs[False] == outs[True]
+    drafted, accepted, finish = outs[True][6], outs[True][7], outs[True][2]
+    assert {"(ab)+": (drafted > 0, accepted, finish), "abd": (drafted, accepted, finish),
+            "ab(c|ab)*": (drafted > 0, accepted > 0, finish)}[pattern] == \
+        {"(ab)+": (True, 0, "length"), "abd": (0, 0, "error"), "ab(c|ab)*": (True, True, "length")}[pattern], outs
+
+
+def test_masks_wait_for_plain_greedy_rows_where_no_core_is_free(compiler):
+    """By default a mask waits for its token where masks are filled on the engine's thread (the forward takes
+    every core), for plain greedy rows alone; ``defer_masks`` overrides it."""
+    engine = draft_engine(ToyModel(seed=1))
+
+    def seq(seq_id, **params):
+        return SimpleNamespace(seq_id=seq_id, params=SamplingParams(**{"temperature": 0, **params}), is_beam=False,
+                               num_forks_pending=0, num_output_tokens=1)
+    rows = [seq(1), seq(2, logprobs=2), seq(3, temperature=0.7), seq(4, min_tokens=3), seq(5, logit_bias={1: 1.0}),
+            seq(6, logprobs=0)]
+    engine._cores = torch.get_num_threads()
+    assert engine._deferred(rows) == {1, 6}
+    engine._cores = torch.get_num_threads() + 1  # a core beside the forward: the worker fills masks there
+    assert not engine._deferred(rows)
+    engine.defer_masks = True
+    assert engine._deferred(rows) == {1, 6}
+    engine.defer_masks, engine._cores = False, torch.get_num_threads()
+    assert not engine._deferred(rows)
+
+
 def test_n_and_beams_run_beside_drafts(compiler):
     model = ToyModel(seed=4, sharpness=2.0)
     beams = BeamSearchParams(beam_width=3, max_tokens=5)
