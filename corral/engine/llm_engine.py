@@ -494,12 +494,17 @@ class LLMEngine:
         then and the row picked again (:meth:`_repick_refused`, :meth:`_walk_deferred`). So the tokens are those
         of a mask filled for every row, and a mask costs only where the model's own token breaks the grammar. What
         differs: a mask never filled never meets its limits (its fuel), so a sequence goes on past a state whose
-        mask would have ended it with an error. None or empty: every mask is filled before the forward."""
+        mask would have ended it with an error; a row whose logits hold +inf or NaN where its mask would have
+        allowed nothing reaches the sampler unmasked, which refuses it as it refuses an unguided row's; and where
+        a state inside a draft allows no token at all (a vocabulary that cannot spell what the grammar needs next)
+        and the model rejects the draft before it, the draft counts one more tested token than masks would. None
+        or empty: every mask is filled before the forward."""
         defer = self.defer_masks if self.defer_masks is not None else torch.get_num_threads() >= self._cores
         if not defer:
             return None
         return {seq.seq_id for seq in guided if seq.params.plain_greedy and not seq.is_beam
-                and not seq.num_forks_pending and seq.num_output_tokens >= seq.params.min_tokens}
+                and not seq.num_forks_pending and seq.num_output_tokens >= seq.params.min_tokens
+                and not seq.guide.is_error()}  # an error met already (a limit): its mask ends it, as before
 
     def _refused_at(self, guide: Guide, tokens: list[int]) -> int | None:
         """Where ``guide``'s grammar refuses the first of ``tokens`` (taken in turn, on a copy), or None."""
@@ -561,7 +566,8 @@ class LLMEngine:
         its logprob) as :meth:`Sampler.verify` verifies a greedy draft on masked rows, with the same result: the
         draft tested ends after the first draft token its grammar refuses (the masks after it would allow
         nothing), and a row whose argmax the grammar refuses has its mask filled and is picked again; where that
-        mask allows nothing, the tokens before it are the ones tested and none is drawn after them."""
+        mask allows nothing, the tokens before it are the ones tested and none is drawn after them (a state inside
+        the draft that allows nothing, met only where the walk reaches it: see :meth:`_deferred`)."""
         draft = seq.draft
         refused = self._refused_at(seq.guide, draft)
         tested = len(draft) if refused is None else refused + 1

@@ -419,11 +419,12 @@ def test_masks_wait_for_plain_greedy_rows_where_no_core_is_free(compiler):
     every core), for plain greedy rows alone; ``defer_masks`` overrides it."""
     engine = draft_engine(ToyModel(seed=1))
 
-    def seq(seq_id, **params):
+    def seq(seq_id, error=False, **params):
         return SimpleNamespace(seq_id=seq_id, params=SamplingParams(**{"temperature": 0, **params}), is_beam=False,
-                               num_forks_pending=0, num_output_tokens=1)
+                               num_forks_pending=0, num_output_tokens=1,
+                               guide=SimpleNamespace(is_error=lambda: error))
     rows = [seq(1), seq(2, logprobs=2), seq(3, temperature=0.7), seq(4, min_tokens=3), seq(5, logit_bias={1: 1.0}),
-            seq(6, logprobs=0)]
+            seq(6, logprobs=0), seq(7, error=True)]  # 7: its guide met an error already, which its mask reports
     engine._cores = torch.get_num_threads()
     assert engine._deferred(rows) == {1, 6}
     engine._cores = torch.get_num_threads() + 1  # a core beside the forward: the worker fills masks there
