@@ -58,6 +58,9 @@ from corral.models import load_model_config, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
+# the stop reason of a sequence whose logits left no finite value to choose (a NaN or +inf from the model)
+NO_FINITE_LOGIT = "the model's logits held no finite value to choose"
+
 
 def _one_row_each(seqs: list[Sequence]) -> bool:
     """Whether each sequence samples one row of its own: no draft to verify, no beam, no sibling to fork."""
@@ -491,14 +494,14 @@ class LLMEngine:
         reached; no beam, no sibling to fork) takes the argmax of its unmasked logits, drafted rows included, and
         its grammar is asked whether it allows that token (one advance of a copy of its guide). Where it does, the
         token is the masked argmax too, and the mask was never needed; where it does not, that row's mask is filled
-        then and the row picked again (:meth:`_repick_refused`, :meth:`_walk_deferred`). So the tokens are those
-        of a mask filled for every row, and a mask costs only where the model's own token breaks the grammar. What
-        differs: a mask never filled never meets its limits (its fuel), so a sequence goes on past a state whose
-        mask would have ended it with an error; a row whose logits hold +inf or NaN where its mask would have
-        allowed nothing reaches the sampler unmasked, which refuses it as it refuses an unguided row's; and where
-        a state inside a draft allows no token at all (a vocabulary that cannot spell what the grammar needs next)
-        and the model rejects the draft before it, the draft counts one more tested token than masks would. None
-        or empty: every mask is filled before the forward."""
+        then and the row picked again (:meth:`_repick_refused`, :meth:`_walk_deferred`), as is a row whose
+        unmasked logits leave nothing finite to choose (a NaN or +inf the mask may rule out). So the tokens are
+        those of a mask filled for every row, and a mask costs only where the model's own token breaks the
+        grammar. What differs: a mask never filled never meets its limits (its fuel), so a sequence goes on past a
+        state whose mask would have ended it with an error; and where a state inside a draft allows no token at
+        all (a vocabulary that cannot spell what the grammar needs next) and the model rejects the draft before
+        it, the draft counts one more tested token than masks would. None or empty: every mask is filled before
+        the forward."""
         defer = self.defer_masks if self.defer_masks is not None else torch.get_num_threads() >= self._cores
         if not defer:
             return None
@@ -520,8 +523,8 @@ class LLMEngine:
         masks; a row whose mask allows nothing leaves the batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
         tokens, logprobs, dropped = result.token_ids, result.logprobs, []
         for i, (seq, _) in enumerate(rows):
-            if seq.seq_id not in deferred or self._refused_at(seq.guide, tokens[i:i + 1]) is None:
-                continue
+            if seq.seq_id not in deferred or tokens[i] >= 0 and self._refused_at(seq.guide, tokens[i:i + 1]) is None:
+                continue  # (no token: a NaN or +inf the mask may rule out)
             mask = np.zeros((1, self._mask_words), dtype=np.int32)
             seq.guide.fill_mask(mask[0])  # its own guide's: a limit it meets is its error, as before the forward
             if not mask.any():
@@ -577,8 +580,8 @@ class LLMEngine:
             token, logprob = argmax[j], logprobs[j]
             if j < tested and token == draft[j]:  # walked above
                 allowed = refused is None or j < refused
-            else:
-                allowed = self._refused_at(probe, [token]) is None
+            else:  # (no token, -1: a NaN or +inf the mask may rule out)
+                allowed = token >= 0 and self._refused_at(probe, [token]) is None
             if not allowed:  # the masked row's pick, as filling its mask first would have made it
                 mask = np.zeros((1, self._mask_words), dtype=np.int32)
                 probe.fill_mask(mask[0])
@@ -587,6 +590,10 @@ class LLMEngine:
                     break
                 picked = self.sampler(logits[start + j:start + j + 1], [sampling_row(seq, draft[:j])], mask, [0])
                 token, logprob = picked.token_ids[0], picked.logprobs[0]
+                if token < 0:  # nothing finite under the mask either: the tokens before it stand, and it ends
+                    tokens.append(token)
+                    chosen_logprobs.append(logprob)
+                    break
             tokens.append(token)
             chosen_logprobs.append(logprob)
             if j < tested and token == draft[j]:
@@ -770,6 +777,10 @@ class LLMEngine:
                 self._counters["model_accepted"] += accepted
         seq.draft, seq.num_draft_forced, seq.draft_by_model, seq.draft_by_self = [], 0, False, False
         for j, token in enumerate(result.token_ids if result is not None else ()):
+            if token < 0:  # its logits left nothing finite to choose: it ends alone, the tokens before it kept
+                seq.stop_reason = NO_FINITE_LOGIT
+                self._finish(seq, "error")
+                return
             top = result.top_logprobs[j] if result.top_logprobs is not None else []
             if self._emit(seq, token, result.logprobs[j], top, now):
                 return
@@ -852,9 +863,13 @@ class LLMEngine:
             self._finish(seq, "error")
             touched[seq.request_id] = self._requests[seq.request_id]
         for i, (seq, _) in enumerate(rows):
+            touched[seq.request_id] = self._requests[seq.request_id]
+            if result.token_ids[i] < 0:  # its logits left nothing finite to choose: it ends alone
+                seq.stop_reason = NO_FINITE_LOGIT
+                self._finish(seq, "error")
+                continue
             top = result.top_logprobs[i] if result.top_logprobs is not None else []
             self._emit(seq, result.token_ids[i], result.logprobs[i], top, now)
-            touched[seq.request_id] = self._requests[seq.request_id]
 
     def _emit(self, seq: Sequence, token: int, logprob: float, top: list, now: float) -> bool:
         """Append one output token and check whether it ends ``seq``; True when it did."""

@@ -102,7 +102,9 @@ class Sampler:
                  masked_rows: torch.Tensor | None = None) -> SampleResult:
         """Sample one token per row of ``logits`` ``[len(rows), width]``. ``bitmask``: int32
         ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to. The engine hands
-        them as a numpy array and a list (no torch call where the greedy pass takes them); tensors work too."""
+        them as a numpy array and a list (no torch call where the greedy pass takes them); tensors work too. A row
+        whose logits leave no finite value to choose (a NaN or +inf from the model where its mask, if any, allows
+        it, or a mask that allows nothing) gets id -1 and a NaN logprob: the engine ends that sequence alone."""
         if rows and all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
             # first, with no torch call (a step's caches are cold): the native side checks the logits' shape
             picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
@@ -125,13 +127,18 @@ class Sampler:
         bitmask, masked_rows = _as_tensors(bitmask, masked_rows)
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         work = self.process(logits, rows, bitmask, masked_rows)
+        poisoned = (torch.isnan(work) | torch.isposinf(work)).any(dim=-1)  # before _choose consumes it
         token_ids = self._choose(work, rows, uniforms)
 
         chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
-        assert bool(torch.isfinite(work.gather(1, chosen[:, None])).all()), \
-            "a row had no allowed token: a guide in the error state must finish before sampling"
+        finite = (torch.isfinite(work.gather(1, chosen[:, None])).squeeze(1) & ~poisoned).tolist()
         chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1).float()
         logprobs = (chosen_raw - log_normalizer).tolist()
+        for i, ok in enumerate(finite):  # nothing finite to choose: no token (the native pass never decides these)
+            if not ok:
+                token_ids[i], logprobs[i] = -1, float("nan")
+                if top_logprobs is not None:
+                    top_logprobs[i] = []
         if picked is not None:  # the rows the native pass decided keep its draws
             for i, token in enumerate(picked[0]):
                 if token >= 0:
@@ -232,6 +239,14 @@ class Sampler:
                 probs[at] = _filtered_probs(tempered, [rows[at].params]).to(torch.float64)[0]
             return probs[at]
 
+        bad_rows: list[list[bool]] = []
+
+        def poisoned() -> list[bool]:  # per row: a NaN or +inf where its mask allows it
+            if not bad_rows:
+                work = processed()
+                bad_rows.append((torch.isnan(work) | torch.isposinf(work)).any(dim=-1).tolist())
+            return bad_rows[0]
+
         greedy = [row.params.is_greedy for row in rows]
         argmax = None
         if any(greedy):  # every greedy row's token in one native pass (the others skipped), as __call__ picks it
@@ -239,7 +254,11 @@ class Sampler:
                                          [0] * len(rows), [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows),
                                          [0] * len(rows), [self.shaping(row) if g else None
                                                            for row, g in zip(rows, greedy)])
-            argmax = picked[0] if picked is not None else torch.argmax(processed(), dim=-1).tolist()
+            if picked is not None:
+                argmax = picked[0]
+            else:  # a row with nothing finite to choose gets no token (-1), as in __call__
+                argmax = [-1 if bad else token for token, bad in
+                          zip(torch.argmax(processed(), dim=-1).tolist(), poisoned())]
         masked = _row_set(tensors[1], len(rows)) if bitmask is not None else set()
 
         def draw(at: int, u: float) -> int:  # natively, as the plain path draws the row
@@ -247,7 +266,9 @@ class Sampler:
             picked = cpu_ops.sample_pick(logits[at:at + 1], vocab_size, bitmask[at:at + 1] if sub else None,
                                          [0] if sub else None, [params.temperature], [int(min(params.top_k, width))],
                                          [params.top_p], [params.min_p], [u], [0], [self.shaping(rows[at])])
-            return picked[0][0] if picked is not None else _draw_one(torch_probs(at), u)
+            if picked is not None:
+                return picked[0][0]
+            return -1 if poisoned()[at] else _draw_one(torch_probs(at), u)
 
         def possible(at: int, token: int) -> bool:  # p(token) > 0 where the mask allows that token alone
             # the one allowed token is the largest: no filter drops it, and bias and penalties are finite edits
@@ -262,7 +283,8 @@ class Sampler:
             else:
                 chosen, accepted = _verify_sampled(draft, draw, possible, row.generator)
             picked = [r for _, r in chosen]
-            logprobs = [(raw[r, t].float() - log_normalizer[r]).item() for t, r in chosen]  # as __call__ does
+            logprobs = [(raw[r, t].float() - log_normalizer[r]).item() if t >= 0 else float("nan")
+                        for t, r in chosen]  # as __call__ does
             top = [top_logprobs[r] for r in picked] if top_logprobs is not None else None
             out.append(Verified([t for t, _ in chosen], accepted, picked, logprobs, top))
         return out
@@ -462,7 +484,7 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     # subtle: u * total can round up to total itself, which no token exceeds; step one ulp below it.
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    # Only a row with no allowed token (all NaN) runs off the end; the caller's invariant check names it.
+    # Only a row with no allowed token (all NaN) runs off the end; the caller gives that row no token (-1).
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 

@@ -1,6 +1,8 @@
 """Sampler: each filter samples the distribution it defines (chi-square against a numpy oracle, fixed seeds),
 bias and penalties match their formulas exactly, masked tokens are never drawn, seeds are batch-independent."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -207,10 +209,12 @@ def test_same_seed_same_tokens_alone_and_in_a_mixed_batch():
     assert other_seed != alone
 
 
-def test_a_row_with_no_allowed_token_is_an_invariant_failure():
-    rows = [SamplingRow(SamplingParams(), (), (), None)]
-    with pytest.raises(AssertionError, match="no allowed token"):
-        Sampler()(torch.zeros(1, 32), rows, torch.zeros(1, 1, dtype=torch.int32))
+def test_a_row_with_no_allowed_token_gets_no_token_and_the_others_theirs():
+    rows = [SamplingRow(SamplingParams(), (), (), None), SamplingRow(SamplingParams(temperature=0), (), (), None)]
+    logits = torch.zeros(2, 32)
+    logits[1, 5] = 1.0
+    result = Sampler()(logits, rows, torch.tensor([[0], [-1]], dtype=torch.int32), [0, 1])
+    assert result.token_ids == [-1, 5] and math.isnan(result.logprobs[0]) and math.isfinite(result.logprobs[1])
 
 
 @pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")
@@ -258,10 +262,13 @@ def test_the_native_greedy_pass_gives_the_general_paths_tokens_and_logprobs_bit_
 def test_the_native_greedy_pass_leaves_nan_rows_to_the_general_path():
     from corral.kernels import cpu_ops
 
-    logits = torch.tensor([[0.0, float("nan"), 1.0, 2.0]])
+    logits = torch.tensor([[0.0, float("nan"), 1.0, 2.0], [0.0, 1.0, 3.0, 2.0], [0.0, float("inf"), 1.0, 2.0]])
     assert cpu_ops.greedy_pick(logits, 4, None, None) is None  # the general path decides, as before:
-    with pytest.raises(AssertionError, match="no allowed token"):  # torch's argmax picks the NaN, which fails
-        Sampler()(logits, [SamplingRow(SamplingParams(temperature=0), (), (), None)])
+    rows = [SamplingRow(SamplingParams(temperature=0), (), (), None)] * 2 + \
+        [SamplingRow(SamplingParams(temperature=0.8, seed=1), (), (), make_generator(1))]
+    result = Sampler()(logits, rows)  # torch's argmax picks the NaN, and the +inf row's draw nothing finite
+    assert result.token_ids == [-1, 2, -1], "the rows with nothing finite to choose get no token, the other its own"
+    assert math.isnan(result.logprobs[0]) and math.isnan(result.logprobs[2])
 
 
 @pytest.mark.skipif(__import__("corral.native", fromlist=["x"]).module() is None, reason="needs the native module")

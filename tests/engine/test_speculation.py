@@ -414,6 +414,45 @@ def test_deferred_masks_verify_a_draft_the_grammar_refuses(compiler, pattern):
         {"(ab)+": (True, 0, "length"), "abd": (0, 0, "error"), "ab(c|ab)*": (True, True, "length")}[pattern], outs
 
 
+class Poisoned(ToyModel):
+    """The toy model, with +inf on "c" at every row, and every logit NaN after an output that starts "b, b"."""
+
+    def logprobs(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        row = super().logprobs(prefix).clone()
+        row[3] = float("inf")
+        if prefix[:2] == (1, 1):
+            row[:] = float("nan")
+        return row
+
+
+@pytest.mark.parametrize("switches", [OFF, ON])
+def test_logits_with_nothing_finite_to_choose_end_their_sequence_alone(compiler, switches):
+    """+inf on a token the grammar refuses is ruled out by the mask, filled first or deferred (the same tokens);
+    a sequence whose logits leave nothing finite to choose ends alone with an error naming it, and the others
+    go on, unguided ones too."""
+    from corral.engine.llm_engine import NO_FINITE_LOGIT
+    outs = {}
+    for defer in (False, True):
+        engine = draft_engine(Poisoned(seed=3), **switches)
+        engine.defer_masks = defer
+        requests = [(f"g{i}", PROMPT[i:], SamplingParams(temperature=0, max_tokens=8, **switches),
+                     compiler.compile_node(parse_regex(pattern)).new_guide())
+                    for i, pattern in enumerate(["(ab)+", "(a|ab)+b?", "bb(a|b)+", "a(ab|b)*"])]
+        requests.append(("free", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **switches), None))
+        outs[defer] = {k: o.outputs[0] for k, o in run_all(engine, requests).items()}
+        assert engine.block_manager.num_used_blocks == 0
+    for request_id, a in outs[False].items():
+        b = outs[True][request_id]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason), \
+            request_id
+    assert (outs[True]["g2"].token_ids, outs[True]["g2"].finish_reason, outs[True]["g2"].stop_reason) == \
+        ([1, 1], "error", NO_FINITE_LOGIT)
+    assert outs[True]["free"].finish_reason == "error" and outs[True]["free"].token_ids == [], \
+        "an unguided row's +inf is nothing finite to choose too"
+    for request_id in ("g0", "g1", "g3"):
+        assert outs[True][request_id].finish_reason in ("stop", "length") and 3 not in outs[True][request_id].token_ids
+
+
 def test_masks_wait_for_plain_greedy_rows_where_no_core_is_free(compiler):
     """By default a mask waits for its token where masks are filled on the engine's thread (the forward takes
     every core), for plain greedy rows alone; ``defer_masks`` overrides it."""
