@@ -5,6 +5,7 @@ engine request (the children share the prompt's KV blocks), then keep the ``n`` 
 scorer, or the one answer most candidates agree on (the engine's schema-aware vote, at a JSON pointer).
 """
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -17,6 +18,15 @@ from corral.schemas.completions import CompletionLogprobs
 from corral.schemas.prepare import Strategy
 
 
+# JSON has no NaN or infinity: a logprob that is not finite (a NaN or +inf in the model's logits makes its row's
+# normalizer one) is written as this floor, as OpenAI-compatible servers write -inf
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
 class TokenLogprobRow(NamedTuple):
     token_id: int
     logprob: float
@@ -25,17 +35,19 @@ class TokenLogprobRow(NamedTuple):
 
 def logprob_rows(output) -> list[TokenLogprobRow]:
     """One row per generated token from ``CompletionOutput.logprobs``: entries are a float (the chosen token's
-    logprob), a ``(logprob, [(token_id, logprob), ...])`` pair, or a vLLM-style ``{token_id: logprob}`` dict."""
+    logprob), a ``(logprob, [(token_id, logprob), ...])`` pair, or a vLLM-style ``{token_id: logprob}`` dict. A
+    logprob that is not finite becomes ``LOGPROB_FLOOR`` (JSON cannot carry it)."""
     rows = []
     for token_id, entry in zip(output.token_ids, output.logprobs or ()):
         if isinstance(entry, dict):
-            values = {int(k): float(getattr(v, "logprob", v)) for k, v in entry.items()}
+            values = {int(k): _finite(float(getattr(v, "logprob", v))) for k, v in entry.items()}
             top = sorted(((k, v) for k, v in values.items()), key=lambda kv: -kv[1])
-            rows.append(TokenLogprobRow(token_id, values.get(token_id, float("nan")), top))
+            rows.append(TokenLogprobRow(token_id, values.get(token_id, LOGPROB_FLOOR), top))
         elif isinstance(entry, (tuple, list)):
-            rows.append(TokenLogprobRow(token_id, float(entry[0]), [(int(i), float(v)) for i, v in entry[1] or ()]))
+            rows.append(TokenLogprobRow(token_id, _finite(float(entry[0])),
+                                        [(int(i), _finite(float(v))) for i, v in entry[1] or ()]))
         else:
-            rows.append(TokenLogprobRow(token_id, float(entry), []))
+            rows.append(TokenLogprobRow(token_id, _finite(float(entry)), []))
     return rows
 
 

@@ -47,6 +47,24 @@ def test_logprob_rows_read_the_engine_format():
     assert logprob_rows(CompletionOutput(0, [1], "z")) == []
 
 
+def test_logprobs_that_are_not_finite_go_on_the_wire_as_the_floor():
+    """A NaN or +inf in the model's logits makes a row's normalizer infinite; JSON cannot carry what follows."""
+    import json
+
+    from corral.api.outputs import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
+    from corral.fsm.vocabulary import Vocabulary
+
+    nan, inf = float("nan"), float("inf")
+    completion = CompletionOutput(0, [0, 1, 2], "abc", "stop", logprobs=[(nan, [(0, nan), (1, -inf)]), -inf,
+                                                                         {2: -0.5, 1: inf}])
+    rows = logprob_rows(completion)
+    assert [row.logprob for row in rows] == [LOGPROB_FLOOR, LOGPROB_FLOOR, -0.5]
+    assert rows[0].top == [(0, LOGPROB_FLOOR), (1, LOGPROB_FLOOR)] and rows[2].top == [(2, -0.5), (1, LOGPROB_FLOOR)]
+    vocab = Vocabulary.from_token_bytes([b"a", b"b", b"c", b"<eos>"], eos_token_ids=[3])
+    for wire in (chat_logprobs(vocab, rows, 2), completion_logprobs(vocab, rows, 2, 0)):
+        json.dumps(wire.model_dump(mode="json"), allow_nan=False)  # raises on a NaN or infinity, as the server's
+
+
 @pytest.mark.parametrize("prompt, completion, cached", [(10, 5, 0), (7, 0, 7)])
 def test_usage_adds_up(prompt, completion, cached):
     u = usage(prompt, completion, cached)
