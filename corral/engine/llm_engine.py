@@ -939,6 +939,9 @@ class LLMEngine:
             for i in masked:
                 bitmask[i] = masks[beams[i].seq_id]
             apply_token_bitmask_(logprobs, torch.from_numpy(bitmask), torch.tensor(masked))
+        # a NaN or +inf in a beam's logits makes its row NaN: no extension comes from it (a dead end's row, all
+        # -inf, is the same), where a NaN taken for a score would extend it by a token the mask refused
+        logprobs.masked_fill_(torch.isnan(logprobs), float("-inf"))
         requests = {}
         for seq, row in zip(beams, logprobs):
             request = self._requests[seq.request_id]

@@ -11,7 +11,7 @@ from api_serving import make_context, running_server
 
 
 class FailOnceEngine(FakeEngine):
-    """Raises on its first step, as a kernel assert or a NaN in a beam's row would."""
+    """Raises on its first step, as a failed kernel or an internal assert would."""
 
     failed = False
 

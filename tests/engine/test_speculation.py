@@ -7,6 +7,7 @@ draft position is the toy model's row after the draft tokens before it, as a rea
 """
 
 import collections
+import math
 import random
 import re
 from types import SimpleNamespace
@@ -451,6 +452,34 @@ def test_logits_with_nothing_finite_to_choose_end_their_sequence_alone(compiler,
         "an unguided row's +inf is nothing finite to choose too"
     for request_id in ("g0", "g1", "g3"):
         assert outs[True][request_id].finish_reason in ("stop", "length") and 3 not in outs[True][request_id].token_ids
+
+
+def test_a_beam_whose_logits_hold_nan_or_plus_inf_is_dropped_and_the_batch_goes_on(compiler):
+    """A guided beam search beside a greedy request, on a model with NaN rows after "b, b" (and on another with
+    +inf on a token, which makes every row's raw logprobs NaN): the beams those rows would extend are dropped as
+    dead ends are (no token the grammar refuses, no NaN score), the step never fails, and the greedy request's
+    output is its output alone."""
+
+    class NaNAfterBB(ToyModel):
+        def logprobs(self, prefix: tuple[int, ...]) -> torch.Tensor:
+            row = super().logprobs(prefix)
+            return torch.full_like(row, float("nan")) if prefix[:2] == (1, 1) else row
+    for model in (Poisoned(seed=3), NaNAfterBB(seed=3)):
+        _beams_beside_greedy(compiler, model, expect_hypotheses=isinstance(model, NaNAfterBB))
+
+
+def _beams_beside_greedy(compiler, model, expect_hypotheses: bool):
+    alone = run_all(draft_engine(model), [("free", PROMPT, SamplingParams(temperature=0, max_tokens=6), None)])
+    engine = draft_engine(model)
+    beams = BeamSearchParams(beam_width=3, max_tokens=5)
+    out = run_all(engine, [("beams", PROMPT, beams, compiler.compile_node(parse_regex("(a|b)+")).new_guide()),
+                           ("free", PROMPT, SamplingParams(temperature=0, max_tokens=6), None)])
+    assert out["free"].outputs[0].token_ids == alone["free"].outputs[0].token_ids
+    hypotheses = [o.token_ids for o in out["beams"].outputs]
+    assert bool(hypotheses) == expect_hypotheses, hypotheses  # +inf: every beam dropped at its first row
+    assert all(3 not in h and tuple(h[:2]) != (1, 1) for h in hypotheses), hypotheses
+    assert all(math.isfinite(o.cumulative_logprob) for o in out["beams"].outputs)
+    assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
 
 
 def test_masks_wait_for_plain_greedy_rows_where_no_core_is_free(compiler):
