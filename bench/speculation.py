@@ -29,7 +29,8 @@ verified row that ``EngineConfig.draft_row_cost`` (``--draft-row-cost``) stands 
 ``--masks`` runs, drafts on, the same requests with every guided row's mask filled before its step (as where a
 core beside the forward fills them) and with a plain greedy row's mask deferred (filled only where its grammar
 refuses the model's own token: see ``LLMEngine._deferred``), taking turns; it reports tok/s both ways, the masks
-filled per output token, and whether the outputs are token-identical (it exits 1 where one is not).
+filled per output token, the engine loop's median time per step (the step less its forward and its sampler
+calls, timed around each), and whether the outputs are token-identical (it exits 1 where one is not).
 
     .venv/bin/python bench/speculation.py --masks --formats auto --cells json-1,json-16,extract-1 --repeats 2
 
@@ -328,9 +329,21 @@ def check(formats: list[str], max_tokens: int | None, drafts: dict | None = None
 
 def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
     """Masks filled before every step against deferred masks, drafts on, in one run: see the module's text."""
+    from corral.engine.sampler import Sampler
     from corral.fsm.cfg_guide import CFGGuide
     from corral.fsm.fsm_guide import FSMGuide
     filled, side = {False: 0, True: 0}, [False]
+    inner, loops = [0.0], {False: [], True: []}  # forward and sampler time; per step, the rest
+
+    def timing(fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner[0] += time.perf_counter() - start
+        return timed
+    Sampler.__call__, Sampler.verify = timing(Sampler.__call__), timing(Sampler.verify)
 
     def counting(fill_mask):
         def fill(self, row):
@@ -341,16 +354,28 @@ def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
         guide_class.fill_mask = counting(guide_class.fill_mask)
     print(f"machine: {cpu_summary()}")
     print("| format | cell | requests | tok/s masks first | deferred | speed-up | masks per token, first | deferred | "
-          "identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "loop us/step, first | deferred | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     failures = 0
     for fmt in formats:
         b = Bench(fmt)
+        runner, step = b.engine.runner, b.engine.step
+        runner.execute, runner.execute_burst = timing(runner.execute), timing(runner.execute_burst)
+
+        def timed_step():
+            start, before = time.perf_counter(), inner[0]
+            try:
+                return step()
+            finally:
+                loops[side[0]].append(time.perf_counter() - start - (inner[0] - before))
+        b.engine.step = timed_step
         b.run(free_jobs(2), 1, OFF)  # warm-up
         for cell in cells_for(cell_names):
             jobs = b.usable(cell.jobs)
             runs = {False: [], True: []}
             counts = {False: 0, True: 0}
+            loops[False].clear()
+            loops[True].clear()
             check = machine_check()
             for i in range(repeats):  # taking turns, the order swapped each time
                 for defer in (False, True)[:: 1 if i % 2 == 0 else -1]:
@@ -364,7 +389,8 @@ def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
             rate = {d: (r.num_tokens / r.wall) for d, r in ((False, first), (True, deferred))}
             print(f"| {fmt} | {cell.name} | {len(jobs)} | {rate[False]:.1f} | {rate[True]:.1f} | "
                   f"**{rate[True] / rate[False]:.2f}x** | {counts[False] / max(1, first.num_tokens):.2f} | "
-                  f"{counts[True] / max(1, deferred.num_tokens):.2f} | {same}/{len(first.tokens)} | {check}; "
+                  f"{counts[True] / max(1, deferred.num_tokens):.2f} | {statistics.median(loops[False]) * 1e6:.0f} | "
+                  f"{statistics.median(loops[True]) * 1e6:.0f} | {same}/{len(first.tokens)} | {check}; "
                   f"refused {len(cell.jobs) - len(jobs)}", flush=True)
         b.engine.defer_masks = None
     return 1 if failures else 0

@@ -85,6 +85,15 @@ def _token_ids(tokens) -> list[int]:
     return ids
 
 
+def _refused_at(guide: Guide, tokens: list[int]) -> int | None:
+    """Where ``guide``'s grammar refuses the first of ``tokens`` (taken in turn, on a copy), or None."""
+    probe = guide.copy()
+    for j, token in enumerate(tokens):
+        if not probe.advance(token):
+            return j
+    return None
+
+
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``logits[rows]``: a view where the rows are consecutive (the scheduler puts drafted decodes after the
     others, so a step's plain and drafted rows are two runs), else a copy (a few MB at 16 sequences)."""
@@ -509,13 +518,12 @@ class LLMEngine:
                 and not seq.num_forks_pending and seq.num_output_tokens >= seq.params.min_tokens
                 and not seq.guide.is_error()}  # an error met already (a limit): its mask ends it, as before
 
-    def _refused_at(self, guide: Guide, tokens: list[int]) -> int | None:
-        """Where ``guide``'s grammar refuses the first of ``tokens`` (taken in turn, on a copy), or None."""
-        probe = guide.copy()
-        for j, token in enumerate(tokens):
-            if not probe.advance(token):
-                return j
-        return None
+    def _masked_pick(self, guide: Guide, logits: torch.Tensor, row: SamplingRow) -> SampleResult | None:
+        """The pick of one row of ``logits`` under ``guide``'s mask, filled now; None where the mask allows
+        nothing (a limit the guide meets filling it is its error, as before the forward)."""
+        mask = np.zeros((1, self._mask_words), dtype=np.int32)
+        guide.fill_mask(mask[0])
+        return self.sampler(logits, [row], mask, [0]) if mask.any() else None
 
     def _repick_refused(self, rows, logits: torch.Tensor, result: SampleResult, deferred: set[int],
                         stuck: list[Sequence]) -> tuple[list, SampleResult]:
@@ -523,15 +531,13 @@ class LLMEngine:
         masks; a row whose mask allows nothing leaves the batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
         tokens, logprobs, dropped = result.token_ids, result.logprobs, []
         for i, (seq, _) in enumerate(rows):
-            if seq.seq_id not in deferred or tokens[i] >= 0 and self._refused_at(seq.guide, tokens[i:i + 1]) is None:
+            if seq.seq_id not in deferred or tokens[i] >= 0 and _refused_at(seq.guide, tokens[i:i + 1]) is None:
                 continue  # (no token: a NaN or +inf the mask may rule out)
-            mask = np.zeros((1, self._mask_words), dtype=np.int32)
-            seq.guide.fill_mask(mask[0])  # its own guide's: a limit it meets is its error, as before the forward
-            if not mask.any():
+            picked = self._masked_pick(seq.guide, logits[i:i + 1], sampling_row(seq))  # its own guide's mask
+            if picked is None:
                 dropped.append(i)
                 stuck.append(seq)
                 continue
-            picked = self.sampler(logits[i:i + 1], [sampling_row(seq)], mask, [0])
             if tokens is result.token_ids:  # the first change: copies
                 tokens, logprobs = list(tokens), list(logprobs)
             tokens[i], logprobs[i] = picked.token_ids[0], picked.logprobs[0]
@@ -543,7 +549,7 @@ class LLMEngine:
         return rows, SampleResult(tokens, logprobs, top) if tokens is not result.token_ids or dropped else result
 
     def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor
-                         ) -> dict[int, tuple[DraftRows, Verified | None]]:
+                         ) -> dict[int, tuple[DraftRows, Verified]]:
         """Verify the drafts of deferred sequences (``drafted``: each with its first row of ``logits``) as their
         masks would have: per sequence, its draft and what it verified, by sequence id. Every row's unmasked
         argmax comes from one sampler call; each sequence then walks its rows with a copy of its guide (see
@@ -564,7 +570,7 @@ class LLMEngine:
         return out
 
     def _walk_deferred(self, seq: Sequence, logits: torch.Tensor, start: int, argmax: list[int],
-                       logprobs: list[float]) -> tuple[DraftRows, Verified | None]:
+                       logprobs: list[float]) -> tuple[DraftRows, Verified]:
         """One deferred sequence's draft, verified on its rows ``logits[start:]`` from their unmasked argmax (and
         its logprob) as :meth:`Sampler.verify` verifies a greedy draft on masked rows, with the same result: the
         draft tested ends after the first draft token its grammar refuses (the masks after it would allow
@@ -572,7 +578,7 @@ class LLMEngine:
         mask allows nothing, the tokens before it are the ones tested and none is drawn after them (a state inside
         the draft that allows nothing, met only where the walk reaches it: see :meth:`_deferred`)."""
         draft = seq.draft
-        refused = self._refused_at(seq.guide, draft)
+        refused = _refused_at(seq.guide, draft)
         tested = len(draft) if refused is None else refused + 1
         final = refused is None
         probe, tokens, chosen_logprobs, accepted = seq.guide.copy(), [], [], 0
@@ -581,19 +587,13 @@ class LLMEngine:
             if j < tested and token == draft[j]:  # walked above
                 allowed = refused is None or j < refused
             else:  # (no token, -1: a NaN or +inf the mask may rule out)
-                allowed = token >= 0 and self._refused_at(probe, [token]) is None
+                allowed = token >= 0 and _refused_at(probe, [token]) is None
             if not allowed:  # the masked row's pick, as filling its mask first would have made it
-                mask = np.zeros((1, self._mask_words), dtype=np.int32)
-                probe.fill_mask(mask[0])
-                if not mask.any():
+                picked = self._masked_pick(probe, logits[start + j:start + j + 1], sampling_row(seq, draft[:j]))
+                if picked is None:
                     tested, final = j, False
                     break
-                picked = self.sampler(logits[start + j:start + j + 1], [sampling_row(seq, draft[:j])], mask, [0])
-                token, logprob = picked.token_ids[0], picked.logprobs[0]
-                if token < 0:  # nothing finite under the mask either: the tokens before it stand, and it ends
-                    tokens.append(token)
-                    chosen_logprobs.append(logprob)
-                    break
+                token, logprob = picked.token_ids[0], picked.logprobs[0]  # -1: nothing finite; it ends the walk
             tokens.append(token)
             chosen_logprobs.append(logprob)
             if j < tested and token == draft[j]:
