@@ -43,4 +43,6 @@ class Guide(ABC):
 
     @abstractmethod
     def forced_bytes(self) -> bytes:
-        """The deterministic continuation from here: bytes that every accepted completion starts with."""
+        """The deterministic continuation from here: bytes that every accepted completion starts with. Never
+        raises: a limit of the grammar met while following them ends the span there (drafts must not end a
+        sequence that the same tokens without drafts would not)."""

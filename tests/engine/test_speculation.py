@@ -313,6 +313,30 @@ def test_stop_strings_max_tokens_and_grammar_end_cut_a_draft(compiler):
             assert len(outs[1].token_ids) == 3
 
 
+def test_a_forced_span_past_the_state_cap_ends_only_its_sequence_as_without_drafts():
+    """The forced span is walked on the shared automaton, which may meet its state cap there: the span stops short
+    (what it found is still forced), the sequence meets the cap where it would without drafts and ends with it,
+    and the request beside it goes on."""
+    from corral.budget import Budget
+    from corral.fsm.fsm_guide import FSMGuide
+    from corral.fsm.lazy_dfa import LazyDFA
+    from corral.fsm.token_index import TokenIndex
+    outs = []
+    for switches in (OFF, ON):
+        index = TokenIndex(LazyDFA(parse_regex("(ab){40}c"), Budget(max_states=24)), VOCAB)  # 80 forced bytes
+        engine = draft_engine(ToyModel(seed=4))
+        requests = [("capped", PROMPT, SamplingParams(temperature=0, max_tokens=60, **switches), FSMGuide(index)),
+                    ("free", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **switches), None)]
+        outs.append({k: o.outputs[0] for k, o in run_all(engine, requests).items()})
+        assert engine.block_manager.num_used_blocks == 0
+    for request_id in ("capped", "free"):
+        a, b = outs[0][request_id], outs[1][request_id]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+    capped = outs[1]["capped"]
+    assert capped.finish_reason == "error" and "cap of 24 states" in capped.stop_reason and capped.token_ids
+    assert outs[1]["free"].finish_reason == "length" and len(outs[1]["free"].token_ids) == 6
+
+
 # "abd": after "ab" no token spells "d", so the mask there allows nothing and the sequence ends with an error
 DEFERRED_PATTERNS = [AMBIGUOUS, "(ab|c)+", "a[bc]{0,3}(ab){2}c", "abd", "(a|b|c){2,9}"]
 
