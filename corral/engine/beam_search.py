@@ -50,7 +50,8 @@ class BeamHypothesis(NamedTuple):
     token_ids: tuple[int, ...]
     cumulative_logprob: float
     score: float
-    finish_reason: str  # 'stop' (EOS, or the grammar is complete) or 'length'
+    finish_reason: str  # 'stop' (EOS, or the grammar is complete), 'length', or 'error' (its grammar met a limit)
+    stop_reason: str | None = None  # for 'error': the limit's message
 
 
 class Extension(NamedTuple):
@@ -59,6 +60,7 @@ class Extension(NamedTuple):
     cumulative_logprob: float
     guide: Guide | None  # a copy of the beam's guide, advanced by token_id
     is_finished: bool  # EOS, or the guide is finished: a hypothesis, no longer a beam
+    error: str | None = None  # the limit its grammar met taking token_id: it ends there, with that error
 
 
 def length_normalized_score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
@@ -82,12 +84,22 @@ def select_extensions(cumulative_logprobs: Sequence[float], guides: Sequence[Gui
             chosen.append(Extension(beam, token_id, value, None, True))
             continue
         guide = guides[beam].copy() if guides[beam] is not None else None
-        if guide is not None:
-            assert guide.advance(token_id), "a masked token was chosen"
+        if guide is not None and not guide.advance(token_id):
+            # its mask allowed the token, so taking it met a limit of the grammar (a row or a configuration past
+            # its cap): this beam ends here with that error, and the others go on
+            error = getattr(guide, "error", None) or "the grammar refused a token its mask allowed"
+            chosen.append(Extension(beam, token_id, value, None, True, error))
+            continue
         finished = guide is not None and guide.is_finished()
         chosen.append(Extension(beam, token_id, value, guide, finished))
         num_live += not finished
     return chosen
+
+
+def limited_beams(guides: Sequence[Guide | None]) -> list[tuple[int, str]]:
+    """The beams whose grammar met a limit filling their mask (the row then allows nothing), with its message:
+    each ends as a hypothesis with that error rather than vanishing like a beam the grammar has no token for."""
+    return [(i, guide.error) for i, guide in enumerate(guides) if guide is not None and getattr(guide, "error", None)]
 
 
 def mask_by_guides(logprobs: torch.Tensor, guides: Sequence[Guide | None]) -> torch.Tensor:
@@ -119,6 +131,8 @@ def beam_search(next_token_logprobs: NextTokenLogprobs, params: BeamSearchParams
     for step in range(params.max_tokens):
         guides = [beam.guide for beam in live]
         logprobs = mask_by_guides(next_token_logprobs([beam.token_ids for beam in live]), guides)
+        finished.extend(_hypothesis(live[i].token_ids, live[i].cumulative_logprob, params, "error", error)
+                        for i, error in limited_beams(guides))
         live = _extend(live, select_extensions([b.cumulative_logprob for b in live], guides, logprobs, params, eos),
                        params, finished)
         if not live or _can_stop(live, finished, params, step + 1):
@@ -134,7 +148,8 @@ def _extend(live: list[_Beam], extensions: list[Extension], params: BeamSearchPa
     for ext in extensions:
         token_ids = live[ext.beam].token_ids + (ext.token_id,)
         if ext.is_finished:
-            finished.append(_hypothesis(token_ids, ext.cumulative_logprob, params, "stop"))
+            finished.append(_hypothesis(token_ids, ext.cumulative_logprob, params, "error" if ext.error else "stop",
+                                        ext.error))
         else:
             next_live.append(_Beam(token_ids, ext.cumulative_logprob, ext.guide))
     return next_live
@@ -145,9 +160,9 @@ def best(hypotheses: list[BeamHypothesis], params: BeamSearchParams) -> list[Bea
 
 
 def _hypothesis(token_ids: tuple[int, ...], cumulative_logprob: float, params: BeamSearchParams,
-                reason: str) -> BeamHypothesis:
+                reason: str, stop_reason: str | None = None) -> BeamHypothesis:
     score = length_normalized_score(cumulative_logprob, len(token_ids), params.length_penalty)
-    return BeamHypothesis(token_ids, cumulative_logprob, score, reason)
+    return BeamHypothesis(token_ids, cumulative_logprob, score, reason, stop_reason)
 
 
 def _can_stop(live, finished: list[BeamHypothesis], params: BeamSearchParams, length: int) -> bool:
@@ -207,13 +222,18 @@ class BeamGroup:
         that stay live (``.beam`` indexes :attr:`beams`), none once the search is done."""
         assert self.is_ready
         logprobs = torch.stack([self.rows.pop(beam.seq_id) for beam in self.beams])
-        extensions = select_extensions([b.cumulative_logprob for b in self.beams], [b.guide for b in self.beams],
-                                       logprobs, self.params, self.eos)
+        guides = [b.guide for b in self.beams]
+        extensions = select_extensions([b.cumulative_logprob for b in self.beams], guides, logprobs, self.params,
+                                       self.eos)
         self.num_steps += 1
+        for i, error in limited_beams(guides):
+            beam = self.beams[i]
+            self.finished.append(_hypothesis(tuple(beam.output_token_ids), beam.cumulative_logprob, self.params,
+                                             "error", error))
         live = []
         for ext in extensions:
             if ext.is_finished:
-                self.finished.append(self._hypothesis(ext, "stop"))
+                self.finished.append(self._hypothesis(ext, "error" if ext.error else "stop", ext.error))
             else:
                 live.append(ext)
         if not live or self.num_steps >= self.params.max_tokens or _can_stop(live, self.finished, self.params,
@@ -223,9 +243,9 @@ class BeamGroup:
             return []
         return live
 
-    def _hypothesis(self, ext: Extension, reason: str) -> BeamHypothesis:
+    def _hypothesis(self, ext: Extension, reason: str, stop_reason: str | None = None) -> BeamHypothesis:
         token_ids = tuple(self.beams[ext.beam].output_token_ids) + (ext.token_id,)
-        return _hypothesis(token_ids, ext.cumulative_logprob, self.params, reason)
+        return _hypothesis(token_ids, ext.cumulative_logprob, self.params, reason, stop_reason)
 
     def hypotheses(self) -> list[BeamHypothesis]:
         """The ``beam_width`` best finished hypotheses, best first."""
@@ -240,7 +260,7 @@ class BeamGroup:
                 detokenizer.add_token(token_id)
             detokenizer.finish()
             outputs.append(CompletionOutput(i, list(hypothesis.token_ids), detokenizer.text, hypothesis.finish_reason,
-                                            cumulative_logprob=hypothesis.cumulative_logprob))
+                                            hypothesis.stop_reason, cumulative_logprob=hypothesis.cumulative_logprob))
         return outputs
 
 
@@ -257,7 +277,8 @@ def beam_search_engine(engine, prompt: str | Sequence[int], params: BeamSearchPa
             if output.request_id == request_id and output.finished:
                 return [BeamHypothesis(tuple(c.token_ids), c.cumulative_logprob,
                                        length_normalized_score(c.cumulative_logprob, len(c.token_ids),
-                                                               params.length_penalty), c.finish_reason)
+                                                               params.length_penalty), c.finish_reason,
+                                       c.stop_reason if c.finish_reason == "error" else None)
                         for c in output.outputs]
 
 

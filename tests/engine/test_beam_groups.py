@@ -167,3 +167,41 @@ def test_abort_frees_every_beam_running_or_waiting():
     assert all(s.request_id == "other" for s in [*engine.scheduler.running, *engine.scheduler.waiting])
     list(engine.stream())
     assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+
+
+def test_a_beam_whose_grammar_meets_a_limit_ends_with_that_error_and_the_batch_goes_on():
+    """A mask built from shared token facts may allow a token whose advance then meets the state cap (a row past
+    it), and a mask may itself meet it: that beam ends as a hypothesis with finish_reason "error" naming the
+    limit, where the first failed an assert and with it every request in flight, and the second vanished. The
+    request beside it finishes as it would alone."""
+    from corral.budget import Budget
+    from corral.fsm.fsm_guide import FSMGuide
+    from corral.fsm.lazy_dfa import LazyDFA
+    from corral.fsm.token_index import TokenIndex
+    alone = None
+    errors = 0
+    for seed in range(6):
+        for width in (2, 4):
+            engine = toy_engine(ToyModel(seed=seed), num_blocks=128)
+            index = TokenIndex(LazyDFA(parse_regex("[ -~]{5,60}"), Budget(max_states=8)), engine.vocabulary)
+            outs = run_all(engine, [
+                ("beams", PROMPTS[0], BeamSearchParams(beam_width=width, max_tokens=20), FSMGuide(index)),
+                ("bystander", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), None)])
+            assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+            bystander = outs["bystander"].outputs[0]
+            if alone is None:
+                alone = run_all(toy_engine(ToyModel(seed=0), num_blocks=128), [
+                    ("bystander", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                     None)])["bystander"].outputs[0].token_ids
+            if seed == 0:
+                assert bystander.token_ids == alone
+            assert bystander.finish_reason == "length" and len(bystander.token_ids) == 20
+            hypotheses = outs["beams"].outputs
+            assert hypotheses and len(hypotheses) <= width
+            for h in hypotheses:
+                assert h.finish_reason in ("stop", "length", "error")
+                if h.finish_reason == "error":
+                    errors += 1
+                    assert "cap of 8 states" in h.stop_reason and h.token_ids
+                assert re.fullmatch("[ -~]*", h.text)
+    assert errors, "no beam met the cap: the test lost its point"
