@@ -481,9 +481,11 @@ class ParseSession:
                     if set_id >= 0:
                         readings.add(self.after_lexeme(set_id))
             return self.intern(readings) if readings else DEAD
-        if token_id in self.index.vocab.special_ids:
+        vocab = self.index.vocab
+        # an id past the vocabulary (a model's padding rows, which a prompt may hold) spells nothing
+        if token_id in vocab.special_ids or not 0 <= token_id < len(vocab.token_bytes):
             return DEAD
-        for byte in self.index.vocab.token_bytes[token_id]:
+        for byte in vocab.token_bytes[token_id]:
             config = self.move(config, byte)
             if config < 0:
                 return DEAD

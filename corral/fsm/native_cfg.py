@@ -62,9 +62,11 @@ class NativeParseSession:
         if specials is not None:
             terminals = np.asarray(sorted(specials), dtype=np.int32)
             return self.native.advance_special(config, terminals, index.mask_fuel)
-        if token_id in index.vocab.special_ids:
+        vocab = index.vocab
+        # an id past the vocabulary (a model's padding rows, which a prompt may hold) spells nothing
+        if token_id in vocab.special_ids or not 0 <= token_id < len(vocab.token_bytes):
             return DEAD
-        return self.native.advance(config, index.vocab.token_bytes[token_id], index.mask_fuel)
+        return self.native.advance(config, vocab.token_bytes[token_id], index.mask_fuel)
 
     def move(self, config: int, byte: int) -> int:
         return self.native.move(config, byte, self.index.mask_fuel)

@@ -205,8 +205,10 @@ class TokenIndex:
         return mask
 
     def next_state(self, state: int, token_id: int) -> int:
-        """The state after ``token_id`` (EOS and special tokens are not walked here), or ``DEAD``."""
-        if token_id in self._special_ids or token_id in self._eos_ids:
+        """The state after ``token_id`` (EOS and special tokens are not walked here), or ``DEAD``. An id past the
+        vocabulary (a model's padding rows: a prompt may hold one, and prompt lookup may draft it) spells
+        nothing, so it is refused."""
+        if token_id in self._special_ids or token_id in self._eos_ids or not 0 <= token_id < len(self._token_bytes):
             return DEAD
         if self._native is not None:  # one native call, the GIL released while it derives
             with self.dfa.lock:

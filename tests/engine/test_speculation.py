@@ -337,6 +337,36 @@ def test_a_forced_span_past_the_state_cap_ends_only_its_sequence_as_without_draf
     assert outs[1]["free"].finish_reason == "length" and len(outs[1]["free"].token_ids) == 6
 
 
+def test_prompt_ids_past_the_vocabulary_are_drafted_into_no_guide():
+    """A model's embedding may have rows past the tokenizer's vocabulary (padding), and a prompt may hold such an
+    id; prompt lookup drafts it, and the guides refuse it as a token that spells nothing (where they failed the
+    step on it), regular and context-free alike, drafts on as off."""
+    from corral.fsm.cfg_guide import CFGGuide
+    from corral.grammar.constraint import Constraint
+    compiler = GrammarCompiler(VOCAB)
+    prompt = [0, 6, 1, 6, 2, 6, 3, 6, 0, 6, 1, 6]  # 6 and 7: rows of the model, no token of the vocabulary
+    outs = []
+    for switches in (OFF, ON):
+        engine = LLMEngine(EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=256, max_num_batched_tokens=256,
+                                        draft_row_cost=0.0, **switches),
+                           runner=DraftKVRunner(ToyModel(seed=4), 256), vocabulary=VOCAB,
+                           model_config=SimpleNamespace(vocab_size=8, max_position=96))
+        cfg = compiler.compile(Constraint("grammar", 'start: "a" start "b" | "c"')).new_guide()
+        regular = compiler.compile_node(parse_regex("[abc]{1,30}")).new_guide()
+        assert isinstance(cfg, CFGGuide) and not cfg.copy().advance(6) and not regular.copy().advance(7)
+        requests = [("regular", prompt, SamplingParams(temperature=0, max_tokens=20, **switches), regular),
+                    ("cfg", prompt, SamplingParams(temperature=0, max_tokens=20, **switches), cfg),
+                    ("free", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **switches), None)]
+        outs.append({k: o.outputs[0] for k, o in run_all(engine, requests).items()})
+        assert engine.block_manager.num_used_blocks == 0
+    for request_id in ("regular", "cfg", "free"):
+        a, b = outs[0][request_id], outs[1][request_id]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), request_id
+        assert a.finish_reason in ("stop", "length") and a.token_ids, request_id
+    assert re.fullmatch("[abc]{1,30}", outs[1]["regular"].text)
+    assert re.fullmatch("(a*)c(b*)", outs[1]["cfg"].text)
+
+
 # "abd": after "ab" no token spells "d", so the mask there allows nothing and the sequence ends with an error
 DEFERRED_PATTERNS = [AMBIGUOUS, "(ab|c)+", "a[bc]{0,3}(ab){2}c", "abd", "(a|b|c){2,9}"]
 
