@@ -1381,6 +1381,41 @@ nb::tuple session_live_bytes(SessionObject& self, int64_t config_number, int64_t
     });
 }
 
+// forced(config, limit, fuel): the bytes every continuation starts with (cfg_guide.py's
+// ParseSession.forced_bytes): while the text is not a complete parse, exactly one byte can follow and no special
+// token may come instead, that byte, at most `limit` of them. Each question asked on the way has its own fuel, as
+// the separate calls had. A limit met on the way ends the span there, its error cleared: the bytes found are
+// forced all the same, and the guide meets the limit itself where its own moves need that work.
+nb::bytes session_forced(SessionObject& self, int64_t config_number, int64_t limit, int64_t fuel) {
+    Session& s = *self.session;
+    int32_t config = config_arg(s, config_number);
+    std::string out;
+    {
+        NoGil nogil;
+        try {
+            while (config >= 0 && int64_t(out.size()) < limit) {
+                begin(s, fuel);
+                if (s.is_accepting(config)) break;
+                begin(s, fuel);
+                int live = -1, num_live = 0;
+                for (int byte = 0; byte < 256; ++byte)  // every move, as live_bytes makes them
+                    if (s.move(config, byte) >= 0) live = byte, ++num_live;
+                if (num_live != 1) break;
+                begin(s, fuel);
+                if (!s.specials_allowed(config).empty()) break;
+                begin(s, fuel);
+                out.push_back(char(live));
+                config = s.move(config, live);
+            }
+        } catch (const PyFailure&) {
+            WithGil gil;
+            if (!PyErr_ExceptionMatches(LimitError)) throw;
+            PyErr_Clear();
+        }
+    }
+    return nb::bytes(out.data(), out.size());
+}
+
 // readings(config): the (Earley set, lexer state) pairs.
 nb::tuple session_readings(SessionObject& self, int64_t config_number) {
     Session& s = *self.session;
@@ -1437,6 +1472,7 @@ void add_cfg(nb::module_& m) {
         .def("is_accepting", &session_is_accepting)
         .def("specials_allowed", &session_specials_allowed)
         .def("live_bytes", &session_live_bytes)
+        .def("forced", &session_forced)
         .def("readings", &session_readings)
         .def("sets_between_lexemes", &session_between)
         .def("unregistered_roots", &session_unregistered_roots)

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <nanobind/stl/optional.h>
 #include <optional>
+#include <string>
 #include <sys/mman.h>
 #include <unordered_map>
 #include <unordered_set>
@@ -1186,6 +1187,34 @@ struct Dfa {
         return state < 0 ? DEAD : state;
     }
 
+    // The bytes every continuation from `state` starts with: while the state is not accepting and exactly one
+    // byte keeps it alive, that byte (at most `limit` of them). The rows it meets are built. A limit met while
+    // building one ends the span there, its error cleared: the bytes found are forced all the same, and the
+    // cursor meets the limit itself where its own moves need that row. Other errors unwind as usual.
+    std::string forced(int32_t state, int64_t limit) {
+        std::string out;
+        try {
+            while (state >= 0 && int64_t(out.size()) < limit && !accepting[state]) {
+                if (!built[state]) build_row(state);
+                const int32_t* row = trans + int64_t(state) * 256;
+                int live = -1;
+                for (int byte = 0; byte < 256; ++byte) {
+                    if (row[byte] < 0) continue;
+                    if (live >= 0) return out;
+                    live = byte;
+                }
+                if (live < 0) break;
+                out.push_back(char(live));
+                state = row[live];
+            }
+        } catch (const PyFailure&) {
+            WithGil gil;
+            if (!PyErr_ExceptionMatches(LimitError)) throw;
+            PyErr_Clear();
+        }
+        return out;
+    }
+
     // Each token's bytes from offsets[k] on, walked from state `start` until a dead move: units[k] counts the
     // bytes taken at `start`, exits[k] is where it died (-1 never), at_start[k] (0/1) whether it died at `start`.
     // tokens is the [*, width] byte matrix; ids_offsets is ids[n] then offsets[n] (int64); out is units[n],
@@ -1527,6 +1556,12 @@ void bind_dfa(nb::module_& m) {
             const HeldBuffer bytes(token_bytes.ptr(), PyBUF_SIMPLE, 1);
             NoGil nogil;
             return self.dfa->advance(state, bytes.data<const uint8_t>(), bytes.count());
+        })
+        .def("forced", [](DfaObject& self, int64_t state_number, int64_t limit) {
+            // the bytes forced from the state, at most limit of them (see Dfa::forced)
+            TableLock lock(self.dfa->table);
+            const std::string out = self.dfa->forced(state_arg(self, state_number), limit);
+            return nb::bytes(out.data(), out.size());
         })
         .def("flags_of", [](DfaObject& self, int64_t flag_set) {
             TableLock lock(self.dfa->table);

@@ -491,6 +491,22 @@ class ParseSession:
                 return DEAD
         return config
 
+    def forced_bytes(self, config: int, limit: int) -> bytes:
+        """The bytes every continuation of ``config`` starts with: while the text is not a complete parse,
+        exactly one byte can follow and no special token may come instead, that byte, at most ``limit`` of them.
+        A limit met on the way ends the span there (the bytes found are forced all the same)."""
+        out = bytearray()
+        try:
+            while config >= 0 and len(out) < limit and not self.is_accepting(config):
+                live = self.live_bytes(config)
+                if len(live) != 1 or self.specials_allowed(config):
+                    break  # several bytes, or a special token may come here instead
+                out.append(int(live[0]))
+                config = self.move(config, int(live[0]))
+        except GrammarTooComplexError:
+            pass
+        return bytes(out)
+
     def live_bytes(self, config: int) -> np.ndarray:
         self.fuel_start = self.table.work
         row = self.gather(np.full(256, config, dtype=np.int32), np.arange(256))
@@ -578,20 +594,11 @@ class CFGGuide(Guide):
 
     def forced_bytes(self) -> bytes:
         """Bytes while exactly one can follow and the text so far is not a complete parse."""
-        config, out, session = self.config, bytearray(), self.session
-        try:
-            with session.lock:
-                while config >= 0 and len(out) < _MAX_FORCED_BYTES and not session.is_accepting(config):
-                    live = session.live_bytes(config)
-                    if len(live) != 1:
-                        break
-                    if session.specials_allowed(config):
-                        break  # a special token may come here instead
-                    out.append(int(live[0]))
-                    config = session.move(config, int(live[0]))
-        except GrammarTooComplexError:
-            pass  # a shorter forced span is still forced
-        return bytes(out)
+        config = self.config
+        if config < 0:
+            return b""
+        with self.session.lock:
+            return self.session.forced_bytes(config, _MAX_FORCED_BYTES)
 
 
 def _children(trie, lexer, nodes: np.ndarray, states: np.ndarray):

@@ -90,15 +90,5 @@ class FSMGuide(Guide):
         """Follow the states with exactly one live byte that are not accepting (an accepting state may stop).
         A row past a limit of the grammar ends the span there: the bytes found are still forced, and the guide
         meets that limit where its sequence would without a draft."""
-        state, out = self.state, bytearray()
-        try:
-            while state >= 0 and not self.index.is_accepting(state) and len(out) < _MAX_FORCED_BYTES:
-                row = self.index.row(state)
-                live = np.flatnonzero(row >= 0)
-                if len(live) != 1:
-                    break
-                out.append(int(live[0]))
-                state = int(row[live[0]])
-        except GrammarTooComplexError:
-            pass
-        return bytes(out)
+        state = self.state
+        return self.index.forced_bytes(state, _MAX_FORCED_BYTES) if state >= 0 else b""

@@ -77,6 +77,9 @@ class NativeParseSession:
     def specials_allowed(self, config: int) -> frozenset[int]:
         return frozenset(self.native.specials_allowed(config, self.index.mask_fuel))
 
+    def forced_bytes(self, config: int, limit: int) -> bytes:
+        return self.native.forced(config, limit, self.index.mask_fuel)
+
     def live_bytes(self, config: int) -> np.ndarray:
         return np.asarray(self.native.live_bytes(config, self.index.mask_fuel), dtype=np.int64)
 

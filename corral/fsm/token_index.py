@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from corral.errors import GrammarTooComplexError
 from corral.fsm import native_walk
 from corral.fsm.derivatives import native_module
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
@@ -193,6 +194,30 @@ class TokenIndex:
     def row(self, state: int) -> np.ndarray:
         """The 256 next states of ``state`` (``DEAD`` where a byte is not allowed)."""
         return self.dfa.row(state)
+
+    def forced_bytes(self, state: int, limit: int) -> bytes:
+        """The bytes every continuation from ``state`` starts with: while the state is not accepting and exactly
+        one byte keeps it alive, that byte, at most ``limit`` of them. A limit of the grammar met while building a
+        row on the way ends the span there."""
+        dfa = self.dfa
+        if self._native is not None:  # one native call for the whole span
+            with dfa.lock:
+                try:
+                    return dfa.native.forced(state, limit)
+                finally:
+                    dfa.refresh()
+        out = bytearray()
+        try:
+            while state >= 0 and not dfa.accepting[state] and len(out) < limit:
+                row = dfa.row(state)
+                live = np.flatnonzero(row >= 0)
+                if len(live) != 1:
+                    break
+                out.append(int(live[0]))
+                state = int(row[live[0]])
+        except GrammarTooComplexError:
+            pass
+        return bytes(out)
 
     def mask(self, state: int) -> np.ndarray:
         """int32 bitmask words of the tokens allowed in ``state`` (shared: never write into it)."""

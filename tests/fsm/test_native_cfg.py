@@ -60,6 +60,7 @@ def _step_equal(ours: CFGGuide, oracle: CFGGuide, words: int) -> None:
     assert np.array_equal(a, b), np.flatnonzero(a != b)[:8]
     assert ours.is_accepting() == oracle.is_accepting()
     assert ours.is_finished() == oracle.is_finished()
+    assert ours.forced_bytes() == oracle.forced_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,18 @@ def test_the_native_session_bounds_its_configurations_and_its_fuel(toy):
         if not guide.advance(ord("a")):
             break
     assert guide.is_error() and "too ambiguous" in guide.error and 50 < step < 2000
+
+
+def test_forced_bytes_stop_where_the_session_meets_its_configuration_cap(toy):
+    """The forced span ends where the walk meets a limit, natively as in the oracle, with no error left behind:
+    the guide meets the limit itself where its own moves need it."""
+    vocab, _ = toy
+    literal = CFGIndex(parse_lark('start: "' + "x" * 200 + '"'), vocab, Budget())
+    spans = [session.forced_bytes(session.start, 4096)
+             for session in (NativeParseSession(literal, max_configs=50), ParseSession(literal, max_configs=50))]
+    assert spans[0] == spans[1] and 0 < len(spans[0]) < 200
+    guide = CFGGuide(NativeParseSession(literal, max_configs=50))
+    assert guide.forced_bytes() == spans[0] and not guide.is_error()
 
 
 def test_the_native_session_checks_its_arguments(toy):

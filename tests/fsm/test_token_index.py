@@ -73,6 +73,46 @@ def test_forced_bytes_follow_the_deterministic_span(compiler):
     assert guide.advance(1) and guide.forced_bytes() == b'"'
 
 
+@pytest.mark.parametrize("pattern", ['abc(a|b)"', "(ab){3}c?", '\\{"k": (1|22), "name": "[a-c]{2,4}"\\}', "x{300}y",
+                                     "(a|b)*c(ab){2}", "é{2}"])
+def test_forced_bytes_agree_between_the_native_and_the_python_automaton(compiler, pattern):
+    """The native span walk and the Python one give the same bytes at every state a random walk meets."""
+    from corral.budget import Budget
+    from corral.fsm import derivatives
+    from corral.fsm.fsm_guide import FSMGuide
+    from corral.fsm.lazy_dfa import LazyDFA
+    from corral.fsm.token_index import TokenIndex
+    vocab = compiler.vocab
+    native = FSMGuide(TokenIndex(LazyDFA(parse_regex(pattern), Budget()), vocab))
+    python = FSMGuide(TokenIndex(LazyDFA(parse_regex(pattern), Budget(), terms=derivatives.TermTable()), vocab))
+    assert native.index._native is not None and python.index._native is None
+    rng, spans = np.random.default_rng(7), 0
+    for _ in range(60):
+        span = native.forced_bytes()
+        assert span == python.forced_bytes()
+        spans += bool(span)
+        allowed = [t for t in allowed_ids(native) if t != EOS]
+        if not allowed:
+            break
+        token = int(rng.choice(allowed))
+        assert native.advance(token) and python.advance(token)
+    assert spans, "no state on the walk forced a byte"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_forced_bytes_stop_at_the_state_cap_without_an_error(compiler, native):
+    from corral.budget import Budget
+    from corral.fsm import derivatives
+    from corral.fsm.fsm_guide import FSMGuide
+    from corral.fsm.lazy_dfa import LazyDFA
+    from corral.fsm.token_index import TokenIndex
+    terms = None if native else derivatives.TermTable()
+    guide = FSMGuide(TokenIndex(LazyDFA(parse_regex("x{200}"), Budget(max_states=24), terms=terms), compiler.vocab))
+    span = guide.forced_bytes()
+    assert 0 < len(span) < 200 and set(span) == {ord("x")}
+    assert not guide.is_error() and guide.error is None
+
+
 def test_a_token_may_end_inside_a_utf8_character(compiler):
     guide = compiler.compile(Constraint("regex", "é")).new_guide()
     assert allowed_ids(guide) == [8]  # b"\xc3", the first byte of é; its second byte has no token here
