@@ -103,6 +103,8 @@ class ModelDrafter:
         for d in drafting:
             if d.tokens:
                 d.target.draft, d.target.num_draft_forced, d.target.draft_by_model = list(d.tokens), 0, True
+                if d.probe is not None:  # the probe took every token
+                    d.target.allowed_draft = (d.target.draft, len(d.target.token_ids))
 
     def _sync(self, target: Sequence) -> _Shadow:
         """The target's shadow, its K/V kept for the tokens the target has too and truncated past them."""

@@ -577,8 +577,11 @@ class LLMEngine:
         nothing), and a row whose argmax the grammar refuses has its mask filled and is picked again; where that
         mask allows nothing, the tokens before it are the ones tested and none is drawn after them (a state inside
         the draft that allows nothing, met only where the walk reaches it: see :meth:`_deferred`)."""
-        draft = seq.draft
-        refused = _refused_at(seq.guide, draft)
+        draft, allowed = seq.draft, seq.allowed_draft
+        # a drafter that took the draft on a copy of the guide has asked already (no token since; the scheduler may
+        # have cut the draft, and a prefix of an allowed draft is allowed)
+        known = allowed is not None and allowed[1] == len(seq.token_ids) and allowed[0][:len(draft)] == draft
+        refused = None if known else _refused_at(seq.guide, draft)
         tested = len(draft) if refused is None else refused + 1
         final = refused is None
         probe, tokens, chosen_logprobs, accepted = seq.guide.copy(), [], [], 0

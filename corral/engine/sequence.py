@@ -94,6 +94,9 @@ class Sequence:
         self.num_draft_forced = 0  # of the draft, how many are jump-forward tokens
         self.draft_by_model = False  # whether the draft came from a draft model (corral/engine/draft_model.py)
         self.draft_by_self = False  # whether the draft is a burst's own greedy tokens (each took a forward pass)
+        # (a draft, len(token_ids)) where a drafter advanced a copy of the guide through every token of that draft
+        # at that length: its grammar allows the draft and every prefix of it, so verification need not ask again
+        self.allowed_draft: tuple[list[int], int] | None = None
         self.spec = None  # a SpecState once the sequence first drafts
         self.is_beam = False  # a beam of a beam-search request (its rows skip the sampler)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward

@@ -188,6 +188,8 @@ class Drafter:
                 draft = self.propose(seq.token_ids, seq.guide, seq.spec, forced_cap=forced_cap,
                                      lookup_cap=lookup_cap, room=room)
                 seq.draft, seq.num_draft_forced = draft.tokens, draft.num_forced
+                if seq.guide is not None:  # the forced span and the lookup tokens were each taken on a guide copy
+                    seq.allowed_draft = (seq.draft, len(seq.token_ids))
             if not seq.draft and lookup and shadows and seq.spec.shadow is None:
                 self.shadow(seq.token_ids, seq.guide, seq.spec, lookup_cap, min(room, config.num_speculative_tokens))
             if not seq.draft and lookup and model_cost is not None:  # the draft model's turn

@@ -440,11 +440,14 @@ class PrefersC(ToyModel):
 
 
 @pytest.mark.parametrize("pattern", ["(ab)+", "abd", "ab(c|ab)*"])
-def test_deferred_masks_verify_a_draft_the_grammar_refuses(compiler, pattern):
+@pytest.mark.parametrize("claim", [None, "other tokens", "an earlier length"])
+def test_deferred_masks_verify_a_draft_the_grammar_refuses(compiler, pattern, claim):
     """A draft of tokens the grammar refuses (here "c, c, b" at every step, as a draft model might propose them),
     whose first is the model's own argmax: deferred masks reject it where the masked rows would, test the draft up
     to the token the grammar refuses, and end a sequence whose mask allows nothing with an error, as masks filled
-    before the step do (tokens, reasons, logprobs and draft counts alike)."""
+    before the step do (tokens, reasons, logprobs and draft counts alike). A drafter's record that its guide
+    allowed a draft is trusted only for that draft at that length: a stale one (another draft, or the same one
+    before the last token) changes nothing."""
     outs = {}
     for defer in (False, True):
         engine = draft_engine(PrefersC(), jump_forward=False, speculation=True)
@@ -455,6 +458,8 @@ def test_deferred_masks_verify_a_draft_the_grammar_refuses(compiler, pattern):
                 room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
                 seq.spec = seq.spec or SpecState()
                 seq.draft, seq.num_draft_forced, seq.draft_by_model = [3, 3, 1][:max(room, 0)], 0, False
+                seq.allowed_draft = {None: None, "other tokens": ([0, 2, 2], len(seq.token_ids)),
+                                     "an earlier length": (list(seq.draft), len(seq.token_ids) - 1)}[claim]
             return []
         engine.drafter.propose_all = propose_all
         guide = compiler.compile_node(parse_regex(pattern)).new_guide()
