@@ -17,6 +17,9 @@ from corral.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 MAX_LOGIT_BIAS = 100.0
+# HF-style: positive logits are divided by it and negative ones multiplied, so a value far from 1 overflows them to
+# inf (the row would then end its sequence as if the model had given no finite logit); the API's bounds
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def make_logit_bias(bias: Mapping[int | str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -120,8 +123,9 @@ class SamplingParams:
                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]), got {item!r}")
         token_ids = [token_id for token_id, _ in self.logit_bias]
         _require(len(set(token_ids)) == len(token_ids), "logit_bias", "logit_bias names a token id twice")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        _require(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+                 f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")

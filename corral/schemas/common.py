@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from corral.engine.sampling_params import REPETITION_PENALTY_RANGE
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -121,7 +123,8 @@ class SamplingFields(Strict):
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # HF-style: positive logits are divided by it, so a tiny value overflows them to inf.
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1])
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -23,7 +23,8 @@ from corral.errors import InvalidRequestError
     (dict(logit_bias={7: 100.5}), "logit_bias", r"\(7, 100.5\)"),
     (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias", "twice"),
     (dict(logit_bias={"x": 1}), "logit_bias", "token ids"),
-    (dict(repetition_penalty=0.0), "repetition_penalty", "> 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", r"\[0.01, 100\]"),
+    (dict(repetition_penalty=1e6), "repetition_penalty", r"\[0.01, 100\]"),  # it would overflow logits to inf
     (dict(frequency_penalty=2.5), "frequency_penalty", r"\[-2, 2\]"),
     (dict(presence_penalty=-3), "presence_penalty", r"\[-2, 2\]"),
     (dict(logprobs=21), "logprobs", r"\[0, 20\]"),
