@@ -82,11 +82,13 @@ class Verified(NamedTuple):
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The per-row generator for a seeded request (None when unseeded: the row uses torch's global RNG)."""
+    """The per-row generator for a seeded request (None when unseeded: the row uses torch's global RNG). Any int
+    seeds it, taken modulo 2**64 as torch takes a negative one: a request's siblings draw with its seed plus their
+    index, which passes torch's range from a seed near its top."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)
     return generator
 
 

@@ -727,3 +727,23 @@ def test_plain_and_drafted_rows_are_split_as_views_when_each_is_one_run():
     (seqs, rows), (with_drafts, draft_rows) = LLMEngine._split_drafts(None, mixed, logits)
     assert seqs == plain and torch.equal(rows, logits[[3, 7]])
     assert with_drafts == [(drafted[0], 0), (drafted[1], 3)] and torch.equal(draft_rows, logits[[0, 1, 2, 4, 5, 6]])
+
+
+def test_siblings_of_a_seed_at_the_top_of_its_range_draw_and_the_batch_goes_on():
+    """Siblings draw with the request's seed plus their index: from the largest seed the API takes (2**64 - 1)
+    that passed torch's range and failed the step, every request in flight with it. Seeds wrap modulo 2**64, as
+    torch takes a negative one, so a seed and the same seed plus 2**64 draw alike."""
+    from corral.engine.sampler import make_generator
+    assert torch.rand(4, generator=make_generator(3 + 2**64)).tolist() == \
+        torch.rand(4, generator=make_generator(3)).tolist()
+    assert torch.rand(4, generator=make_generator(-5)).tolist() == \
+        torch.rand(4, generator=make_generator(2**64 - 5)).tolist()
+    engine = draft_engine(ToyModel(seed=2), **OFF)
+    outs = run_all(engine, [
+        ("top", PROMPT, SamplingParams(temperature=1.0, n=3, seed=2**64 - 1, max_tokens=6, ignore_eos=True), None),
+        ("bystander", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), None)])
+    assert [len(c.token_ids) for c in outs["top"].outputs] == [6, 6, 6]
+    assert len(outs["bystander"].outputs[0].token_ids) == 6
+    wrapped = run_all(draft_engine(ToyModel(seed=2), **OFF), [
+        ("low", PROMPT, SamplingParams(temperature=1.0, n=3, seed=-1, max_tokens=6, ignore_eos=True), None)])
+    assert [c.token_ids for c in wrapped["low"].outputs] == [c.token_ids for c in outs["top"].outputs]
