@@ -28,6 +28,7 @@ import re
 
 from corral.errors import InvalidRegexError, UserInputError
 from corral.grammar.cfg import Expr, Grammar, GrammarBuilder, case_folded
+from corral.grammar.node_builder import MAX_REPEAT_COUNT
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
 from corral.grammar.regex_parser import parse_regex
 
@@ -336,6 +337,8 @@ class _LarkParser:
         kind, text, _ = self.t.next()
         if kind != "number" or int(text) < 0:
             raise _error(f"expected a repetition count, found {text!r}", line)
+        if int(text) > MAX_REPEAT_COUNT:
+            raise _error(f"a repetition count of {text} is past the limit of {MAX_REPEAT_COUNT}", line)
         return int(text)
 
     def atom(self) -> Expr:

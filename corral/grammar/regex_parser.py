@@ -17,6 +17,7 @@ import functools
 from typing import Literal
 
 from corral.errors import InvalidRegexError, UnsupportedRegexError
+from corral.grammar.node_builder import MAX_REPEAT_COUNT
 from corral.grammar.regex_ast import EMPTY, MAX_CODE_POINT, NOTHING, Alt, CharSet, Concat, Node, Repeat
 
 Flavor = Literal["python", "ecma"]
@@ -141,6 +142,11 @@ class _Parser:
         high = (None if high_text == "" else int(high_text)) if comma else low
         if high is not None and high < low:
             raise self.error("min repeat greater than max repeat", self.pos)
+        # the schema path's bound on counts (the native automaton's are 32-bit; past the bound none would compile
+        # inside the budget anyway)
+        if max(low, high or 0) > MAX_REPEAT_COUNT:
+            raise self.error(f"a repeat count of {max(low, high or 0)} is past the limit of {MAX_REPEAT_COUNT}",
+                             self.pos)
         self.pos = end + 1
         return low, high
 

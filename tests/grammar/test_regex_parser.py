@@ -119,3 +119,22 @@ def test_malformed_patterns_raise_invalid_regex(pattern, message, offset):
 def test_non_string_pattern_is_a_typed_error():
     with pytest.raises(InvalidRegexError, match="must be a string"):
         parse_regex(5)
+
+
+@pytest.mark.parametrize("text, syntax", [
+    ("a{1000001}", "regex"), ("a{2147483648}", "regex"), ("x{1,9223372036854775808}", "regex"),
+    ('root ::= "a"{2147483648}', "gbnf"), ('root ::= "a"{1,9223372036854775808}', "gbnf"),
+    ('start: "a" ~ 2147483648', "lark"), ('start: A\nA: "a" ~ 1..9223372036854775808', "lark"),
+    ("start: /a{2147483648}/", "lark"),
+])
+def test_repeat_counts_past_the_limit_are_refused_where_they_are_written(text, syntax):
+    """Every syntax bounds a count as schemas do (1,000,000): past 2**31 a count overflowed the native automaton's
+    32-bit ones, a 500 instead of a 400."""
+    from corral.errors import InvalidGrammarError
+    from corral.grammar.gbnf_grammar import parse_gbnf
+    from corral.grammar.lark_grammar import parse_lark
+    parse, error = {"regex": (parse_regex, InvalidRegexError), "gbnf": (parse_gbnf, InvalidGrammarError),
+                    "lark": (parse_lark, InvalidGrammarError)}[syntax]
+    with pytest.raises(error, match="past the limit of 1000000"):
+        parse(text)
+    assert parse_regex("a{1000000}") is not None
