@@ -93,7 +93,7 @@ def extract_answer(text: str, pointer: str):
     """The normalised answer in one sample, or ``_MISSING`` when the text is not JSON or lacks it."""
     try:
         value = resolve_pointer(json.loads(text), pointer)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or an integer past the digit limit), or nested too deep
         return _MISSING
     return value if value is _MISSING else normalize_answer(value)
 

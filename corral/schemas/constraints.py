@@ -20,6 +20,10 @@ def _json_value(value: Any, param: str) -> dict | bool:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise InvalidSchemaError(f"'{param}' is not valid JSON: {e.msg} at offset {e.pos}") from None
+        except RecursionError:
+            raise InvalidSchemaError(f"'{param}' nests too deeply to parse") from None
+        except ValueError as e:  # an integer past Python's digit limit
+            raise InvalidSchemaError(f"'{param}' is not valid JSON: {e}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidSchemaError(f"'{param}' must be a JSON Schema (an object or a boolean)")
     return value

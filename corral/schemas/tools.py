@@ -113,7 +113,7 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None, nat
 def _loads_or_text(arguments: str):
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, or nested too deep
         return arguments
 
 
@@ -124,7 +124,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
         body = match.group(1)
         try:
             name = json.loads(body)["name"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, RecursionError, KeyError, TypeError):  # (ValueError: JSON's, or past the digit limit)
             continue  # only a truncated or errored output can hold a malformed call
         head = f'{{"name": "{name}", "arguments": '
         arguments = body[len(head):-1] if body.startswith(head) else json.dumps(json.loads(body).get("arguments"))

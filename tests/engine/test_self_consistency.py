@@ -85,3 +85,11 @@ def test_real_model_votes_agree_with_the_samples():
     assert result.num_abstained == 4 - len(samples)
     if samples:
         assert result.agreement == result.votes[result.answer] / 4 == max(result.votes.values()) / 4
+
+
+def test_answers_python_cannot_parse_are_missing_not_errors():
+    """A sample nested past Python's parser, or with an integer past its digit limit, has no answer (where the
+    RecursionError or ValueError escaped and failed the request with a 500)."""
+    from corral.engine.self_consistency import _MISSING, extract_answer
+    assert extract_answer("[" * 1200 + "]" * 1200, "") is _MISSING
+    assert extract_answer('{"a": ' + "7" * 5000 + "}", "/a") is _MISSING

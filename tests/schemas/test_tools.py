@@ -45,6 +45,20 @@ def test_split_tool_calls_reads_back_what_write_call_wrote():
     assert split_tool_calls(write_call("f", '{"a":[1,{"b":2}]}')) == (None, [("f", '{"a":[1,{"b":2}]}')])
 
 
+def test_arguments_python_cannot_parse_stay_text_not_errors():
+    """A call whose arguments hold an integer past Python's digit limit, or nest past its parser, is skipped when
+    read back from an output, and an assistant message's such arguments reach a native template as text (each
+    raised out of the request before: a 500)."""
+    huge, deep = '{"n": ' + "7" * 5000 + "}", "[" * 100_000
+    assert split_tool_calls(write_call("f", huge)) == (None, [])
+    assert split_tool_calls("<tool_call>" + deep + "</tool_call>") == (None, [])
+    for arguments in (huge, deep):
+        messages = [ChatMessage(role="assistant", tool_calls=[{"id": "c1", "function": {
+            "name": "f", "arguments": arguments}}])]
+        out = template_messages(messages, [WEATHER], native=True)
+        assert out[0]["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_named_tool_choice_must_name_a_given_tool():
     with pytest.raises(InvalidRequestError, match="tool_choice names 'nope', which is not in 'tools'"):
         tools_constraint([WEATHER], NamedToolChoice(function={"name": "nope"}), parallel=False, answer=None)
