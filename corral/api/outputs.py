@@ -107,9 +107,12 @@ def _vote(outputs: list, pointer: str):
 
 
 def select_choices(strategy: Strategy, outputs: list, n: int) -> list:
-    """The outputs to return, in order. ``sample`` and ``beam_search`` return all (beams come best first);
-    ``best_of`` ranks by mean token logprob (``corral.engine.best_of_n``), a grammar error ranking last."""
+    """The outputs to return, in order. ``sample`` returns all; ``beam_search`` the ``n`` best (its width may be
+    ``best_of``, wider; beams come best first); ``best_of`` ranks by mean token logprob
+    (``corral.engine.best_of_n``), a grammar error ranking last."""
     outputs = sorted(outputs, key=lambda o: o.index)
+    if strategy.kind == "beam_search":
+        return outputs[:n]
     if strategy.kind == "best_of":
         ranked = sorted(score_candidates(outputs), key=lambda c: -c.score)  # stable: ties keep draw order
         return [c.completion for c in ranked[:n]]

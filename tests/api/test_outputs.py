@@ -19,6 +19,14 @@ def test_best_of_keeps_the_n_best_by_mean_token_logprob_and_errors_last():
     assert [o.text for o in select_choices(Strategy("best_of", 4), outputs, 4)] == ["d", "a", "b", "c"]
 
 
+def test_beam_search_returns_the_n_best_of_its_beams():
+    """best_of=4 with n=2 searches 4 beams and returns the 2 best (they come best first), as vLLM's does; the
+    completions endpoint numbers the choices of each prompt from prompt * n, so more would collide."""
+    outputs = [out(i, t, -float(i)) for i, t in enumerate("wxyz")]
+    assert [o.text for o in select_choices(Strategy("beam_search", 4), outputs[::-1], 2)] == ["w", "x"]
+    assert [o.text for o in select_choices(Strategy("beam_search", 4), outputs, 4)] == ["w", "x", "y", "z"]
+
+
 def test_self_consistency_votes_on_json_values_at_the_pointer():
     texts = ['{"answer": 4, "why": "x"}', '{"answer": 5}', '{"why": "y", "answer": 4.0}', '{"answer": 5}',
              '{"answer": 4}']
