@@ -206,6 +206,15 @@ CASES = [
     ("a counted repeat of every character", {"structured_outputs": {"regex": "[\\u0000-\\U0010ffff]{100000}"}},
      "length"),  # nothing can end it within max_tokens
     ("(x+x+)+y", {"structured_outputs": {"regex": "(x+x+)+y"}}, lambda content: set(content) <= {"x", "y"}),
+    # counts past the automaton's 32-bit ones, in each syntax that takes one (they were 500s)
+    ("a regex count of 2**31", {"structured_outputs": {"regex": "a{2147483648}"}}, None),
+    ("a regex count of 2**63", {"guided_regex": "x{1,9223372036854775808}"}, None),
+    ("a GBNF count of 2**31", {"structured_outputs": {"grammar": 'root ::= "a"{2147483648}'}}, None),
+    ("a Lark terminal count of 2**31", {"structured_outputs": {"grammar": 'start: A\nA: "a" ~ 2147483648'}}, None),
+    ("a Lark regex count of 2**31", {"guided_grammar": "start: /a{2147483648}/"}, None),
+    # a schema sent as JSON text that Python's parser cannot take (they were 500s)
+    ("a schema as JSON text nested 100,000 deep", {"guided_json": "[" * 100_000}, None),
+    ("a schema as JSON text with a 5,000-digit integer", {"guided_json": '{"const": ' + "7" * 5_000 + "}"}, None),
 ]
 REGEX_CASES = {"(a{1000}){1000}", "(x+x+)+y"}  # their checks hold for a truncated output too
 
@@ -234,6 +243,17 @@ def test_hostile_requests_end_in_time_and_health_keeps_answering(server, name, b
         assert choice["finish_reason"] == "length" and choice["message"]["content"]
     elif choice["finish_reason"] == "stop" or name in REGEX_CASES:
         assert check(choice["message"]["content"]), choice["message"]["content"]
+
+
+def test_siblings_of_the_largest_seed_answer_beside_another_request(server):
+    """n = 2 with seed 2**64 - 1, the largest the API takes: the second sibling's seed passed torch's range and
+    failed the engine step, with it every request in flight (a 500 for both)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        top = pool.submit(_chat, server, {"n": 2, "seed": 2**64 - 1, "temperature": 1.0, "max_tokens": 8})
+        plain = pool.submit(_chat, server, {"max_tokens": 8})
+        (top, _), (plain, _) = top.result(), plain.result()
+    assert top.status_code == 200 and len(top.json()["choices"]) == 2, top.text
+    assert plain.status_code == 200, plain.text
 
 
 def _tool(i: int) -> dict:
@@ -275,9 +295,10 @@ def test_admission_counts_requests_from_arrival(server):
     with concurrent.futures.ThreadPoolExecutor(7) as pool:
         first = [pool.submit(slow, i) for i in range(4)]
         deadline = time.monotonic() + 30
-        while _metric(server, "corral:num_requests_compiling") < 4 and time.monotonic() < deadline:
+        # one reading per look: a second one could come after the first compiles (about a second each) finished
+        while (compiling := _metric(server, "corral:num_requests_compiling")) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _metric(server, "corral:num_requests_compiling") == 4  # none of the four is at the engine yet
+        assert compiling == 4  # none of the four is at the engine yet
         extra = [pool.submit(slow, 10 + i) for i in range(3)]
         extra_codes = [f.result().status_code for f in extra]
         first_codes = [f.result().status_code for f in first]
