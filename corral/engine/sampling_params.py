@@ -26,6 +26,10 @@ def make_logit_bias(bias: Mapping[int | str, float] | None) -> tuple[tuple[int, 
     """The hashable form of an OpenAI ``logit_bias`` dict (keys may be token-id strings), sorted by token id."""
     if not bias:
         return ()
+    for token_id in bias:  # int() would also take "1_0", " 7 " and other scripts' digits
+        if isinstance(token_id, str) and not (token_id.isascii() and token_id.isdigit()):
+            raise InvalidRequestError(f"logit_bias keys are token ids written in digits, got {token_id!r}",
+                                      param="logit_bias")
     try:
         return tuple(sorted((int(token_id), float(value)) for token_id, value in bias.items()))
     except (TypeError, ValueError) as err:

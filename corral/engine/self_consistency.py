@@ -37,6 +37,9 @@ def pointer_tokens(pointer: str) -> list[str]:
     """RFC 6901: '/a~1b/0' -> ['a/b', '0']."""
     if pointer and not pointer.startswith("/"):
         raise InvalidRequestError(f"a JSON pointer starts with '/', got {pointer!r}", param="pointer")
+    if any(char == "~" and pointer[i + 1:i + 2] not in ("0", "1") for i, char in enumerate(pointer)):
+        raise InvalidRequestError(f"a JSON pointer writes '~' as '~0' and '/' as '~1', got {pointer!r}",
+                                  param="pointer")
     return [t.replace("~1", "/").replace("~0", "~") for t in pointer.split("/")[1:]]
 
 

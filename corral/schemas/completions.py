@@ -7,11 +7,12 @@
 import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from corral.schemas.common import Open, ResponseFormat, SamplingFields, Usage
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+# token ids are strict: pydantic's lax mode would read true and false as 1 and 0
+Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingFields):

@@ -71,12 +71,18 @@ def _check_pointer(strategy: Strategy, constraint: Constraint | None) -> None:
     from corral.engine.self_consistency import check_pointer, pointer_tokens
 
     if strategy.kind == "self_consistency" and strategy.pointer:
-        pointer_tokens(strategy.pointer)  # raises for a malformed pointer
-        if constraint is not None and constraint.kind == "json_schema":
-            check_pointer(constraint.value, strategy.pointer)
+        try:
+            pointer_tokens(strategy.pointer)  # raises for a malformed pointer
+            if constraint is not None and constraint.kind == "json_schema":
+                check_pointer(constraint.value, strategy.pointer)
+        except InvalidRequestError as err:
+            err.param = "self_consistency_pointer"  # its name in the request
+            raise
 
 
 def _num_logprobs(enabled: bool, top: int | None) -> int | None:
+    if top is not None and not enabled:  # as OpenAI and vLLM refuse it, rather than drop it unsaid
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     return (top or 0) if enabled else None
 
 

@@ -51,6 +51,10 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, num_logprobs: int |
     if req.stop_token_ids is not None and len(req.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidRequestError(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids",
                                   param="stop_token_ids")
+    requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if requested is not None and req.min_tokens > requested:  # (a default budget only caps min_tokens)
+        raise InvalidRequestError(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({requested})",
+                                  param="min_tokens")
     bias = make_logit_bias(req.logit_bias)
     for token_id, _ in bias:
         if token_id >= vocab_size:

@@ -44,6 +44,12 @@ def check_tool_limits(tools: list[Tool] | None, limits: RequestLimits) -> None:
     if size > limits.max_tools_bytes:
         raise InvalidRequestError(f"the tools take {size} bytes of JSON, past the limit of {limits.max_tools_bytes}",
                                   param="tools")
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):  # a call names its tool: two of one name would leave its arguments' schema open
+        first = seen.setdefault(tool.function.name, i)
+        if first != i:
+            raise InvalidRequestError(f"tools[{i}] is named '{tool.function.name}', as tools[{first}] is: a call "
+                                      "names its tool, so names must differ", param=f"tools[{i}].function.name")
 
 
 def tools_constraint(tools: list[Tool] | None, choice, *, parallel: bool, answer: Constraint | None,

@@ -57,6 +57,40 @@ def test_logit_bias_past_the_vocabulary_is_refused(tok):
         prepare_chat(chat(logit_bias={"49152": 1}, max_tokens=1), tok, max_model_len=2048)
 
 
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", r"min_tokens \(5\) must be at most max_tokens \(4\)"),
+    ({"max_completion_tokens": 4, "min_tokens": 10**30}, "min_tokens", "must be at most max_tokens"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs set to true"),
+    ({"logit_bias": {"1_0": 1}}, "logit_bias", "token ids written in digits"),
+    ({"logit_bias": {" 7 ": 1}}, "logit_bias", "token ids written in digits"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias", "token ids written in digits"),  # an Arabic-Indic five
+    ({"self_consistency": 3, "self_consistency_pointer": "/a~2"}, "self_consistency_pointer", "'~' as '~0'"),
+    ({"self_consistency": 3, "self_consistency_pointer": "/a~"}, "self_consistency_pointer", "'~' as '~0'"),
+    ({"self_consistency": 3, "self_consistency_pointer": "a"}, "self_consistency_pointer", "starts with '/'"),
+])
+def test_values_that_would_be_silently_changed_are_refused(tok, body, param, message):
+    """Each of these was taken and quietly changed (min_tokens cut to max_tokens, top_logprobs dropped, a bias
+    key read by int() in any script or with underscores, a pointer escape read as text)."""
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        prepare_chat(chat(**{"max_tokens": 8, **body}), tok, max_model_len=2048)
+    assert info.value.param == param
+    prepare_chat(chat(min_tokens=10**6), tok, max_model_len=2048)  # no max_tokens: the context caps min_tokens
+
+
+def test_duplicate_tool_names_and_boolean_token_ids_are_refused(tok):
+    from pydantic import ValidationError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(InvalidRequestError, match=r"tools\[1\] is named 'f', as tools\[0\] is") as info:
+        prepare_chat(chat(tools=[tool, other], max_tokens=4), tok, max_model_len=2048)
+    assert info.value.param == "tools[1].function.name"
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt=[True, False])
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt=[[1, 2], [True]])
+
+
 @pytest.mark.parametrize("body, expected", [
     ({"n": 2}, Strategy("sample", 2)),
     ({"n": 2, "best_of": 5}, Strategy("best_of", 5)),
