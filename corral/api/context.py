@@ -25,7 +25,7 @@ from starlette.requests import Request
 from corral.api.async_engine import AsyncEngine, Ticket
 from corral.api.metrics import ServerMetrics
 from corral.engine.sampling_params import BeamSearchParams
-from corral.errors import InvalidRequestError
+from corral.errors import InvalidRequestError, UserInputError
 from corral.schemas.limits import RequestLimits
 from corral.schemas.prepare import PreparedRequest
 
@@ -89,7 +89,11 @@ class ServingContext:
         """Step 3: the request's compiled grammar (None when unconstrained), cancelled when the client leaves.
         Its ``warnings`` go into the response."""
         start = time.monotonic()
-        grammar = await unless_disconnected(raw, self.engine.compile(prepared.constraint))
+        try:
+            grammar = await unless_disconnected(raw, self.engine.compile(prepared.constraint))
+        except UserInputError as err:  # the schema's or grammar's own error: it names the field it came from
+            err.param = err.param or prepared.constraint_param
+            raise
         if grammar is not None:
             self.metrics.on_compile(time.monotonic() - start)
         return grammar

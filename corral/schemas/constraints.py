@@ -9,7 +9,7 @@ module can turn a constrained request into an unconstrained one.
 import json
 from typing import Any
 
-from corral.errors import InvalidGrammarError, InvalidRequestError, InvalidSchemaError
+from corral.errors import InvalidGrammarError, InvalidRequestError, InvalidSchemaError, UserInputError
 from corral.grammar.constraint import Constraint
 from corral.schemas.common import SamplingFields
 
@@ -59,6 +59,13 @@ def _named_constraints(req: SamplingFields) -> list[tuple[str, str, Any]]:
     return found
 
 
+def constraint_param(req: SamplingFields) -> str | None:
+    """The request field its one constraint comes from (``guided_json``, ``structured_outputs.regex``, ...), which
+    an error found in the constraint later (compiling it) names; None when it names none."""
+    found = _named_constraints(req)
+    return found[0][0] if len(found) == 1 else None
+
+
 def _whitespace(req: SamplingFields) -> str:
     so = req.structured_outputs
     return "flexible" if so is not None and not so.disable_any_whitespace else "compact"
@@ -89,6 +96,14 @@ def request_constraint(req: SamplingFields, reject_unknown_keywords: bool = Fals
     if not found:
         return None
     param, kind, value = found[0]
+    try:
+        return _constraint(req, param, kind, value, reject_unknown_keywords)
+    except UserInputError as err:
+        err.param = err.param or param
+        raise
+
+
+def _constraint(req: SamplingFields, param: str, kind: str, value: Any, reject_unknown_keywords: bool) -> Constraint:
     reject = False
     if kind == "json_schema":
         value = _json_value(value, param)

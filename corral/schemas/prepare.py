@@ -16,7 +16,7 @@ from corral.models import Tokenizer
 from corral.schemas.chat import ChatCompletionRequest
 from corral.schemas.common import SamplingFields
 from corral.schemas.completions import CompletionRequest
-from corral.schemas.constraints import rejects_unknown_keywords, request_constraint
+from corral.schemas.constraints import constraint_param, rejects_unknown_keywords, request_constraint
 from corral.schemas.limits import RequestLimits
 from corral.schemas.sampling import output_budget, sampling_params
 from corral.schemas.tools import check_tool_limits, template_messages, tool_choice_mode, tools_constraint
@@ -43,6 +43,7 @@ class PreparedRequest:
     constraint: Constraint | None = None  # compiled with GrammarCompiler.compile (tool calls too)
     tool_mode: str = "none"
     strategy: Strategy = Strategy()
+    constraint_param: str | None = None  # the field the constraint came from: what its compile errors name
 
 
 def strategy_of(req: SamplingFields) -> Strategy:
@@ -131,7 +132,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_
     prompt_ids = tokenizer.encode(chat_prompt(req, tokenizer))
     params = _params(req, len(prompt_ids), _num_logprobs(req.logprobs, req.top_logprobs), tokenizer,
                      max_model_len, default_max_tokens, strategy, limits)
-    return PreparedRequest(prompt_ids, params, constraint, mode, strategy)
+    param = "tools" if mode != "none" else constraint_param(req)
+    return PreparedRequest(prompt_ids, params, constraint, mode, strategy, param)
 
 
 def _make_key(constraint: Constraint | None) -> None:
@@ -180,5 +182,6 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, *, max_mode
     _check_sequences(strategy, len(prompts), limits)
     _make_key(constraint)
     return [PreparedRequest(ids, _params(req, len(ids), req.logprobs, tokenizer, max_model_len,
-                                         default_max_tokens, strategy, limits), constraint, "none", strategy)
+                                         default_max_tokens, strategy, limits), constraint, "none", strategy,
+                            constraint_param(req))
             for ids in prompts]

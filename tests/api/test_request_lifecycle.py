@@ -163,3 +163,24 @@ def test_nan_in_a_body_is_refused(server):
     response = httpx.post(server[0] + "/v1/chat/completions", content=text, headers={
         **HEADERS, "Content-Type": "application/json"})
     assert response.status_code == 400 and "NaN is not a JSON number" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"guided_regex": "a{2147483648}"}, "guided_regex", "past the limit of 1000000"),
+    ({"structured_outputs": {"grammar": 'root ::= [z-a]'}}, "structured_outputs.grammar", "reversed"),
+    ({"guided_json": "[" * 100_000}, "guided_json", "nests too deeply"),
+    ({"guided_choice": []}, "guided_choice", "at least one choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", "keyword 'type' at '#'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters", "points to nothing"),
+])
+def test_a_constraints_own_error_names_the_field_it_came_from(server, extra, param, message):
+    """Errors found in a constraint, while it is read or compiled, name the request field that holds it (they
+    named none before)."""
+    url = server[0]
+    body = {"model": "test-model", "messages": MSG, "max_tokens": 5, **extra}
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param, error
