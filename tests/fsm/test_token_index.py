@@ -8,6 +8,7 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from corral.fsm import derivatives
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.constraint import Constraint
@@ -75,10 +76,10 @@ def test_forced_bytes_follow_the_deterministic_span(compiler):
 
 @pytest.mark.parametrize("pattern", ['abc(a|b)"', "(ab){3}c?", '\\{"k": (1|22), "name": "[a-c]{2,4}"\\}', "x{300}y",
                                      "(a|b)*c(ab){2}", "é{2}"])
+@pytest.mark.skipif(derivatives.native_table_class() is None, reason="native module off or missing")
 def test_forced_bytes_agree_between_the_native_and_the_python_automaton(compiler, pattern):
     """The native span walk and the Python one give the same bytes at every state a random walk meets."""
     from corral.budget import Budget
-    from corral.fsm import derivatives
     from corral.fsm.fsm_guide import FSMGuide
     from corral.fsm.lazy_dfa import LazyDFA
     from corral.fsm.token_index import TokenIndex
@@ -102,7 +103,6 @@ def test_forced_bytes_agree_between_the_native_and_the_python_automaton(compiler
 @pytest.mark.parametrize("native", [True, False])
 def test_forced_bytes_stop_at_the_state_cap_without_an_error(compiler, native):
     from corral.budget import Budget
-    from corral.fsm import derivatives
     from corral.fsm.fsm_guide import FSMGuide
     from corral.fsm.lazy_dfa import LazyDFA
     from corral.fsm.token_index import TokenIndex
