@@ -14,7 +14,7 @@ import re
 
 from corral.errors import InvalidGrammarError
 from corral.grammar.cfg import Expr, Grammar, GrammarBuilder, merged_lexemes
-from corral.grammar.node_builder import MAX_REPEAT_COUNT
+from corral.grammar.node_builder import MAX_REPEAT_COUNT, count_text, repeat_count
 from corral.grammar.regex_ast import MAX_CODE_POINT, CharSet
 
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -99,11 +99,12 @@ class _GbnfParser:
                 match = re.fullmatch(r"\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*", body)
                 if end < 0 or match is None or (not match.group(1) and not match.group(3)):
                     raise self.error(f"bad repetition {text[self.pos:self.pos + 12]!r}")
+                for digits in (match.group(1), match.group(3)):
+                    if digits and repeat_count(digits) is None:
+                        raise self.error(f"a repetition count of {count_text(digits)} is past the limit of "
+                                         f"{MAX_REPEAT_COUNT}")
                 low = int(match.group(1) or 0)
                 high = (int(match.group(3)) if match.group(3) else None) if match.group(2) else low
-                if max(low, high or 0) > MAX_REPEAT_COUNT:
-                    raise self.error(f"a repetition count of {max(low, high or 0)} is past the limit of "
-                                     f"{MAX_REPEAT_COUNT}")
                 self.pos = end + 1
                 atom = ("repeat", atom, low, high)
             else:

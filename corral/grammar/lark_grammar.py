@@ -28,7 +28,7 @@ import re
 
 from corral.errors import InvalidRegexError, UserInputError
 from corral.grammar.cfg import Expr, Grammar, GrammarBuilder, case_folded
-from corral.grammar.node_builder import MAX_REPEAT_COUNT
+from corral.grammar.node_builder import MAX_REPEAT_COUNT, count_text, repeat_count
 from corral.grammar.regex_ast import Alt, CharSet, Concat, Intersect, Node, Repeat
 from corral.grammar.regex_parser import parse_regex
 
@@ -335,11 +335,12 @@ class _LarkParser:
 
     def number(self, line: int) -> int:
         kind, text, _ = self.t.next()
-        if kind != "number" or int(text) < 0:
+        if kind != "number" or not (text.isascii() and text.isdigit()):
             raise _error(f"expected a repetition count, found {text!r}", line)
-        if int(text) > MAX_REPEAT_COUNT:
-            raise _error(f"a repetition count of {text} is past the limit of {MAX_REPEAT_COUNT}", line)
-        return int(text)
+        count = repeat_count(text)
+        if count is None:
+            raise _error(f"a repetition count of {count_text(text)} is past the limit of {MAX_REPEAT_COUNT}", line)
+        return count
 
     def atom(self) -> Expr:
         t = self.t

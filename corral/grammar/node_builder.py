@@ -24,6 +24,21 @@ from corral.grammar.regex_ast import EMPTY, NOTHING, Alt, CharSet, Concat, Inter
 DEFAULT_MAX_NODES = 250_000
 DEFAULT_TIME_BUDGET_S = 5.0
 MAX_REPEAT_COUNT = 1_000_000
+
+
+def repeat_count(digits: str) -> int | None:
+    """The count an ASCII digit string writes, or None past ``MAX_REPEAT_COUNT`` (read without int() on long text:
+    Python refuses to convert more than 4,300 digits)."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_REPEAT_COUNT)):
+        return None
+    count = int(digits)
+    return count if count <= MAX_REPEAT_COUNT else None
+
+
+def count_text(digits: str) -> str:
+    """A count as an error message shows it: a long one cut."""
+    return digits if len(digits) <= 24 else f"{digits[:12]}...({len(digits)} digits)"
 MAX_SHARED_NODES = 16_384
 SHARED_NODES: dict[int, Node] = {}  # id -> a node that lives as long as the process and serves many grammars
 

@@ -17,7 +17,7 @@ import functools
 from typing import Literal
 
 from corral.errors import InvalidRegexError, UnsupportedRegexError
-from corral.grammar.node_builder import MAX_REPEAT_COUNT
+from corral.grammar.node_builder import MAX_REPEAT_COUNT, count_text, repeat_count
 from corral.grammar.regex_ast import EMPTY, MAX_CODE_POINT, NOTHING, Alt, CharSet, Concat, Node, Repeat
 
 Flavor = Literal["python", "ecma"]
@@ -138,15 +138,16 @@ class _Parser:
             return None
         if not (high_text == "" or high_text.isdigit()) or not (low_text + high_text).isascii():
             return None
+        # the schema path's bound on counts (the native automaton's are 32-bit; past the bound none would compile
+        # inside the budget anyway): a valid regex that Corral does not compile
+        for text in (low_text, high_text):
+            if text and repeat_count(text) is None:
+                raise UnsupportedRegexError(f"a repeat count of {count_text(text)} is past the limit of "
+                                            f"{MAX_REPEAT_COUNT}", pattern=self.pattern, offset=self.pos)
         low = int(low_text) if low_text else 0
         high = (None if high_text == "" else int(high_text)) if comma else low
         if high is not None and high < low:
             raise self.error("min repeat greater than max repeat", self.pos)
-        # the schema path's bound on counts (the native automaton's are 32-bit; past the bound none would compile
-        # inside the budget anyway)
-        if max(low, high or 0) > MAX_REPEAT_COUNT:
-            raise self.error(f"a repeat count of {max(low, high or 0)} is past the limit of {MAX_REPEAT_COUNT}",
-                             self.pos)
         self.pos = end + 1
         return low, high
 

@@ -109,6 +109,14 @@ def test_refs_and_draft4_integers_agree_with_jsonschema():
     assert _checker(draft4).satisfies(2.0, draft4, "#") is jsonschema.Draft4Validator(draft4).is_valid(2.0) is False
 
 
+def test_a_regex_with_a_count_past_the_compile_bound_is_still_a_regex():
+    """format: regex asks whether a value is a regex; a count past what Corral compiles (1,000,000) is still one."""
+    schema = {"type": "string", "format": "regex"}
+    checker = _checker(schema)
+    assert checker.satisfies("a{1000001}", schema, "#") and checker.satisfies("a{" + "9" * 5000 + "}", schema, "#")
+    assert not checker.satisfies("a{2,1}", schema, "#")
+
+
 def test_multiple_of_reads_decimals_as_written():
     schema = {"multipleOf": 0.1}  # binary floats would say 0.3 is no multiple of 0.1
     assert _checker(schema).satisfies(0.3, schema, "#")
