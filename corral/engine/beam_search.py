@@ -70,12 +70,14 @@ def length_normalized_score(cumulative_logprob: float, length: int, length_penal
 def select_extensions(cumulative_logprobs: Sequence[float], guides: Sequence[Guide | None], logprobs: torch.Tensor,
                       params: BeamSearchParams, eos: frozenset[int]) -> list[Extension]:
     """Steps 3-4 over the masked ``logprobs`` ``[beams, vocab]``: the chosen extensions, best first, holding at
-    most ``beam_width`` that stay live (finished ones are interleaved where they ranked)."""
+    most ``beam_width`` that stay live (finished ones are interleaved where they ranked). A beam whose grammar
+    meets a limit taking a token gives one extension with ``error`` (its first such token), which is neither live
+    nor a result: callers keep it apart (:func:`with_errors`)."""
     vocab_size = logprobs.shape[1]
     totals = torch.tensor(cumulative_logprobs, dtype=torch.float64)[:, None] + logprobs.double()
     values, flat_ids = torch.topk(totals.flatten(), min(2 * params.beam_width, totals.numel()))
     chosen: list[Extension] = []
-    num_live = 0
+    num_live, errored = 0, set()
     for value, flat_id in zip(values.tolist(), flat_ids.tolist()):
         if value == -math.inf or num_live == params.beam_width:
             break
@@ -88,7 +90,9 @@ def select_extensions(cumulative_logprobs: Sequence[float], guides: Sequence[Gui
             # its mask allowed the token, so taking it met a limit of the grammar (a row or a configuration past
             # its cap): this beam ends here with that error, and the others go on
             error = getattr(guide, "error", None) or "the grammar refused a token its mask allowed"
-            chosen.append(Extension(beam, token_id, value, None, True, error))
+            if beam not in errored:
+                errored.add(beam)
+                chosen.append(Extension(beam, token_id, value, None, True, error))
             continue
         finished = guide is not None and guide.is_finished()
         chosen.append(Extension(beam, token_id, value, guide, finished))
@@ -98,8 +102,17 @@ def select_extensions(cumulative_logprobs: Sequence[float], guides: Sequence[Gui
 
 def limited_beams(guides: Sequence[Guide | None]) -> list[tuple[int, str]]:
     """The beams whose grammar met a limit filling their mask (the row then allows nothing), with its message:
-    each ends as a hypothesis with that error rather than vanishing like a beam the grammar has no token for."""
+    each ends as an error hypothesis rather than vanishing like a beam the grammar has no token for."""
     return [(i, guide.error) for i, guide in enumerate(guides) if guide is not None and getattr(guide, "error", None)]
+
+
+def with_errors(finished: list[BeamHypothesis], errors: list[BeamHypothesis],
+                params: BeamSearchParams) -> list[BeamHypothesis]:
+    """The ``beam_width`` best results, best first: the hypotheses that finished, then, where they are fewer, the
+    best of the beams that ended on a limit of their grammar (``finish_reason`` "error", the limit as
+    ``stop_reason``), so a search cut short says why. Errors never rank among results nor end the search."""
+    found = best(finished, params)
+    return found + best(errors, params)[: params.beam_width - len(found)]
 
 
 def mask_by_guides(logprobs: torch.Tensor, guides: Sequence[Guide | None]) -> torch.Tensor:
@@ -128,28 +141,30 @@ def beam_search(next_token_logprobs: NextTokenLogprobs, params: BeamSearchParams
     eos = frozenset(eos_token_ids)
     live = [_Beam((), 0.0, guide.copy() if guide is not None else None)]
     finished: list[BeamHypothesis] = []
+    errors: list[BeamHypothesis] = []
     for step in range(params.max_tokens):
         guides = [beam.guide for beam in live]
         logprobs = mask_by_guides(next_token_logprobs([beam.token_ids for beam in live]), guides)
-        finished.extend(_hypothesis(live[i].token_ids, live[i].cumulative_logprob, params, "error", error)
-                        for i, error in limited_beams(guides))
+        errors.extend(_hypothesis(live[i].token_ids, live[i].cumulative_logprob, params, "error", error)
+                      for i, error in limited_beams(guides))
         live = _extend(live, select_extensions([b.cumulative_logprob for b in live], guides, logprobs, params, eos),
-                       params, finished)
+                       params, finished, errors)
         if not live or _can_stop(live, finished, params, step + 1):
             break
     for beam in live:  # only left at max_tokens, or when stopping early made them irrelevant
         finished.append(_hypothesis(beam.token_ids, beam.cumulative_logprob, params, "length"))
-    return best(finished, params)
+    return with_errors(finished, errors, params)
 
 
 def _extend(live: list[_Beam], extensions: list[Extension], params: BeamSearchParams,
-            finished: list[BeamHypothesis]) -> list[_Beam]:
+            finished: list[BeamHypothesis], errors: list[BeamHypothesis]) -> list[_Beam]:
     next_live = []
     for ext in extensions:
         token_ids = live[ext.beam].token_ids + (ext.token_id,)
-        if ext.is_finished:
-            finished.append(_hypothesis(token_ids, ext.cumulative_logprob, params, "error" if ext.error else "stop",
-                                        ext.error))
+        if ext.error:
+            errors.append(_hypothesis(token_ids, ext.cumulative_logprob, params, "error", ext.error))
+        elif ext.is_finished:
+            finished.append(_hypothesis(token_ids, ext.cumulative_logprob, params, "stop"))
         else:
             next_live.append(_Beam(token_ids, ext.cumulative_logprob, ext.guide))
     return next_live
@@ -198,6 +213,7 @@ class BeamGroup:
         self.params, self.eos = params, frozenset(eos_token_ids)
         self.beams: list[EngineSequence] = [root]
         self.finished: list[BeamHypothesis] = []
+        self.errors: list[BeamHypothesis] = []  # beams that ended on a limit of their grammar (see with_errors)
         self.rows: dict[int, torch.Tensor] = {}  # seq_id -> masked next-token logprobs
         self.num_steps = 0
         self.num_forks = 0  # beams made by forking, over the whole search (their sequence indices)
@@ -228,12 +244,14 @@ class BeamGroup:
         self.num_steps += 1
         for i, error in limited_beams(guides):
             beam = self.beams[i]
-            self.finished.append(_hypothesis(tuple(beam.output_token_ids), beam.cumulative_logprob, self.params,
-                                             "error", error))
+            self.errors.append(_hypothesis(tuple(beam.output_token_ids), beam.cumulative_logprob, self.params,
+                                           "error", error))
         live = []
         for ext in extensions:
-            if ext.is_finished:
-                self.finished.append(self._hypothesis(ext, "error" if ext.error else "stop", ext.error))
+            if ext.error:
+                self.errors.append(self._hypothesis(ext, "error", ext.error))
+            elif ext.is_finished:
+                self.finished.append(self._hypothesis(ext, "stop"))
             else:
                 live.append(ext)
         if not live or self.num_steps >= self.params.max_tokens or _can_stop(live, self.finished, self.params,
@@ -248,8 +266,9 @@ class BeamGroup:
         return _hypothesis(token_ids, ext.cumulative_logprob, self.params, reason, stop_reason)
 
     def hypotheses(self) -> list[BeamHypothesis]:
-        """The ``beam_width`` best finished hypotheses, best first."""
-        return best(self.finished, self.params)
+        """The ``beam_width`` best finished hypotheses, best first (beams that ended on a limit fill what they
+        leave: :func:`with_errors`)."""
+        return with_errors(self.finished, self.errors, self.params)
 
     def completions(self, vocabulary: Vocabulary) -> list[CompletionOutput]:
         """:meth:`hypotheses` as the engine's outputs; the text leaves out special tokens (EOS)."""

@@ -157,3 +157,40 @@ def test_params_are_checked():
     assert info.value.param == "beam_width"
     with pytest.raises(InvalidRequestError, match="length_penalty"):
         BeamSearchParams(length_penalty=float("inf"))
+
+
+class _Limited:
+    """A guide stand-in whose advance meets a limit on the tokens in ``refused`` (its mask allowed them)."""
+
+    def __init__(self, refused):
+        self.refused, self.error = set(refused), None
+
+    def copy(self):
+        return _Limited(self.refused)
+
+    def advance(self, token_id):
+        if token_id in self.refused:
+            self.error = "the grammar's automaton reached its cap of 8 states"
+            return False
+        return True
+
+    def is_finished(self):
+        return False
+
+
+def test_beams_that_meet_a_limit_never_push_out_results_or_end_the_search():
+    """Width 2: beam 0's two best tokens both meet a limit, beam 1's two go on. The beam gives one error, which
+    neither takes a live slot nor counts toward stopping; results come first, errors only fill what they leave."""
+    from corral.engine.beam_search import _hypothesis, select_extensions, with_errors
+    params = BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.0)
+    logprobs = torch.log(torch.tensor([[0.5, 0.4, 0.05, 0.05], [0.5, 0.3, 0.1, 0.1]]))
+    chosen = select_extensions([-0.1, -0.2], [_Limited({0, 1}), _Limited(())], logprobs, params, frozenset())
+    errors = [e for e in chosen if e.error]
+    live = [e for e in chosen if not e.is_finished]
+    assert len(errors) == 1 and errors[0].beam == 0 and "cap of 8 states" in errors[0].error
+    assert [(e.beam, e.token_id) for e in live] == [(1, 0), (1, 1)]
+    done = [_hypothesis((5,), -1.5, params, "stop")]
+    error = _hypothesis((0,), -0.1, params, "error", "cap")
+    assert with_errors(done, [error], params) == done + [error]  # the result first, though the error scores more
+    assert with_errors(done * 2, [error], params) == done * 2
+    assert [h.finish_reason for h in with_errors([], [error, error], params)] == ["error", "error"]
