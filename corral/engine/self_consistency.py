@@ -96,9 +96,10 @@ def extract_answer(text: str, pointer: str):
     """The normalised answer in one sample, or ``_MISSING`` when the text is not JSON or lacks it."""
     try:
         value = resolve_pointer(json.loads(text), pointer)
-    except (ValueError, RecursionError):  # not JSON (or an integer past the digit limit), or nested too deep
+        return value if value is _MISSING else normalize_answer(value)
+    # not JSON (or an integer past the digit limit), nested too deep, or a number past float's range
+    except (ValueError, RecursionError, OverflowError):
         return _MISSING
-    return value if value is _MISSING else normalize_answer(value)
 
 
 def majority_vote(texts: Sequence[str], pointer: str) -> SelfConsistencyResult:

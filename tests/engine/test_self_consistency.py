@@ -93,3 +93,4 @@ def test_answers_python_cannot_parse_are_missing_not_errors():
     from corral.engine.self_consistency import _MISSING, extract_answer
     assert extract_answer("[" * 1200 + "]" * 1200, "") is _MISSING
     assert extract_answer('{"a": ' + "7" * 5000 + "}", "/a") is _MISSING
+    assert extract_answer('{"a": 1' + "0" * 400 + "}", "/a") is _MISSING  # float() overflows
