@@ -132,7 +132,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_
     prompt_ids = tokenizer.encode(chat_prompt(req, tokenizer))
     params = _params(req, len(prompt_ids), _num_logprobs(req.logprobs, req.top_logprobs), tokenizer,
                      max_model_len, default_max_tokens, strategy, limits)
-    param = "tools" if mode != "none" else constraint_param(req)
+    # the answer's own constraint names its field; else the tools (their schemas' errors name the tool already)
+    param = constraint_param(req) or ("tools" if mode != "none" else None)
     return PreparedRequest(prompt_ids, params, constraint, mode, strategy, param)
 
 

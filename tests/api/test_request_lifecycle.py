@@ -174,6 +174,9 @@ def test_nan_in_a_body_is_refused(server):
      "response_format", "keyword 'type' at '#'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters", "points to nothing"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {
+          "name": "x", "schema": {"type": "strin"}}}}, "response_format", "keyword 'type' at '#'"),
 ])
 def test_a_constraints_own_error_names_the_field_it_came_from(server, extra, param, message):
     """Errors found in a constraint, while it is read or compiled, name the request field that holds it (they
