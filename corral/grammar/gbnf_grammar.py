@@ -105,6 +105,8 @@ class _GbnfParser:
                                          f"{MAX_REPEAT_COUNT}")
                 low = int(match.group(1) or 0)
                 high = (int(match.group(3)) if match.group(3) else None) if match.group(2) else low
+                if high is not None and high < low:
+                    raise self.error(f"the repetition {{{low},{high}}}: the maximum is below the minimum")
                 self.pos = end + 1
                 atom = ("repeat", atom, low, high)
             else:

@@ -318,6 +318,8 @@ class _LarkParser:
                 t.next()
                 low = self.number(line)
                 high = self.number(line) if t.accept("..") else low
+                if high < low:
+                    raise _error(f"the repetition ~ {low}..{high}: the maximum is below the minimum", line)
                 atom = ("repeat", atom, low, high)
             elif kind == "op" and text == "{":
                 t.next()
@@ -329,6 +331,8 @@ class _LarkParser:
                 if t.accept(","):
                     high = None if t.peek()[1] == "}" else self.number(line)
                 t.expect("}", "after a repetition count")
+                if high is not None and high < low:
+                    raise _error(f"the repetition {{{low},{high}}}: the maximum is below the minimum", line)
                 atom = ("repeat", atom, low, high)
             else:
                 return atom

@@ -141,3 +141,13 @@ def test_repeat_counts_past_the_limit_are_refused_where_they_are_written(text, s
     if "5000" in str(info.value) or len(text) > 4000:
         assert "(5000 digits)" in str(info.value)  # the count itself is cut in the message
     assert parse_regex("a{1000000}") is not None and parse_regex("a{0001000000}") is not None
+
+
+@pytest.mark.parametrize("text", ['root ::= "a"{2,1}', 'start: A\nA: "x"{3,2}', 'start: A\nA: "a"~2..1'])
+def test_a_reversed_count_inside_a_terminal_is_refused(text):
+    """A reversed count in a rule was refused, but one inside a terminal reached an assert (a 500)."""
+    from corral.errors import InvalidGrammarError
+    from corral.grammar.gbnf_grammar import parse_gbnf
+    from corral.grammar.lark_grammar import parse_lark
+    with pytest.raises(InvalidGrammarError, match="the maximum is below the minimum"):
+        (parse_gbnf if "::=" in text else parse_lark)(text)
