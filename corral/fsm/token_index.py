@@ -209,12 +209,11 @@ class TokenIndex:
         out = bytearray()
         try:
             while state >= 0 and not dfa.accepting[state] and len(out) < limit:
-                row = dfa.row(state)
-                live = np.flatnonzero(row >= 0)
+                live = dfa.live_bytes(state)  # (cached per state)
                 if len(live) != 1:
                     break
-                out.append(int(live[0]))
-                state = int(row[live[0]])
+                out.append(live[0])
+                state = int(dfa.row(state)[live[0]])
         except GrammarTooComplexError:
             pass
         return bytes(out)
