@@ -107,6 +107,17 @@ class _Tokens:
             self.pos += 1
 
 
+MAX_PRIORITY = 1_000_000  # lark's priorities are small integers; the native lexer holds them in 32 bits
+
+
+def _priority(number: str, name: str, line: int) -> int:
+    """A terminal's priority, bounded to +-``MAX_PRIORITY`` (read without int() on long text)."""
+    digits = number.lstrip("-").lstrip("0") or "0"
+    if len(digits) > len(str(MAX_PRIORITY)) or int(digits) > MAX_PRIORITY:
+        raise _error(f"the priority {count_text(number)} of '{name}' is past the limit of +-{MAX_PRIORITY}", line)
+    return -int(digits) if number.startswith("-") else int(digits)
+
+
 def _error(message: str, line: int) -> UserInputError:
     from corral.errors import InvalidGrammarError
 
@@ -147,7 +158,7 @@ class _LarkParser:
             kind, number, _ = t.next()
             if kind != "number":
                 raise _error(f"expected a priority number after '{name}.'", line)
-            options["priority"] = int(number)
+            options["priority"] = _priority(number, name, line)
         lexeme: dict = {}
         if t.accept("["):
             self.attributes(name, options, lexeme, line)

@@ -118,10 +118,19 @@ def test_inline_json_nests_without_a_limit_and_keeps_its_lexemes_exact(compiler)
     ('start: %json {"type": ', r"the JSON after %json/%llguidance does not parse"),
     ('start: "a"\n%override start: "b"', r"%override is not supported"),
     ('start: "a" @', r"unexpected character '@' \(line 1\)"),
+    ('start: T\nT.2147483648: "a"', r"the priority 2147483648 of 'T' is past the limit of \+-1000000 \(line 2\)"),
+    ('start: T\nT.-' + "9" * 5000 + ': "a"', r"the priority -99999999999\.\.\.\(5001 digits\) of 'T'"),
 ])
 def test_errors_name_the_rule_and_the_line(text, message):
     with pytest.raises(InvalidGrammarError, match=message):
         parse_lark(text, json_node=lambda schema: None)
+
+
+def test_priorities_at_the_limit_compile_and_order_the_lexer(compiler):
+    """Past int32 a priority overflowed the native lexer's table (a 500); up to the limit it still orders terminals."""
+    for low, high in [("-1000000", "1000000"), ("0", "999999")]:
+        text = f'start: NAME | IF "!"\nNAME.{low}: /[a-z]+/\nIF.{high}: "if"'
+        language(compiler, text, ["if!", "iff", "x"], ["if"])
 
 
 def test_nested_counts_share_their_inner_rule(compiler):
