@@ -36,9 +36,14 @@ def repeat_count(digits: str) -> int | None:
     return count if count <= MAX_REPEAT_COUNT else None
 
 
-def count_text(digits: str) -> str:
-    """A count as an error message shows it: a long one cut."""
-    return digits if len(digits) <= 24 else f"{digits[:12]}...({len(digits)} digits)"
+def count_text(count: str | int) -> str:
+    """A count (its digits, or the integer) as an error message shows it: a long one cut. An integer is not
+    written out in full: str() refuses past 4,300 digits."""
+    if isinstance(count, int):
+        if count.bit_length() <= 64:
+            return str(count)
+        return f"about 10^{int((count.bit_length() - 1) * 0.30103)}"
+    return count if len(count) <= 24 else f"{count[:12]}...({len(count)} digits)"
 MAX_SHARED_NODES = 16_384
 SHARED_NODES: dict[int, Node] = {}  # id -> a node that lives as long as the process and serves many grammars
 
@@ -146,7 +151,8 @@ class NodeBuilder:
         if low == 1 and high == 1:
             return node
         if max(low, high or 0) > MAX_REPEAT_COUNT:
-            raise GrammarTooComplexError(f"a count of {max(low, high or 0)} (maxLength, minItems, ...) is past the "
+            raise GrammarTooComplexError(f"a count of {count_text(max(low, high or 0))} (maxLength, minItems, "
+                                         "...) is past the "
                                          f"limit of {MAX_REPEAT_COUNT}")
         out = Repeat(node, low, high)
         self._count_new(out, (node,))

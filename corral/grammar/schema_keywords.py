@@ -88,7 +88,8 @@ def check_keywords(schema: dict, pointer: str) -> None:
         elif keyword == "items" and not (_is_schema(value) or isinstance(value, list)
                                          and all(_is_schema(v) for v in value)):
             raise bad(keyword, "a schema or an array of schemas")
-        elif keyword in _COUNTS and not (is_number(value) and value >= 0 and float(value).is_integer()):
+        elif keyword in _COUNTS and not (is_number(value) and value >= 0
+                                         and (isinstance(value, int) or value.is_integer())):
             raise bad(keyword, "a non-negative integer")
         elif keyword in _NUMBERS and not is_number(value):
             raise bad(keyword, "a number")

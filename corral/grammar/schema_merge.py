@@ -205,7 +205,7 @@ def merge_atoms(atoms: list[Atom], matches: Matches) -> MergedSchema:
 
 def integral_multiple(values: list[tuple[float, str]]) -> int | None:
     """The least common multiple of integral ``multipleOf`` values, or None when one is fractional."""
-    if not all(float(v).is_integer() for v, _ in values):
+    if not all(isinstance(v, int) or v.is_integer() for v, _ in values):  # float(v) overflows past 1e308
         return None
     return math.lcm(*(int(v) for v, _ in values))
 

@@ -16,7 +16,7 @@ from corral.grammar.json_numbers import (DIGIT, NONZERO_DIGIT, integer_bounds, i
                                          number_range)
 from corral.grammar.json_strings import (ANY_CHAR, QUOTE, intersect_chars, length_node, loose_string_node,
                                          register_stable, spell, spell_chars, string_literal, string_node)
-from corral.grammar.node_builder import NodeBuilder, share
+from corral.grammar.node_builder import NodeBuilder, count_text, share
 from corral.grammar.regex_ast import EMPTY, NOTHING, CharSet, Node
 from corral.grammar.regex_parser import parse_regex
 from corral.grammar.schema_merge import MergedSchema, integral_multiple, json_key, property_sources
@@ -135,7 +135,8 @@ class ValueBuilders:
         try:
             return number_range(b, *(low or (None, False)), *(high or (None, False)))
         except OverflowError:
-            self.unsupported("a numeric bound beyond the float range is not supported", "minimum", pointer)
+            keyword = "minimum" if low is not None and not _fits_float(low[0]) else "maximum"
+            self.unsupported("a numeric bound beyond the float range is not supported", keyword, pointer)
             return number_node(b)
 
     def multiples(self, factor: int, lo: int | None, hi: int | None, pointer: str) -> Node:
@@ -150,7 +151,7 @@ class ValueBuilders:
             rest, fives = rest // 5, fives + 1
         width = max(twos, fives)
         if rest != 1 or 10 ** width // factor > MAX_MULTIPLE_SUFFIXES:
-            self.unsupported(f"'multipleOf: {factor}' without tight bounds is not supported (only factors "
+            self.unsupported(f"'multipleOf: {count_text(factor)}' without tight bounds is not supported (only factors "
                              f"2^a*5^b, or ranges of at most {MAX_ENUMERATED_MULTIPLES} multiples)",
                              "multipleOf", pointer)
             return integer_range(b, lo, hi)
@@ -339,3 +340,10 @@ def share_any_value(sp: Spacing, depth: int = ANY_VALUE_DEPTH) -> None:
         node = share(values.build_any_value(depth))
         _SHARED_ANY[(sp, depth)] = (sp, node, tuple(values.b._seen.values()))
 
+
+def _fits_float(value) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True

@@ -424,3 +424,23 @@ def test_gigantic_schemas_fail_fast_with_a_typed_error(schema):
     expected = r"more than \d+ automaton nodes|past the limit of 1000000|more than 2000 alternatives"
     with pytest.raises(GrammarTooComplexError, match=expected):
         schema_to_node(schema)
+
+
+@pytest.mark.parametrize("schema, error, message", [
+    *(({keyword: 10**400}, GrammarTooComplexError, r"a count of about 10\^399 .*past the limit of 1000000")
+      for keyword in ("minLength", "maxLength", "minItems", "maxItems", "maxProperties")),
+    ({"type": "integer", "multipleOf": 3 * 10**400}, UnsupportedSchemaError, r"'multipleOf: about 10\^400' without"),
+    ({"maximum": -10**400}, UnsupportedSchemaError, r"beyond the float range.*keyword 'maximum'"),
+    ({"type": "number", "exclusiveMinimum": 10**400}, UnsupportedSchemaError,
+     r"beyond the float range.*keyword 'minimum'"),
+])
+def test_integers_past_the_float_range_give_typed_errors(schema, error, message):
+    """Counts and multipleOf read through float() and overflowed (a 500); an error names the number shortly."""
+    with pytest.raises(error, match=message):
+        schema_to_node(schema)
+
+
+def test_a_multiple_of_past_the_float_range_is_exact():
+    node = schema_to_node({"type": "integer", "multipleOf": 10**400})
+    assert fullmatch(node, "0") and fullmatch(node, "1" + "0" * 400) and fullmatch(node, "-3" + "0" * 400)
+    assert not fullmatch(node, "1" + "0" * 399) and not fullmatch(node, "1" + "0" * 399 + "1")
