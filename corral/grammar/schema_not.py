@@ -14,7 +14,7 @@ negation also fixes the type: ``not {minimum: 5}`` is ``{type: number, exclusive
 """
 
 from corral.errors import UnsupportedSchemaError
-from corral.grammar.schema_keywords import ANNOTATIONS
+from corral.grammar.schema_keywords import ANNOTATIONS, check_keywords
 
 EXCLUDE = "!exclude"  # private keyword: values the instance must not equal (never valid JSON Schema vocabulary)
 _COUNTS = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
@@ -34,6 +34,7 @@ def negate(schema, pointer: str, resolve, depth: int = 0) -> list:
         return [True]
     if depth > 8:
         raise UnsupportedSchemaError("'not' nested too deeply through $ref", keyword="not", pointer=pointer)
+    check_keywords(schema, pointer)  # a negated schema is never built itself, so its values are checked here
     options: list = []
     for keyword, value in schema.items():
         options += _negate_keyword(schema, keyword, value, pointer, resolve, depth)

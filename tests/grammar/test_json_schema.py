@@ -444,3 +444,22 @@ def test_a_multiple_of_past_the_float_range_is_exact():
     node = schema_to_node({"type": "integer", "multipleOf": 10**400})
     assert fullmatch(node, "0") and fullmatch(node, "1" + "0" * 400) and fullmatch(node, "-3" + "0" * 400)
     assert not fullmatch(node, "1" + "0" * 399) and not fullmatch(node, "1" + "0" * 399 + "1")
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"not": {"required": 5}}, r"'required' must be an array of strings \(keyword 'required' at '#/not'\)"),
+    ({"not": {"properties": False}}, r"'properties' must be an object whose values are schemas"),
+    ({"not": {"$ref": 1}}, r"'\$ref' must be a string"),
+    ({"not": {"not": 5}}, r"'not' must be a schema .*at '#/not'"),
+    ({"not": {"type": [[]]}}, r"'type' must be one of"),
+    ({"not": {"enum": None}}, r"'enum' must be an array"),
+    ({"not": {"anyOf": 1}}, r"'anyOf' must be a non-empty array of schemas"),
+    ({"not": {"maxLength": 1.5}}, r"'maxLength' must be a non-negative integer \(keyword 'maxLength' at '#/not'\)"),
+    ({"not": {"allOf": [{"required": [1]}]}}, r"'required' must be an array of strings .*'#/not/allOf/0'"),
+    ({"$defs": {"a": {"minProperties": "x"}}, "not": {"$ref": "#/$defs/a"}}, r"'minProperties' .*'#/\$defs/a'"),
+])
+def test_a_negated_schema_has_its_keywords_checked(schema, message):
+    """A schema under 'not' is negated, never built, so its values reached the negation unchecked (a 500, or a
+    value refused elsewhere compiled silently)."""
+    with pytest.raises(InvalidSchemaError, match=message):
+        schema_to_node(schema)
