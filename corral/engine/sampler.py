@@ -105,9 +105,8 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[len(rows), width]``. ``bitmask``: int32
         ``[len(rows), words]`` in the Vocabulary layout; ``masked_rows``: the rows it applies to. The engine hands
         them as a numpy array and a list (no torch call where the greedy pass takes them); tensors work too. A row
-        whose logits leave no finite value to choose (a +inf from the model where its mask, if any, allows it; a
-        NaN anywhere, which the CPU mask leaves in place; or a mask that allows nothing) gets id -1 and a NaN
-        logprob: the engine ends that sequence alone."""
+        whose logits leave no finite value to choose (a NaN or +inf from the model where its mask, if any, allows
+        it; or a mask that allows nothing) gets id -1 and a NaN logprob: the engine ends that sequence alone."""
         if rows and all(self._only_masked_greedy(row) for row in rows):  # one native pass per row: the same result
             # first, with no torch call (a step's caches are cold): the native side checks the logits' shape
             picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)

@@ -1,8 +1,8 @@
 """The bitmask operation of ``bitmask.py`` without Triton: the pure-torch twin (any device, and the oracle the
 Triton kernel is tested against) and the CPU path, which skips the words a grammar leaves fully open.
 
-Both implement the pseudo-code in ``corral.kernels.bitmask``'s docstring exactly for finite logits (the CPU path
-for infinite ones too; see ``apply_token_bitmask_cpu_`` on NaN); tests hold all three to a numpy rendering of it.
+Both implement the pseudo-code in ``corral.kernels.bitmask``'s docstring exactly, for every value (a masked column
+is -inf even where the model wrote NaN or +inf there); tests hold all three to a numpy rendering of it.
 """
 
 import threading
@@ -32,6 +32,7 @@ def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, indices: tor
 # --- the pure-torch twin ----------------------------------------------------------------------------------------
 
 _NEG_INF_BITS = -8388608  # 0xFF800000: float32 -inf as an int32 bit pattern
+_NAN_BITS = 0x7FC00000  # float32's quiet NaN
 
 
 def _bit_shifts(device: torch.device) -> torch.Tensor:
@@ -47,34 +48,37 @@ def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([allowed, allowed.new_zeros(rows, width - 32 * words)], dim=1)
 
 
-def _mask_addend(bitmask: torch.Tensor) -> torch.Tensor:
-    """float32 ``[rows, 32 * words]``: 0 where allowed, -inf where masked. Adding it is branch-free, so a random
-    mask costs the same as a regular one (``masked_fill_`` measured 3-5x slower on random masks here)."""
+def _mask_operand(bitmask: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows, 32 * words]``: NaN where allowed, -inf where masked, so that ``fmin(x, operand)`` is ``x``
+    or -inf whatever ``x`` is (``fmin`` takes the operand that is not NaN). Branch-free, so a random mask costs the
+    same as a regular one (``masked_fill_`` measured 3-5x slower on random masks here)."""
     rows, words = bitmask.shape
     # subtle: shifting bit j up to the sign and back down arithmetically gives -1 (allowed) or 0 (masked).
     spread = bitmask[:, :, None] << (31 - _bit_shifts(bitmask.device))
     spread >>= 31
-    spread.bitwise_not_()
-    spread &= _NEG_INF_BITS
+    spread &= _NAN_BITS ^ _NEG_INF_BITS
+    spread ^= _NEG_INF_BITS
     return spread.view(torch.float32).reshape(rows, 32 * words)
 
 
 def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None,
                                *, vocab_size: int | None = None) -> None:
     """The twin of the Triton kernel (same contract as ``apply_token_bitmask_``), in plain torch ops: one
-    branch-free pass adds a 0 / -inf addend to every selected row. (Logits are finite, so ``x + 0 == x``.)"""
+    branch-free ``fmin`` with a NaN / -inf operand over every selected row (see ``_mask_operand``)."""
     vocab_size = check_bitmask_args(logits, bitmask, indices, vocab_size)
     bitmask = bitmask[:, : (vocab_size + 31) // 32]
     if indices is None:
         logits[:, vocab_size:] = float("-inf")
-        logits[:, :vocab_size] += _mask_addend(bitmask)[:, :vocab_size]
+        columns = logits[:, :vocab_size]
+        torch.fmin(columns, _mask_operand(bitmask)[:, :vocab_size], out=columns)
         return
     indices = torch.as_tensor(indices, dtype=torch.long, device=logits.device)
     if indices.numel() == 0:
         return
     rows = logits.index_select(0, indices)
     rows[:, vocab_size:] = float("-inf")
-    rows[:, :vocab_size] += _mask_addend(bitmask.index_select(0, indices))[:, :vocab_size]
+    columns = rows[:, :vocab_size]
+    torch.fmin(columns, _mask_operand(bitmask.index_select(0, indices))[:, :vocab_size], out=columns)
     logits.index_copy_(0, indices, rows)
 
 
@@ -85,7 +89,8 @@ class _Masker(NamedTuple):
 
     A bitmask byte stands for 8 columns, so ``tables[i][byte]`` holds those 8 columns' operand, as one numpy void
     element: a single ``take`` turns mask bytes into a row of operands. fp32 and fp16 mask with
-    ``minimum(x, table[byte])``, the table holding +inf (allowed) or -inf (masked). bf16, which numpy lacks, is
+    ``fmin(x, table[byte])``, the table holding NaN (allowed: ``fmin`` takes the other operand, even a NaN) or -inf
+    (masked: -inf, even for a NaN logit, as the Triton kernel writes). bf16, which numpy lacks, is
     masked through its int16 bit pattern as ``(x & keep[byte]) | fill[byte]``."""
     int_view: torch.dtype | None  # the tensor view that numpy can hold, if the dtype itself is not one
     fill: float | int  # -inf, as a value of the numpy view
@@ -96,7 +101,7 @@ class _Masker(NamedTuple):
 
 def _masker(operands: list[np.ndarray], fill: float | int, int_view: torch.dtype | None = None) -> _Masker:
     tables = tuple(op.view(f"V{op.strides[0]}").reshape(256) for op in operands)
-    ops = (np.minimum,) if len(tables) == 1 else (np.bitwise_and, np.bitwise_or)
+    ops = (np.fmin,) if len(tables) == 1 else (np.bitwise_and, np.bitwise_or)
     return _Masker(int_view, fill, tables, ops, np.dtype(f"V{32 * operands[0].itemsize}"))
 
 
@@ -104,8 +109,8 @@ def _masker(operands: list[np.ndarray], fill: float | int, int_view: torch.dtype
 # byte order of every platform torch ships for.
 _KEEP = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
 _MASKERS = {
-    torch.float32: _masker([np.where(_KEEP, np.inf, -np.inf).astype(np.float32)], -np.inf),
-    torch.float16: _masker([np.where(_KEEP, np.inf, -np.inf).astype(np.float16)], -np.inf),
+    torch.float32: _masker([np.where(_KEEP, np.nan, -np.inf).astype(np.float32)], -np.inf),
+    torch.float16: _masker([np.where(_KEEP, np.nan, -np.inf).astype(np.float16)], -np.inf),
     torch.bfloat16: _masker([np.where(_KEEP, -1, 0).astype(np.int16), np.where(_KEEP, 0, -128).astype(np.int16)],
                             -128, torch.int16),  # -128 is 0xFF80, bf16 -inf
 }
@@ -131,8 +136,8 @@ def apply_token_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, indice
     are read and written. Otherwise every column is masked in one pass, in cache-sized chunks, through a byte
     lookup table: no branch per bit, so the cost does not depend on the mask's pattern.
 
-    As in the twin (and unlike the Triton kernel), a NaN logit at a masked column stays NaN in fp32/fp16:
-    ``minimum`` propagates it. Every other value, infinities included, gets exactly the kernel's result."""
+    Every value, NaN and infinities included, gets exactly the kernel's result: a masked column is -inf whatever
+    the model wrote there, so a NaN the mask rules out does not reach the sampler."""
     apply_checked_cpu_(logits, bitmask, indices, check_bitmask_args(logits, bitmask, indices, vocab_size))
 
 

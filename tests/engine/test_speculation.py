@@ -513,6 +513,45 @@ def test_logits_with_nothing_finite_to_choose_end_their_sequence_alone(compiler,
         assert outs[True][request_id].finish_reason in ("stop", "length") and 3 not in outs[True][request_id].token_ids
 
 
+class NaNOnC(ToyModel):
+    """The toy model, with NaN on "c" at every row."""
+
+    def logprobs(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        row = super().logprobs(prefix).clone()
+        row[3] = float("nan")
+        return row
+
+
+@pytest.mark.parametrize("switches", [OFF, ON])
+def test_a_nan_the_grammar_rules_out_changes_no_token(compiler, switches):
+    """A NaN on a token every grammar here refuses is masked away like any other value (the CPU mask left it in
+    place, so the sequence ended with an error on CPU where on a GPU it went on): the guided requests give the
+    tokens of the same model without the NaN, masks filled first or deferred, and only their logprobs, whose raw
+    normalizer the NaN leaves undefined, are NaN. An unguided request, whose row the NaN poisons, ends alone."""
+    from corral.engine.llm_engine import NO_FINITE_LOGIT
+    patterns = ["(ab)+", "(a|ab)+b?", "bb(a|b)+", "a(ab|b)*"]
+
+    def run(model, defer):
+        engine = draft_engine(model, **switches)
+        engine.defer_masks = defer
+        requests = [(f"g{i}", PROMPT[i:], SamplingParams(temperature=0, max_tokens=8, logprobs=1, **switches),
+                     compiler.compile_node(parse_regex(pattern)).new_guide()) for i, pattern in enumerate(patterns)]
+        requests.append(("free", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **switches),
+                         None))
+        outs = {k: o.outputs[0] for k, o in run_all(engine, requests).items()}
+        assert engine.block_manager.num_used_blocks == 0
+        return outs
+    clean = run(ToyModel(seed=3), False)
+    for defer in (False, True):
+        outs = run(NaNOnC(seed=3), defer)
+        for i in range(len(patterns)):
+            a, b = clean[f"g{i}"], outs[f"g{i}"]
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason) and b.finish_reason != "error"
+            assert a.token_ids and all(math.isnan(lp) for lp, _ in b.logprobs), (i, defer)
+        assert (outs["free"].finish_reason, outs["free"].stop_reason, outs["free"].token_ids) == \
+            ("error", NO_FINITE_LOGIT, [])
+
+
 def test_a_beam_whose_logits_hold_nan_or_plus_inf_is_dropped_and_the_batch_goes_on(compiler):
     """A guided beam search beside a greedy request, on a model with NaN rows after "b, b" (and on another with
     +inf on a token, which makes every row's raw logprobs NaN): the beams those rows would extend are dropped as

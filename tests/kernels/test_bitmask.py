@@ -218,6 +218,23 @@ def test_infinite_logits_are_masked_exactly(dtype):
     np.testing.assert_array_equal(as_numpy(logits), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", [apply_token_bitmask_torch_, apply_token_bitmask_cpu_, apply_token_bitmask_triton_],
+                         ids=["twin", "cpu", "triton"])
+@pytest.mark.parametrize("indices", [None, [1]])
+def test_nan_logits_are_masked_like_any_other_value(dtype, kernel, indices):
+    """A NaN at a masked column becomes -inf in every path, as the Triton kernel writes it (the CPU path and the
+    twin left it NaN, so a NaN the grammar rules out ended a sequence on CPU only); one at an allowed column stays."""
+    logits = torch.randn(2, 70).to(dtype)
+    logits[:, ::2] = float("nan")
+    logits[:, 5::7] = float("inf")
+    bitmask = torch.tensor([[0x0F0F0F0F, 0x3], [0x12345678, -1]], dtype=torch.int32)
+    expected = reference(as_numpy(logits), bitmask.numpy(), indices, 64)
+    kernel(logits, bitmask, None if indices is None else torch.tensor(indices), vocab_size=64)
+    np.testing.assert_array_equal(as_numpy(logits), expected)
+    assert np.isnan(expected).any() and (np.isnan(as_numpy(logits)) == np.isnan(expected)).all()
+
+
 def test_cpu_path_without_rows_or_full_words():
     empty_logits = torch.zeros(0, 64)
     apply_token_bitmask_(empty_logits, torch.zeros(0, 2, dtype=torch.int32))
