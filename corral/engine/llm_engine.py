@@ -550,16 +550,15 @@ class LLMEngine:
 
     def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor
                          ) -> dict[int, tuple[DraftRows, Verified]]:
-        """Verify the drafts of deferred sequences (``drafted``: each with its first row of ``logits``) as their
-        masks would have: per sequence, its draft and what it verified, by sequence id. Every row's unmasked
-        argmax comes from one sampler call; each sequence then walks its rows with a copy of its guide (see
-        :meth:`_walk_deferred`)."""
-        at, rows = [], []
-        for seq, first in drafted:
+        """Verify the drafts of deferred sequences (``drafted``: each with its rows, and only those, in
+        ``logits``, in order) as their masks would have: per sequence, its draft and what it verified, by sequence
+        id. Every row's unmasked argmax comes from one sampler call; each sequence then walks its rows with a copy
+        of its guide (see :meth:`_walk_deferred`). The caller takes the rows out only where other sequences' rows
+        are among them: right after the forward, a torch call costs tens of microseconds."""
+        rows = []
+        for seq, _ in drafted:
             draft = seq.draft
-            at.extend(range(first, first + len(draft) + 1))
             rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
-        logits = _take_rows(logits, at)
         picked = self.sampler(logits, rows)
         out, start = {}, 0
         for seq, _ in drafted:
@@ -741,7 +740,9 @@ class LLMEngine:
         order = [seq for seq, _ in drafted]
         walked = {}
         if deferred and any(seq.seq_id in deferred for seq in order):
-            walked = self._verify_deferred([d for d in drafted if d[0].seq_id in deferred], logits)
+            mine = [d for d in drafted if d[0].seq_id in deferred]
+            walked = self._verify_deferred(mine, logits if len(mine) == len(drafted) else _take_rows(
+                logits, [row for seq, first in mine for row in range(first, first + len(seq.draft) + 1)]))
             drafted = [d for d in drafted if d[0].seq_id not in deferred]
         if drafted:
             batch = draft_batch(drafted, masks)
