@@ -57,6 +57,9 @@ from corral.fsm.vocabulary import Vocabulary
 
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches
 MAX_FORCED_TOKENS = 32  # a jump-forward span's tokens per step
+# forced spans the tokenizer has cut, kept by the drafter: a grammar forces the same spans again and again (a
+# schema's keys and punctuation), and a tokenizer call is dear right after a forward (its data are cold)
+MAX_CACHED_SPANS, MAX_CACHED_SPAN_BYTES = 4096, 256
 _DECAY = 0.8  # acceptance counts decay by this per verification, so the rate follows the text
 
 
@@ -138,6 +141,7 @@ class Drafter:
                 by_bytes.setdefault(text, token_id)
         self._by_bytes = by_bytes
         self._longest = max((len(b) for b in by_bytes), default=1)
+        self._cut: dict[bytes, list[int]] = {}  # span -> _encoded(span), bounded by MAX_CACHED_SPANS
 
     def propose(self, tokens: list[int], guide: Guide | None, state: SpecState, *, forced_cap: int,
                 lookup_cap: int | tuple[int, ...], room: int) -> Draft:
@@ -224,9 +228,20 @@ class Drafter:
         return out
 
     def _encoded(self, span: bytes) -> list[int]:
-        """The tokenizer's tokens for the longest whole-character prefix of ``span``, if they spell it exactly."""
+        """The tokenizer's tokens for the longest whole-character prefix of ``span``, if they spell it exactly
+        (read only: a cached list is shared)."""
         if self.encode is None:
             return []
+        tokens = self._cut.get(span)
+        if tokens is None:
+            tokens = self._encode_span(span)
+            if len(span) <= MAX_CACHED_SPAN_BYTES:
+                if len(self._cut) >= MAX_CACHED_SPANS:
+                    self._cut.clear()
+                self._cut[span] = tokens
+        return tokens
+
+    def _encode_span(self, span: bytes) -> list[int]:
         for cut in range(len(span), max(len(span) - 4, 0), -1):
             try:
                 text = span[:cut].decode("utf-8")

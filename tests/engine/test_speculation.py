@@ -168,6 +168,29 @@ def test_jump_forward_drafts_the_forced_span_less_its_tail(compiler):
     assert drafter.forced_tokens(done, room=10) == [3, 2], "nothing can follow the span: its tail stays"
 
 
+def test_the_tokenizers_cut_of_a_forced_span_is_asked_once(compiler, monkeypatch):
+    """A grammar forces the same spans again and again: the tokenizer cuts each once (spans up to
+    MAX_CACHED_SPAN_BYTES, at most MAX_CACHED_SPANS of them), and the tokens are the same as uncached."""
+    from corral.engine import speculation
+    byte_token = {b: i for i, b in enumerate(TOKENS)}
+    calls = []
+
+    def encode(text):  # one token per character: another cut than the longest match ("ab" is a token)
+        calls.append(text)
+        return [byte_token[c.encode()] for c in text]
+    drafter = Drafter(VOCAB, encode)
+    guide = compiler.compile_node(parse_regex("acabab(c|b)")).new_guide()
+    assert guide.advance(0)
+    first = drafter.forced_tokens(guide, room=10)
+    assert first == drafter.forced_tokens(guide, room=10) == [3, 0, 1, 0] and calls == ["cabab"]
+    long_span = "ab" * 200  # past MAX_CACHED_SPAN_BYTES: cut every time
+    assert drafter._encoded(long_span.encode()) == drafter._encoded(long_span.encode()) and len(calls) == 3
+    monkeypatch.setattr(speculation, "MAX_CACHED_SPANS", 2)
+    for span in (b"a", b"b", b"c", b"a"):
+        drafter._encoded(span)
+    assert len(drafter._cut) <= 2 and len(calls) == 7
+
+
 def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_allows(compiler):
     drafter, state = Drafter(VOCAB), SpecState()
     tokens = [0, 1, 3, 2, 0, 1, 3, 3, 0, 1]
