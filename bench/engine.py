@@ -443,6 +443,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-fp32", action="store_true", help="no dense float32 Corral (the reference numerics)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--llama-server", default=LLAMA_SERVER,
+                        help="the llama-server binary (default: make bench-extras' build for this CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write every timing as JSON")
     parser.add_argument("--decode-bursts", default="", help="also Corral (make serve's formats) with each of these "
@@ -473,10 +475,11 @@ def main() -> None:
         wanted = (args.cells or "short-1,short-16,short-64").split(",")
         cells = [c for c in cells if c.name in wanted]
     tokenizer = load_tokenizer()
-    if not args.no_llama and not os.path.exists(LLAMA_SERVER):
-        print(f"WARNING: {LLAMA_SERVER} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
+    if not args.no_llama and not os.path.exists(args.llama_server):
+        print(f"WARNING: {args.llama_server} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
     elif not args.no_llama:
-        print(f"llama-server: {llama_server_version()}, {LLAMA_CTX_PER_SLOT}-token context per slot")
+        print(f"llama-server: {args.llama_server}: {llama_server_version(args.llama_server)}, "
+              f"{LLAMA_CTX_PER_SLOT}-token context per slot")
     from corral.engine.config import EngineConfig
     from corral.engine.formats import resolve
 
@@ -498,6 +501,9 @@ def main() -> None:
             corrals["corral-float32"] = corral_server("float32").start()
     for label, server in corrals.items():
         warm_up(label, server.url)
+        native = httpx.get(server.url + "/health", timeout=30).json().get("native") or {}
+        print(f"{label}: kernels {native.get('kernels')}, products {native.get('qmatmul')}, module "
+              f"{native.get('module')}")
     hf_models = {} if args.no_hf else {dtype: load_hf(dtype) for dtype in dtypes}
     results: list[Result] = []
     print(header())
@@ -506,11 +512,11 @@ def main() -> None:
             for label, server in corrals.items():
                 results.append(run_server(label, server.url, cell, server=server))
                 print(row(results[-1]), flush=True)
-            if not args.no_llama and os.path.exists(LLAMA_SERVER):
+            if not args.no_llama and os.path.exists(args.llama_server):
                 for slots in (int(s) for s in args.slots.split(",")):
                     if slots > max(cell.concurrency, 1):
                         continue
-                    with llama_server(slots, kv_unified=args.kv_unified) as peer:
+                    with llama_server(slots, binary=args.llama_server, kv_unified=args.kv_unified) as peer:
                         warm_up("llama-server", peer.url)
                         results.append(run_server(f"llama-server -np {slots}", peer.url, cell, server=peer))
                     print(row(results[-1]), flush=True)
@@ -518,7 +524,10 @@ def main() -> None:
                 if cell.hf_batch:
                     results.append(run_hf(model, tokenizer, cell, f"hf-{dtype}-b{cell.hf_batch}"))
                     print(row(results[-1]), flush=True)
-            if cell.name == "short-1" and not args.no_llama:
+            if cell.name == "short-1" and not args.no_llama and args.llama_server != LLAMA_SERVER:
+                print("llama-cpp-python skipped: it is built like the default llama-server, not like "
+                      f"{args.llama_server}", file=sys.stderr)
+            elif cell.name == "short-1" and not args.no_llama:
                 try:
                     results.append(run_llama_cpp_python(tokenizer, cell))
                     print(row(results[-1]), flush=True)

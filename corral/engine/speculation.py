@@ -129,7 +129,8 @@ class Draft:
 
 
 class Drafter:
-    """Proposes drafts over one vocabulary. Stateless apart from its byte → token table."""
+    """Proposes drafts over one vocabulary. Stateless apart from its byte → token table and the tokenizer's cuts of
+    the forced spans it has met (the engine thread's alone, as the drafter is)."""
 
     def __init__(self, vocab: Vocabulary, encode: Callable[[str], list[int]] | None = None):
         """``encode``: the model's tokenizer (text → ids, no special tokens), which cuts forced spans the way
