@@ -44,6 +44,8 @@ def count_text(count: str | int) -> str:
             return str(count)
         return f"about 10^{int((count.bit_length() - 1) * 0.30103)}"
     return count if len(count) <= 24 else f"{count[:12]}...({len(count)} digits)"
+
+
 MAX_SHARED_NODES = 16_384
 SHARED_NODES: dict[int, Node] = {}  # id -> a node that lives as long as the process and serves many grammars
 
@@ -152,8 +154,7 @@ class NodeBuilder:
             return node
         if max(low, high or 0) > MAX_REPEAT_COUNT:
             raise GrammarTooComplexError(f"a count of {count_text(max(low, high or 0))} (maxLength, minItems, "
-                                         "...) is past the "
-                                         f"limit of {MAX_REPEAT_COUNT}")
+                                         f"...) is past the limit of {MAX_REPEAT_COUNT}")
         out = Repeat(node, low, high)
         self._count_new(out, (node,))
         return out
