@@ -523,7 +523,7 @@ class LLMEngine:
         nothing (a limit the guide meets filling it is its error, as before the forward)."""
         mask = np.zeros((1, self._mask_words), dtype=np.int32)
         guide.fill_mask(mask[0])
-        return self.sampler(logits, [row], mask, [0]) if mask.any() else None
+        return self.sampler(logits, [row], mask, [0]) if np.count_nonzero(mask) else None
 
     def _repick_refused(self, rows, logits: torch.Tensor, result: SampleResult, deferred: set[int],
                         stuck: list[Sequence]) -> tuple[list, SampleResult]:
@@ -853,7 +853,8 @@ class LLMEngine:
     def _drop_dead_ends(self, rows, logits: torch.Tensor, filled: dict[int, np.ndarray]):
         """Rows whose guide allows no token at all (a grammar that needs bytes no token spells) leave the batch:
         their sequences finish with reason 'error' instead of failing the whole step in the sampler."""
-        stuck = [i for i, (_, source) in enumerate(rows) if source.seq_id in filled and not filled[source.seq_id].any()]
+        stuck = [i for i, (_, source) in enumerate(rows)
+                 if source.seq_id in filled and not np.count_nonzero(filled[source.seq_id])]
         if not stuck:
             return rows, logits, []
         dead = set(stuck)
