@@ -6,8 +6,10 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from corral.errors import GrammarTooComplexError, InvalidSchemaError, UnknownKeywordError, UnsupportedSchemaError
+from corral.errors import (GrammarTooComplexError, InvalidSchemaError, UnknownKeywordError, UnsupportedSchemaError,
+                           UserInputError)
 from corral.grammar.json_schema import schema_to_node
 from corral.grammar.regex_ast import Intersect, to_python_regex
 from corral.grammar.regex_match import fullmatch
@@ -463,3 +465,37 @@ def test_a_negated_schema_has_its_keywords_checked(schema, message):
     value refused elsewhere compiled silently)."""
     with pytest.raises(InvalidSchemaError, match=message):
         schema_to_node(schema)
+
+
+_KEYWORDS = ["type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+             "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "contains", "minContains",
+             "maxContains", "minItems", "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format",
+             "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf",
+             "not", "$ref", "$defs", "definitions", "if", "then", "else", "dependentRequired", "dependentSchemas"]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.sampled_from([10**400, -10**400, 2**63, 1e308]),
+                    st.floats(allow_nan=False, allow_infinity=False),
+                    st.sampled_from(["string", "a+", "#", "#/$defs/a", "date", "a("]))
+_ANY = st.recursive(_VALUES, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2)),
+                    max_leaves=4)
+
+
+def _wrapped(children):
+    """A schema built around smaller ones: under not/allOf/anyOf/properties/items, or beside other keywords."""
+    return st.one_of(st.builds(lambda c: {"not": c}, children), st.builds(lambda c: {"allOf": [c]}, children),
+                     st.builds(lambda c, d: {"anyOf": [c, d]}, children, children),
+                     st.builds(lambda c: {"type": "object", "properties": {"a": c}}, children),
+                     st.builds(lambda c: {"items": c, "$defs": {"a": c}}, children),
+                     st.builds(lambda c, extra: {**c, **extra} if isinstance(c, dict) else c, children,
+                               st.dictionaries(st.sampled_from(_KEYWORDS), _ANY, max_size=2)))
+
+
+@settings(max_examples=600, deadline=None, database=None, derandomize=True)
+@given(st.recursive(st.dictionaries(st.sampled_from(_KEYWORDS), _ANY, max_size=3), _wrapped, max_leaves=6))
+def test_any_schema_gives_a_node_or_a_typed_error(schema):
+    """Keywords with values of every type (integers past float's range, wrong-typed values under 'not', ...) give
+    an automaton or a 400-kind error, never another exception (a 500)."""
+    try:
+        schema_to_node(schema, time_budget_s=2.0)
+    except UserInputError:
+        pass
