@@ -111,11 +111,11 @@ MAX_PRIORITY = 1_000_000  # lark's priorities are small integers; the native lex
 
 
 def _priority(number: str, name: str, line: int) -> int:
-    """A terminal's priority, bounded to +-``MAX_PRIORITY`` (read without int() on long text)."""
-    digits = number.lstrip("-").lstrip("0") or "0"
-    if len(digits) > len(str(MAX_PRIORITY)) or int(digits) > MAX_PRIORITY:
+    """A terminal's priority, bounded to +-``MAX_PRIORITY``."""
+    magnitude = repeat_count(number.lstrip("-"), MAX_PRIORITY)
+    if magnitude is None:
         raise _error(f"the priority {count_text(number)} of '{name}' is past the limit of +-{MAX_PRIORITY}", line)
-    return -int(digits) if number.startswith("-") else int(digits)
+    return -magnitude if number.startswith("-") else magnitude
 
 
 def _error(message: str, line: int) -> UserInputError:

@@ -26,14 +26,14 @@ DEFAULT_TIME_BUDGET_S = 5.0
 MAX_REPEAT_COUNT = 1_000_000
 
 
-def repeat_count(digits: str) -> int | None:
-    """The count an ASCII digit string writes, or None past ``MAX_REPEAT_COUNT`` (read without int() on long text:
-    Python refuses to convert more than 4,300 digits)."""
+def repeat_count(digits: str, limit: int = MAX_REPEAT_COUNT) -> int | None:
+    """The count an ASCII digit string writes, or None past ``limit`` (read without int() on long text: Python
+    refuses to convert more than 4,300 digits)."""
     digits = digits.lstrip("0") or "0"
-    if len(digits) > len(str(MAX_REPEAT_COUNT)):
+    if len(digits) > len(str(limit)):
         return None
     count = int(digits)
-    return count if count <= MAX_REPEAT_COUNT else None
+    return count if count <= limit else None
 
 
 def count_text(count: str | int) -> str:
