@@ -27,7 +27,9 @@ def _serve(args) -> int:
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            max_in_flight=args.max_in_flight, max_compiling=args.max_compiling,
                            compile_time_budget_s=args.compile_time_budget_s,
-                           send_timeout_s=args.send_timeout_s, shutdown_grace_s=args.shutdown_grace_s,
+                           send_timeout_s=args.send_timeout_s, header_timeout_s=args.header_timeout_s,
+                           body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
+                           shutdown_grace_s=args.shutdown_grace_s,
                            reject_unknown_keywords=args.reject_unknown_keywords,
                            limits=RequestLimits(max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes))
     ctx = build_context(engine, options=options)
@@ -144,6 +146,13 @@ def parser() -> argparse.ArgumentParser:
                        help="refuse schema keywords that are no JSON Schema vocabulary (default: warn)")
     serve.add_argument("--send-timeout-s", type=float, default=30.0,
                        help="end a stream whose client takes nothing for this long")
+    serve.add_argument("--header-timeout-s", type=float, default=20.0,
+                       help="close a connection whose request headers have not arrived this long after it opened "
+                            "or after its last response")
+    serve.add_argument("--body-timeout-s", type=float, default=60.0,
+                       help="answer 408 where a request body has not arrived this long after its headers")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections past which a new one is answered 503 (lowered to fit ulimit -n)")
     serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
                        help="on SIGTERM, how long requests in flight may still run")
     serve.add_argument("--log-level", default="info")

@@ -38,6 +38,9 @@ class ServerConfig:
     API docs behind the keys (by default only ``/v1/*`` needs one). ``default_max_tokens`` None: a request
     without ``max_tokens`` may use the rest of the context window, as with vLLM. ``send_timeout_s``: how long a
     stream may wait for a slow reader to take one event before the request is ended and its blocks freed.
+    ``header_timeout_s``, ``body_timeout_s`` and ``max_connections`` bound what a slow or idle client holds (see
+    ``corral.api.connections``): a request's headers must arrive within the first of a connection's opening or its
+    last response, its body within the second of its headers, and at most the third connections are open.
     ``reject_unknown_keywords``: the default for schema keywords that are no JSON Schema vocabulary (refused,
     or reported as warnings)."""
 
@@ -48,6 +51,9 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     default_max_tokens: int | None = None
     send_timeout_s: float = 30.0
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
     reject_unknown_keywords: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
     system_fingerprint: str | None = None  # e.g. "corral-bf16-gguf-kvbf16-avx512": the formats behind the outputs
@@ -57,6 +63,7 @@ class ServerConfig:
 
     def __post_init__(self):
         assert self.max_model_len > 0 and self.max_body_bytes > 0 and self.send_timeout_s > 0
+        assert self.header_timeout_s > 0 and self.body_timeout_s > 0 and self.max_connections > 0
         assert self.default_max_tokens is None or self.default_max_tokens > 0
 
 

@@ -35,6 +35,9 @@ class ServeOptions:
     compile_cache_bytes: int = 256 << 20
     compile_time_budget_s: float = 10.0
     send_timeout_s: float = 30.0
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
     shutdown_grace_s: float = 5.0
     reject_unknown_keywords: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -70,7 +73,8 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
     config = ServerConfig(model_name=name, max_model_len=engine_max_model_len(engine), api_keys=options.api_keys,
                           protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
                           default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
-                          reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
+                          header_timeout_s=options.header_timeout_s, body_timeout_s=options.body_timeout_s,
+                          max_connections=options.max_connections, reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
                           decode_step=decode_path(engine), decode_burst=decode_burst(engine),
                           **formats_fields(getattr(engine, "formats", None)))
     metrics.decode_step, metrics.decode_burst = config.decode_step, config.decode_burst
@@ -121,13 +125,23 @@ def warm_up(compiler) -> None:
     gc.freeze()
 
 
+def uvicorn_config(ctx: ServingContext, host: str, port: int, log_level: str, **more):
+    """uvicorn's config for ``build_app(ctx)``: its h11 protocol with the connection bounds of ``ctx.config``
+    (``corral.api.connections``)."""
+    import uvicorn
+
+    from corral.api.connections import connection_cap, guarded_protocol
+    from corral.api.server import build_app
+
+    protocol = guarded_protocol(ctx.config.header_timeout_s, connection_cap(ctx.config.max_connections))
+    return uvicorn.Config(build_app(ctx), host=host, port=port, log_level=log_level, http=protocol, **more)
+
+
 class GracefulServer:
     """uvicorn's server, with the shutdown described above."""
 
     def __init__(self, ctx: ServingContext, host: str, port: int, grace_s: float, log_level: str = "info"):
         import uvicorn
-
-        from corral.api.server import build_app
 
         outer = self
 
@@ -145,8 +159,7 @@ class GracefulServer:
                     # action kills the process before the engine is shut down; the shutdown is handled here
                     self._captured_signals.clear()
 
-        config = uvicorn.Config(build_app(ctx), host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=grace_s + 0.5)
+        config = uvicorn_config(ctx, host, port, log_level, timeout_graceful_shutdown=grace_s + 0.5)
         self.ctx, self.grace_s, self.server = ctx, grace_s, _Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -184,10 +197,8 @@ def serve_in_background(ctx: ServingContext, host: str = "127.0.0.1", port: int 
     loop) on exit. For notebooks, benchmarks and tests that talk to a real server."""
     import uvicorn
 
-    from corral.api.server import build_app
-
     port = port or free_port(host)
-    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(ctx, host, port, "warning"))
     thread = threading.Thread(target=server.run, name="corral-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -6,14 +6,15 @@ ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnect
 and those disconnects are what abort a request and free its KV blocks.
 
 Status codes: 400 for anything the caller got wrong (every ``UserInputError``, and body validation), 401 for a
-missing or wrong API key, 404 for an unknown model or route, 413 for a body over the limit (declared or sent
-chunked), 429 when ``max_in_flight`` requests are in flight or the compile queue is full, 503 while shutting
+missing or wrong API key, 404 for an unknown model or route, 408 for a body that has not arrived within
+``body_timeout_s`` of its headers, 413 for a body over the limit (declared or sent chunked), 429 when ``max_in_flight`` requests are in flight or the compile queue is full, 503 while shutting
 down or when the engine loop has died. Every error body has OpenAI's shape.
 
 Keys are compared in constant time. Without ``protect_all`` only ``/v1/*`` needs a key; with it ``/metrics``
 and the API docs do too. ``/health`` never does (load balancers probe it).
 """
 
+import asyncio
 import hmac
 import json
 
@@ -34,7 +35,7 @@ from corral.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatComplet
 from corral.schemas.common import ErrorResponse
 from corral.schemas.completions import Completion, CompletionRequest, Health, ModelCard, ModelList, NativePaths
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503)}
 _STREAM_MODELS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": Completion}
 
 
@@ -56,10 +57,13 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
 
 
 class GuardMiddleware:
-    """API keys (``Authorization: Bearer <key>``) and the request body size limit."""
+    """API keys (``Authorization: Bearer <key>``), the request body's size limit and its deadline (the whole body
+    within ``body_timeout_s`` of the headers: a client that trickles it is answered 408)."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, protect_all: bool = False):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, protect_all: bool = False,
+                 body_timeout_s: float = 60.0):
         self.app, self.max_body_bytes, self.protect_all = app, max_body_bytes, protect_all
+        self.body_timeout_s = body_timeout_s
         self.api_keys = tuple(key.encode() for key in api_keys)
 
     def needs_key(self, path: str) -> bool:
@@ -83,15 +87,25 @@ class GuardMiddleware:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await too_large(self.max_body_bytes)(scope, receive, send)
-        seen = 0
+        seen, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def limited_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body: the route waits for a disconnect, as long as the response runs
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):  # a timer, not a task (wait_for's)
+                    message = await receive()
+            except TimeoutError:  # the route answers 408
+                raise BodyTimeoutError(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:  # a chunked body past the limit: the route answers 413
                     raise BodyTooLargeError(self.max_body_bytes)
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         await self.app(scope, limited_receive, send)
@@ -131,6 +145,13 @@ class StrictJSONRoute(APIRoute):
         return strict
 
 
+class BodyTimeoutError(HTTPException):
+    """Raised while the body is read, as :class:`BodyTooLargeError` is."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"The request body did not arrive within {timeout_s:g} s of its headers.")
+
+
 class BodyTooLargeError(HTTPException):
     """Raised while the body is read (FastAPI passes HTTP exceptions through its body parsing)."""
 
@@ -163,6 +184,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_http(_, err: HTTPException):  # unknown routes, wrong methods, a body past the limit
         if isinstance(err, BodyTooLargeError):
             return too_large(err.limit)
+        if isinstance(err, BodyTimeoutError):
+            return error_body(408, str(err.detail), "invalid_request_error", code="request_timeout")
         return error_body(err.status_code, str(err.detail), "invalid_request_error")
 
 
@@ -207,7 +230,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     app.openapi = lambda: _openapi_with_stream_events(app)
     app.add_middleware(GuardMiddleware, api_keys=ctx.config.api_keys, max_body_bytes=ctx.config.max_body_bytes,
-                       protect_all=ctx.config.protect_all)
+                       protect_all=ctx.config.protect_all, body_timeout_s=ctx.config.body_timeout_s)
     return app
 
 
