@@ -243,8 +243,10 @@ class GrammarCompiler:
             answer_node = None if answer is None else self._to_node(
                 Constraint(answer["kind"], answer["value"], whitespace=constraint.whitespace,
                            max_whitespace=constraint.max_whitespace,
-                           reject_unknown_keywords=constraint.reject_unknown_keywords), warnings, budget)
-            arguments = Constraint("json_schema", None, reject_unknown_keywords=constraint.reject_unknown_keywords)
+                           reject_unknown_keywords=constraint.reject_unknown_keywords,
+                           disable_additional_properties=constraint.disable_additional_properties), warnings, budget)
+            arguments = Constraint("json_schema", None, reject_unknown_keywords=constraint.reject_unknown_keywords,
+                                   disable_additional_properties=constraint.disable_additional_properties)
             return tool_calls_node(value, lambda schema: self._schema_node(schema, arguments, warnings, budget),
                                    answer_node)
         if kind == "json_object":
@@ -299,7 +301,8 @@ class GrammarCompiler:
             root, found = schema_to_rules(schema, whitespace=options.whitespace,
                                           max_whitespace=options.max_whitespace, lenient=options.lenient,
                                           warnings=sink, reject_unknown_keywords=options.reject_unknown_keywords,
-                                          budget=budget, json_checked=True, recursive=True, exact_any=exact)
+                                          budget=budget, json_checked=True, recursive=True, exact_any=exact,
+                                          declared_only=options.disable_additional_properties)
             exprs = None
             if exact and found:  # a rule inside an intersection cannot lower: raises UnsupportedSchemaError
                 exprs = RefTreeExprs()
@@ -328,7 +331,8 @@ class GrammarCompiler:
         return schema_to_node(schema, whitespace=options.whitespace, max_whitespace=options.max_whitespace,
                               lenient=options.lenient, warnings=warnings,
                               reject_unknown_keywords=options.reject_unknown_keywords, budget=budget,
-                              json_checked=True)  # by the cache key
+                              json_checked=True,  # by the cache key
+                              declared_only=options.disable_additional_properties)
 
 
 def _choice_node(values: list[str], budget: Budget) -> Node:

@@ -20,6 +20,10 @@ class Constraint:
     ``whitespace``: 'compact' writes no whitespace between JSON tokens; 'flexible' allows JSON whitespace runs
     of at most ``max_whitespace`` characters; 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported schema keywords into warnings.
     ``reject_unknown_keywords`` refuses schema keywords that are no JSON Schema vocabulary (else each is a warning).
+    ``disable_additional_properties``: an object schema that declares properties and says nothing of
+    ``additionalProperties`` (or ``patternProperties``) gets its declared properties only, as if
+    ``additionalProperties`` were false (the standard allows undeclared ones there; llama.cpp, XGrammar and outlines
+    generate none). Every output is still valid under the schema.
     """
 
     kind: ConstraintKind
@@ -28,6 +32,7 @@ class Constraint:
     max_whitespace: int = 4
     lenient: bool = False
     reject_unknown_keywords: bool = False
+    disable_additional_properties: bool = False
 
     def cache_key(self) -> bytes:
         """The SHA-256 of the canonical text of the constraint and its options: equal constraints give equal keys,
@@ -38,7 +43,7 @@ class Constraint:
         if key is None:
             try:
                 text = json.dumps([self.kind, self.value, self.whitespace, self.max_whitespace, self.lenient,
-                                   self.reject_unknown_keywords], sort_keys=True, separators=(",", ":"),
+                                   self.reject_unknown_keywords, self.disable_additional_properties], sort_keys=True, separators=(",", ":"),
                                   ensure_ascii=False, allow_nan=False)
             except (TypeError, ValueError) as error:
                 raise InvalidSchemaError(f"the constraint is not JSON: {error}") from None

@@ -6,9 +6,12 @@ be a context-free or non-regular language. The deliberate narrowings, each docum
 
 - Properties come in schema order; undeclared ones after the declared ones. ``additionalProperties`` absent
   means what the standard says (allowed): extra members are accepted, after the declared ones, with any key not
-  declared and any value (nested at most ``ANY_VALUE_DEPTH`` containers deep). Rejecting them, as some engines
-  do, would refuse valid instances and buy no soundness; a generating model emits the declared ones first anyway.
-  With ``patternProperties`` present, undeclared keys must match one of the patterns.
+  declared and any value (nested at most ``ANY_VALUE_DEPTH`` containers deep). With ``patternProperties``
+  present, undeclared keys must match one of the patterns. ``declared_only`` (the constraint's
+  ``disable_additional_properties``, which generation may ask for) narrows this further: an object that declares
+  properties, with neither ``additionalProperties`` nor ``patternProperties``, gets those only (a small model
+  otherwise invents members and may not stop); where ``minProperties`` needs more than it declares, the
+  undeclared ones stay allowed.
 - Recursive ``$ref``: :func:`schema_to_rules` (what the compiler uses) makes each recursion a rule of a
   context-free grammar, with no depth limit; :func:`schema_to_node` (a regular language only) unrolls it
   ``MAX_REF_DEPTH`` times along any path, then cuts it (the deeper branch matches nothing).
@@ -63,17 +66,19 @@ def spacing(whitespace: str, max_whitespace: int = 4) -> Spacing:
 def schema_to_node(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
                    lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
                    max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
-                   budget=None, json_checked: bool = False) -> Node:
+                   budget=None, json_checked: bool = False, declared_only: bool = False) -> Node:
     return schema_to_rules(schema, whitespace=whitespace, max_whitespace=max_whitespace, lenient=lenient,
                            warnings=warnings, reject_unknown_keywords=reject_unknown_keywords, max_nodes=max_nodes,
-                           time_budget_s=time_budget_s, budget=budget, json_checked=json_checked)[0]
+                           time_budget_s=time_budget_s, budget=budget, json_checked=json_checked,
+                           declared_only=declared_only)[0]
 
 
 def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whitespace: int = 4,
                     lenient: bool = False, warnings: list[str] | None = None, reject_unknown_keywords: bool = False,
                     max_nodes: int = DEFAULT_MAX_NODES, time_budget_s: float = DEFAULT_TIME_BUDGET_S,
                     budget=None, json_checked: bool = False,
-                    recursive: bool = False, exact_any: bool = False) -> tuple[Node, dict[str, Node]]:
+                    recursive: bool = False, exact_any: bool = False,
+                    declared_only: bool = False) -> tuple[Node, dict[str, Node]]:
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
@@ -84,7 +89,9 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
     ``max_nodes`` and ``time_budget_s``: the size and wall-clock budgets of building the AST
     (:class:`GrammarTooComplexError` past either); ``budget``, a ``corral.budget.Budget``, replaces the clock.
     ``json_checked``: the caller has already proved ``schema`` is JSON (``Constraint.cache_key`` does), so the
-    serialization that checks it is skipped (about 60 ms, holding the GIL, for a 2 MB schema).
+    serialization that checks it is skipped (about 60 ms, holding the GIL, for a 2 MB schema). ``declared_only``:
+    an object that declares properties and allows others only by the standard's default gets the declared ones
+    (see the module's narrowings).
 
     ``recursive`` (:func:`schema_to_rules`): a recursive ``$ref`` becomes a :class:`~corral.grammar.regex_ast.Ref`
     to one of the returned rules instead of being unrolled ``MAX_REF_DEPTH`` times (no rules: no recursion).
@@ -107,7 +114,7 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
     compiler = SchemaCompiler(schema, NodeBuilder(max_nodes, time_budget_s, budget), sp, lenient=lenient,
                               warnings=warnings if warnings is not None else [],
                               reject_unknown=reject_unknown_keywords, recursive=recursive,
-                              exact_any=exact_any)
+                              exact_any=exact_any, declared_only=declared_only)
     try:
         node = compiler.node(schema, "#")
         compiler.build_rules()

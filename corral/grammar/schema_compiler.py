@@ -31,12 +31,15 @@ MAX_WARNINGS = 50  # past it, one more line counts the rest
 
 class SchemaCompiler(ValueBuilders):
     def __init__(self, root, builder: NodeBuilder, sp: Spacing, *, lenient: bool, warnings: list[str],
-                 reject_unknown: bool = False, recursive: bool = False, exact_any: bool = False):
+                 reject_unknown: bool = False, recursive: bool = False, exact_any: bool = False,
+                 declared_only: bool = False):
         """``warnings`` collects what was ignored (at most ``MAX_WARNINGS`` lines, then a count); ``reject_unknown``
         refuses keywords that are no JSON Schema vocabulary instead of reporting them; ``recursive``: recursion
         becomes :class:`Ref` rules instead of a cut; ``exact_any`` (with it): "any JSON value" is the rule
-        ``ANY_RULE`` too, which nests without a depth limit."""
+        ``ANY_RULE`` too, which nests without a depth limit. ``declared_only``: objects that declare properties get
+        those only where the standard's default alone would allow others (``json_schema``'s narrowings)."""
         super().__init__(builder, sp)
+        self.declared_only = declared_only
         self.recursive, self.exact_any = recursive, exact_any and recursive
         self.rules: dict[str, Node] = {}  # rule name -> its tree (recursive mode)
         self._rule_names: dict[tuple, str] = {}

@@ -32,6 +32,8 @@ MAX_MULTIPLE_SUFFIXES = 1024
 
 
 class ValueBuilders:
+    declared_only = False  # objects get only their declared properties where the standard's default allows more
+
     def __init__(self, builder: NodeBuilder, sp: Spacing):
         self.b, self.sp = builder, sp
         self._any: dict[int, Node] = {}
@@ -249,8 +251,11 @@ class ValueBuilders:
                     return self.contradiction(f"required property {name!r} can have no value", pointer)
                 continue
             members.append((member_node(b, sp, string_literal(b, name), value), required))
-        return object_node(b, sp, members, self.extra_member(merged, declared), merged.min_properties,
-                           merged.max_properties)
+        extra = self.extra_member(merged, declared)
+        if self.declared_only and members and not merged.additional_properties and not merged.pattern_properties \
+                and len(members) >= merged.min_properties:
+            extra = None  # undeclared members only by the standard's default: generation asked for none
+        return object_node(b, sp, members, extra, merged.min_properties, merged.max_properties)
 
     def extra_member(self, merged: MergedSchema, declared: list[str]) -> Node | None:
         """An undeclared member, or None when none is allowed (see the policy in ``json_schema``)."""

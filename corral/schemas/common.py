@@ -95,6 +95,10 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    # vLLM's name: an object schema that declares properties and says nothing of additionalProperties gets those
+    # only (corral.grammar.constraint.Constraint), as llama.cpp, XGrammar and outlines generate; false: the
+    # standard's default, undeclared members allowed after the declared ones
+    disable_additional_properties: bool = True
     # Corral's: refuse (True) or report (False) schema keywords that are no JSON Schema vocabulary; None takes
     # the server's default (reported, unless started with --reject-unknown-keywords).
     reject_unknown_keywords: bool | None = None

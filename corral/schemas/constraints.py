@@ -71,6 +71,13 @@ def _whitespace(req: SamplingFields) -> str:
     return "flexible" if so is not None and not so.disable_any_whitespace else "compact"
 
 
+def disables_additional_properties(req: SamplingFields) -> bool:
+    """``structured_outputs.disable_additional_properties`` (by default true): declared properties only, where a
+    schema leaves undeclared ones to the standard's default."""
+    so = req.structured_outputs
+    return so is None or so.disable_additional_properties
+
+
 def rejects_unknown_keywords(req: SamplingFields, default: bool) -> bool:
     """The request's own choice (``structured_outputs.reject_unknown_keywords``), else the server's ``default``."""
     so = req.structured_outputs
@@ -114,4 +121,6 @@ def _constraint(req: SamplingFields, param: str, kind: str, value: Any, reject_u
         value = sorted(set(value))  # canonical: the language does not depend on order or repeats
     elif kind in ("regex", "grammar") and not value:
         raise InvalidGrammarError(f"'{param}' is empty")
-    return Constraint(kind, value, whitespace=_whitespace(req), reject_unknown_keywords=reject)
+    # objects only: a Lark grammar's inline %json keeps the standard's default, as llguidance's dialect has it
+    return Constraint(kind, value, whitespace=_whitespace(req), reject_unknown_keywords=reject,
+                      disable_additional_properties=kind == "json_schema" and disables_additional_properties(req))

@@ -16,7 +16,8 @@ from corral.models import Tokenizer
 from corral.schemas.chat import ChatCompletionRequest
 from corral.schemas.common import SamplingFields
 from corral.schemas.completions import CompletionRequest
-from corral.schemas.constraints import constraint_param, rejects_unknown_keywords, request_constraint
+from corral.schemas.constraints import (constraint_param, disables_additional_properties, rejects_unknown_keywords,
+                                        request_constraint)
 from corral.schemas.limits import RequestLimits
 from corral.schemas.sampling import output_budget, sampling_params
 from corral.schemas.tools import check_tool_limits, template_messages, tool_choice_mode, tools_constraint
@@ -127,7 +128,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, *, max_model_
     _check_pointer(strategy, constraint)
     mode = tool_choice_mode(req.tools, req.tool_choice)
     constraint = tools_constraint(req.tools, req.tool_choice, parallel=req.parallel_tool_calls, answer=constraint,
-                                  reject_unknown_keywords=rejects_unknown_keywords(req, reject_unknown_keywords))
+                                  reject_unknown_keywords=rejects_unknown_keywords(req, reject_unknown_keywords),
+                                  disable_additional_properties=disables_additional_properties(req))
     _make_key(constraint)
     prompt_ids = tokenizer.encode(chat_prompt(req, tokenizer))
     params = _params(req, len(prompt_ids), _num_logprobs(req.logprobs, req.top_logprobs), tokenizer,

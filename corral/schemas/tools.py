@@ -53,9 +53,11 @@ def check_tool_limits(tools: list[Tool] | None, limits: RequestLimits) -> None:
 
 
 def tools_constraint(tools: list[Tool] | None, choice, *, parallel: bool, answer: Constraint | None,
-                     reject_unknown_keywords: bool = False) -> Constraint | None:
+                     reject_unknown_keywords: bool = False,
+                     disable_additional_properties: bool = False) -> Constraint | None:
     """The output constraint of a request with tools: its calls (and, with 'auto', free text or ``answer``).
-    ``tool_choice='none'`` leaves ``answer`` (or nothing) as the constraint."""
+    ``tool_choice='none'`` leaves ``answer`` (or nothing) as the constraint. ``disable_additional_properties``
+    holds for the calls' arguments too."""
     mode = tool_choice_mode(tools, choice)
     if mode == "none":
         return answer
@@ -75,7 +77,8 @@ def tools_constraint(tools: list[Tool] | None, choice, *, parallel: bool, answer
              "answer": {"kind": answer.kind, "value": answer.value} if answer is not None and mode == "auto"
              else None}
     whitespace = answer.whitespace if value["answer"] is not None else "compact"  # the answer's; calls are compact
-    return Constraint("tools", value, whitespace=whitespace, reject_unknown_keywords=reject_unknown_keywords)
+    return Constraint("tools", value, whitespace=whitespace, reject_unknown_keywords=reject_unknown_keywords,
+                      disable_additional_properties=disable_additional_properties)
 
 
 def tools_system_text(tools: list[Tool]) -> str:

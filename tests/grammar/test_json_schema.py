@@ -44,8 +44,8 @@ def accepts(node, text: str) -> bool:
     return verdict
 
 
-def check(schema, good=(), bad=(), texts_good=(), texts_bad=(), whitespace="compact"):
-    node = schema_to_node(schema, whitespace=whitespace)
+def check(schema, good=(), bad=(), texts_good=(), texts_bad=(), whitespace="compact", declared_only=False):
+    node = schema_to_node(schema, whitespace=whitespace, declared_only=declared_only)
     separators = (",", ":") if whitespace == "compact" else (", ", ": ")
     for value in good:
         assert jsonschema.validate(value, schema) is None
@@ -171,6 +171,32 @@ def test_additional_properties_default_allows_undeclared_members_after_declared_
           bad=[{"a": "x"}, {"z": 1, "a": "x"}], texts_bad=['{"a":1,"a":"x"}'])
     check({"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
           good=[{"a": "s", "b": 1}], bad=[{"a": "s", "b": "s"}])
+
+
+def test_declared_only_leaves_out_the_members_the_standards_default_alone_allows():
+    """``declared_only`` (generation's ``disable_additional_properties``): an object that declares properties and
+    says nothing of ``additionalProperties`` or ``patternProperties`` gets those only; everything else is as
+    without it, and each language is still within the schema's (``check`` validates every good value)."""
+    declared = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+    check(declared, good=[{"a": 1}, {"a": 1, "b": "x"}], bad=[{"a": 1, "z": 2}, {"a": 1, "b": "x", "z": 2}],
+          declared_only=True)
+    check(declared, good=[{"a": 1, "z": 2}], declared_only=False)
+    explicit = [({"additionalProperties": True}, {"a": 1, "z": [2]}),
+                ({"additionalProperties": {"type": "integer"}}, {"a": 1, "z": 2}),
+                ({"patternProperties": {"^z": {}}}, {"a": 1, "z": 2})]
+    for extra, value in explicit:  # undeclared members the schema itself allows stay allowed
+        check({**declared, **extra}, good=[value], declared_only=True)
+    # an object that declares nothing is any object, and one whose minProperties needs more than it declares keeps
+    # the undeclared ones (else nothing would be left)
+    check({"type": "object"}, good=[{"z": 1}, {}], declared_only=True)
+    check({"type": "object", "properties": {"a": {}}, "minProperties": 2}, good=[{"a": 1, "z": 2}],
+          declared_only=True)
+    # nested objects, items, and the positive schemas a negation becomes are narrowed alike, never widened
+    check({"type": "array", "items": declared}, good=[[{"a": 1}]], bad=[[{"a": 1, "z": 0}]], declared_only=True)
+    check({"not": {"type": "object", "properties": {"a": {"type": "integer"}}}}, good=[{"a": "x"}, 3],
+          bad=[{"a": 1}, {"a": 1, "z": "x"}], declared_only=True)
+    check({"oneOf": [declared, {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+          good=[{"a": 1, "b": "x"}, {"b": 1}], bad=[{"a": 1, "b": 2}], declared_only=True)
 
 
 def test_undeclared_member_keys_other_than_the_declared_names_in_every_spelling():

@@ -16,21 +16,28 @@ def chat(**body) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", messages=MSG, **body)
 
 
+def schema(value, **options) -> Constraint:
+    """A request's JSON Schema constraint: objects get their declared properties only unless it says otherwise."""
+    return Constraint("json_schema", value, **{"disable_additional_properties": True, **options})
+
+
 @pytest.mark.parametrize("body, expected", [
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, Constraint("json_object")),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
-     Constraint("json_schema", {"type": "integer"})),
-    ({"structured_outputs": {"json": {"type": "string"}}}, Constraint("json_schema", {"type": "string"})),
-    ({"structured_outputs": {"json": '{"type": "null"}'}}, Constraint("json_schema", {"type": "null"})),
+     schema({"type": "integer"})),
+    ({"structured_outputs": {"json": {"type": "string"}}}, schema({"type": "string"})),
+    ({"structured_outputs": {"json": '{"type": "null"}'}}, schema({"type": "null"})),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": False}},
+     schema({"type": "object"}, disable_additional_properties=False)),
     ({"structured_outputs": {"regex": "a+"}}, Constraint("regex", "a+")),
     ({"structured_outputs": {"choice": ["b", "a", "b"]}}, Constraint("choice", ["a", "b"])),
     ({"structured_outputs": {"grammar": "start: \"x\""}}, Constraint("grammar", "start: \"x\"")),
     ({"structured_outputs": {"json_object": True}}, Constraint("json_object")),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": False}},
      Constraint("regex", "a", whitespace="flexible")),
-    ({"guided_json": {"type": "boolean"}}, Constraint("json_schema", {"type": "boolean"})),
+    ({"guided_json": {"type": "boolean"}}, schema({"type": "boolean"})),
     ({"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+")),
     ({"guided_choice": ["yes", "no"]}, Constraint("choice", ["no", "yes"])),
     ({"guided_grammar": "start: \"y\""}, Constraint("grammar", "start: \"y\"")),
