@@ -6,7 +6,11 @@ has none), ``response_format`` is the schema itself, decoding is greedy, at most
 servers get ``--concurrency`` clients at once: Corral batches continuously, llama-server runs that many parallel
 slots (continuous batching on). Whitespace is free on both sides, each by its own rule: llama.cpp's JSON
 grammar allows a space, or one or two newlines and up to 20 spaces or tabs, between tokens; Corral is asked for
-its flexible policy (``disable_any_whitespace: false``: runs of up to 4 JSON whitespace characters). Each server
+its flexible policy (``disable_any_whitespace: false``: runs of up to 4 JSON whitespace characters). Objects: both
+servers generate only the declared properties of an object that declares some and says nothing of
+``additionalProperties`` (Corral's default, ``disable_additional_properties``); Corral also runs with the
+standard's default there, undeclared members allowed (``--objects``: "corral-standard", the same server taking each
+turn twice, the two ways alternating which goes first). Each server
 answers one small constrained request, unlike any measured one, before the clock starts. The schemas go in chunks, the engines taking turns
 chunk by chunk, so a slow minute on this shared machine hits both; servers are started (models loaded) before
 any clock runs. A server that dies is restarted, and the request it was serving counts as a crash.
@@ -43,12 +47,13 @@ MODEL = "SmolLM2-135M-Instruct"
 _KEYWORD = re.compile(r"\(keyword '([^']+)' at")
 
 
-def load_schemas(path: str, limit: int) -> list[dict]:
-    """``limit`` entries spread evenly over the file (it is grouped by source, so a stride samples them all)."""
+def load_schemas(path: str, limit: int, offset: int = 0) -> list[dict]:
+    """``limit`` entries spread evenly over the file (it is grouped by source, so a stride samples them all),
+    from its ``offset``-th entry: offsets below the stride give disjoint samples."""
     with gzip.open(path, "rt") as f:
         entries = [json.loads(line) for line in f]
     stride = max(1, len(entries) // limit)
-    return entries[::stride][:limit]
+    return entries[offset::stride][:limit]
 
 
 def prompt_of(schema) -> str:
@@ -83,8 +88,9 @@ async def one(client: httpx.AsyncClient, url: str, engine: str, entry: dict, max
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_of(entry["schema"])}], "temperature": 0,
             "max_tokens": max_tokens,
             "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": entry["schema"]}}}
-    if engine == "corral":
-        body["structured_outputs"] = {"disable_any_whitespace": False}
+    if engine.startswith("corral"):
+        body["structured_outputs"] = {"disable_any_whitespace": False,
+                                      "disable_additional_properties": engine != "corral-standard"}
     start = time.perf_counter()
     try:
         response = await client.post(url + "/v1/chat/completions", json=body)
@@ -167,18 +173,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
     parser.add_argument("--limit", type=int, default=200)
+    parser.add_argument("--offset", type=int, default=0,
+                        help="where the stride starts: another offset below the stride is another, disjoint sample")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=50, help="schemas per turn of each engine")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto",
+                        help="Corral's formats: auto (what make serve runs, every format picked from the CPU), or "
+                             "float32 (dense fp32 weights, the torch path)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--objects", choices=("both", "standard", "declared"), default="both",
+                        help="Corral's undeclared properties: declared ones only (its default, llama.cpp's policy), "
+                             "the standard's default (allowed), or a run of each")
     parser.add_argument("--out", default=None, help="write the summaries as JSON")
     args = parser.parse_args()
-    entries = load_schemas(args.data, args.limit)
+    entries = load_schemas(args.data, args.limit, args.offset)
     print(f"CPU: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M')}; {len(entries)} schemas, "
           f"{args.concurrency} clients, max_tokens {args.max_tokens}; whitespace free on both sides, each by its own "
           f"rule (Corral flexible, llama.cpp's JSON grammar)")
-    servers = {"corral": corral_server(args.dtype).start()}
+    corral = corral_server(args.dtype, quantization="auto" if args.dtype == "auto" else "none").start()
+    kinds = {"standard": ["corral-standard"], "declared": ["corral"]}.get(args.objects,
+                                                                          ["corral", "corral-standard"])
+    servers = {name: corral for name in kinds}
+    health = httpx.get(corral.url + "/health", timeout=30).json()
+    native = health.get("native") or {}
+    print(f"corral ({args.dtype}): decode step {health.get('decode_step')}, kernels {native.get('kernels')}, "
+          f"products {native.get('qmatmul')}")
     if not args.no_llama and not os.path.exists(LLAMA_SERVER):
         print(f"WARNING: {LLAMA_SERVER} is missing (make bench-extras): Corral alone, no comparison",
               file=sys.stderr)
@@ -187,26 +207,32 @@ def main() -> None:
         servers[f"llama-server -np {args.concurrency}"] = llama_server(args.concurrency).start()
     warm = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     for name, server in servers.items():  # one constrained request off the clock, unlike any measured schema
-        asyncio.run(run_chunk(server, "corral" if name == "corral" else "llama",
+        asyncio.run(run_chunk(server, name if name.startswith("corral") else "llama",
                               [{"id": "warm-up", "schema": warm}], 8, 1))
     outcomes = {name: [] for name in servers}
     walls = dict.fromkeys(servers, 0.0)
     try:
         for begin in range(0, len(entries), args.chunk):
             chunk = entries[begin: begin + args.chunk]
-            for name, server in servers.items():
-                engine = "corral" if name == "corral" else "llama"
+            order = list(servers.items())
+            if begin // args.chunk % 2:  # Corral's two ways take turns going first (the second finds the
+                order = order[1::-1] + order[2:] if len(kinds) == 2 else order  # prompts in its prefix cache)
+            for name, server in order:
+                engine = name if name.startswith("corral") else "llama"
                 done, wall = asyncio.run(run_chunk(server, engine, chunk, args.max_tokens, args.concurrency))
                 outcomes[name] += done
                 walls[name] += wall
             print(f"{begin + len(chunk)}/{len(entries)} schemas", file=sys.stderr, flush=True)
     finally:
-        for server in servers.values():
+        for server in {id(s): s for s in servers.values()}.values():
             server.stop()
     rows = [summarize(name, outcomes[name], walls[name]) for name in servers]
     print_table(rows)
-    if len(rows) == 2 and rows[1]["output_tok_s"]:
-        print(f"\nthroughput ratio corral / {rows[1]['engine']}: {rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}x")
+    peer = next((r for r in rows if not r["engine"].startswith("corral")), None)
+    for row in rows:
+        if row is not peer and peer is not None and peer["output_tok_s"]:
+            print(f"\nthroughput ratio {row['engine']} / {peer['engine']}: "
+                  f"{row['output_tok_s'] / peer['output_tok_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
