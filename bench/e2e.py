@@ -4,9 +4,9 @@ client, in one run.
 Each schema becomes one chat request: the prompt is the schema's ``description`` (or a generic request when it
 has none), ``response_format`` is the schema itself, decoding is greedy, at most ``--max-tokens`` tokens. Both
 servers get ``--concurrency`` clients at once: Corral batches continuously, llama-server runs that many parallel
-slots (continuous batching on). Whitespace is free on both sides, each by its own rule: llama.cpp's JSON
-grammar allows a space, or one or two newlines and up to 20 spaces or tabs, between tokens; Corral is asked for
-its flexible policy (``disable_any_whitespace: false``: runs of up to 4 JSON whitespace characters). Objects: both
+slots (continuous batching on). Whitespace is allowed on both sides, by the same rule: llama.cpp's JSON
+grammar allows a space, or one or two newlines and up to 20 spaces or tabs, between tokens, and so does Corral's
+``indented`` policy (``disable_any_whitespace: false``). Objects: both
 servers generate only the declared properties of an object that declares some and says nothing of
 ``additionalProperties`` (Corral's default, ``disable_additional_properties``); Corral also runs with the
 standard's default there, undeclared members allowed (``--objects``: "corral-standard", the same server taking each
@@ -186,11 +186,13 @@ def main() -> None:
                         help="Corral's undeclared properties: declared ones only (its default, llama.cpp's policy), "
                              "the standard's default (allowed), or a run of each")
     parser.add_argument("--out", default=None, help="write the summaries as JSON")
+    parser.add_argument("--outputs", default=None,
+                        help="write every request's outcome (schema id, kind, finish detail, text) as JSON lines")
     args = parser.parse_args()
     entries = load_schemas(args.data, args.limit, args.offset)
     print(f"CPU: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M')}; {len(entries)} schemas, "
-          f"{args.concurrency} clients, max_tokens {args.max_tokens}; whitespace free on both sides, each by its own "
-          f"rule (Corral flexible, llama.cpp's JSON grammar)")
+          f"{args.concurrency} clients, max_tokens {args.max_tokens}; whitespace allowed on both sides, by llama.cpp's "
+          f"JSON rule (Corral's indented policy)")
     corral = corral_server(args.dtype, quantization="auto" if args.dtype == "auto" else "none").start()
     kinds = {"standard": ["corral-standard"], "declared": ["corral"]}.get(args.objects,
                                                                           ["corral", "corral-standard"])
@@ -236,6 +238,12 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    if args.outputs:
+        with open(args.outputs, "w") as f:
+            for name, done in outcomes.items():
+                for o in done:
+                    f.write(json.dumps({"engine": name, "id": o.schema_id, "kind": o.kind, "detail": o.detail,
+                                        "tokens": o.tokens, "text": o.text}) + "\n")
 
 
 if __name__ == "__main__":

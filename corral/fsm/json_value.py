@@ -3,7 +3,8 @@
 A regular language cannot nest without bound, so containers nest at most ``max_depth`` levels (default 6:
 ``{"a": [{"b": 1}]}`` is depth 3); deeper documents are rejected. Whitespace follows the constraint's policy
 (``grammar.json_schema.spacing``): none ('compact'), runs of at most ``max_whitespace`` JSON whitespace
-characters between tokens ('flexible'), or ``json.dumps``'s separators ('dumps').
+characters between tokens ('flexible'), pretty-printing's line breaks and indentation, bounded ('indented'), or
+``json.dumps``'s separators ('dumps').
 Strings are any JSON strings (all escapes, any code point except the unescaped controls).
 """
 

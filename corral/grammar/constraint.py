@@ -8,7 +8,7 @@ from typing import Any, Literal
 from corral.errors import InvalidSchemaError
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice", "tools"]
-Whitespace = Literal["compact", "flexible", "dumps"]
+Whitespace = Literal["compact", "flexible", "indented", "dumps"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class Constraint:
     (json_object: any JSON object).
 
     ``whitespace``: 'compact' writes no whitespace between JSON tokens; 'flexible' allows JSON whitespace runs
-    of at most ``max_whitespace`` characters; 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported schema keywords into warnings.
+    of at most ``max_whitespace`` characters; 'indented' allows nothing, one space, or one or two line breaks
+    then at most 20 spaces or tabs (pretty-printed JSON; what a request gets with ``disable_any_whitespace:
+    false``); 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported schema keywords into warnings.
     ``reject_unknown_keywords`` refuses schema keywords that are no JSON Schema vocabulary (else each is a warning).
     ``disable_additional_properties``: an object schema that declares properties and says nothing of
     ``additionalProperties`` (or ``patternProperties``) gets its declared properties only, as if

@@ -46,19 +46,29 @@ from corral.grammar.schema_values import share_any_value
 __all__ = ["schema_to_node"]
 
 
+INDENT_LINE_BREAKS, INDENT_WIDTH = 2, 20  # 'indented': at most two line breaks, then 20 spaces or tabs
+
+
 @functools.lru_cache(maxsize=64)
 def spacing(whitespace: str, max_whitespace: int = 4) -> Spacing:
     """One :class:`Spacing` object per whitespace policy, so that every schema shares the any-value AST built for
     it: 'compact' (none), 'flexible' (JSON whitespace runs of at most ``max_whitespace`` characters between
-    tokens) or 'dumps' (``json.dumps``'s default separators ``", "`` and ``": "``, nothing else)."""
+    tokens), 'indented' (between tokens nothing, one space, or one or two line breaks then at most 20 spaces or
+    tabs: pretty-printed JSON five levels of four spaces deep, as llama.cpp's JSON grammar allows) or 'dumps'
+    (``json.dumps``'s default separators ``", "`` and ``": "``, nothing else)."""
+    b = NodeBuilder(max_nodes=1 << 40)
     if whitespace == "compact":
         sp = Spacing.around(EMPTY)
     elif whitespace == "flexible":
-        sp = Spacing.around(NodeBuilder(max_nodes=1 << 40).repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace))
+        sp = Spacing.around(b.repeat(CharSet.chars(" \t\n\r"), 0, max_whitespace))
+    elif whitespace == "indented":
+        line = b.concat(b.repeat(CharSet.chars("\n"), 1, INDENT_LINE_BREAKS),
+                        b.repeat(CharSet.chars(" \t"), 0, INDENT_WIDTH))
+        sp = Spacing.around(b.alt([EMPTY, CharSet.chars(" "), line]))
     elif whitespace == "dumps":
         sp = Spacing.dumps()
     else:
-        raise ValueError(f"whitespace must be 'compact', 'flexible' or 'dumps', not {whitespace!r}")
+        raise ValueError(f"whitespace must be 'compact', 'flexible', 'indented' or 'dumps', not {whitespace!r}")
     share_any_value(sp)
     return sp
 
@@ -82,7 +92,8 @@ def schema_to_rules(schema: dict | bool, *, whitespace: str = "compact", max_whi
     """The regex AST of the JSON texts that ``schema`` accepts.
 
     ``whitespace``: 'compact' writes none between tokens; 'flexible' allows JSON whitespace runs of at most
-    ``max_whitespace`` characters between tokens (not before or after the value); 'dumps' writes exactly the
+    ``max_whitespace`` characters between tokens (not before or after the value); 'indented' allows nothing, a
+    space, or one or two line breaks and up to 20 spaces or tabs there (see :func:`spacing`); 'dumps' writes exactly the
     separators ``json.dumps`` writes by default (``", "``, ``": "``). ``lenient``: ignore
     unsupported keywords, appending a warning to ``warnings`` for each. Keywords that are no JSON Schema
     vocabulary (typos) are reported in ``warnings`` too, or refused with ``reject_unknown_keywords``.

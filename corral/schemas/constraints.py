@@ -68,7 +68,8 @@ def constraint_param(req: SamplingFields) -> str | None:
 
 def _whitespace(req: SamplingFields) -> str:
     so = req.structured_outputs
-    return "flexible" if so is not None and not so.disable_any_whitespace else "compact"
+    # pretty-printed JSON, bounded: a model indents as it learned to, where runs of 4 cut its indentation short
+    return "indented" if so is not None and not so.disable_any_whitespace else "compact"
 
 
 def disables_additional_properties(req: SamplingFields) -> bool:

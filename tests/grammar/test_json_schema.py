@@ -252,6 +252,24 @@ def test_contains_and_its_negation():
     check({"not": {"contains": {"type": "string"}}}, good=[[], [1, 2]], bad=[["x"], [1, "y"], 5])
 
 
+def test_indented_whitespace_accepts_pretty_printing_within_its_bounds():
+    """'indented' (a request's ``disable_any_whitespace: false``): nothing, a space, or one or two line breaks then
+    at most 20 spaces or tabs between tokens: ``json.dumps`` with any indent up to 20 columns, nothing wider."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object"}}, "b": {}}}
+    value = {"a": [{"c": [1, {"d": None}]}], "b": "x"}
+    node = schema_to_node(schema, whitespace="indented")
+    for indent in (None, 1, 2, 4, "\t"):
+        assert accepts(node, json.dumps(value, indent=indent)), indent
+    assert accepts(node, json.dumps(value, separators=(",", ":")))
+    assert accepts(node, '{\n\n' + ' ' * 20 + '"b": 1}') and accepts(node, '{ "b" : 1 }')
+    for text in ('{\n' + ' ' * 21 + '"b": 1}', '{\n\n\n"b": 1}', '{  "b": 1}', '{\r\n"b": 1}', ' {"b": 1}',
+                 '{"b": 1}\n', '{ \n"b": 1}'):
+        assert not accepts(node, text), text
+    # five levels of four spaces: the deepest this policy indents
+    assert accepts(node, json.dumps({"a": [{"c": [[1]]}]}, indent=4))
+    assert not accepts(node, json.dumps({"a": [{"c": [[[1]]]}]}, indent=4))
+
+
 def test_flexible_whitespace_accepts_json_dumps_separators_and_bounded_runs():
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
     check(schema, good=[{"a": [1, 2]}, {"a": []}, {}], whitespace="flexible",

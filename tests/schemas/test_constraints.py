@@ -36,7 +36,7 @@ def schema(value, **options) -> Constraint:
     ({"structured_outputs": {"grammar": "start: \"x\""}}, Constraint("grammar", "start: \"x\"")),
     ({"structured_outputs": {"json_object": True}}, Constraint("json_object")),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": False}},
-     Constraint("regex", "a", whitespace="flexible")),
+     Constraint("regex", "a", whitespace="indented")),
     ({"guided_json": {"type": "boolean"}}, schema({"type": "boolean"})),
     ({"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+")),
     ({"guided_choice": ["yes", "no"]}, Constraint("choice", ["no", "yes"])),
