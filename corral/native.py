@@ -118,4 +118,6 @@ def status() -> dict:
             "mask_path": "native" if found is not None else "python",
             "kernels": f"native-{found.kernel_isa}" if found is not None else "torch",
             "qmatmul": f"native-{found.qmatmul_isa}" if found is not None else None,
+            # why a CPU with AMX runs the VNNI products instead (None where AMX runs or the CPU has none)
+            "qmatmul_amx_refused": getattr(found, "qmatmul_amx_refused", None),
             "build": found.build_info if found is not None else None}

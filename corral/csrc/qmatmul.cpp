@@ -1,6 +1,7 @@
 // The quantized products' Python entry points (see qmatmul.h for the layouts and the numerics): every buffer is
 // checked before a kernel reads it, the GIL is released while it runs, and the variant is the one chosen for this
-// CPU when the module loads (CORRAL_QMATMUL_ISA=scalar|avx2|avx512 picks another the CPU has, for tests).
+// CPU when the module loads (CORRAL_QMATMUL_ISA=scalar|avx2|avx512|amx|amx-model picks another the CPU has,
+// for tests).
 #include "arrays.h"
 #include "common.h"
 #include "qmatmul.h"
@@ -37,20 +38,36 @@ bool cpu_has_avx2() {
 #endif
 }
 
-// nullptr with a Python error set when CORRAL_QMATMUL_ISA names a variant this CPU cannot run.
+// Why the AMX tiles are not used on a CPU that has them (nullptr when they are, or when the CPU lacks them).
+const char* amx_refusal = nullptr;
+
+// nullptr with a Python error set when CORRAL_QMATMUL_ISA names a variant this CPU cannot run. By default: AMX
+// where the CPU has it and it passes its load-time check, else AVX-512 VNNI, else AVX2, else scalar.
 const QTable* choose_q() {
     const char* forced = std::getenv("CORRAL_QMATMUL_ISA");
     const std::string want = forced == nullptr ? "" : forced;
-    if (want == "scalar") return corral_qmatmul::scalar_table();
-    if (want == "avx2" || (want.empty() && !cpu_has_avx512_vnni() && cpu_has_avx2())) {
+    const char* why_not = nullptr;
+    const QTable* amx = want.empty() || want == "amx" ? corral_qmatmul::amx_table(&why_not) : nullptr;
+    if (amx == nullptr && why_not != nullptr && std::strcmp(why_not, "this CPU has no AMX-INT8") != 0)
+        amx_refusal = why_not;
+    if (want == "amx" && amx == nullptr) {
+        PyErr_Format(PyExc_ImportError, "CORRAL_QMATMUL_ISA=amx: %s", why_not);
+        return nullptr;
+    }
+    if (amx != nullptr) return amx;
+    if (want == "amx-model") {
+        if (corral_qmatmul::amx_model_table() != nullptr && cpu_has_avx512_vnni())
+            return corral_qmatmul::amx_model_table();
+    } else if (want == "scalar") {
+        return corral_qmatmul::scalar_table();
+    } else if (want == "avx2" || (want.empty() && !cpu_has_avx512_vnni() && cpu_has_avx2())) {
         if (cpu_has_avx2() && corral_qmatmul::avx2_table() != nullptr) return corral_qmatmul::avx2_table();
     } else if (want == "avx512" || want.empty()) {
         if (cpu_has_avx512_vnni() && corral_qmatmul::avx512_table() != nullptr) return corral_qmatmul::avx512_table();
-        if (want.empty()) return corral_qmatmul::scalar_table();
     }
     if (want.empty()) return corral_qmatmul::scalar_table();
     PyErr_Format(PyExc_ImportError, "CORRAL_QMATMUL_ISA=%s: this CPU or build has no such variant (scalar, avx2, "
-                 "avx512)", want.c_str());
+                 "avx512, amx, amx-model)", want.c_str());
     return nullptr;
 }
 
@@ -145,6 +162,14 @@ void add_qmatmul(nb::module_& m) {
     chosen_q = choose_q();
     if (chosen_q == nullptr) throw nb::python_error();
     m.attr("qmatmul_isa") = chosen_q->isa;
+    // A CPU with AMX whose tiles are not used says why, loudly: the VNNI kernels run instead
+    m.attr("qmatmul_amx_refused") = amx_refusal == nullptr ? nb::object(nb::none()) : nb::object(nb::str(amx_refusal));
+    if (amx_refusal != nullptr) {
+        const std::string warning = std::string("AMX-INT8 tiles not used: ") + amx_refusal + "; running " +
+                                    chosen_q->isa + " instead";
+        if (PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw nb::python_error();
+    }
+    m.def("qmatmul_amx_model_agrees", &corral_qmatmul::amx_model_agrees);
     m.def("q4_matmul", &matmul<true>);
     m.def("q8_matmul", &matmul<false>);
     m.def("q8_rows", &q8_rows);

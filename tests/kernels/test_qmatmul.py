@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(native.module() is None, reason="the native modu
 SHAPES = [(1, 16, 32), (3, 17, 96), (4, 40, 64), (5, 100, 576), (16, 160, 576), (7, 576, 1536), (33, 48, 576),
           (24, 40, 1536)]
 FLAGS = native.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS
+# amx-model: the AMX kernel on a scalar model of its tile instructions (its epilogue needs AVX-512)
 VARIANTS = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) + \
-    (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS else [])
+    (["avx512", "amx-model"] if VNNI else []) + (["amx"] if VNNI and {"amx_tile", "amx_int8"} <= FLAGS else [])
 
 
 def q4_product(x, tiles, n):
@@ -161,7 +163,8 @@ from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(11)
 worst = 0.0
-for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536)]:
+for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536), (16, 33, 64),
+                (48, 100, 576)]:
     blocks = quantize_int4(torch.randn(n, k), 32)
     x = torch.randn(m, k)
     out = torch.empty(m, n)
@@ -175,13 +178,17 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
-x = torch.randn(20, 576)
-def product(rows):
+codes, d = quantize_q8_blocks(torch.randn(100, 576))
+q8_tiles = pack_q8_tiles(codes, d)
+x = torch.randn(36, 576)
+def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
-    mod.q4_matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
+    matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
     return out
-alone = torch.cat([product(x[i: i + 1]) for i in range(20)])
-independent = all(torch.equal(product(x[:m]), alone[:m]) for m in range(2, 21))
+independent = True
+for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles)]:
+    alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
+    independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
 """
 
@@ -190,6 +197,20 @@ print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": indepen
 def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
     report = report_in_variant(_VARIANT_CHECK, CORRAL_QMATMUL_ISA=variant)
     assert report["isa"].startswith(variant) and report["worst"] < 1e-5 and report["independent"], report
+
+
+@pytest.mark.skipif(not VNNI, reason="the AMX model's epilogue needs AVX-512")
+def test_the_amx_load_check_passes_on_the_tile_model():
+    """The check an AMX CPU runs when the module loads (one product through the tiles and through the VNNI kernels,
+    compared bit for bit), here on the scalar model of the tile instructions."""
+    assert native.module().qmatmul_amx_model_agrees()
+
+
+@pytest.mark.skipif({"amx_tile", "amx_int8"} <= FLAGS, reason="this CPU has AMX")
+def test_amx_forced_on_a_cpu_without_it_says_why():
+    result = subprocess.run([sys.executable, "-c", "import corral._native"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env={**os.environ, "CORRAL_QMATMUL_ISA": "amx"})
+    assert result.returncode != 0 and "CORRAL_QMATMUL_ISA=amx: this CPU has no AMX-INT8" in result.stderr
 
 
 def test_a_variant_the_cpu_lacks_is_refused_at_import():
