@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the SiLU's flush to zero
+#endif
 
 namespace corral_kernels {
 

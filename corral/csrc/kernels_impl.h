@@ -110,20 +110,38 @@ static void rope(T* x, int64_t stride, const int64_t* positions, const T* cos, c
 
 #pragma GCC pop_options
 
+// While one lives, on this thread, a float result too small for a normal float is zero (x86: MXCSR's flush to
+// zero; the mode before is put back after). GCC vectorizes the SiLU below as both sides of exp_approx's clamp for
+// every lane, one side being a / (1 + e^88), a subnormal for any |a| under 1.9, which the blend then drops:
+// Intel cores take a microcode assist for every subnormal result, and the SiLU ran at 3.5-4 ns per element on a
+// Xeon (Ice Lake) against 0.4-0.6 with the flush. Only results that would be subnormal change: a SiLU output
+// under 1.2e-38 in size becomes 0.
+struct FlushToZero {
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned saved = _mm_getcsr();
+    FlushToZero() { _mm_setcsr(saved | 0x8000u); }
+    ~FlushToZero() { _mm_setcsr(saved); }
+#endif
+};
+
 // out[r] = T(silu(gate[r])) * up[r], where row r of gate_up is [gate (n) | up (n)]. Outside the no-FMA block:
 // nothing here is a product followed by a sum that torch rounds in between, and exp_approx (no torch op in any
-// case) ran at half speed without its FMAs.
+// case) ran at half speed without its FMAs. Results flush to zero (FlushToZero, above), on every thread.
 template <typename T>
 static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* g = gate_up + r * 2 * n;
-        const T* u = g + n;
-        T* y = out + r * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            const float a = load(g[i]);
-            store(round_to(a / (1.0f + exp_approx(-a)), T()) * load(u[i]), y + i);
+    #pragma omp parallel num_threads(threads) if (rows * n >= PARALLEL_MIN)
+    {
+        const FlushToZero flush;
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const T* g = gate_up + r * 2 * n;
+            const T* u = g + n;
+            T* y = out + r * n;
+            #pragma omp simd
+            for (int64_t i = 0; i < n; ++i) {
+                const float a = load(g[i]);
+                store(round_to(a / (1.0f + exp_approx(-a)), T()) * load(u[i]), y + i);
+            }
         }
     }
 }

@@ -72,6 +72,21 @@ def test_silu_mul_equals_torch(dtype, rows):
     assert_rarely_differs(got, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 64])  # one thread, and a team of two
+def test_silu_mul_flushes_only_its_own_subnormal_results(rows):
+    """The SiLU runs with results flushed to zero (subnormals cost Intel cores a microcode assist each): a result
+    under the smallest normal float is 0, and the calling thread gets its own float mode back, subnormals and
+    all."""
+    gate_up = torch.randn(rows, 2 * 1536)
+    gate_up[0, :2] = torch.tensor([1e-39, 2.0])  # silu(1e-39) = 5e-40, subnormal
+    gate_up[0, 1536: 1538] = torch.tensor([1.0, 1e-39])  # silu(2) * 1e-39 also
+    got = cpu_ops.silu_mul(gate_up)
+    assert got[0, 0].item() == 0.0 and got[0, 1].item() == 0.0
+    torch.testing.assert_close(got[:, 2:], silu_mul(gate_up)[:, 2:], rtol=1e-5, atol=1e-6)
+    assert (torch.tensor([1e-30]) * torch.tensor([1e-10])).item() != 0.0  # 1e-40: this thread still has them
+
+
+
 
 @pytest.mark.parametrize("rows, width, n", [(1, 49152, 49152), (3, 1000, 997), (16, 49152, 49152), (2, 40, 1)])
 def test_log_normalizers_equal_torch_logsumexp(rows, width, n):
