@@ -17,8 +17,9 @@ import nanobind
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["module.cpp", "terms.cpp", "kernels.cpp", "kernels_baseline.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp", "qmatmul.cpp",
-           "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "decode_step.cpp", "cfg.cpp"]
+SOURCES = ["module.cpp", "terms.cpp", "kernels.cpp", "kernels_baseline.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp",
+           "qmatmul.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp",
+           "decode_step.cpp", "cfg.cpp"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
 # denormals-are-zero for the whole process when the module loads (numpy, torch and every test after it would lose
@@ -54,7 +55,8 @@ class BuildExt(build_ext):
 
 
 def extension(name: str, target: list[str]) -> Extension:
-    info = f"{' '.join(target) or 'the compiler default target'}; kernels: baseline{', avx2, avx512, amx' if X86 else ''}"
+    kernels = "baseline, avx2, avx512, amx" if X86 else "baseline"
+    info = f"{' '.join(target) or 'the compiler default target'}; kernels: {kernels}"
     return Extension(
         f"corral.{name}",
         sources=[f"corral/csrc/{source}" for source in SOURCES],

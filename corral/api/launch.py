@@ -74,7 +74,8 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
                           protect_all=options.protect_all, max_body_bytes=options.max_body_bytes,
                           default_max_tokens=options.default_max_tokens, send_timeout_s=options.send_timeout_s,
                           header_timeout_s=options.header_timeout_s, body_timeout_s=options.body_timeout_s,
-                          max_connections=options.max_connections, reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
+                          max_connections=options.max_connections,
+                          reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
                           decode_step=decode_path(engine), decode_burst=decode_burst(engine),
                           **formats_fields(getattr(engine, "formats", None)))
     metrics.decode_step, metrics.decode_burst = config.decode_step, config.decode_burst

@@ -7,8 +7,9 @@ and those disconnects are what abort a request and free its KV blocks.
 
 Status codes: 400 for anything the caller got wrong (every ``UserInputError``, and body validation), 401 for a
 missing or wrong API key, 404 for an unknown model or route, 408 for a body that has not arrived within
-``body_timeout_s`` of its headers, 413 for a body over the limit (declared or sent chunked), 429 when ``max_in_flight`` requests are in flight or the compile queue is full, 503 while shutting
-down or when the engine loop has died. Every error body has OpenAI's shape.
+``body_timeout_s`` of its headers, 413 for a body over the limit (declared or sent chunked), 429 when
+``max_in_flight`` requests are in flight or the compile queue is full, 503 while shutting down or when the engine
+loop has died. Every error body has OpenAI's shape.
 
 Keys are compared in constant time. Without ``protect_all`` only ``/v1/*`` needs a key; with it ``/metrics``
 and the API docs do too. ``/health`` never does (load balancers probe it).

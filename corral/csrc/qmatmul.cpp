@@ -16,18 +16,9 @@ namespace {
 
 using corral_qmatmul::Activations;
 using corral_qmatmul::QTable;
+using corral_qmatmul::cpu_has_avx512_vnni;
 
 const QTable* chosen_q = nullptr;
-
-bool cpu_has_avx512_vnni() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-    return false;
-#endif
-}
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,16 +39,14 @@ const QTable* choose_q() {
     const std::string want = forced == nullptr ? "" : forced;
     const char* why_not = nullptr;
     const QTable* amx = want.empty() || want == "amx" ? corral_qmatmul::amx_table(&why_not) : nullptr;
-    if (amx == nullptr && why_not != nullptr && std::strcmp(why_not, "this CPU has no AMX-INT8") != 0)
-        amx_refusal = why_not;
+    if (amx == nullptr && corral_qmatmul::cpu_has_amx_int8()) amx_refusal = why_not;
     if (want == "amx" && amx == nullptr) {
         PyErr_Format(PyExc_ImportError, "CORRAL_QMATMUL_ISA=amx: %s", why_not);
         return nullptr;
     }
     if (amx != nullptr) return amx;
     if (want == "amx-model") {
-        if (corral_qmatmul::amx_model_table() != nullptr && cpu_has_avx512_vnni())
-            return corral_qmatmul::amx_model_table();
+        if (corral_qmatmul::amx_model_table() != nullptr) return corral_qmatmul::amx_model_table();
     } else if (want == "scalar") {
         return corral_qmatmul::scalar_table();
     } else if (want == "avx2" || (want.empty() && !cpu_has_avx512_vnni() && cpu_has_avx2())) {

@@ -1,8 +1,7 @@
 // Quantized matrix products with 8-bit activations: y[M, N] = x[M, K] W[N, K]^T in float32, W as 4-bit (Q4) or
 // 8-bit (Q8) codes in blocks of 32 along K, x quantized on the fly to int8 per block of 32 (one scale each), the
 // block dot products taken in integers (AMX-INT8 tdpbsud for 16 rows at a time, AVX-512 VNNI vpdpbusd, AVX2
-// vpmaddubsw, or scalar), one variant chosen for this CPU when
-// the module loads.
+// vpmaddubsw, or scalar), one variant chosen for this CPU when the module loads.
 //
 // Weights are repacked at load into tiles of 16 output rows, block after block, so that one 64-byte load feeds 16
 // rows' dot products and the stream through memory is sequential:
@@ -82,6 +81,9 @@ float half_to_float(const uint8_t* p);
 const QTable* scalar_table();
 const QTable* avx2_table();
 const QTable* avx512_table();
+// What the CPU runs (false off x86): the VNNI kernels' instructions (AVX-512 F, BW, VL, VNNI), and the tiles'.
+bool cpu_has_avx512_vnni();
+bool cpu_has_amx_int8();
 // The AMX-INT8 tiles (qmatmul_amx.cpp): nullptr, with *why_not saying why, unless this CPU has them, Linux grants
 // their state and their load-time check agrees with the VNNI kernels bit for bit.
 const QTable* amx_table(const char** why_not);

@@ -27,7 +27,6 @@
 #include <vector>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -227,19 +226,6 @@ bool agrees_with_vnni(const QTable& table) {
     return true;
 }
 
-bool cpu_has_amx_int8() {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    return (d >> 24 & 1u) != 0 && (d >> 25 & 1u) != 0;  // AMX-TILE, AMX-INT8
-}
-
-// The epilogue and the rest rows run AVX-512 (a virtual machine may show AMX and hide AVX-512)
-bool cpu_has_avx512_vnni() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
 }  // namespace
 
 const QTable* amx_model_table() {
@@ -252,6 +238,7 @@ const QTable* amx_table(const char** why_not) {
     static const QTable* chosen = [] () -> const QTable* {
         static const QTable table = with_quantize(hardware);
         if (!cpu_has_amx_int8()) reason = "this CPU has no AMX-INT8";
+        // the epilogue and the rows past the last group run AVX-512 (a virtual machine may show AMX, hide AVX-512)
         else if (avx512_table() == nullptr || !cpu_has_avx512_vnni()) reason = "this CPU or build lacks AVX-512 VNNI";
         // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA)
         else if (syscall(SYS_arch_prctl, long(0x1023), long(18)) != 0)

@@ -6,7 +6,31 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace corral_qmatmul {
+
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+bool cpu_has_amx_int8() {
+#if defined(__x86_64__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return (d >> 24 & 1u) != 0 && (d >> 25 & 1u) != 0;  // CPUID.7.0:EDX: AMX-TILE, AMX-INT8
+#else
+    return false;
+#endif
+}
 
 float half_to_float(const uint8_t* p) {
     uint16_t h;

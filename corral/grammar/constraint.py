@@ -20,7 +20,8 @@ class Constraint:
     ``whitespace``: 'compact' writes no whitespace between JSON tokens; 'flexible' allows JSON whitespace runs
     of at most ``max_whitespace`` characters; 'indented' allows nothing, one space, or one or two line breaks
     then at most 20 spaces or tabs (pretty-printed JSON; what a request gets with ``disable_any_whitespace:
-    false``); 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported schema keywords into warnings.
+    false``); 'dumps' writes ``json.dumps``'s separators ``", "`` and ``": "``. ``lenient`` turns unsupported
+    schema keywords into warnings.
     ``reject_unknown_keywords`` refuses schema keywords that are no JSON Schema vocabulary (else each is a warning).
     ``disable_additional_properties``: an object schema that declares properties and says nothing of
     ``additionalProperties`` (or ``patternProperties``) gets its declared properties only, as if
@@ -45,8 +46,8 @@ class Constraint:
         if key is None:
             try:
                 text = json.dumps([self.kind, self.value, self.whitespace, self.max_whitespace, self.lenient,
-                                   self.reject_unknown_keywords, self.disable_additional_properties], sort_keys=True, separators=(",", ":"),
-                                  ensure_ascii=False, allow_nan=False)
+                                   self.reject_unknown_keywords, self.disable_additional_properties],
+                                  sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             except (TypeError, ValueError) as error:
                 raise InvalidSchemaError(f"the constraint is not JSON: {error}") from None
             key = self.__dict__["_key"] = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
