@@ -94,14 +94,19 @@ class BlockManager:
 
     def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks ``seq`` needs to write ``num_new_tokens`` more: new blocks plus a copy-on-write one."""
+        if self._has_room(seq, num_new_tokens):
+            return 0
         need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return max(need, 0) + int(self._needs_copy_on_write(seq, num_new_tokens))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
+        return self._has_room(seq, num_new_tokens) or \
+            self.num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more computed tokens, copying a shared last block first."""
+        if self._has_room(seq, num_new_tokens):
+            return
         assert self.can_append(seq, num_new_tokens)
         if self._needs_copy_on_write(seq, num_new_tokens):
             shared = seq.block_table[-1]
@@ -110,6 +115,13 @@ class BlockManager:
             seq.block_table[-1] = private
             self.pending_copies.append((shared, private))
         self._extend(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``seq``'s blocks already hold ``num_new_tokens`` more tokens, starting in a block of its own
+        (no copy to make): most decode steps, asked of every sequence, so one test and no other call."""
+        table, computed = seq.block_table, seq.num_computed_tokens
+        return 0 < num_new_tokens <= len(table) * self.block_size - computed and \
+            self.ref_counts[table[computed // self.block_size]] == 1
 
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         last = seq.num_computed_tokens // self.block_size  # the block the first new token lands in

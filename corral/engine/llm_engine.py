@@ -167,7 +167,10 @@ class _Request:
     def is_finished(self) -> bool:
         if self.beam_group is not None:
             return self.beam_group.is_done
-        return all(seq.is_finished and not seq.num_forks_pending for seq in self.seqs)
+        for seq in self.seqs:  # read for every request a step touched: a loop, no generator
+            if seq.status is not SequenceStatus.FINISHED or seq.num_forks_pending:
+                return False
+        return True
 
     @property
     def live_seqs(self) -> list[Sequence]:
@@ -681,9 +684,9 @@ class LLMEngine:
         ended."""
         if seq.guide is not None:
             return any(self._emit(seq, token, logprob, [], now) for token, logprob in zip(tokens, logprobs))
-        params = seq.params
+        params, length = seq.params, len(seq.token_ids)
         # a token is emitted before its limit is checked, so at least one is (a burst is planned within them)
-        room = max(1, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)))
+        room = max(1, min(params.max_tokens - length + seq.num_prompt_tokens, self.max_model_len - length))
         run = tokens[:room] if room < len(tokens) else tokens
         count, reason, stop_reason = len(run), "length" if len(run) == room else None, None
         eos = () if params.ignore_eos else self.vocabulary.eos_token_ids

@@ -62,7 +62,7 @@ class Scheduler:
         # stable: decodes first, drafted ones after the others (their rows then split from the logits as two views,
         # not copies; a draft cut below to nothing leaves its sequence among them, and the split copies), then
         # prefills
-        for seq in sorted(self.running, key=lambda s: 2 if s.num_uncomputed_tokens != 1 else 1 if s.draft else 0):
+        for seq in self._decodes_first():
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 seq.draft = []
                 continue
@@ -88,6 +88,16 @@ class Scheduler:
             budget = self._admit(planned, budget)
         seqs = [seq for seq, _ in planned.values()]
         return ScheduledBatch(seqs, [n for _, n in planned.values()], preempted)
+
+    def _decodes_first(self) -> list[Sequence]:
+        """The running sequences in the order a batch takes them (stable within each kind)."""
+        plain, drafted, prefills = [], [], []
+        for seq in self.running:
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                prefills.append(seq)
+            else:
+                (drafted if seq.draft else plain).append(seq)
+        return plain + drafted + prefills if drafted or prefills else plain
 
     def _admit(self, planned: dict, budget: int) -> int:
         if not self.waiting:  # the usual decode step: no walk over the running sequences' prompt blocks

@@ -158,3 +158,53 @@ def test_the_cached_free_count_follows_every_move():
         assert bm.num_cached_free_blocks == sum(1 for b in bm.free_queue if bm.block_hash[b] is not None)
         hits_seen += bm.num_cached_free_blocks > 0
     assert hits_seen > 100  # the walk did keep cached free blocks around
+
+
+def test_append_counts_match_first_principles_after_forks_and_truncations():
+    """The blocks an append needs, checked after every random operation against a count made from the table alone:
+    new blocks past the table, plus one copy where the block the first new token lands in is partial and shared.
+    An append then takes exactly that many free blocks, and the landing block is the sequence's own."""
+    import random
+
+    rng = random.Random(1)
+    size = 4
+    bm = BlockManager(num_blocks=40, block_size=size)
+    live: list[Sequence] = []
+    fast = copies = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.2 and len(live) < 8:
+            new = seq([rng.randrange(3) for _ in range(rng.randrange(1, 14))])
+            if bm.can_allocate(new, len(new)):
+                bm.allocate(new, len(new))
+                new.num_computed_tokens = len(new)
+                live.append(new)
+        elif op < 0.35 and live and len(live) < 8:
+            parent = rng.choice(live)
+            child = seq(parent.token_ids)
+            bm.fork(parent, child)
+            live.append(child)
+        elif op < 0.85 and live:
+            one, count = rng.choice(live), rng.randrange(1, 7)
+            table, computed = one.block_table, one.num_computed_tokens
+            landing = computed // size
+            expected = max(-(-(computed + count) // size) - len(table), 0) + int(
+                landing < len(table) and computed % size != 0 and bm.ref_counts[table[landing]] > 1)
+            assert bm.num_blocks_to_append(one, count) == expected
+            assert bm.can_append(one, count) == (expected <= bm.num_free_blocks)
+            if expected <= bm.num_free_blocks:
+                free_before = bm.num_free_blocks
+                bm.append(one, count)
+                assert free_before - bm.num_free_blocks == expected
+                assert bm.ref_counts[one.block_table[landing]] == 1 or computed % size == 0
+                fast += expected == 0
+                copies += expected > 0 and len(one.block_table) == len(table)
+                bm.take_pending_copies()
+                # the step computed a run of them (a draft's rejected tail gives its blocks back, as the engine's do)
+                kept = count if rng.random() < 0.5 else rng.randrange(1, count + 1)
+                bm.truncate(one, computed + kept)
+                one.num_computed_tokens = computed + kept
+                one.token_ids.extend([1] * (one.num_computed_tokens - len(one.token_ids)))
+        elif live:
+            bm.free(live.pop(rng.randrange(len(live))))
+    assert fast > 300 and copies > 20  # both the common case and copy-on-write were walked
