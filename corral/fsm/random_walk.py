@@ -63,12 +63,22 @@ def finishing_bytes(index, state: int, byte_tokens: dict[int, int]) -> bytes | N
             if following >= 0:
                 yield byte, following
 
+    def live_successors(current: int):
+        # a configuration's live bytes in one native call: a search that backs out of a state has asked every
+        # byte, one call each (a depth-limited search that fails does that everywhere)
+        live = set(index.live_bytes(current).tolist())
+        for byte in candidates:
+            if byte in live:
+                following = next_state(current, byte)
+                if following >= 0:
+                    yield byte, following
+
     if index.is_accepting(state):
         return b""
     # A context-free grammar can nest forever along the closing-first order (a recursive member's key sorts
     # first): its search is depth-limited, and retried deeper when the limit cut it.
     for limit in ((None,) if hasattr(index, "dfa") else (64, 256, 1024)):
-        found = _search(state, successors, index.is_accepting, limit)
+        found = _search(state, successors if limit is None else live_successors, index.is_accepting, limit)
         if found is not None:
             return found
     return None
