@@ -12,11 +12,15 @@ step; the "Tale" prompts make prompt lookup draft often). Where the native decod
 up to ``--decode-burst`` tokens per sequence in one native call (8, as a server runs; 1: a call per token): the
 shares are then per step, and the engine loop is also given per generated token. A plain greedy step makes its
 pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with
-``bench/engine.py`` for what the server adds.
+``bench/engine.py`` for what the server adds. ``--stub-forward`` (greedy, drafts off) makes every decode step
+return at once with a fixed token, so the engine loop runs with warm caches: its own cost, without what the
+forward's weight stream costs it.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --top-p 0.9 --seed 1
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --tokens 512 --drafts off \\
+        --decode-burst 1 --stub-forward
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --frequency-penalty 0.5 \\
         --repetition-penalty 1.1 --logit-bias 20
 """
@@ -86,6 +90,22 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
 
 
+def stub_decode_steps(engine: LLMEngine, token: int = 42) -> None:
+    """Decode steps that return at once (``--stub-forward``): every sequence's tokens are ``token``, its logits a
+    zero buffer, and the pass decided them, as a native greedy call reports it; prefills still run."""
+    runner = engine.runner
+    if not runner.max_burst_rows:
+        raise SystemExit("--stub-forward needs the native decode step (--formats float32/w4a8/bfloat16)")
+    logits = torch.zeros(runner.max_burst_rows, engine.sampler.vocab_size or engine.vocabulary.size)
+
+    def stub(batch, steps, *args, **kwargs):  # timed as "forward" by instrument()
+        rows = len(batch.seqs)
+        return (list(batch.seqs), logits[:rows * steps], [[token] * steps for _ in range(rows)],
+                [[0.0] * steps for _ in range(rows)], True)
+
+    runner.execute_burst = stub
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16/gguf/auto", help="dtype/quantization/kv, comma separated")
@@ -108,7 +128,12 @@ def main() -> int:
     ap.add_argument("--logit-bias", type=int, default=0,
                     help="bias this many token ids (every 97th from id 0; +1.0 and -1.0 alternating)")
     ap.add_argument("--min-tokens", type=int, default=0)
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="decode steps return at once with a fixed token and no forward, so the engine loop runs "
+                         "with warm caches: its own cost, apart from the weight stream's (greedy, the native step)")
     args = ap.parse_args()
+    if args.stub_forward and (args.drafts == "on" or args.temperature > 0):
+        ap.error("--stub-forward takes greedy steps with --drafts off (drafted steps would run the real forward)")
     measured = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True,
                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
@@ -123,6 +148,8 @@ def main() -> int:
                                         num_kv_blocks=2048, max_num_seqs=64, jump_forward=drafts, speculation=drafts,
                                         decode_burst=args.decode_burst))
         spent = collections.defaultdict(float)
+        if args.stub_forward:
+            stub_decode_steps(engine)
         instrument(engine, spent)
         loops = []  # per step: its time outside the forward and the sampler
         step_fn = engine.step
