@@ -66,7 +66,7 @@ class _Drafting:
 
     def __init__(self, target: Sequence, shadow: _Shadow, cap: int):
         self.target, self.shadow, self.cap = target, shadow, cap
-        self.probe: Guide | None = target.guide.copy() if target.guide is not None else None
+        self.probe: Guide | None = target.guide.probe() if target.guide is not None else None
         self.tokens: list[int] = []
         self.done = False
 

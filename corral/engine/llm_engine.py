@@ -87,7 +87,7 @@ def _token_ids(tokens) -> list[int]:
 
 def _refused_at(guide: Guide, tokens: list[int]) -> int | None:
     """Where ``guide``'s grammar refuses the first of ``tokens`` (taken in turn, on a copy), or None."""
-    probe = guide.copy()
+    probe = guide.probe()
     for j, token in enumerate(tokens):
         if not probe.advance(token):
             return j
@@ -586,7 +586,7 @@ class LLMEngine:
         refused = None if known else _refused_at(seq.guide, draft)
         tested = len(draft) if refused is None else refused + 1
         final = refused is None
-        probe, tokens, chosen_logprobs, accepted = seq.guide.copy(), [], [], 0
+        probe, tokens, chosen_logprobs, accepted = seq.guide.probe(), [], [], 0
         for j in range(tested + int(final)):
             token, logprob = argmax[j], logprobs[j]
             if j < tested and token == draft[j]:  # walked above
@@ -623,7 +623,7 @@ class LLMEngine:
                 masks[seq.seq_id] = row
                 continue
             rows = np.zeros((1 + len(seq.draft), self._mask_words), dtype=np.int32)
-            probe = seq.guide.copy()
+            probe = seq.guide.probe()
             probe.fill_mask(rows[0])
             for j, token in enumerate(seq.draft):
                 if not probe.advance(token):

@@ -208,7 +208,7 @@ class Drafter:
         span = guide.forced_bytes()
         if not span:
             return []
-        probe, out, at = guide.copy(), [], 0  # a copy: a limit reached while probing stays with the probe
+        probe, out, at = guide.probe(), [], 0  # a limit reached while probing stays with the probe
         limit = min(room, MAX_FORCED_TOKENS)
         for token in self._encoded(span):  # the tokenizer's own split first: what the model was trained on
             if len(out) == limit or not probe.advance(token):
@@ -216,7 +216,7 @@ class Drafter:
             out.append(token)
             at += len(self.vocab.token_bytes[token])
         if not out:
-            probe = guide.copy()
+            probe = guide.probe()
         while at < len(span) and len(out) < limit:
             token = self._longest_allowed(span, at, probe)
             if token is None:
@@ -318,7 +318,7 @@ class Drafter:
     @staticmethod
     def _allowed_prefix(draft: list[int], forced: list[int], guide: Guide) -> list[int]:
         """The longest prefix of ``draft`` the guide accepts after ``forced`` (checked on a copy)."""
-        probe = guide.copy()
+        probe = guide.probe()
         for token in forced:
             probe.advance(token)
         kept = 0

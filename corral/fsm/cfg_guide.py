@@ -592,6 +592,9 @@ class CFGGuide(Guide):
     def copy(self) -> "CFGGuide":
         return CFGGuide(self.session, list(self.configs), self.error)
 
+    def probe(self) -> "CFGGuide":
+        return CFGGuide(self.session, [self.config], self.error)
+
     def forced_bytes(self) -> bytes:
         """Bytes while exactly one can follow and the text so far is not a complete parse."""
         config = self.config

@@ -86,6 +86,9 @@ class FSMGuide(Guide):
     def copy(self) -> "FSMGuide":
         return FSMGuide(self.index, list(self.states), self.error)
 
+    def probe(self) -> "FSMGuide":
+        return FSMGuide(self.index, [self.state], self.error)
+
     def forced_bytes(self) -> bytes:
         """Follow the states with exactly one live byte that are not accepting (an accepting state may stop).
         A row past a limit of the grammar ends the span there: the bytes found are still forced, and the guide

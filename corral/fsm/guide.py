@@ -41,6 +41,12 @@ class Guide(ABC):
     def copy(self) -> "Guide":
         """An independent cursor at the same position, sharing the compiled grammar."""
 
+    def probe(self) -> "Guide":
+        """A cursor to look ahead with and throw away: :meth:`copy` without the history before this position
+        (it cannot roll back past where it starts), so that asking costs the same at the ten-thousandth token
+        as at the tenth. A limit met while probing stays with the probe."""
+        return self.copy()
+
     @abstractmethod
     def forced_bytes(self) -> bytes:
         """The deterministic continuation from here: bytes that every accepted completion starts with. Never

@@ -198,6 +198,26 @@ def test_copy_and_rollback_restore_every_earlier_state(compiler, vocab):
         assert allowed_ids(guide, vocab) == masks[k - 1]
 
 
+def test_a_probe_answers_as_a_copy_from_any_point_of_a_document(compiler, vocab):
+    """``probe()`` keeps the current configuration alone (a copy's history grows with the document): at every
+    point its mask is the guide's, what it takes or refuses leaves the guide where it was, and it rolls back its
+    own advances and no further."""
+    grammar = compiler.compile(Constraint("grammar", JSON_LARK))
+    guide = grammar.new_guide()
+    for byte in b'[1, {"a": [true, null]}, "x"]':
+        probe = guide.probe()
+        assert len(probe.configs) == 1 and allowed_ids(probe, vocab) == allowed_ids(guide, vocab)
+        assert probe.advance(byte)
+        probe.rollback(1)
+        assert allowed_ids(probe, vocab) == allowed_ids(guide, vocab)
+        with pytest.raises(AssertionError):
+            probe.rollback(1)
+        assert guide.advance(byte) and not guide.is_error()
+    refused = guide.probe()
+    assert not refused.advance(ord("x")) and refused.is_error() and not guide.is_error()
+    assert guide.probe().is_accepting()
+
+
 def test_an_ambiguous_grammar_ends_with_the_fuel_error_not_a_stall(vocab):
     grammar = parse_lark('start: x\nx: x x | x x x | "a"')  # Catalan-many parses of a^n: cubic Earley
     budget = Budget()

@@ -67,6 +67,22 @@ def test_copy_is_independent(compiler):
     assert other.advance(3) and other.is_accepting()
 
 
+def test_a_probe_looks_ahead_from_here_alone(compiler):
+    """``probe()``: the same position and answers as a copy, independent of the guide, with no history before
+    its start: it rolls back its own advances and no further."""
+    guide = compiler.compile(Constraint("regex", "ab*c?")).new_guide()
+    assert guide.advance(0) and guide.advance(1)  # "ab"
+    probe = guide.probe()
+    assert allowed_ids(probe) == allowed_ids(guide.copy()) == [1, 4, EOS]
+    assert probe.advance(4) and allowed_ids(probe) == [EOS] and allowed_ids(guide) == [1, 4, EOS]
+    probe.rollback(1)
+    assert allowed_ids(probe) == [1, 4, EOS]
+    with pytest.raises(AssertionError):
+        probe.rollback(1)
+    refused = guide.probe()
+    assert not refused.advance(0) and refused.is_error() and not guide.is_error()  # the refusal stays there
+
+
 def test_forced_bytes_follow_the_deterministic_span(compiler):
     guide = compiler.compile(Constraint("regex", 'abc(a|b)"')).new_guide()
     assert guide.forced_bytes() == b"abc"
