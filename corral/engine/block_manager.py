@@ -100,8 +100,7 @@ class BlockManager:
         return max(need, 0) + int(self._needs_copy_on_write(seq, num_new_tokens))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._has_room(seq, num_new_tokens) or \
-            self.num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
+        return self.num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more computed tokens, copying a shared last block first."""

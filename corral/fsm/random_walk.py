@@ -54,21 +54,16 @@ def finishing_bytes(index, state: int, byte_tokens: dict[int, int]) -> bytes | N
     search for the *shortest* path instead blew up on schemas with many required properties of any type.
     """
     candidates = sorted(byte_tokens, key=_rank)
-    next_state = index.dfa.next_state if hasattr(index, "dfa") else index.move
+    lazy = hasattr(index, "dfa")
+    next_state = index.dfa.next_state if lazy else index.move
 
     def successors(current: int):
-        # lazily, one byte class at a time: a whole row derives every class, and the search mostly takes the first
+        # A DFA's, lazily, one byte class at a time: a whole row derives every class, and the search mostly takes
+        # the first. A configuration's live bytes come in one native call: a search that backs out of a state has
+        # asked every byte, one call each (a depth-limited search that fails does that everywhere).
+        live = None if lazy else set(index.live_bytes(current).tolist())
         for byte in candidates:
-            following = next_state(current, byte)
-            if following >= 0:
-                yield byte, following
-
-    def live_successors(current: int):
-        # a configuration's live bytes in one native call: a search that backs out of a state has asked every
-        # byte, one call each (a depth-limited search that fails does that everywhere)
-        live = set(index.live_bytes(current).tolist())
-        for byte in candidates:
-            if byte in live:
+            if live is None or byte in live:
                 following = next_state(current, byte)
                 if following >= 0:
                     yield byte, following
@@ -77,8 +72,8 @@ def finishing_bytes(index, state: int, byte_tokens: dict[int, int]) -> bytes | N
         return b""
     # A context-free grammar can nest forever along the closing-first order (a recursive member's key sorts
     # first): its search is depth-limited, and retried deeper when the limit cut it.
-    for limit in ((None,) if hasattr(index, "dfa") else (64, 256, 1024)):
-        found = _search(state, successors if limit is None else live_successors, index.is_accepting, limit)
+    for limit in ((None,) if lazy else (64, 256, 1024)):
+        found = _search(state, successors, index.is_accepting, limit)
         if found is not None:
             return found
     return None

@@ -87,7 +87,6 @@ def test_silu_mul_flushes_only_its_own_subnormal_results(rows):
 
 
 
-
 @pytest.mark.parametrize("rows, width, n", [(1, 49152, 49152), (3, 1000, 997), (16, 49152, 49152), (2, 40, 1)])
 def test_log_normalizers_equal_torch_logsumexp(rows, width, n):
     torch.manual_seed(rows + n)
