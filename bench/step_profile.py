@@ -14,7 +14,9 @@ shares are then per step, and the engine loop is also given per generated token.
 pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with
 ``bench/engine.py`` for what the server adds. ``--stub-forward`` (greedy, drafts off) makes every decode step
 return at once with a fixed token, so the engine loop runs with warm caches: its own cost, without what the
-forward's weight stream costs it.
+forward's weight stream costs it. The engine loop's line also gives the median time of a Python call that does
+nothing, made as the first code after each forward: what resuming the interpreter costs there on this machine
+(a floor under any loop written in Python), before any of the loop's own work.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
@@ -63,7 +65,14 @@ class _TimedSampler:
         return getattr(self._sampler, name)
 
 
-def instrument(engine: LLMEngine, spent: dict) -> None:
+def _no_op() -> None:
+    """The resume probe: a Python call that does nothing, timed as the first code after each forward."""
+
+
+def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> None:
+    """Wrap the timed parts; with ``resumes``, each forward's wrapper then times one call of :func:`_no_op` right
+    after the forward returns (outside "forward", so inside the engine loop) and appends its seconds there: what
+    the interpreter's first call costs after the forward, before any of the loop's own work."""
     def timed(name, fn):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
@@ -71,6 +80,16 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
                 return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
+        return wrapper
+
+    def probed(fn):
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start = time.perf_counter()
+                _no_op()
+                resumes.append(time.perf_counter() - start)
         return wrapper
 
     model, runner = engine.runner.model, engine.runner
@@ -85,6 +104,8 @@ def instrument(engine: LLMEngine, spent: dict) -> None:
     engine.sampler = _TimedSampler(engine.sampler, timed)
     runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
     runner.execute_burst = timed("forward", runner.execute_burst)  # a burst's steps, each with its LM head
+    if resumes is not None:
+        runner.execute, runner.execute_burst = probed(runner.execute), probed(runner.execute_burst)
     runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
@@ -150,7 +171,8 @@ def main() -> int:
         spent = collections.defaultdict(float)
         if args.stub_forward:
             stub_decode_steps(engine)
-        instrument(engine, spent)
+        resumes = []  # per forward: the no-op call right after it
+        instrument(engine, spent, resumes)
         loops = []  # per step: its time outside the forward and the sampler
         step_fn = engine.step
 
@@ -167,6 +189,7 @@ def main() -> int:
             engine.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             spent.clear()
             loops.clear()
+            resumes.clear()
             native_step = engine.runner.native_step
             if native_step is not None:
                 native_step.profile.zero_()
@@ -194,7 +217,8 @@ def main() -> int:
             bursts = engine.stats().num_burst_steps - bursts_before
             print(f"\nengine loop per step (inside engine.step): median {statistics.median(loops) * 1e6:.0f} us, "
                   f"p90 {sorted(loops)[int(len(loops) * 0.9)] * 1e6:.0f} us over {len(loops)} steps ({bursts} "
-                  f"bursts); per generated token {sum(loops) / (batch * args.tokens) * 1e6:.0f} us")
+                  f"bursts); per generated token {sum(loops) / (batch * args.tokens) * 1e6:.0f} us; of it, a "
+                  f"no-op Python call right after the forward: median {statistics.median(resumes) * 1e6:.1f} us")
         del engine
     return 0
 
