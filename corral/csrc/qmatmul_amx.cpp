@@ -30,9 +30,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
+// The kernels, compiled for the target above, in a namespace named for them (tests/test_native_isa.py). What
+// runs before the CPU is known to have AVX-512 and the tiles (the table, the load-time check) is compiled
+// after them for the build's own target: the module picks its kernels at every import, on any CPU.
 namespace corral_qmatmul {
+namespace amx {
 namespace {
 
 #define CORRAL_INLINE static inline __attribute__((always_inline))
@@ -189,6 +194,15 @@ void product(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
 const QTable hardware = {"amx-int8", product<HardwareTiles, true>, product<HardwareTiles, false>, nullptr};
 const QTable model = {"amx-model", product<ModelTiles, true>, product<ModelTiles, false>, nullptr};
 
+}  // namespace
+}  // namespace amx
+}  // namespace corral_qmatmul
+
+#pragma GCC pop_options
+
+namespace corral_qmatmul {
+namespace {
+
 QTable with_quantize(const QTable& table) {
     QTable out = table;
     out.quantize = avx512_table()->quantize;  // the same bytes as every variant's
@@ -229,14 +243,14 @@ bool agrees_with_vnni(const QTable& table) {
 }  // namespace
 
 const QTable* amx_model_table() {
-    static const QTable table = with_quantize(model);
+    static const QTable table = with_quantize(amx::model);
     return avx512_table() == nullptr || !cpu_has_avx512_vnni() ? nullptr : &table;
 }
 
 const QTable* amx_table(const char** why_not) {
     static const char* reason = nullptr;
     static const QTable* chosen = [] () -> const QTable* {
-        static const QTable table = with_quantize(hardware);
+        static const QTable table = with_quantize(amx::hardware);
         if (!cpu_has_amx_int8()) reason = "this CPU has no AMX-INT8";
         // the epilogue and the rows past the last group run AVX-512 (a virtual machine may show AMX, hide AVX-512)
         else if (avx512_table() == nullptr || !cpu_has_avx512_vnni()) reason = "this CPU or build lacks AVX-512 VNNI";

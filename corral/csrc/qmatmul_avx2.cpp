@@ -9,9 +9,12 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
+#pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+// Everything compiled for the target above, in a namespace named for it (tests/test_native_isa.py)
 namespace corral_qmatmul {
+namespace avx2 {
 namespace {
 
 #define CORRAL_INLINE static inline __attribute__((always_inline))
@@ -168,9 +171,13 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 const QTable table = {"avx2", q4, q8, quantize};
 
 }  // namespace
+}  // namespace avx2
+}  // namespace corral_qmatmul
 
-const QTable* avx2_table() { return &table; }
+#pragma GCC pop_options
 
+namespace corral_qmatmul {
+const QTable* avx2_table() { return &avx2::table; }
 }  // namespace corral_qmatmul
 
 #else

@@ -11,9 +11,12 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
+// Everything compiled for the target above, in a namespace named for it (tests/test_native_isa.py)
 namespace corral_qmatmul {
+namespace avx512 {
 namespace {
 
 #define CORRAL_INLINE static inline __attribute__((always_inline))
@@ -190,9 +193,13 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 const QTable table = {"avx512-vnni", q4, q8, quantize};
 
 }  // namespace
+}  // namespace avx512
+}  // namespace corral_qmatmul
 
-const QTable* avx512_table() { return &table; }
+#pragma GCC pop_options
 
+namespace corral_qmatmul {
+const QTable* avx512_table() { return &avx512::table; }
 }  // namespace corral_qmatmul
 
 #else
