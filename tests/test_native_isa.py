@@ -7,7 +7,8 @@ under a wider ``#pragma GCC target`` than the build's that runs before that choi
 load-time check, an inline function that the linker keeps from a kernel file) stops the import with SIGILL on an
 older CPU, which this machine's CPU would never show. So the disassembly is read instead: wider instructions may
 appear only in functions of the kernels' namespaces, which are named for their instruction set (``avx2``,
-``avx512``, ``amx``). Where qemu-user is installed, the v2 build is also imported on an emulated CPU without AVX."""
+``avx512``, ``amx``). Where qemu-user is installed, each build is also imported on an emulated CPU older
+than this one (no AVX; AVX2 without AVX-512)."""
 
 import importlib
 import os
@@ -101,12 +102,19 @@ def test_avx512_and_amx_instructions_run_only_in_their_kernels(builds, build):
 
 
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="qemu-x86_64 (Debian's qemu-user) is not installed")
-def test_the_baseline_build_imports_and_picks_its_kernels_on_a_cpu_without_avx():
-    # Nehalem: SSE4.2 and POPCNT, no AVX. qemu shows the host's /proc/cpuinfo, so the v2 build is named; inside
-    # it, the kernels are chosen from the emulated CPUID.
-    code = ("from corral import native; s = native.status(); "
-            "print(s['module'], s['kernels'], s['qmatmul'])")
-    result = subprocess.run(["qemu-x86_64", "-cpu", "Nehalem", sys.executable, "-c", code], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "CORRAL_NATIVE_BUILD": "baseline"})
+@pytest.mark.parametrize("cpu, build, expected", [
+    # SSE4.2 and POPCNT, no AVX. qemu shows the host's /proc/cpuinfo, so the v2 build is named; inside it, the
+    # kernels are chosen from the emulated CPUID
+    ("Nehalem", "baseline", ["corral._native_baseline", "native-baseline", "native-scalar"]),
+    # AVX2, FMA, F16C and BMI2, no AVX-512: the v3 build with its AVX2 kernels and products
+    ("Haswell-v4", "", ["corral._native", "native-avx2", "native-avx2"]),
+])
+def test_each_build_imports_and_picks_its_kernels_on_an_older_cpu(cpu, build, expected):
+    if not build and native.build_for_this_cpu() != "_native":
+        pytest.skip("this host's /proc/cpuinfo, which qemu shows, names the v2 build")
+    code = "from corral import native; s = native.status(); print(s['module'], s['kernels'], s['qmatmul'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_NATIVE_BUILD", "CORRAL_QMATMUL_ISA")}
+    result = subprocess.run(["qemu-x86_64", "-cpu", cpu, sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=600, env={**env, "CORRAL_NATIVE_BUILD": build})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["corral._native_baseline", "native-baseline", "native-scalar"]
+    assert result.stdout.split() == expected
