@@ -8,7 +8,7 @@ load-time check, an inline function that the linker keeps from a kernel file) st
 older CPU, which this machine's CPU would never show. So the disassembly is read instead: wider instructions may
 appear only in functions of the kernels' namespaces, which are named for their instruction set (``avx2``,
 ``avx512``, ``amx``). Where qemu-user is installed, each build is also imported on an emulated CPU older
-than this one (no AVX; AVX2 without AVX-512)."""
+than this one (no AVX; AVX2 without AVX-512), and where an arm64 cross compiler is, every source compiles for it."""
 
 import importlib
 import os
@@ -118,3 +118,30 @@ def test_each_build_imports_and_picks_its_kernels_on_an_older_cpu(cpu, build, ex
                             text=True, timeout=600, env={**env, "CORRAL_NATIVE_BUILD": build})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == expected
+
+
+CROSS = shutil.which("aarch64-linux-gnu-g++")
+
+
+@pytest.mark.skipif(CROSS is None, reason="aarch64-linux-gnu-g++ (Debian's g++-aarch64-linux-gnu) is not installed")
+def test_the_sources_compile_for_arm64():
+    # setup.py builds one module with no -march on other CPUs: every x86 header and intrinsic must sit behind its
+    # guard (the three product files once included <immintrin.h> unguarded, and no ARM install could build)
+    import concurrent.futures
+    import sysconfig
+
+    import nanobind
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corral", "csrc")
+    includes = [sysconfig.get_paths()["include"], nanobind.include_dir(),
+                os.path.join(nanobind.source_dir(), os.pardir, "ext", "robin_map", "include")]
+    sources = sorted(f for f in os.listdir(root) if f.endswith(".cpp"))
+    assert "qmatmul_amx.cpp" in sources
+
+    def check(source):
+        return source, subprocess.run([CROSS, "-std=c++17", "-fopenmp", "-fsyntax-only", *(f"-I{d}" for d in includes),
+                                       os.path.join(root, source)], capture_output=True, text=True, timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        failed = {source: result.stderr[-1500:] for source, result in pool.map(check, sources) if result.returncode}
+    assert failed == {}

@@ -19,14 +19,13 @@
 // though not the instructions themselves.
 #include "qmatmul.h"
 
-// GCC 12's own AVX-512 headers trip this warning (their _mm512_undefined_* values)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__)  // (other CPUs have no <immintrin.h>)
+// GCC 12's own AVX-512 headers trip this warning (their _mm512_undefined_* values)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -4,11 +4,11 @@
 // 4 x 2 x 2 x 15 x 127 = 30,480); Q8 codes go through vpsignb (|q| times x with q's sign: at most 2 x 127 x 127).
 #include "qmatmul.h"
 
-#include <immintrin.h>
-
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) || defined(__i386__)  // (other CPUs have no <immintrin.h>)
+#include <immintrin.h>
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 

@@ -4,13 +4,13 @@
 // Q4 tiles; tiles are split between the threads.
 #include "qmatmul.h"
 
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)  // (other CPUs have no <immintrin.h>)
 // GCC 12's own AVX-512 headers trip this warning (their _mm512_undefined_* values)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
-#include <cstring>
-
-#if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
