@@ -70,26 +70,20 @@ def _no_op() -> None:
 
 
 def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> None:
-    """Wrap the timed parts; with ``resumes``, each forward's wrapper then times one call of :func:`_no_op` right
-    after the forward returns (outside "forward", so inside the engine loop) and appends its seconds there: what
-    the interpreter's first call costs after the forward, before any of the loop's own work."""
-    def timed(name, fn):
+    """Wrap the timed parts; with ``resumes``, the forward's timer, right after it has read the clock at the
+    forward's return, times one call of :func:`_no_op` and appends its seconds there (outside "forward", so
+    inside the engine loop): what the interpreter's first call costs after the forward, before any other work."""
+    def timed(name, fn, probe=None):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] += time.perf_counter() - start
-        return wrapper
-
-    def probed(fn):
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                start = time.perf_counter()
-                _no_op()
-                resumes.append(time.perf_counter() - start)
+                end = time.perf_counter()
+                if probe is not None:
+                    _no_op()
+                    probe.append(time.perf_counter() - end)
+                spent[name] += end - start
         return wrapper
 
     model, runner = engine.runner.model, engine.runner
@@ -102,10 +96,9 @@ def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> N
     for name in ("add_rms_norm", "rope_", "silu_mul"):
         setattr(cpu_ops, name, timed("fused ops", getattr(cpu_ops, name)))
     engine.sampler = _TimedSampler(engine.sampler, timed)
-    runner.execute, runner.prepare = timed("forward", runner.execute), timed("batch preparation", runner.prepare)
-    runner.execute_burst = timed("forward", runner.execute_burst)  # a burst's steps, each with its LM head
-    if resumes is not None:
-        runner.execute, runner.execute_burst = probed(runner.execute), probed(runner.execute_burst)
+    runner.execute = timed("forward", runner.execute, resumes)
+    runner.prepare = timed("batch preparation", runner.prepare)
+    runner.execute_burst = timed("forward", runner.execute_burst, resumes)  # a burst's steps, each with its LM head
     runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
