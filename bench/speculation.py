@@ -361,6 +361,7 @@ def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
         b = Bench(fmt)
         runner, step = b.engine.runner, b.engine.step
         runner.execute, runner.execute_burst = timing(runner.execute), timing(runner.execute_burst)
+        runner.execute_picking = timing(runner.execute_picking)  # a step whose picks the native call makes
 
         def timed_step():
             start, before = time.perf_counter(), inner[0]

@@ -16,7 +16,10 @@ pick inside that call, so its time is in "native: LM head" and the sampler's row
 return at once with a fixed token, so the engine loop runs with warm caches: its own cost, without what the
 forward's weight stream costs it. The engine loop's line also gives the median time of a Python call that does
 nothing, made as the first code after each forward: what resuming the interpreter costs there on this machine
-(a floor under any loop written in Python), before any of the loop's own work.
+(a floor under any loop written in Python), before any of the loop's own work. ``--schema FILE`` constrains every
+timed request to that JSON Schema (compact whitespace, as a server compiles it by default): the guided step, whose
+masks, guide advances and jump-forward drafts the loop then carries; such a request ends where its JSON does, so
+the per-token figures count the tokens made.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
@@ -25,11 +28,13 @@ nothing, made as the first code after each forward: what resuming the interprete
         --decode-burst 1 --stub-forward
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --frequency-penalty 0.5 \\
         --repetition-penalty 1.1 --logit-bias 20
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --schema bench/data/story_schema.json
 """
 
 import argparse
 import collections
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -46,6 +51,8 @@ import corral.engine.attention as attention  # noqa: E402
 import corral.engine.model as model_module  # noqa: E402
 from corral.engine import EngineConfig, LLMEngine  # noqa: E402
 from corral.engine.sampling_params import SamplingParams  # noqa: E402
+from corral.fsm.compiler import GrammarCompiler  # noqa: E402
+from corral.grammar.constraint import Constraint  # noqa: E402
 from corral.kernels import cpu_ops  # noqa: E402
 from servers import cpu_summary, frozen_heap  # noqa: E402
 
@@ -99,6 +106,7 @@ def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> N
     runner.execute = timed("forward", runner.execute, resumes)
     runner.prepare = timed("batch preparation", runner.prepare)
     runner.execute_burst = timed("forward", runner.execute_burst, resumes)  # a burst's steps, each with its LM head
+    runner.execute_picking = timed("forward", runner.execute_picking, resumes)  # a step with its picks made inside
     runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
     if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
@@ -145,9 +153,13 @@ def main() -> int:
     ap.add_argument("--stub-forward", action="store_true",
                     help="decode steps return at once with a fixed token and no forward, so the engine loop runs "
                          "with warm caches: its own cost, apart from the weight stream's (greedy, the native step)")
+    ap.add_argument("--schema", default=None, help="a JSON Schema file: every timed request is constrained to it")
     args = ap.parse_args()
-    if args.stub_forward and (args.drafts == "on" or args.temperature > 0):
-        ap.error("--stub-forward takes greedy steps with --drafts off (drafted steps would run the real forward)")
+    if args.stub_forward and (args.drafts == "on" or args.temperature > 0 or args.schema):
+        ap.error("--stub-forward takes unconstrained greedy steps with --drafts off (drafted steps would run the "
+                 "real forward, and a fixed token would break a schema)")
+    with open(args.schema) if args.schema else open(os.devnull) as f:
+        schema = json.load(f) if args.schema else None
     measured = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True,
                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
@@ -166,6 +178,7 @@ def main() -> int:
             stub_decode_steps(engine)
         resumes = []  # per forward: the no-op call right after it
         instrument(engine, spent, resumes)
+        grammar = GrammarCompiler(engine.vocabulary).compile(Constraint("json_schema", schema)) if schema else None
         loops = []  # per step: its time outside the forward and the sampler
         step_fn = engine.step
 
@@ -190,10 +203,12 @@ def main() -> int:
             steps, bursts_before = engine.stats().num_steps, engine.stats().num_burst_steps
             seeded = [measured if args.seed is None else dataclasses.replace(measured, seed=args.seed + i)
                       for i in range(batch)]  # a seed each: the rows' draws independent
+            guides = [grammar.new_guide() for _ in prompts] if grammar is not None else None
             with frozen_heap():  # no full collection inside, as in the server
                 start = time.perf_counter()
-                engine.generate(prompts, seeded)
+                outs = engine.generate(prompts, seeded, guides)
                 wall = time.perf_counter() - start
+            made = sum(len(c.token_ids) for out in outs for c in out.outputs)
             steps = engine.stats().num_steps - steps
             if native_step is not None:
                 spent.update({f"native: {name}": float(seconds)
@@ -204,13 +219,13 @@ def main() -> int:
             per["other torch in forward"] = per["forward"] - sum(per.get(p, 0.0) for p in (*PARTS, *native_parts))
             per["engine loop"] = step - per["forward"] - per["sampler"]
             print(f"\n{engine.formats.tag}, batch {batch}: {steps} steps, {step:.2f} ms per step, "
-                  f"{batch * args.tokens / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
+                  f"{made} tokens, {made / wall:.1f} tok/s\n\n| part | ms per step | share |\n|---|---|---|")
             for name in (*native_parts, *PARTS, "other torch in forward", "sampler", "engine loop"):
                 print(f"| {name} | {per.get(name, 0.0):.3f} | {per.get(name, 0.0) / step:.1%} |")
             bursts = engine.stats().num_burst_steps - bursts_before
             print(f"\nengine loop per step (inside engine.step): median {statistics.median(loops) * 1e6:.0f} us, "
                   f"p90 {sorted(loops)[int(len(loops) * 0.9)] * 1e6:.0f} us over {len(loops)} steps ({bursts} "
-                  f"bursts); per generated token {sum(loops) / (batch * args.tokens) * 1e6:.0f} us; of it, a "
+                  f"bursts); per generated token {sum(loops) / made * 1e6:.0f} us; of it, a "
                   f"no-op Python call right after the forward: median {statistics.median(resumes) * 1e6:.1f} us")
         del engine
     return 0

@@ -310,6 +310,7 @@ class LLMEngine:
             if deferred:
                 guided = [s for s in guided if s.seq_id not in deferred]
         masks = self._start_masks(guided) if guided else None               # may overlap the forward
+        row_picks = first_rows = None  # the native call's greedy pick of every logits row, where it made them
         if burst:
             ends = self._end_ids(batch.seqs) if burst > 1 else None  # a stop among them ends the burst there
             draws = self._burst_draws(batch.seqs, burst)  # None: every row greedy
@@ -328,6 +329,9 @@ class LLMEngine:
                 for seq, tokens in zip(seqs, picks):
                     seq.draft, seq.draft_by_self = tokens[:-1], True
                 self._counters["burst_steps"] += 1
+        elif deferred and self._picks_in_call(batch.seqs, deferred):  # every row's pick is its unmasked argmax
+            seqs, logits, row_picks = self.runner.execute_picking(batch, self.sampler.vocab_size or 0)
+            first_rows = self._first_rows(seqs) if row_picks is not None else None
         else:
             seqs, logits = self.runner.execute(batch)                       # forward
         self._commit(batch)                                                 # their K/V is in the cache now
@@ -343,12 +347,17 @@ class LLMEngine:
             rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
         touched: dict[str, _Request] = {}
         if rows or stuck:
-            result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
+            if row_picks is not None and not stuck and not masks:  # no forks, no mask: each row's own pick
+                at = [first_rows[seq.seq_id] for seq, _ in rows]
+                result = SampleResult([row_picks[0][i] for i in at], [row_picks[1][i] for i in at], None)
+            else:
+                result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
             if deferred:  # a token its grammar refuses: that row's mask now, and its pick again
                 rows, result = self._repick_refused(rows, row_logits, result, deferred, stuck)
             self._process(rows, result, stuck, touched)                     # guides, stops
         if drafted:
-            self._verify_drafts(*drafted, masks, touched, deferred)         # accept, then roll back the rest
+            self._verify_drafts(*drafted, masks, touched, deferred,         # accept, then roll back the rest
+                                (row_picks, first_rows) if row_picks is not None else None)
         outputs = self._outputs(touched)
         return outputs + self._advance_beams(*beams, masks) if beams and beams[0] else outputs
 
@@ -406,6 +415,31 @@ class LLMEngine:
         for seq in batch.seqs:
             bm.append(seq, steps)
         return ScheduledBatch(batch.seqs, [steps] * len(batch.seqs), batch.preempted), steps
+
+    def _picks_in_call(self, seqs: list[Sequence], deferred: set[int]) -> bool:
+        """Whether every row of a step of ``seqs`` takes its unmasked greedy argmax first, so that the native call
+        may pick them all where it computes the logits (:meth:`ModelRunner.execute_picking`) instead of a sampler
+        pass after it: each sequence is ``deferred`` (guided: its grammar then rules on that pick, drafts
+        included), or unguided, plain greedy past ``min_tokens``, with no draft, beam or sibling to fork."""
+        if not hasattr(self.runner, "execute_picking"):
+            return False
+        for seq in seqs:
+            if seq.seq_id in deferred:
+                continue
+            params = seq.params
+            if seq.guide is not None or seq.draft or seq.is_beam or seq.num_forks_pending \
+                    or not params.plain_greedy or seq.num_output_tokens < params.min_tokens:
+                return False
+        return True
+
+    @staticmethod
+    def _first_rows(seqs: list[Sequence]) -> dict[int, int]:
+        """Each sequence's first logits row in a step of ``seqs`` (in order, ``1 + len(draft)`` rows each)."""
+        first, at = {}, 0
+        for seq in seqs:
+            first[seq.seq_id] = at
+            at += 1 + len(seq.draft)
+        return first
 
     def _burst_draws(self, seqs: list[Sequence], steps: int):
         """The native call's draws for ``steps`` steps of ``seqs`` where one of them samples (None where every one
@@ -551,18 +585,25 @@ class LLMEngine:
             top = [top[i] for i in kept] if top is not None else None
         return rows, SampleResult(tokens, logprobs, top) if tokens is not result.token_ids or dropped else result
 
-    def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor
+    def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor, picks=None
                          ) -> dict[int, tuple[DraftRows, Verified]]:
         """Verify the drafts of deferred sequences (``drafted``: each with its rows, and only those, in
         ``logits``, in order) as their masks would have: per sequence, its draft and what it verified, by sequence
         id. Every row's unmasked argmax comes from one sampler call; each sequence then walks its rows with a copy
         of its guide (see :meth:`_walk_deferred`). The caller takes the rows out only where other sequences' rows
-        are among them: right after the forward, a torch call costs tens of microseconds."""
-        rows = []
-        for seq, _ in drafted:
-            draft = seq.draft
-            rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
-        picked = self.sampler(logits, rows)
+        are among them: right after the forward, a torch call costs tens of microseconds. ``picks``: (the native
+        call's picks of the step's logits rows, each sequence's first row there), which are those argmax."""
+        if picks is not None:
+            (tokens, logprobs), first_rows = picks
+            at = [i for seq, _ in drafted for i in range(first_rows[seq.seq_id], first_rows[seq.seq_id]
+                                                         + len(seq.draft) + 1)]
+            picked = SampleResult([tokens[i] for i in at], [logprobs[i] for i in at], None)
+        else:
+            rows = []
+            for seq, _ in drafted:
+                draft = seq.draft
+                rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
+            picked = self.sampler(logits, rows)
         out, start = {}, 0
         for seq, _ in drafted:
             count = len(seq.draft) + 1
@@ -736,16 +777,17 @@ class LLMEngine:
         return (plain, _take_rows(logits, plain_rows)), (drafted, _take_rows(logits, draft_rows))
 
     def _verify_drafts(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor,
-                       masks: dict[int, np.ndarray], touched: dict, deferred: set[int] | None = None) -> None:
+                       masks: dict[int, np.ndarray], touched: dict, deferred: set[int] | None = None,
+                       picks=None) -> None:
         """Verify every draft against its rows, emit what it accepted and the token after, and roll the rest
         back. Guides, hashes and detokenizers only ever see emitted tokens. A ``deferred`` sequence's rows have
-        no mask: they are verified by :meth:`_verify_deferred`."""
+        no mask: they are verified by :meth:`_verify_deferred` (with ``picks``, the native call's)."""
         order = [seq for seq, _ in drafted]
         walked = {}
         if deferred and any(seq.seq_id in deferred for seq in order):
             mine = [d for d in drafted if d[0].seq_id in deferred]
             walked = self._verify_deferred(mine, logits if len(mine) == len(drafted) else _take_rows(
-                logits, [row for seq, first in mine for row in range(first, first + len(seq.draft) + 1)]))
+                logits, [row for seq, first in mine for row in range(first, first + len(seq.draft) + 1)]), picks)
             drafted = [d for d in drafted if d[0].seq_id not in deferred]
         if drafted:
             batch = draft_batch(drafted, masks)

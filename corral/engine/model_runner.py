@@ -116,6 +116,24 @@ class ModelRunner:
                                                                  kv.k_scale, kv.v_scale)
         return self._execute(batch)
 
+    def execute_picking(self, batch: ScheduledBatch, pick_columns: int
+                        ) -> tuple[list[Sequence], torch.Tensor, tuple[list[int], list[float]] | None]:
+        """:meth:`execute`, and where the native step runs it with its LM head, every logits row's greedy pick
+        among its first ``pick_columns`` (0: all) logits and that pick's logprob, made inside the same call
+        (``cpu_ops.greedy_pick``'s pass, with no mask: the sampler's pick of a plain greedy row, bit for bit).
+        The picks are None where that call did not run, or where its pass could not decide a row (a NaN or +inf
+        in it: the sampler decides those)."""
+        if self.native_step is not None and self.native_step.head_tiles is not None:
+            lists = self.prepare_decode(batch)
+            if lists is not None:
+                kv = self.whole_kv
+                logits, picks, logprobs, decided = self.native_step.decode_burst(
+                    1, pick_columns, *lists, torch.get_num_threads(), kv.k, kv.v, kv.k_scale, kv.v_scale)
+                picked = ([row[0] for row in picks], [row[0] for row in logprobs]) if decided else None
+                return list(batch.seqs), logits, picked
+        seqs, logits = self._execute(batch)
+        return seqs, logits, None
+
     @property
     def max_burst_rows(self) -> int:
         """The most logits rows (sequences x tokens) a burst may make (:meth:`execute_burst`); 0: no bursts here

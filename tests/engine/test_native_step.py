@@ -520,6 +520,68 @@ def test_single_steps_pick_in_the_call_and_change_no_output(engines, sampler_eng
     engine.block_manager.reset_prefix_cache()
 
 
+def test_guided_steps_pick_in_the_call_and_change_no_output(engines):
+    """Where every guided row's mask waits for its token (a core-bound step), the native call picks every logits
+    row, drafts' included, and each grammar then rules on those picks: the same tokens, texts, finish reasons and
+    logprobs as the sampler's picks, for guided requests (a JSON schema, and a pattern the model's own tokens keep
+    breaking, so rows are picked again under their masks) beside plain ones, with a request asking for top
+    logprobs or held by ``min_tokens`` among them (its steps go to the sampler). Steps with picks in the call must
+    have run, and steps without."""
+    import dataclasses
+
+    from corral.fsm.compiler import GrammarCompiler
+    from corral.grammar.constraint import Constraint
+    from tests.engine.real_model import PROMPTS
+
+    engine = engines["native"]
+    compiler = GrammarCompiler(engine.vocabulary)
+    schema = compiler.compile(Constraint("json_schema", {
+        "type": "object", "properties": {"full_name_of_the_person": {"type": "string"},
+                                         "age_in_whole_years": {"type": "integer"},
+                                         "favourite_things": {"type": "array", "items": {"type": "string"}}},
+        "required": ["full_name_of_the_person", "age_in_whole_years", "favourite_things"]}))
+    pattern = compiler.compile(Constraint("regex", "[0-9]{3}-[a-z]{4}( [A-Z][a-z]+){2,4}"))
+    prompts = [chat(engine, q) for q in PROMPTS]
+    made = []
+    execute_picking = engine.runner.execute_picking
+
+    def counted(batch, pick_columns):
+        out = execute_picking(batch, pick_columns)
+        made.append(out[2] is not None)
+        return out
+
+    def outputs(picking: bool, params, guides):
+        engine.block_manager.reset_prefix_cache()
+        if not picking:
+            engine._picks_in_call = lambda seqs, deferred: False
+        try:
+            outs = engine.generate(prompts, params, [g.new_guide() if g is not None else None for g in guides])
+        finally:
+            engine.__dict__.pop("_picks_in_call", None)
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+                for o in outs for c in o.outputs]
+
+    engine.runner.execute_picking = counted
+    engine.defer_masks = True
+    config = engine.config
+    engine.config = dataclasses.replace(config, draft_row_cost=0.0)  # drafts at full length: many rows per sequence
+    try:
+        for case in ("guided", "mixed", "asked"):
+            guides = [schema if i % 2 else pattern for i in range(len(prompts))]
+            params = [greedy(28 + i, stop=["Mary"] if i == 3 else ()) for i in range(len(prompts))]
+            if case != "guided":
+                guides[::3] = [None] * len(guides[::3])
+            if case == "asked":
+                params[0] = greedy(20, logprobs=2)
+                params[3] = greedy(20, min_tokens=6)
+            assert outputs(True, params, guides) == outputs(False, params, guides)
+    finally:
+        del engine.runner.execute_picking
+        engine.defer_masks, engine.config = None, config
+    assert any(made) and made.count(True) > len(made) // 2
+    engine.block_manager.reset_prefix_cache()
+
+
 def test_health_and_metrics_say_how_many_tokens_a_call_decodes(engines):
     from corral.api.launch import decode_burst
 
