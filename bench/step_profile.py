@@ -158,8 +158,10 @@ def main() -> int:
     if args.stub_forward and (args.drafts == "on" or args.temperature > 0 or args.schema):
         ap.error("--stub-forward takes unconstrained greedy steps with --drafts off (drafted steps would run the "
                  "real forward, and a fixed token would break a schema)")
-    with open(args.schema) if args.schema else open(os.devnull) as f:
-        schema = json.load(f) if args.schema else None
+    schema = None
+    if args.schema:
+        with open(args.schema) as f:
+            schema = json.load(f)
     measured = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            logprobs=args.logprobs, max_tokens=args.tokens, ignore_eos=True,
                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,

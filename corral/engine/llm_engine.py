@@ -217,6 +217,8 @@ class LLMEngine:
         # drafts need a runner that computes a draft's rows (a toy runner may not)
         encode = self.tokenizer.encode if self.tokenizer is not None else None
         self.drafter = Drafter(vocabulary, encode) if getattr(self.runner, "supports_drafts", False) else None
+        # whether the runner can make every row's greedy pick inside its forward (a toy runner may not)
+        self._runner_picks = hasattr(self.runner, "execute_picking")
         self._auto_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ class LLMEngine:
         may pick them all where it computes the logits (:meth:`ModelRunner.execute_picking`) instead of a sampler
         pass after it: each sequence is ``deferred`` (guided: its grammar then rules on that pick, drafts
         included), or unguided, plain greedy past ``min_tokens``, with no draft, beam or sibling to fork."""
-        if not hasattr(self.runner, "execute_picking"):
+        if not self._runner_picks:
             return False
         for seq in seqs:
             if seq.seq_id in deferred:

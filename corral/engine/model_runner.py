@@ -108,12 +108,11 @@ class ModelRunner:
         """Run one forward pass; return the sequences that sample and their float32 logits. A sequence with a
         draft has ``1 + len(draft)`` consecutive rows (its last token's, then each draft token's); the others one.
         The logits may be a view of a buffer that the next step overwrites."""
-        if self.native_step is not None and self.native_step.head_tiles is not None:
-            lists = self.prepare_decode(batch)
-            if lists is not None:  # the native step and its LM head: no torch call from here to the logits
-                kv = self.whole_kv
-                return list(batch.seqs), self.native_step.decode(*lists, torch.get_num_threads(), kv.k, kv.v,
-                                                                 kv.k_scale, kv.v_scale)
+        lists = self._native_lists(batch)
+        if lists is not None:  # the native step and its LM head: no torch call from here to the logits
+            kv = self.whole_kv
+            return list(batch.seqs), self.native_step.decode(*lists, torch.get_num_threads(), kv.k, kv.v,
+                                                             kv.k_scale, kv.v_scale)
         return self._execute(batch)
 
     def execute_picking(self, batch: ScheduledBatch, pick_columns: int
@@ -123,16 +122,20 @@ class ModelRunner:
         (``cpu_ops.greedy_pick``'s pass, with no mask: the sampler's pick of a plain greedy row, bit for bit).
         The picks are None where that call did not run, or where its pass could not decide a row (a NaN or +inf
         in it: the sampler decides those)."""
-        if self.native_step is not None and self.native_step.head_tiles is not None:
-            lists = self.prepare_decode(batch)
-            if lists is not None:
-                kv = self.whole_kv
-                logits, picks, logprobs, decided = self.native_step.decode_burst(
-                    1, pick_columns, *lists, torch.get_num_threads(), kv.k, kv.v, kv.k_scale, kv.v_scale)
-                picked = ([row[0] for row in picks], [row[0] for row in logprobs]) if decided else None
-                return list(batch.seqs), logits, picked
+        lists = self._native_lists(batch)
+        if lists is not None:
+            kv = self.whole_kv
+            logits, picks, logprobs, decided = self.native_step.decode_burst(
+                1, pick_columns, *lists, torch.get_num_threads(), kv.k, kv.v, kv.k_scale, kv.v_scale)
+            picked = ([row[0] for row in picks], [row[0] for row in logprobs]) if decided else None
+            return list(batch.seqs), logits, picked
         seqs, logits = self._execute(batch)
         return seqs, logits, None
+
+    def _native_lists(self, batch: ScheduledBatch) -> tuple[list, ...] | None:
+        """:meth:`prepare_decode`'s lists where the native step runs ``batch`` with its LM head, else None."""
+        step = self.native_step
+        return self.prepare_decode(batch) if step is not None and step.head_tiles is not None else None
 
     @property
     def max_burst_rows(self) -> int:

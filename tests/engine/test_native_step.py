@@ -542,8 +542,8 @@ def test_guided_steps_pick_in_the_call_and_change_no_output(engines):
         "required": ["full_name_of_the_person", "age_in_whole_years", "favourite_things"]}))
     pattern = compiler.compile(Constraint("regex", "[0-9]{3}-[a-z]{4}( [A-Z][a-z]+){2,4}"))
     prompts = [chat(engine, q) for q in PROMPTS]
-    made = []
-    execute_picking = engine.runner.execute_picking
+    made, asked = [], []  # what the picking calls gave; whether each step could pick in the call
+    execute_picking, picks_in_call = engine.runner.execute_picking, engine._picks_in_call
 
     def counted(batch, pick_columns):
         out = execute_picking(batch, pick_columns)
@@ -554,6 +554,8 @@ def test_guided_steps_pick_in_the_call_and_change_no_output(engines):
         engine.block_manager.reset_prefix_cache()
         if not picking:
             engine._picks_in_call = lambda seqs, deferred: False
+        else:
+            engine._picks_in_call = lambda seqs, deferred: asked.append(picks_in_call(seqs, deferred)) or asked[-1]
         try:
             outs = engine.generate(prompts, params, [g.new_guide() if g is not None else None for g in guides])
         finally:
@@ -579,6 +581,7 @@ def test_guided_steps_pick_in_the_call_and_change_no_output(engines):
         del engine.runner.execute_picking
         engine.defer_masks, engine.config = None, config
     assert any(made) and made.count(True) > len(made) // 2
+    assert True in asked and False in asked  # the top-logprob and min_tokens requests' steps went to the sampler
     engine.block_manager.reset_prefix_cache()
 
 
