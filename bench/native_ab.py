@@ -9,6 +9,10 @@ so this loads the other build's ``_native`` module file beside this checkout's a
   (120 calls for the layers), as ``bench/linears.py``'s do.
 - ``--engine``: the whole engine (``make serve``'s formats, drafts off, greedy ``--tokens`` per sequence), the
   module object the engine calls swapped between runs; the outputs (tokens and logprobs) must be identical.
+- ``--attention``: the decode attention kernel alone, SmolLM2's heads (9 query heads, 3 KV heads of 64) over a
+  bfloat16 cache, ``--batches`` sequences at each of ``--contexts`` keys, once with one layer's cache (warm after
+  the first round) and once cycling through 60 layers' caches (each read from memory, as in a decode step); the
+  outputs must be the same bits. Each figure includes the call's Python binding (a few microseconds).
 
 ``CORRAL_QMATMUL_ISA`` picks the product variant for both builds (each chooses it as it loads). The other build
 is any checkout built in place, for example:
@@ -16,6 +20,7 @@ is any checkout built in place, for example:
     git worktree add /tmp/before <commit> && (cd /tmp/before && .venv/bin/python setup.py build_ext --inplace)
     .venv/bin/python bench/native_ab.py /tmp/before/corral/_native.cpython-311-x86_64-linux-gnu.so
     .venv/bin/python bench/native_ab.py OTHER.so --engine --batches 1,4,16 --decode-burst 1
+    .venv/bin/python bench/native_ab.py OTHER.so --attention --contexts 128,512,2048 --batches 1,4,16
 """
 
 import argparse
@@ -89,6 +94,36 @@ def products(this, other, rows_list: list[int], rounds: int) -> bool:
     return same
 
 
+def attention_calls(this, other, contexts: list[int], batches: list[int], rounds: int) -> bool:
+    same = True
+    print("| keys | sequences | layers' caches | us per layer: other -> this | same bits |\n|---|---|---|---|---|")
+    for context in contexts:
+        for seqs in batches:
+            for layers in (1, 60):
+                blocks = -(-context // 16)
+                gen = torch.Generator().manual_seed(0)
+                caches = [tuple(torch.randn(blocks * seqs, 16, 3, 64, generator=gen).bfloat16() for _ in range(2))
+                          for _ in range(layers)]
+                q = torch.randn(seqs, 9, 64, generator=gen)
+                tables = torch.arange(blocks * seqs).view(seqs, blocks)
+                lens = torch.full((seqs,), context)
+                outs = {name: torch.empty(seqs, 9 * 64) for name in ("other", "this")}
+                args = [(buffer(k), buffer(v)) for k, v in caches]
+                qb, tb, lb = buffer(q), buffer(tables), buffer(lens)
+                times = {"other": [], "this": []}
+                for r in range(rounds):
+                    for name, module in (("other", other), ("this", this))[:: 1 if r % 2 else -1]:
+                        out = buffer(outs[name])
+                        start = time.perf_counter()
+                        for kb, vb in args:
+                            module.paged_decode(qb, kb, vb, tb, lb, out, 0.125, torch.get_num_threads(), None, None)
+                        times[name].append((time.perf_counter() - start) / layers * 1e6)
+                equal = torch.equal(outs["other"], outs["this"])
+                same = same and equal
+                print(f"| {context} | {seqs} | {layers} | {ratio(times['other'], times['this'])} | {equal} |")
+    return same
+
+
 def engine_runs(this, other, batches: list[int], rounds: int, tokens: int, burst: int) -> bool:
     from corral.engine import EngineConfig, LLMEngine
     from corral.engine.sampling_params import SamplingParams
@@ -128,9 +163,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("other", help="the other build's _native module file")
     ap.add_argument("--engine", action="store_true", help="the whole engine instead of the products")
+    ap.add_argument("--attention", action="store_true", help="the decode attention kernel instead of the products")
+    ap.add_argument("--contexts", default="128,512,2048", help="attention: keys per sequence")
     ap.add_argument("--rows", default="1,2,4,8,16,64", help="product row counts")
     ap.add_argument("--batches", default="1,4,16", help="engine batch sizes")
-    ap.add_argument("--rounds", type=int, default=None, help="turns per build (40 products, 6 engine runs)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="turns per build (40 products, 6 engine runs, 16 attention calls)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--decode-burst", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
@@ -142,7 +180,10 @@ def main() -> int:
     other = load_other(args.other)
     print(f"# {cpu_summary()}; {args.threads} threads; products: this {this.qmatmul_isa}, other "
           f"{other.qmatmul_isa}; other: {args.other}")
-    if args.engine:
+    if args.attention:
+        ok = attention_calls(this, other, [int(c) for c in args.contexts.split(",")],
+                             [int(b) for b in args.batches.split(",")], args.rounds or 16)
+    elif args.engine:
         ok = engine_runs(this, other, [int(b) for b in args.batches.split(",")], args.rounds or 6, args.tokens,
                          args.decode_burst)
     else:

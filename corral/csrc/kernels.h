@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <numeric>
+#include <type_traits>
 #include <functional>
 #include <cmath>
 #include <cstdint>

@@ -751,7 +751,10 @@ CORRAL_INLINE void weigh_values(float* acc, const float* w, const float* shrink,
 // does not depend on its run: key blocks and chunks start at fixed positions, and a key past a row's own context
 // is masked out of its max as well as its weights. On a 2-core AVX-512 EPYC, SmolLM2's 9 heads over 560 keys of
 // bfloat16 cache: 18-19 us per layer for one row (38 with the two-pass kernel above), 56 us for a run of 9 rows
-// (147); one query's work at a time, not a pass at a time, took 22 and 100.
+// (147); one query's work at a time, not a pass at a time, took 22 and 100. On the 2-core Ice Lake Xeon
+// (bench/native_ab.py --attention, each layer's cache read from memory), taking a chunk's KV heads in one job and a
+// group of 3 queries' V rows together: 2,048 keys 136 -> 124 us per layer for one sequence, 2.00 -> 1.73 ms for 16;
+// 128 keys 12.4 -> 12.1 us for one, 135 -> 120 for 16.
 template <typename T, typename KV, int DIM>
 static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, const float* k_scale,
                            const float* v_scale, const int64_t* tables, int64_t table_stride,
@@ -769,9 +772,16 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
     for (int64_t r = 0; r < num_runs; ++r) {
         const int64_t n = *std::max_element(context_lens + runs[r], context_lens + runs[r + 1]);
         chunks[r] = (n + DECODE_CHUNK - 1) / DECODE_CHUNK;
-        first_job[r + 1] = first_job[r] + chunks[r] * num_kv_heads;
         first_part[r + 1] = first_part[r] + (runs[r + 1] - runs[r]) * chunks[r];
     }
+    // A job is (run, chunk, group of KV heads). Its heads' rows lie side by side in each token's slot, and it reads
+    // them block by block, head after head: the cache's lines in the order they lie, each line whole, where a job
+    // per head read a third of each line's neighbours (SmolLM2's 3 KV heads). Every head to a job where that
+    // leaves each thread four jobs or more, else a head to a job; a head's arithmetic is the same either way.
+    const int64_t total_chunks = std::accumulate(chunks.begin(), chunks.end(), int64_t(0));
+    const int64_t per_job = total_chunks >= 4 * int64_t(num_threads) ? num_kv_heads : 1;
+    const int64_t head_groups = num_kv_heads / per_job;
+    for (int64_t r = 0; r < num_runs; ++r) first_job[r + 1] = first_job[r] + chunks[r] * head_groups;
     // partials [row x chunk][heads][PART]: kept by the calling thread between calls (grown, never shrunk) so a
     // step's 30 layers do not map and fault in fresh pages each. 66 floats per query head and 256 keys: about 1% of
     // the bfloat16 K and V those keys hold at a GQA group of 3 and head size 64.
@@ -789,133 +799,153 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
         #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < num_jobs; ++job) {
             const int64_t r = std::upper_bound(first_job.begin(), first_job.end(), job) - first_job.begin() - 1;
-            const int64_t c = (job - first_job[r]) / num_kv_heads, g = (job - first_job[r]) % num_kv_heads;
-            const int64_t row0 = runs[r], m = runs[r + 1] - row0, queries = m * group;
+            const int64_t c = (job - first_job[r]) / head_groups, g0 = (job - first_job[r]) % head_groups * per_job;
+            const int64_t g1 = g0 + per_job;
+            const int64_t row0 = runs[r], m = runs[r + 1] - row0, queries = m * group, all = per_job * queries;
             const int64_t* lens = context_lens + row0;
             const int64_t* table = tables + row0 * table_stride;
             const int64_t n = *std::max_element(lens, lens + m);
             const int64_t begin = c * DECODE_CHUNK, end = std::min(n, begin + DECODE_CHUNK);
-            if (int64_t(query.size()) < queries * DIM) query.resize(queries * DIM), acc.resize(queries * DIM);
-            if (int64_t(top.size()) < queries) {
-                for (auto* buffer : {&top, &sum, &shrinks, &highs}) buffer->resize(queries);
-                seen.resize(queries);
-                weights.resize(queries);
+            if (int64_t(query.size()) < all * DIM) query.resize(all * DIM), acc.resize(all * DIM);
+            if (int64_t(top.size()) < all) {
+                for (auto* buffer : {&top, &sum, &shrinks, &highs}) buffer->resize(all);
+                seen.resize(all);
+                weights.resize(all);
             }
-            for (int64_t j = 0; j < m; ++j)
-                for (int64_t i = 0; i < group; ++i) {
-                    const T* src = q + ((row0 + j) * num_heads + g * group + i) * DIM;
-                    float* dst = query.data() + (j * group + i) * DIM;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < DIM; ++d) dst[d] = load(src[d]) * scale;
-                }
-            std::fill(acc.begin(), acc.begin() + queries * DIM, 0.0f);
-            std::fill(top.begin(), top.begin() + queries, -INFINITY);
-            std::fill(sum.begin(), sum.begin() + queries, 0.0f);
-            const float* ks = k_scale ? k_scale + g : nullptr;
-            const float* vs = v_scale ? v_scale + g : nullptr;
+            // head g's queries at (g - g0) * queries in each of the buffers above: qi below is within a head
+            for (int64_t g = g0; g < g1; ++g)
+                for (int64_t j = 0; j < m; ++j)
+                    for (int64_t i = 0; i < group; ++i) {
+                        const T* src = q + ((row0 + j) * num_heads + g * group + i) * DIM;
+                        float* dst = query.data() + ((g - g0) * queries + j * group + i) * DIM;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < DIM; ++d) dst[d] = load(src[d]) * scale;
+                    }
+            std::fill(acc.begin(), acc.begin() + all * DIM, 0.0f);
+            std::fill(top.begin(), top.begin() + all, -INFINITY);
+            std::fill(sum.begin(), sum.begin() + all, 0.0f);
             // a block of keys lies in one cache block when the block size is a multiple of KEYS (t0 is one): one
             // table lookup for it, and one for the next block's keys, asked for while these are read
             const bool whole = block_size % KEYS == 0;
             for (int64_t t0 = begin; t0 < end; t0 += KEYS) {
-                const int64_t count = std::min(KEYS, end - t0);
-                const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
-                const int64_t ahead = t0 + KEYS;
-                const int64_t next = whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size
-                                                          : -1;
-                for (int64_t i = 0; i < KEYS; ++i) {
-                    if (i >= count) {  // past the context: never read, zero so a zero weight stays zero
-                        std::fill(kb[i], kb[i] + DIM, 0.0f);
-                        std::fill(vb[i], vb[i] + DIM, 0.0f);
-                        continue;
-                    }
-                    const int64_t t = t0 + i;
-                    const int64_t at = whole ? base + i : table[t / block_size] * block_size + t % block_size;
-                    if (next >= 0 && ahead + i < end) {
-                        prefetch_row(k_cache + (next + i) * slot + g * DIM, DIM);
-                        prefetch_row(v_cache + (next + i) * slot + g * DIM, DIM);
-                    }
-                    const KV* kr = k_cache + at * slot + g * DIM;
-                    const KV* vr = v_cache + at * slot + g * DIM;
-                    const float kscale = ks ? ks[at * num_kv_heads] : 1.0f, vscale = vs ? vs[at * num_kv_heads] : 1.0f;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < DIM; ++d) kb[i][d] = load(kr[d]) * kscale, vb[i][d] = load(vr[d]) * vscale;
-                }
-                // Three passes over the queries, each query's work in each independent of the others': the
-                // scores and their max; the weights, their sum and the running max; the weighted sum of V. A
-                // query's scores, max, exponentials and sum form one long chain of dependent operations, and
-                // passes give the core the next queries' work to run beside it.
-                for (int64_t j = 0; j < m; ++j) {
-                    const int64_t visible = std::max<int64_t>(0, std::min(count, lens[j] - t0));  // keys j sees
-                    for (int64_t i = 0; i < group; ++i) {
-                        const int64_t qi = j * group + i;
-                        seen[qi] = visible;
-                        if (visible == 0) continue;
-                        const float* qv = query.data() + qi * DIM;
-                        float* const sc = weights[qi].w;
-                        vfn qr[VECS];
-                        for (int64_t v = 0; v < VECS; ++v) qr[v] = vload(qv + v * LANES);
-                        vfn most = vfn{} - INFINITY;  // lanewise max of the visible scores
-                        for (int64_t k0 = 0; k0 < KEYS; k0 += LANES) {
-                            vfn part[LANES];
-                            for (int64_t k = 0; k < LANES; ++k) {
-                                vfn p = qr[0] * vload(kb[k0 + k]);
-                                for (int64_t v = 1; v < VECS; ++v) p += qr[v] * vload(kb[k0 + k] + v * LANES);
-                                part[k] = p;
-                            }
-                            const vfn scores = lane_totals(part);
-                            const vfn in = LANE + float(k0) < float(visible) ? scores : vfn{} - INFINITY;
-                            vstore(sc + k0, in);
-                            most = most > in ? most : in;
+                for (int64_t g = g0; g < g1; ++g) {  // the heads one after the other, each its own work
+                    const int64_t h0 = (g - g0) * queries;  // head g's first query in the buffers
+                    const float* ks = k_scale ? k_scale + g : nullptr;
+                    const float* vs = v_scale ? v_scale + g : nullptr;
+                    const int64_t count = std::min(KEYS, end - t0);
+                    const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
+                    const int64_t ahead = t0 + KEYS;
+                    const int64_t next =
+                        whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size : -1;
+                    for (int64_t i = 0; i < KEYS; ++i) {
+                        if (i >= count) {  // past the context: never read, zero so a zero weight stays zero
+                            std::fill(kb[i], kb[i] + DIM, 0.0f);
+                            std::fill(vb[i], vb[i] + DIM, 0.0f);
+                            continue;
                         }
-                        highs[qi] = std::max(top[qi], lane_max(most));
+                        const int64_t t = t0 + i;
+                        const int64_t at = whole ? base + i : table[t / block_size] * block_size + t % block_size;
+                        if (next >= 0 && ahead + i < end) {
+                            prefetch_row(k_cache + (next + i) * slot + g * DIM, DIM);
+                            prefetch_row(v_cache + (next + i) * slot + g * DIM, DIM);
+                        }
+                        const KV* kr = k_cache + at * slot + g * DIM;
+                        const KV* vr = v_cache + at * slot + g * DIM;
+                        if constexpr (std::is_same_v<KV, int8_t>) {  // codes times their row's scale
+                            const float kscale = ks ? ks[at * num_kv_heads] : 1.0f;
+                            const float vscale = vs ? vs[at * num_kv_heads] : 1.0f;
+                            #pragma omp simd
+                            for (int64_t d = 0; d < DIM; ++d)
+                                kb[i][d] = load(kr[d]) * kscale, vb[i][d] = load(vr[d]) * vscale;
+                        } else {  // float32 or bfloat16: the values themselves (a scale of 1 changed no bit)
+                            #pragma omp simd
+                            for (int64_t d = 0; d < DIM; ++d) kb[i][d] = load(kr[d]), vb[i][d] = load(vr[d]);
+                        }
                     }
-                }
-                for (int64_t qi = 0; qi < queries; ++qi) {
-                    const int64_t visible = seen[qi];
-                    if (visible == 0) continue;
-                    float* const sc = weights[qi].w;
-                    const float high = highs[qi];
-                    float total = 0.0f;
-                    #pragma omp simd reduction(+ : total)
-                    for (int64_t k = 0; k < KEYS; ++k) {
-                        const float e = k < visible ? exp_approx(sc[k] - high) : 0.0f;
-                        sc[k] = e;
-                        total += e;
+                    // Three passes over the queries, each query's work in each independent of the others': the
+                    // scores and their max; the weights, their sum and the running max; the weighted sum of V. A
+                    // query's scores, max, exponentials and sum form one long chain of dependent operations, and
+                    // passes give the core the next queries' work to run beside it.
+                    for (int64_t j = 0; j < m; ++j) {
+                        const int64_t visible = std::max<int64_t>(0, std::min(count, lens[j] - t0));  // keys j sees
+                        for (int64_t i = 0; i < group; ++i) {
+                            const int64_t qi = j * group + i;
+                            seen[h0 + qi] = visible;
+                            if (visible == 0) continue;
+                            const float* qv = query.data() + (h0 + qi) * DIM;
+                            float* const sc = weights[h0 + qi].w;
+                            vfn qr[VECS];
+                            for (int64_t v = 0; v < VECS; ++v) qr[v] = vload(qv + v * LANES);
+                            vfn most = vfn{} - INFINITY;  // lanewise max of the visible scores
+                            for (int64_t k0 = 0; k0 < KEYS; k0 += LANES) {
+                                vfn part[LANES];
+                                for (int64_t k = 0; k < LANES; ++k) {
+                                    vfn p = qr[0] * vload(kb[k0 + k]);
+                                    for (int64_t v = 1; v < VECS; ++v) p += qr[v] * vload(kb[k0 + k] + v * LANES);
+                                    part[k] = p;
+                                }
+                                const vfn scores = lane_totals(part);
+                                const vfn in = LANE + float(k0) < float(visible) ? scores : vfn{} - INFINITY;
+                                vstore(sc + k0, in);
+                                most = most > in ? most : in;
+                            }
+                            highs[h0 + qi] = std::max(top[h0 + qi], lane_max(most));
+                        }
                     }
-                    shrinks[qi] = 1.0f;
-                    if (high != top[qi]) {  // the largest score grew: earlier weights shrink by exp(old - new)
-                        shrinks[qi] = top[qi] == -INFINITY ? 0.0f : exp_approx(top[qi] - high);
-                        sum[qi] *= shrinks[qi];
-                        top[qi] = high;
+                    for (int64_t qi = 0; qi < queries; ++qi) {
+                        const int64_t visible = seen[h0 + qi];
+                        if (visible == 0) continue;
+                        float* const sc = weights[h0 + qi].w;
+                        const float high = highs[h0 + qi];
+                        float total = 0.0f;
+                        #pragma omp simd reduction(+ : total)
+                        for (int64_t k = 0; k < KEYS; ++k) {
+                            const float e = k < visible ? exp_approx(sc[k] - high) : 0.0f;
+                            sc[k] = e;
+                            total += e;
+                        }
+                        shrinks[h0 + qi] = 1.0f;
+                        if (high != top[h0 + qi]) {  // the largest score grew: earlier weights shrink by exp(old - new)
+                            shrinks[h0 + qi] = top[h0 + qi] == -INFINITY ? 0.0f : exp_approx(top[h0 + qi] - high);
+                            sum[h0 + qi] *= shrinks[h0 + qi];
+                            top[h0 + qi] = high;
+                        }
+                        sum[h0 + qi] += total;
                     }
-                    sum[qi] += total;
-                }
-                // NQ consecutive queries that all see the block's KEYS keys take the V rows in lockstep, the rest
-                // one at a time. Each query's sums are the same operations in the same order as alone; in lockstep
-                // NQ chains of FMAs are in flight, not one.
-                for (int64_t qi = 0; qi < queries;) {
-                    const int64_t visible = seen[qi];
-                    int64_t width = 1;
-                    while (width < NQ && qi + width < queries && seen[qi + width] == visible) ++width;
-                    float* const a = acc.data() + qi * DIM;
-                    if (visible == 0) {
-                        qi += width;
-                    } else if (width == NQ && visible == KEYS) {
-                        weigh_values<DIM, NQ>(a, weights[qi].w, shrinks.data() + qi, &vb[0][0], KEYS);
-                        qi += NQ;
-                    } else {
-                        weigh_values<DIM, 1>(a, weights[qi].w, shrinks.data() + qi, &vb[0][0], visible);
-                        qi += 1;
+                    // Up to NQ consecutive queries that all see the block's KEYS keys take the V rows in lockstep,
+                    // the rest one at a time. Each query's sums are the same operations in the same order as alone;
+                    // in lockstep several chains of FMAs are in flight, not one, and each V row is read once for
+                    // them all (a single row's GQA group of 3 went one query at a time when only 4 went together).
+                    for (int64_t qi = 0; qi < queries;) {
+                        const int64_t visible = seen[h0 + qi];
+                        int64_t width = 1;
+                        while (width < NQ && qi + width < queries && seen[h0 + qi + width] == visible) ++width;
+                        float* const a = acc.data() + (h0 + qi) * DIM;
+                        if (visible == 0) {
+                            qi += width;
+                        } else if (width > 1 && visible == KEYS) {  // (width <= NQ) a GQA group of 3 goes as 3
+                            const float* w = weights[h0 + qi].w;
+                            const float* shrink = shrinks.data() + h0 + qi;
+                            if (width == 4) weigh_values<DIM, 4>(a, w, shrink, &vb[0][0], KEYS);
+                            else if (width == 3) weigh_values<DIM, 3>(a, w, shrink, &vb[0][0], KEYS);
+                            else weigh_values<DIM, 2>(a, w, shrink, &vb[0][0], KEYS);
+                            qi += width;
+                        } else {
+                            weigh_values<DIM, 1>(a, weights[h0 + qi].w, shrinks.data() + h0 + qi, &vb[0][0],
+                                                 visible);
+                            qi += 1;
+                        }
                     }
                 }
             }
-            for (int64_t j = 0; j < m; ++j)
-                for (int64_t i = 0; i < group; ++i) {
-                    const int64_t qi = j * group + i;
-                    float* dst = parts + (((first_part[r] + j * chunks[r] + c) * num_heads) + g * group + i) * PART;
-                    std::copy(acc.data() + qi * DIM, acc.data() + (qi + 1) * DIM, dst);
-                    dst[DIM] = top[qi], dst[DIM + 1] = sum[qi];
-                }
+            for (int64_t g = g0; g < g1; ++g)
+                for (int64_t j = 0; j < m; ++j)
+                    for (int64_t i = 0; i < group; ++i) {
+                        const int64_t qi = (g - g0) * queries + j * group + i;
+                        float* dst = parts + (((first_part[r] + j * chunks[r] + c) * num_heads) + g * group + i) * PART;
+                        std::copy(acc.data() + qi * DIM, acc.data() + (qi + 1) * DIM, dst);
+                        dst[DIM] = top[qi], dst[DIM + 1] = sum[qi];
+                    }
         }
         // merge each (row, head)'s chunks in chunk order; a chunk the row sees none of has sum 0 and is skipped
         #pragma omp for schedule(static)

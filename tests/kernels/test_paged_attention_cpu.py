@@ -157,6 +157,42 @@ def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv, context, dim)
         torch.testing.assert_close(together, expected.reshape(7, -1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_a_heads_arithmetic_does_not_depend_on_how_many_heads_its_job_takes(kv):
+    """A job reads a group of KV heads together, as many as leave every thread four jobs: a long context over few
+    threads puts every head of a chunk in one job, a short one or many threads one head in each. The rows' bits
+    are the same whichever: a 2,100-key context (9 chunks of 256) over 1, 2 and 8 threads, beside the same row
+    at 40 keys (one chunk) in one call."""
+    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [2100], dtype=torch.float32, seed=6)
+    scales = (None, None)
+    if kv == "bfloat16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    else:
+        (k, ks), (v, vs) = (quantize_rows(c.flatten(0, 1)) for c in (k_cache, v_cache))
+        k_cache, v_cache = k.view_as(k_cache), v.view_as(v_cache)
+        scales = (ks.view(k_cache.shape[:3]), vs.view(k_cache.shape[:3]))
+    rows_q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(7))
+    row_tables, lens = tables.expand(2, -1).contiguous(), torch.tensor([2100, 40])
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 8):
+            torch.set_num_threads(count)
+            both = paged_attention_cpu.paged_decode(rows_q, k_cache, v_cache, row_tables, lens, 0.125, *scales)
+            alone = [paged_attention_cpu.paged_decode(rows_q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
+                                                      lens[r:r + 1], 0.125, *scales) for r in range(2)]
+            outputs.append(both)
+            assert torch.equal(both, torch.cat(alone)), count
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+    if kv == "bfloat16":
+        qsl = torch.arange(3, dtype=torch.int32)
+        expected = paged_attention_torch(rows_q, k_cache.float(), v_cache.float(), row_tables.int(), lens.int(), qsl,
+                                         0.125)
+        torch.testing.assert_close(outputs[0], expected.reshape(2, -1), atol=1e-5, rtol=1e-5)
+
+
 _VARIANT_CHECK = """
 import json, sys, torch
 sys.path.insert(0, "tests/kernels")
