@@ -19,7 +19,9 @@ nothing, made as the first code after each forward: what resuming the interprete
 (a floor under any loop written in Python), before any of the loop's own work. ``--schema FILE`` constrains every
 timed request to that JSON Schema (compact whitespace, as a server compiles it by default): the guided step, whose
 masks, guide advances and jump-forward drafts the loop then carries; such a request ends where its JSON does, so
-the per-token figures count the tokens made.
+the per-token figures count the tokens made. ``--context N`` gives every timed request a prompt of N tokens
+(a passage repeated, headed by its own number), computed into the prefix cache before the clock starts, so the
+timed steps decode at a context of N and up: attention's share at a long context.
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
@@ -29,6 +31,7 @@ the per-token figures count the tokens made.
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --frequency-penalty 0.5 \\
         --repetition-penalty 1.1 --logit-bias 20
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --schema bench/data/story_schema.json
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16 --context 2048 --drafts off
 """
 
 import argparse
@@ -112,6 +115,17 @@ def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> N
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
 
 
+PASSAGE = ("The river ran past the mill, the mill stood by the bridge, and the bridge carried the road to a town "
+           "where every house had a garden and every garden had a wall. ")
+
+
+def long_prompt(tokenizer, number: int, tokens: int) -> list[int]:
+    """A prompt of exactly ``tokens`` tokens: its number, then the passage again and again."""
+    head = tokenizer.encode(f"Tale {number}: ")
+    body = tokenizer.encode(PASSAGE * (tokens // 20 + 1))
+    return (head + body)[:tokens]
+
+
 def stub_decode_steps(engine: LLMEngine, token: int = 42) -> None:
     """Decode steps that return at once (``--stub-forward``): every sequence's tokens are ``token``, its logits a
     zero buffer, and the pass decided them, as a native greedy call reports it; prefills still run."""
@@ -154,6 +168,8 @@ def main() -> int:
                     help="decode steps return at once with a fixed token and no forward, so the engine loop runs "
                          "with warm caches: its own cost, apart from the weight stream's (greedy, the native step)")
     ap.add_argument("--schema", default=None, help="a JSON Schema file: every timed request is constrained to it")
+    ap.add_argument("--context", type=int, default=0,
+                    help="prompts of this many tokens, prefilled into the prefix cache before the clock (0: short)")
     args = ap.parse_args()
     if args.stub_forward and (args.drafts == "on" or args.temperature > 0 or args.schema):
         ap.error("--stub-forward takes unconstrained greedy steps with --drafts off (drafted steps would run the "
@@ -172,9 +188,12 @@ def main() -> int:
     for spec in args.formats.split(","):
         dtype, quantization, kv = spec.split("/")
         drafts = args.drafts == "on"
+        most = max(int(b) for b in args.batches.split(","))
+        blocks = max(2048, most * -(-(args.context + args.tokens + 32) // 16) + 64)  # a long context's blocks
         engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
-                                        num_kv_blocks=2048, max_num_seqs=64, jump_forward=drafts, speculation=drafts,
-                                        decode_burst=args.decode_burst))
+                                        num_kv_blocks=blocks, max_num_seqs=64, jump_forward=drafts,
+                                        speculation=drafts, decode_burst=args.decode_burst,
+                                        max_model_len=args.context + args.tokens + 64 if args.context else None))
         spent = collections.defaultdict(float)
         if args.stub_forward:
             stub_decode_steps(engine)
@@ -202,6 +221,14 @@ def main() -> int:
             if native_step is not None:
                 native_step.profile.zero_()
             prompts = [engine.tokenizer.encode(f"Tale {i}: in a land far away") for i in range(batch)]
+            if args.context:  # long prompts, their K/V computed (and cached) before the clock starts
+                prompts = [long_prompt(engine.tokenizer, i, args.context) for i in range(batch)]
+                engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+                spent.clear()
+                loops.clear()
+                resumes.clear()
+                if native_step is not None:
+                    native_step.profile.zero_()
             steps, bursts_before = engine.stats().num_steps, engine.stats().num_burst_steps
             seeded = [measured if args.seed is None else dataclasses.replace(measured, seed=args.seed + i)
                       for i in range(batch)]  # a seed each: the rows' draws independent
