@@ -166,7 +166,7 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="the decode attention kernel instead of the products")
     ap.add_argument("--contexts", default="128,512,2048", help="attention: keys per sequence")
     ap.add_argument("--rows", default="1,2,4,8,16,64", help="product row counts")
-    ap.add_argument("--batches", default="1,4,16", help="engine batch sizes")
+    ap.add_argument("--batches", default="1,4,16", help="engine batch sizes; attention: sequences per call")
     ap.add_argument("--rounds", type=int, default=None,
                     help="turns per build (40 products, 6 engine runs, 16 attention calls)")
     ap.add_argument("--tokens", type=int, default=128)

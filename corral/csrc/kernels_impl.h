@@ -523,8 +523,8 @@ static inline void for_each_row(const KV* cache, const float* scales, int64_t sc
 }
 
 // Consecutive query rows with the same block table (a decode and its draft: one sequence, one query per position)
-// form a run: [run_start[r], run_start[r + 1]). A job is (run, KV head) and reads each K/V row once for all of the
-// run's queries, each query seeing its own context length.
+// form a run: [run_start[r], run_start[r + 1]). A job reads each K/V row of its run once for all of the run's
+// queries, each query seeing its own context length.
 static std::vector<int64_t> query_runs(const int64_t* tables, int64_t table_stride, int64_t num_seqs) {
     std::vector<int64_t> starts;
     for (int64_t s = 0; s < num_seqs; ++s)
@@ -708,9 +708,10 @@ CORRAL_INLINE float lane_max(vfn x) {  // the largest lane, by halving: the uppe
 }
 
 static const int64_t DECODE_KEYS = 16;  // keys per block: a query's scores are one to four vectors
-// Keys per job. A long context is cut into chunks of this many keys, each (run, KV head, chunk) a job, their
-// partial softmax sums merged after, so that one sequence's few KV heads still keep every thread busy. The size is
-// fixed, not taken from the thread count or the batch, so a row's arithmetic never depends on either.
+// Keys per job. A long context is cut into chunks of this many keys, each (run, chunk) with one KV head or all of
+// them a job (decode_blocked), their partial softmax sums merged after, so that one sequence's few KV heads still
+// keep every thread busy. The size is fixed, not taken from the thread count or the batch, so a row's arithmetic
+// never depends on either.
 static const int64_t DECODE_CHUNK = 256;
 
 // A query's weights for one key block, on a cache line of its own: the loop that writes them is vectorized with a
@@ -775,9 +776,10 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
         first_part[r + 1] = first_part[r] + (runs[r + 1] - runs[r]) * chunks[r];
     }
     // A job is (run, chunk, group of KV heads). Its heads' rows lie side by side in each token's slot, and it reads
-    // them block by block, head after head: the cache's lines in the order they lie, each line whole, where a job
-    // per head read a third of each line's neighbours (SmolLM2's 3 KV heads). Every head to a job where that
-    // leaves each thread four jobs or more, else a head to a job; a head's arithmetic is the same either way.
+    // them block by block, head after head: a slot's adjacent lines together, in the order they lie, where a job
+    // per head read one head's lines of each slot (a third of them for SmolLM2's 3 KV heads) and left the rest to
+    // other jobs, often on the other core. Every head to a job where that leaves each thread four jobs or more, else
+    // a head to a job; a head's arithmetic is the same either way.
     const int64_t total_chunks = std::accumulate(chunks.begin(), chunks.end(), int64_t(0));
     const int64_t per_job = total_chunks >= 4 * int64_t(num_threads) ? num_kv_heads : 1;
     const int64_t head_groups = num_kv_heads / per_job;
@@ -828,15 +830,15 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
             // table lookup for it, and one for the next block's keys, asked for while these are read
             const bool whole = block_size % KEYS == 0;
             for (int64_t t0 = begin; t0 < end; t0 += KEYS) {
+                const int64_t count = std::min(KEYS, end - t0);
+                const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
+                const int64_t ahead = t0 + KEYS;
+                const int64_t next =
+                    whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size : -1;
                 for (int64_t g = g0; g < g1; ++g) {  // the heads one after the other, each its own work
                     const int64_t h0 = (g - g0) * queries;  // head g's first query in the buffers
                     const float* ks = k_scale ? k_scale + g : nullptr;
                     const float* vs = v_scale ? v_scale + g : nullptr;
-                    const int64_t count = std::min(KEYS, end - t0);
-                    const int64_t base = whole ? table[t0 / block_size] * block_size + t0 % block_size : 0;
-                    const int64_t ahead = t0 + KEYS;
-                    const int64_t next =
-                        whole && ahead < end ? table[ahead / block_size] * block_size + ahead % block_size : -1;
                     for (int64_t i = 0; i < KEYS; ++i) {
                         if (i >= count) {  // past the context: never read, zero so a zero weight stays zero
                             std::fill(kb[i], kb[i] + DIM, 0.0f);
@@ -923,12 +925,16 @@ static void decode_blocked(const T* q, const KV* k_cache, const KV* v_cache, con
                         float* const a = acc.data() + (h0 + qi) * DIM;
                         if (visible == 0) {
                             qi += width;
-                        } else if (width > 1 && visible == KEYS) {  // (width <= NQ) a GQA group of 3 goes as 3
+                        } else if (width > 1 && visible == KEYS) {  // width <= NQ: 3 go as 3 where NQ is 4
                             const float* w = weights[h0 + qi].w;
                             const float* shrink = shrinks.data() + h0 + qi;
-                            if (width == 4) weigh_values<DIM, 4>(a, w, shrink, &vb[0][0], KEYS);
-                            else if (width == 3) weigh_values<DIM, 3>(a, w, shrink, &vb[0][0], KEYS);
-                            else weigh_values<DIM, 2>(a, w, shrink, &vb[0][0], KEYS);
+                            if constexpr (NQ >= 4) {
+                                if (width == 4) weigh_values<DIM, 4>(a, w, shrink, &vb[0][0], KEYS);
+                                else if (width == 3) weigh_values<DIM, 3>(a, w, shrink, &vb[0][0], KEYS);
+                                else weigh_values<DIM, 2>(a, w, shrink, &vb[0][0], KEYS);
+                            } else if constexpr (NQ >= 2) {
+                                weigh_values<DIM, 2>(a, w, shrink, &vb[0][0], KEYS);
+                            }
                             qi += width;
                         } else {
                             weigh_values<DIM, 1>(a, weights[h0 + qi].w, shrinks.data() + h0 + qi, &vb[0][0],

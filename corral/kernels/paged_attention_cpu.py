@@ -4,11 +4,13 @@ pool, with no gather and no padding.
 The operation is :mod:`corral.kernels.paged_attention`'s with ``q_len = 1`` for every sequence (its pseudo-code
 is the contract; :func:`~corral.kernels.paged_attention.paged_attention_torch` is the oracle). Consecutive rows
 with one block table (a decode and its draft) form a run, whose keys are read once for all its queries, each
-query seeing its own context length. For head sizes 64 and 128 the kernel is flash-decoding: per (run, KV head,
-chunk of 256 keys) it widens a block of 16 keys' rows into an L1 buffer, takes each query's 16 scores as vector
-FMAs reduced together, keeps a running max and sum, and accumulates the weighted values in registers; the chunks'
-partial results are merged per query. The chunks keep both threads busy on one sequence's three KV heads, and
-their fixed size keeps a row's arithmetic the same in any batch and on any thread count. Other head sizes take a
+query seeing its own context length. For head sizes 64 and 128 the kernel is flash-decoding: per (run, chunk
+of 256 keys, one KV head or all of them) it widens a block of 16 keys' rows into an L1 buffer, takes each
+query's 16 scores as vector FMAs reduced together, keeps a running max and sum, and accumulates the weighted
+values in registers; the chunks' partial results are merged per query. The chunks keep both threads busy on one
+sequence's three KV heads (a job takes all of a chunk's heads, reading each token's slot whole, only where there
+are chunks enough for that), and their fixed size keeps a row's arithmetic the same in any batch and on any
+thread count. Other head sizes take a
 two-pass kernel (scores, exact softmax, weighted sum). The torch path it replaces gathered every context into a
 padded copy, layer after layer, and that copy was most of a CPU decode step.
 

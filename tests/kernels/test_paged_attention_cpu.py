@@ -159,11 +159,13 @@ def test_a_run_of_queries_on_one_table_equals_each_query_alone(kv, context, dim)
 
 @pytest.mark.parametrize("kv", ["bfloat16", "int8"])
 def test_a_heads_arithmetic_does_not_depend_on_how_many_heads_its_job_takes(kv):
-    """A job reads a group of KV heads together, as many as leave every thread four jobs: a long context over few
-    threads puts every head of a chunk in one job, a short one or many threads one head in each. The rows' bits
-    are the same whichever: a 2,100-key context (9 chunks of 256) over 1, 2 and 8 threads, beside the same row
-    at 40 keys (one chunk) in one call."""
-    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [2100], dtype=torch.float32, seed=6)
+    """A job takes every KV head of its chunk where the call has four chunks (of 256 keys) or more per thread,
+    else one head: a long context over few threads puts a chunk's heads in one job, a short one or many threads
+    one head in each. The rows' bits are the same whichever: a 2,100-key row (9 chunks) and a 40-key row on a
+    table of its own (a second run), together and each alone, over 1, 2 and 8 threads. Together over 1 and 2
+    threads both runs are in jobs of every head; the 40-key row alone, and every call over 8 threads, in jobs
+    of one head."""
+    q, k_cache, v_cache, tables, _ = make_case(9, 3, 64, 16, [2100, 40], dtype=torch.float32, seed=6)
     scales = (None, None)
     if kv == "bfloat16":
         k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
@@ -172,7 +174,7 @@ def test_a_heads_arithmetic_does_not_depend_on_how_many_heads_its_job_takes(kv):
         k_cache, v_cache = k.view_as(k_cache), v.view_as(v_cache)
         scales = (ks.view(k_cache.shape[:3]), vs.view(k_cache.shape[:3]))
     rows_q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(7))
-    row_tables, lens = tables.expand(2, -1).contiguous(), torch.tensor([2100, 40])
+    row_tables, lens = tables, torch.tensor([2100, 40])
     threads = torch.get_num_threads()
     outputs = []
     try:
