@@ -11,8 +11,8 @@ so this loads the other build's ``_native`` module file beside this checkout's a
   module object the engine calls swapped between runs; the outputs (tokens and logprobs) must be identical.
 - ``--attention``: the decode attention kernel alone, SmolLM2's heads (9 query heads, 3 KV heads of 64) over a
   bfloat16 cache, ``--batches`` sequences at each of ``--contexts`` keys, once with one layer's cache (warm after
-  the first round) and once cycling through 60 layers' caches (each read from memory, as in a decode step); the
-  outputs must be the same bits. Each figure includes the call's Python binding (a few microseconds).
+  the first round) and once cycling through 60 layers' caches (each read from memory, as in a decode step); every
+  layer's output must be the same bits. Each figure includes the call's Python binding (a few microseconds).
 
 ``CORRAL_QMATMUL_ISA`` picks the product variant for both builds (each chooses it as it loads). The other build
 is any checkout built in place, for example:
@@ -107,18 +107,18 @@ def attention_calls(this, other, contexts: list[int], batches: list[int], rounds
                 q = torch.randn(seqs, 9, 64, generator=gen)
                 tables = torch.arange(blocks * seqs).view(seqs, blocks)
                 lens = torch.full((seqs,), context)
-                outs = {name: torch.empty(seqs, 9 * 64) for name in ("other", "this")}
+                outs = {name: [torch.empty(seqs, 9 * 64) for _ in caches] for name in ("other", "this")}
+                targets = {name: [buffer(o) for o in outs[name]] for name in outs}  # a layer's output each
                 args = [(buffer(k), buffer(v)) for k, v in caches]
                 qb, tb, lb = buffer(q), buffer(tables), buffer(lens)
                 times = {"other": [], "this": []}
                 for r in range(rounds):
                     for name, module in (("other", other), ("this", this))[:: 1 if r % 2 else -1]:
-                        out = buffer(outs[name])
                         start = time.perf_counter()
-                        for kb, vb in args:
+                        for (kb, vb), out in zip(args, targets[name]):
                             module.paged_decode(qb, kb, vb, tb, lb, out, 0.125, torch.get_num_threads(), None, None)
                         times[name].append((time.perf_counter() - start) / layers * 1e6)
-                equal = torch.equal(outs["other"], outs["this"])
+                equal = all(torch.equal(a, b) for a, b in zip(outs["other"], outs["this"]))
                 same = same and equal
                 print(f"| {context} | {seqs} | {layers} | {ratio(times['other'], times['this'])} | {equal} |")
     return same

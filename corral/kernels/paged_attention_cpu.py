@@ -10,9 +10,9 @@ query's 16 scores as vector FMAs reduced together, keeps a running max and sum, 
 values in registers; the chunks' partial results are merged per query. The chunks keep both threads busy on one
 sequence's three KV heads (a job takes all of a chunk's heads, reading each token's slot whole, only where there
 are chunks enough for that), and their fixed size keeps a row's arithmetic the same in any batch and on any
-thread count. Other head sizes take a
-two-pass kernel (scores, exact softmax, weighted sum). The torch path it replaces gathered every context into a
-padded copy, layer after layer, and that copy was most of a CPU decode step.
+thread count. Other head sizes take a two-pass kernel (scores, exact softmax, weighted sum). The torch path it
+replaces gathered every context into a padded copy, layer after layer, and that copy was most of a CPU decode
+step.
 
 The kernels are C++ in the native module (``corral/csrc/kernels_impl.h``), OpenMP; they check every buffer, and
 every block id and context length they are handed, before they read the cache. Where the module is off or
