@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from corral.engine import hugepages
 from corral.engine.quant import quantize_int8_rows
 from corral.kernels.paged_attention_cpu import causal_prefill, paged_decode, prefill_paged, serves_prefill
 
@@ -45,10 +46,11 @@ class KVCache(NamedTuple):
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        zeros = hugepages.zeros  # on 2 MiB pages where the OS gives them: a long context's keys are read each step
         if dtype != torch.int8:
-            return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                   torch.zeros(shape[:3], dtype=torch.float32), torch.zeros(shape[:3], dtype=torch.float32))
+            return cls(zeros(shape, dtype), zeros(shape, dtype))
+        return cls(zeros(shape, dtype), zeros(shape, dtype), zeros(shape[:3], torch.float32),
+                   zeros(shape[:3], torch.float32))
 
     def layer(self, index: int) -> "KVCache":
         """Layer ``index`` of a cache allocated for every layer at once (a leading layer dimension): views."""

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q8Tiles, concat_q4,
                                  quantize_int4)
@@ -123,10 +124,11 @@ class NativeStep:
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
         layers = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
-        self.layer_tiles = torch.cat([layer.tiles.flatten() for layer in layers])
+        self.layer_tiles = hugepages.zeros((sum(layer.tiles.numel() for layer in layers),), torch.uint8)
         offset = 0
         for layer in layers:
             size = layer.tiles.numel()
+            self.layer_tiles[offset: offset + size].copy_(layer.tiles.flatten())
             layer.tiles = self.layer_tiles[offset: offset + size].view(layer.tiles.shape)
             offset += size
         self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from corral.engine import awq
+from corral.engine import awq, hugepages
 from corral.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, group_prefills
 from corral.engine.config import EngineConfig, kv_torch_dtype
 from corral.engine.model import LlamaModel
@@ -65,6 +65,9 @@ class ModelRunner:
         log.info("decode step: %s", self.decode_path)
         self._log_kv_bill(bytes_per_token, kv_dtype)
         log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
+        log.info("huge pages: %s; %.1f MiB of this process on 2 MiB pages", "asked for the streamed weights and the "
+                 "KV cache" if hugepages.AVAILABLE else "off (not Linux, transparent huge pages 'never', or "
+                 "CORRAL_HUGE_PAGES=0)", hugepages.huge_bytes() / 2**20)
 
     @staticmethod
     def load_model(config: EngineConfig, model_config: ModelConfig, files: ModelFiles) -> LlamaModel:

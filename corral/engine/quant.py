@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from corral import native
+from corral.engine import hugepages
 from corral.errors import InvalidRequestError
 from corral.kernels.cpu_ops import buffer
 from corral.kernels.int4_matmul import int4_matmul, pack_int4
@@ -292,7 +293,7 @@ class Q8Tiles:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.tiles = pack_q8_tiles(*quantize_q8_blocks(weight))
+        self.tiles = hugepages.copy(pack_q8_tiles(*quantize_q8_blocks(weight)))  # streamed whole each step
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return native_matmul("q8_matmul", x, self.tiles, self.out_features)
