@@ -9,9 +9,10 @@ both sides: Corral's ``disable_any_whitespace: false`` and llama.cpp's own JSON 
 whitespace) end where the model ends them: tokens per second are over the tokens produced, and requests/s.
 
 Cells: short prompts at 1, 4, 16 and 64 concurrent clients (128 output tokens each), prompts of 50-500 tokens
-at 16 clients (32-256 output tokens), JSON schemas at 1, 4, 16 and 64 clients (8, 16, 64 and 64 schemas, no
-schema in two cells; up to 192 tokens), and 32 requests that
-share a 1,000-token system prompt at 16 clients. Each cell has a fixed request count; the engines take turns
+at 16 clients (32-256 output tokens), prompts of 1,750-1,800 tokens at 1 and 4 clients (128 output tokens: a long
+context, within llama-server's 2,048 tokens per slot), JSON schemas at 1, 4, 16 and 64 clients (8, 16, 64 and 64
+schemas, no schema in two cells; up to 192 tokens), and 32 requests that share a 1,000-token system prompt at 16
+clients. Each cell has a fixed request count; the engines take turns
 cell by cell, so a slow minute on this shared machine hits both. A cell's requests are all distinct from the
 warm-up's and from every other cell's (no accidental prefix-cache hits); both engines keep their prompt cache
 on, as they ship.
@@ -183,6 +184,8 @@ def make_cells(seed: int) -> list[Cell]:
         Cell("short-64", 64, free_text("short-64", 64, seed + 3), hf_batch=64),
         Cell("long-16", 16, free_text("long-16", 32, seed + 4, prompt_words=(40, 450), outputs=(32, 256)),
              hf_batch=16),
+        Cell("context-1", 1, free_text("context-1", 4, seed + 6, prompt_words=(1700, 1800))),
+        Cell("context-4", 4, free_text("context-4", 8, seed + 7, prompt_words=(1700, 1800))),
         Cell("json-1", 1, json_requests(8, offset=1)),
         Cell("json-4", 4, json_requests(16, offset=2)),
         Cell("json-16", 16, json_requests(64)),
