@@ -13,6 +13,9 @@ so this loads the other build's ``_native`` module file beside this checkout's a
   bfloat16 cache, ``--batches`` sequences at each of ``--contexts`` keys, once with one layer's cache (warm after
   the first round) and once cycling through 60 layers' caches (each read from memory, as in a decode step); every
   layer's output must be the same bits. Each figure includes the call's Python binding (a few microseconds).
+- ``--prefill``: the float32 prefill attention alone, SmolLM2's heads, a fresh prompt of each of ``--contexts``
+  tokens (the causal kernel over its own K and V), then the same prompt's last 64 tokens over the rest of it in a
+  bfloat16 paged cache (the kernel of a prefix-cache hit); outputs must be the same bits.
 
 ``CORRAL_QMATMUL_ISA`` picks the product variant for both builds (each chooses it as it loads). The other build
 is any checkout built in place, for example:
@@ -21,6 +24,7 @@ is any checkout built in place, for example:
     .venv/bin/python bench/native_ab.py /tmp/before/corral/_native.cpython-311-x86_64-linux-gnu.so
     .venv/bin/python bench/native_ab.py OTHER.so --engine --batches 1,4,16 --decode-burst 1
     .venv/bin/python bench/native_ab.py OTHER.so --attention --contexts 128,512,2048 --batches 1,4,16
+    .venv/bin/python bench/native_ab.py OTHER.so --prefill --contexts 128,455,1000,1800
 """
 
 import argparse
@@ -124,6 +128,43 @@ def attention_calls(this, other, contexts: list[int], batches: list[int], rounds
     return same
 
 
+def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
+    """The causal prefill and the paged prefill (its last 64 tokens over the rest, bfloat16 blocks of 16) of one
+    layer, per prompt length."""
+    heads, kv_heads, dim, size = 9, 3, 64, 16
+    same = True
+    print("| tokens | kernel | ms per call: other -> this | same bits |\n|---|---|---|---|")
+    for n in contexts:
+        gen = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+        blocks = -(-n // size)
+        table = torch.randperm(blocks, generator=gen)
+        k_cache, v_cache = (torch.zeros(blocks, size, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+        slots = table.repeat_interleave(size)[:n] * size + torch.arange(n) % size
+        k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k.bfloat16(), v.bfloat16()
+        tail = min(64, n)
+        calls = {
+            "causal": lambda m, out: m.causal_prefill(buffer(q), buffer(k), buffer(v), buffer(out), dim ** -0.5,
+                                                     torch.get_num_threads()),
+            "paged": lambda m, out: m.prefill_paged(buffer(q[n - tail:]), buffer(k_cache), buffer(v_cache),
+                                                    buffer(table), n, buffer(out), dim ** -0.5,
+                                                    torch.get_num_threads(), None, None)}
+        for kernel, call in calls.items():
+            rows = n if kernel == "causal" else tail
+            times, outputs = {"other": [], "this": []}, {}
+            for r in range(rounds):
+                for name, module in (("other", other), ("this", this))[:: 1 if r % 2 else -1]:
+                    out = torch.empty(rows, heads * dim)
+                    start = time.perf_counter()
+                    call(module, out)
+                    times[name].append((time.perf_counter() - start) * 1e3)
+                    outputs.setdefault(name, out)
+            equal = torch.equal(outputs["other"], outputs["this"])
+            same = same and equal
+            print(f"| {n} | {kernel} | {ratio(times['other'], times['this'])} | {equal} |")
+    return same
+
+
 def engine_runs(this, other, batches: list[int], rounds: int, tokens: int, burst: int) -> bool:
     from corral.engine import EngineConfig, LLMEngine
     from corral.engine.sampling_params import SamplingParams
@@ -164,6 +205,7 @@ def main() -> int:
     ap.add_argument("other", help="the other build's _native module file")
     ap.add_argument("--engine", action="store_true", help="the whole engine instead of the products")
     ap.add_argument("--attention", action="store_true", help="the decode attention kernel instead of the products")
+    ap.add_argument("--prefill", action="store_true", help="the prefill attention kernels instead of the products")
     ap.add_argument("--contexts", default="128,512,2048", help="attention: keys per sequence")
     ap.add_argument("--rows", default="1,2,4,8,16,64", help="product row counts")
     ap.add_argument("--batches", default="1,4,16", help="engine batch sizes; attention: sequences per call")
@@ -180,7 +222,9 @@ def main() -> int:
     other = load_other(args.other)
     print(f"# {cpu_summary()}; {args.threads} threads; products: this {this.qmatmul_isa}, other "
           f"{other.qmatmul_isa}; other: {args.other}")
-    if args.attention:
+    if args.prefill:
+        ok = prefill_calls(this, other, [int(c) for c in args.contexts.split(",")], args.rounds or 10)
+    elif args.attention:
         ok = attention_calls(this, other, [int(c) for c in args.contexts.split(",")],
                              [int(b) for b in args.batches.split(",")], args.rounds or 16)
     elif args.engine:

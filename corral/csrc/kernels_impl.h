@@ -1015,10 +1015,21 @@ static float* scratch(int which, std::vector<float>& own, size_t n) {
     return kept[which].data();
 }
 
+// Where key t's coordinate d of KV head g lies in a prefill's transposed keys: per head, `padded` keys (a multiple
+// of PREFILL_KEYS, zero past the real ones) in blocks of PREFILL_KEYS, each block DIM rows of PREFILL_KEYS floats, so
+// one block's keys are one contiguous run (8 KiB at DIM 64). Laid out as one row of every key per coordinate, a
+// block's keys were 64 lines `padded` floats apart (past 1,024 keys, each in a page of its own), and the kernel's
+// speed fell with the prompt's length. With the blocks and a whole block's max taken in vectors, SmolLM2's heads on
+// the 2-core Ice Lake Xeon (bench/native_ab.py --prefill, 10 rounds): 455 tokens -18%, 1,000 -32%, 1,800 -26% per
+// call; over a cached context -18% to -30%. The last bits of rows move (the compiler orders the sums differently);
+// the error against float64 attention did not.
+CORRAL_INLINE int64_t kt_index(int64_t g, int64_t d, int64_t t, int64_t padded, int64_t dim) {
+    return g * dim * padded + (t / PREFILL_KEYS) * (dim * PREFILL_KEYS) + d * PREFILL_KEYS + t % PREFILL_KEYS;
+}
+
 // The rows of a prefill: T queries q [T, heads, DIM] (rows q_stride floats apart) at positions offset .. offset +
-// T - 1, query t seeing keys 0 .. offset + t of its KV head. K comes transposed per KV head, kt [g][d][key] with
-// `padded` keys a row (a multiple of PREFILL_KEYS, zero past the real ones: one key block's d-th coordinates are 32
-// adjacent floats), V as rows v_stride floats apart (KV head g at g * DIM). out [T, heads * DIM].
+// T - 1, query t seeing keys 0 .. offset + t of its KV head. K comes transposed per KV head in blocks (kt_index),
+// V as rows v_stride floats apart (KV head g at g * DIM). out [T, heads * DIM].
 template <int DIM>
 static void prefill_rows(const float* q, int64_t q_stride, const float* kt, int64_t padded, const float* v,
                          int64_t v_stride, float* out, int64_t T, int64_t offset, int64_t num_heads,
@@ -1049,10 +1060,10 @@ static void prefill_rows(const float* q, int64_t q_stride, const float* kt, int6
                 vfn s[ROWS][SCORE_VECS];
                 for (int r = 0; r < ROWS; ++r)
                     for (int64_t c = 0; c < SCORE_VECS; ++c) s[r][c] = vfn{};
-                const float* kp = ktg + j0;
+                const float* kp = ktg + j0 * DIM;  // the block's run: DIM rows of KEYS
                 for (int64_t d = 0; d < DIM; ++d) {
                     vfn key[SCORE_VECS];
-                    for (int64_t c = 0; c < SCORE_VECS; ++c) key[c] = vload(kp + d * padded + c * LANES);
+                    for (int64_t c = 0; c < SCORE_VECS; ++c) key[c] = vload(kp + d * KEYS + c * LANES);
                     for (int r = 0; r < ROWS; ++r)
                         for (int64_t c = 0; c < SCORE_VECS; ++c) s[r][c] += qv[r][d] * key[c];
                 }
@@ -1067,7 +1078,13 @@ static void prefill_rows(const float* q, int64_t q_stride, const float* kt, int6
                         continue;
                     }
                     float high = top[r];
-                    for (int64_t j = 0; j < visible; ++j) high = std::max(high, p[r][j]);
+                    if (visible == KEYS) {  // a whole block: its max lane by lane, then across (the same max)
+                        vfn most = s[r][0];
+                        for (int64_t c = 1; c < SCORE_VECS; ++c) most = s[r][c] > most ? s[r][c] : most;
+                        high = std::max(high, lane_max(most));
+                    } else {
+                        for (int64_t j = 0; j < visible; ++j) high = std::max(high, p[r][j]);
+                    }
                     float total = 0.0f;
                     #pragma omp simd reduction(+ : total)
                     for (int64_t j = 0; j < KEYS; ++j) {
@@ -1111,8 +1128,9 @@ static void causal_prefill_impl(const float* q, int64_t q_stride, const float* k
     for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)  // blocks of keys: each thread writes runs of its own
         for (int64_t g = 0; g < num_kv_heads; ++g)
             for (int64_t d = 0; d < DIM; ++d) {
-                float* dst = kt + (g * DIM + d) * padded;
-                for (int64_t t = t0; t < t0 + PREFILL_KEYS; ++t) dst[t] = t < T ? k[t * k_stride + g * DIM + d] : 0.0f;
+                float* dst = kt + kt_index(g, d, t0, padded, DIM);
+                for (int64_t i = 0; i < PREFILL_KEYS; ++i)
+                    dst[i] = t0 + i < T ? k[(t0 + i) * k_stride + g * DIM + d] : 0.0f;
             }
     prefill_rows<DIM>(q, q_stride, kt, padded, v, v_stride, out, T, 0, num_heads, num_kv_heads, scale, num_threads);
 }
@@ -1143,7 +1161,7 @@ static void prefill_paged_impl(const float* q, int64_t q_stride, const KV* k_cac
     for (int64_t t0 = 0; t0 < padded; t0 += PREFILL_KEYS)
         for (int64_t t = t0; t < t0 + PREFILL_KEYS; ++t) {
             if (t >= num_context) {
-                for (int64_t gd = 0; gd < slot; ++gd) kt[gd * padded + t] = 0.0f;
+                for (int64_t gd = 0; gd < slot; ++gd) kt[kt_index(gd / DIM, gd % DIM, t, padded, DIM)] = 0.0f;
                 continue;
             }
             const int64_t at = table[t / block_size] * block_size + t % block_size;
@@ -1154,7 +1172,7 @@ static void prefill_paged_impl(const float* q, int64_t q_stride, const KV* k_cac
                 const float vs = v_scale ? v_scale[at * num_kv_heads + g] : 1.0f;
                 float* vd = vb + t * slot + g * DIM;
                 for (int64_t d = 0; d < DIM; ++d) {
-                    kt[(g * DIM + d) * padded + t] = load(kr[d]) * ks;
+                    kt[kt_index(g, d, t, padded, DIM)] = load(kr[d]) * ks;
                     vd[d] = load(vr[d]) * vs;
                 }
             }
