@@ -9,7 +9,7 @@ both sides: Corral's ``disable_any_whitespace: false`` and llama.cpp's own JSON 
 whitespace) end where the model ends them: tokens per second are over the tokens produced, and requests/s.
 
 Cells: short prompts at 1, 4, 16 and 64 concurrent clients (128 output tokens each), prompts of 50-500 tokens
-at 16 clients (32-256 output tokens), prompts of 1,750-1,800 tokens at 1 and 4 clients (128 output tokens: a long
+at 16 clients (32-256 output tokens), prompts of about 1,750-1,830 tokens at 1 and 4 clients (128 output tokens: a long
 context, within llama-server's 2,048 tokens per slot), JSON schemas at 1, 4, 16 and 64 clients (8, 16, 64 and 64
 schemas, no schema in two cells; up to 192 tokens), and 32 requests that share a 1,000-token system prompt at 16
 clients. Each cell has a fixed request count; the engines take turns
@@ -36,7 +36,7 @@ the short-prompt cells at 1, 16 and 64 clients by default, beside llama-server a
 W4A16 take bf16 activations in their matmuls whatever the model dtype (torch's int8/int4 CPU kernels are many
 times slower in fp32); their model dtype is ``auto``'s.
 
-    .venv/bin/python bench/engine.py                     # everything, about 30 minutes on 2 cores
+    .venv/bin/python bench/engine.py                     # everything, about 35-40 minutes on 2 cores
     .venv/bin/python bench/engine.py --cells short-1,json-16 --no-hf
     .venv/bin/python bench/engine.py --formats --no-hf --slots 1,16,64   # about 25 minutes
     .venv/bin/python bench/engine.py --cells short-1,short-4,short-16 --no-hf --no-fp32 --decode-bursts 1

@@ -53,14 +53,19 @@ def main() -> int:
     if not hugepages.AVAILABLE:
         raise SystemExit("huge pages are not available here (not Linux, transparent huge pages 'never', or "
                          "CORRAL_HUGE_PAGES=0): nothing to compare")
+    with open(hugepages._SETTING) as f:
+        if "[madvise]" not in f.read():  # at 'always' the baseline's torch.zeros would get huge pages too
+            raise SystemExit("transparent huge pages are not at 'madvise' here: the 4 KiB baseline would not be one")
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads; {args.format}, "
           f"context {args.context or 'short'}, {args.tokens} tokens, decode burst {args.decode_burst}")
+    start = hugepages.huge_bytes()
     engines = {"4 KiB": build(False, args, max(batches))}
     before = hugepages.huge_bytes()
     engines["2 MiB"] = build(True, args, max(batches))
-    print(f"# the 2 MiB engine's buffers: {(hugepages.huge_bytes() - before) / 2**20:.0f} MiB on huge pages")
+    print(f"# on huge pages: the 4 KiB engine's buffers {(before - start) / 2**20:.0f} MiB, the 2 MiB engine's "
+          f"{(hugepages.huge_bytes() - before) / 2**20:.0f} MiB")
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for batch in batches:
         rates = {name: [] for name in engines}

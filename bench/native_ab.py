@@ -15,7 +15,10 @@ so this loads the other build's ``_native`` module file beside this checkout's a
   layer's output must be the same bits. Each figure includes the call's Python binding (a few microseconds).
 - ``--prefill``: the float32 prefill attention alone, SmolLM2's heads, a fresh prompt of each of ``--contexts``
   tokens (the causal kernel over its own K and V), then the same prompt's last 64 tokens over the rest of it in a
-  bfloat16 paged cache (the kernel of a prefix-cache hit); outputs must be the same bits.
+  bfloat16 paged cache (the kernel of a prefix-cache hit). Each build's largest error against float64 attention
+  (of the same float32 inputs, the cache's keys as bfloat16 holds them) is printed, and this build's must stay
+  within twice the other's or 1e-5; the same bits are reported, not required (a kernel that orders its sums anew
+  moves the last bits).
 
 ``CORRAL_QMATMUL_ISA`` picks the product variant for both builds (each chooses it as it loads). The other build
 is any checkout built in place, for example:
@@ -128,12 +131,22 @@ def attention_calls(this, other, contexts: list[int], batches: list[int], rounds
     return same
 
 
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+    """Causal attention of q [n, heads, D] over k/v [n, kv_heads, D] in float64, [n, heads * D]."""
+    dim = q.shape[-1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1).unsqueeze(0) for t in (q, k, v)), is_causal=True, enable_gqa=True,
+        scale=dim ** -0.5)
+    return out[0].transpose(0, 1).reshape(n, -1)
+
+
 def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
     """The causal prefill and the paged prefill (its last 64 tokens over the rest, bfloat16 blocks of 16) of one
     layer, per prompt length."""
     heads, kv_heads, dim, size = 9, 3, 64, 16
     same = True
-    print("| tokens | kernel | ms per call: other -> this | same bits |\n|---|---|---|---|")
+    print("| tokens | kernel | ms per call: other -> this | same bits | error vs float64: other, this |\n"
+          "|---|---|---|---|---|")
     for n in contexts:
         gen = torch.Generator().manual_seed(n)
         q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
@@ -143,6 +156,8 @@ def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
         slots = table.repeat_interleave(size)[:n] * size + torch.arange(n) % size
         k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k.bfloat16(), v.bfloat16()
         tail = min(64, n)
+        kb, vb = k.bfloat16().float(), v.bfloat16().float()  # what the paged kernel reads
+        reference = {"causal": exact(q, k, v, n), "paged": exact(q, kb, vb, n)[n - tail:]}
         calls = {
             "causal": lambda m, out: m.causal_prefill(buffer(q), buffer(k), buffer(v), buffer(out), dim ** -0.5,
                                                      torch.get_num_threads()),
@@ -159,9 +174,10 @@ def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
                     call(module, out)
                     times[name].append((time.perf_counter() - start) * 1e3)
                     outputs.setdefault(name, out)
-            equal = torch.equal(outputs["other"], outputs["this"])
-            same = same and equal
-            print(f"| {n} | {kernel} | {ratio(times['other'], times['this'])} | {equal} |")
+            errors = {name: float((out.double() - reference[kernel]).abs().max()) for name, out in outputs.items()}
+            same = same and errors["this"] <= max(2 * errors["other"], 1e-5)
+            print(f"| {n} | {kernel} | {ratio(times['other'], times['this'])} | "
+                  f"{torch.equal(outputs['other'], outputs['this'])} | {errors['other']:.1e}, {errors['this']:.1e} |")
     return same
 
 

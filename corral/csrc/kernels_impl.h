@@ -1020,8 +1020,8 @@ static float* scratch(int which, std::vector<float>& own, size_t n) {
 // one block's keys are one contiguous run (8 KiB at DIM 64). Laid out as one row of every key per coordinate, a
 // block's keys were 64 lines `padded` floats apart (past 1,024 keys, each in a page of its own), and the kernel's
 // speed fell with the prompt's length. With the blocks and a whole block's max taken in vectors, SmolLM2's heads on
-// the 2-core Ice Lake Xeon (bench/native_ab.py --prefill, 10 rounds): 455 tokens -18%, 1,000 -32%, 1,800 -26% per
-// call; over a cached context -18% to -30%. The last bits of rows move (the compiler orders the sums differently);
+// the 2-core Ice Lake Xeon (bench/native_ab.py --prefill, three runs): 455 tokens -12 to -18%, 1,000 -32 to -34%,
+// 1,800 -14 to -34% per call; over a cached context -12% to -41%. The last bits of rows move (the compiler orders the sums differently);
 // the error against float64 attention did not.
 CORRAL_INLINE int64_t kt_index(int64_t g, int64_t d, int64_t t, int64_t padded, int64_t dim) {
     return g * dim * padded + (t / PREFILL_KEYS) * (dim * PREFILL_KEYS) + d * PREFILL_KEYS + t % PREFILL_KEYS;

@@ -123,14 +123,7 @@ class NativeStep:
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
-        layers = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
-        self.layer_tiles = hugepages.zeros((sum(layer.tiles.numel() for layer in layers),), torch.uint8)
-        offset = 0
-        for layer in layers:
-            size = layer.tiles.numel()
-            self.layer_tiles[offset: offset + size].copy_(layer.tiles.flatten())
-            layer.tiles = self.layer_tiles[offset: offset + size].view(layer.tiles.shape)
-            offset += size
+        self.layer_tiles = self._gather_tiles(model)
         self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +
                                  [model.final_norm]).float().contiguous()
         self.spec = torch.tensor([cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -144,6 +137,20 @@ class NativeStep:
         self._block_size = 0  # spec[7], as a Python int: reading the tensor would be a torch call per step
         self._decode_args: tuple | None = None  # decode()'s caches and the buffers it passes at every call
         self._outputs = _StepOutputs(cfg.hidden_size, model.lm_head.out_features if self.head_tiles is not None else 0)
+
+    @staticmethod
+    def _gather_tiles(model: "LlamaModel") -> torch.Tensor:
+        """Every layer's tiles in one buffer (on huge pages where granted: the step streams it whole), in layer
+        order, each layer's :class:`Q4Tiles` then a view of its part."""
+        layers = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+        gathered = hugepages.zeros((sum(layer.tiles.numel() for layer in layers),), torch.uint8)
+        offset = 0
+        for layer in layers:
+            size = layer.tiles.numel()
+            gathered[offset: offset + size].copy_(layer.tiles.flatten())
+            layer.tiles = gathered[offset: offset + size].view(layer.tiles.shape)
+            offset += size
+        return gathered
 
     def _view(self, tensor: torch.Tensor):
         """The buffer of a tensor that lives across steps (weights, tables, the KV cache), made once: a step

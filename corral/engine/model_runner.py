@@ -65,9 +65,10 @@ class ModelRunner:
         log.info("decode step: %s", self.decode_path)
         self._log_kv_bill(bytes_per_token, kv_dtype)
         log.info("weights: %s linears, %.1f MiB in all", config.quantization, self.model.weight_bytes() / 2**20)
-        log.info("huge pages: %s; %.1f MiB of this process on 2 MiB pages", "asked for the streamed weights and the "
-                 "KV cache" if hugepages.AVAILABLE else "off (not Linux, transparent huge pages 'never', or "
-                 "CORRAL_HUGE_PAGES=0)", hugepages.huge_bytes() / 2**20)
+        log.info("huge pages: %s; %.1f MiB of this process on them", f"asked for the streamed weights and the KV "
+                 f"cache, buffers of {hugepages.MIN_BYTES >> 20} MiB and up" if hugepages.AVAILABLE else "off (not "
+                 "Linux, no MADV_HUGEPAGE, transparent huge pages 'never' or unreadable, or CORRAL_HUGE_PAGES=0)",
+                 hugepages.huge_bytes() / 2**20)
 
     @staticmethod
     def load_model(config: EngineConfig, model_config: ModelConfig, files: ModelFiles) -> LlamaModel:
