@@ -125,3 +125,15 @@ def test_the_native_steps_layer_tiles_are_allocated_there(monkeypatch):
     tiles = model_module.NativeStep._gather_tiles(fake)
     assert made == [((52,), torch.uint8)] and tiles.numel() == 52
     assert layers[1]["down"].tiles.data_ptr() == tiles.data_ptr() + 41  # the layers view the one buffer
+
+
+def test_the_native_steps_logits_buffer_is_allocated_there(monkeypatch):
+    from corral.engine import model as model_module
+
+    made = []
+    real = hugepages.zeros
+    monkeypatch.setattr(model_module.hugepages, "zeros",
+                        lambda shape, dtype: made.append((tuple(shape), dtype)) or real(shape, dtype))
+    outputs = model_module._StepOutputs(576, 1000)
+    hidden, logits, _, _ = outputs.rows(3)
+    assert made == [((8, 1000), torch.float32)] and logits.shape == (3, 1000) and hidden.shape == (3, 576)
