@@ -1,5 +1,5 @@
-"""What 2 MiB pages buy the decode step: two engines in one process, the same formats, one with its streamed weights
-and KV cache on huge pages (corral/engine/hugepages.py) and one in 4 KiB pages, taking turns.
+"""What 2 MiB pages buy the decode step: two engines in one process, the same formats, one with its streamed weights,
+KV cache and logits buffer on huge pages (corral/engine/hugepages.py) and one in 4 KiB pages, taking turns.
 
 Each round, each engine decodes ``--tokens`` greedy tokens (EOS ignored, drafts off, bursts as a server runs them)
 for a batch of fresh prompts; at ``--context N`` the prompts are N tokens, computed into the prefix cache before the

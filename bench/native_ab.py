@@ -144,7 +144,7 @@ def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
     """The causal prefill and the paged prefill (its last 64 tokens over the rest, bfloat16 blocks of 16) of one
     layer, per prompt length."""
     heads, kv_heads, dim, size = 9, 3, 64, 16
-    same = True
+    ok = True
     print("| tokens | kernel | ms per call: other -> this | same bits | error vs float64: other, this |\n"
           "|---|---|---|---|---|")
     for n in contexts:
@@ -175,10 +175,10 @@ def prefill_calls(this, other, contexts: list[int], rounds: int) -> bool:
                     times[name].append((time.perf_counter() - start) * 1e3)
                     outputs.setdefault(name, out)
             errors = {name: float((out.double() - reference[kernel]).abs().max()) for name, out in outputs.items()}
-            same = same and errors["this"] <= max(2 * errors["other"], 1e-5)
+            ok = ok and errors["this"] <= max(2 * errors["other"], 1e-5)
             print(f"| {n} | {kernel} | {ratio(times['other'], times['this'])} | "
                   f"{torch.equal(outputs['other'], outputs['this'])} | {errors['other']:.1e}, {errors['this']:.1e} |")
-    return same
+    return ok
 
 
 def engine_runs(this, other, batches: list[int], rounds: int, tokens: int, burst: int) -> bool:

@@ -1,4 +1,5 @@
-"""Long-lived buffers on 2 MiB pages: the weights a decode step streams through and the KV cache it reads.
+"""Long-lived buffers on 2 MiB pages: the weights a decode step streams through, the KV cache it reads and the
+native step's logits buffer it writes.
 
 A decode step reads every weight byte once (66 MB for SmolLM2's layers in W4A8, 30 MB more for its LM head) and,
 at a long context, every cached key and value of its sequences. In 4 KiB pages that is one page walk per 4 KiB
@@ -14,6 +15,7 @@ page more per buffer). Where memory is fragmented, the kernel may compact it whi
 """
 
 import logging
+import math
 import mmap
 import os
 import sys
@@ -62,9 +64,7 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)``, in a mapping of its own on huge pages where :data:`AVAILABLE` and the
     buffer is at least :data:`MIN_BYTES`."""
     shape = tuple(shape)
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if not AVAILABLE or nbytes < MIN_BYTES:
         return torch.zeros(shape, dtype=dtype)
