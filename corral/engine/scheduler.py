@@ -56,6 +56,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        plain = self._plain_decodes()
+        if plain is not None:
+            return plain
         budget = self.max_num_batched_tokens
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id → (seq, tokens), insertion order = batch order
         preempted: list[Sequence] = []
@@ -88,6 +91,22 @@ class Scheduler:
             budget = self._admit(planned, budget)
         seqs = [seq for seq, _ in planned.values()]
         return ScheduledBatch(seqs, [n for _, n in planned.values()], preempted)
+
+    def _plain_decodes(self) -> ScheduledBatch | None:
+        """The usual decode step, where the walk in :meth:`schedule` would change nothing and admit no one: every
+        running sequence decodes its one uncomputed token, with no draft, into room its own last block already
+        has, and the queue is empty. The same batch, in the same order, without the walk; None where any of
+        that does not hold."""
+        running = self.running
+        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+            return None
+        size, refs, live = self.block_manager.block_size, self.block_manager.ref_counts, SequenceStatus.RUNNING
+        for seq in running:
+            computed, table = seq.num_computed_tokens, seq.block_table
+            if seq.draft or len(seq.token_ids) - computed != 1 or seq.status is not live \
+                    or computed >= len(table) * size or refs[table[computed // size]] != 1:
+                return None
+        return ScheduledBatch(list(running), [1] * len(running), [])
 
     def _decodes_first(self) -> list[Sequence]:
         """The running sequences in the order a batch takes them (stable within each kind)."""

@@ -132,3 +132,54 @@ def test_drafted_decodes_come_after_the_other_decodes_and_before_prefills():
     assert d.status is SequenceStatus.RUNNING and sched.running[0] is a
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
         [("b", 1), ("c", 1), ("a", 3), ("d", 7)]
+
+
+def _batch(sched: Scheduler):
+    batch = sched.schedule()
+    return ([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            [s.request_id for s in batch.preempted], [(s.request_id, s.index, s.block_table) for s in sched.running])
+
+
+def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
+    """The steady decode step skips the walk over the running sequences (``_plain_decodes``): over random traffic
+    (arrivals, finishes, drafts, forks sharing a last block, a pool small enough to preempt), wherever it answers,
+    its batch and the block tables after it are those of the walk, and it answers in most decode steps."""
+    import copy
+    import random
+
+    rng = random.Random(7)
+    sched = make(num_blocks=40, block_size=4, max_num_seqs=6, budget=12)
+    answered = decode_steps = shared = 0
+    for i in range(600):
+        if rng.random() < 0.08 and len(sched.waiting) < 3:
+            add(sched, f"r{i}", rng.randint(1, 9), first_token=rng.randint(0, 3) * 100)
+        running = [s for s in sched.running if s.status is SequenceStatus.RUNNING]
+        if running and rng.random() < 0.05:
+            victim = rng.choice(running)
+            sched.finish(victim)
+        for seq in running:
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and rng.random() < 0.04:
+                seq.draft = [rng.randint(0, 50) for _ in range(rng.randint(1, 3))]
+        if running and rng.random() < 0.1 and len(sched.running) < 6:
+            parent = rng.choice(running)
+            if parent.status is SequenceStatus.RUNNING and parent.num_uncomputed_tokens == 1 and not parent.draft:
+                child = parent.fork(1)
+                sched.block_manager.fork(parent, child)
+                child.status = SequenceStatus.RUNNING
+                sched.running.append(child)
+                shared += parent.num_computed_tokens % 4 != 0  # a last block the next write must copy
+        fast = copy.deepcopy(sched)
+        plain = fast._plain_decodes()
+        if all(s.num_uncomputed_tokens == 1 for s in sched.running) and sched.running and not sched.waiting:
+            decode_steps += 1
+        if plain is not None:
+            answered += 1
+            walked = copy.deepcopy(sched)
+            walked._plain_decodes = lambda: None
+            assert _batch(fast) == _batch(walked)
+        step(sched)
+        for seq in list(sched.running):
+            seq.draft = []
+            if seq.status is SequenceStatus.RUNNING and seq.num_output_tokens >= PARAMS.max_tokens:
+                sched.finish(seq)
+    assert answered > 0.5 * decode_steps > 50 and shared > 10, (answered, decode_steps, shared)
