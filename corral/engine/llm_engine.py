@@ -94,6 +94,12 @@ def _refused_at(guide: Guide, tokens: list[int]) -> int | None:
     return None
 
 
+def _probe_allows(guide: Guide, token: int) -> Guide | None:
+    """A probe of ``guide`` that took ``token``, where its grammar allows it; else None."""
+    probe = guide.probe()
+    return probe if probe.advance(token) else None
+
+
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``logits[rows]``: a view where the rows are consecutive (the scheduler puts drafted decodes after the
     others, so a step's plain and drafted rows are two runs), else a copy (a few MB at 16 sequences)."""
@@ -570,8 +576,13 @@ class LLMEngine:
         masks; a row whose mask allows nothing leaves the batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
         tokens, logprobs, dropped = result.token_ids, result.logprobs, []
         for i, (seq, _) in enumerate(rows):
-            if seq.seq_id not in deferred or tokens[i] >= 0 and _refused_at(seq.guide, tokens[i:i + 1]) is None:
-                continue  # (no token: a NaN or +inf the mask may rule out)
+            if seq.seq_id not in deferred:
+                continue
+            if tokens[i] >= 0:  # (no token: a NaN or +inf the mask may rule out)
+                probe = _probe_allows(seq.guide, tokens[i])
+                if probe is not None:  # its emit takes the probe's step (Guide.advance_as)
+                    seq.ahead = (len(seq.token_ids), [(tokens[i], probe, 0)])
+                    continue
             picked = self._masked_pick(seq.guide, logits[i:i + 1], sampling_row(seq))  # its own guide's mask
             if picked is None:
                 dropped.append(i)
@@ -630,12 +641,16 @@ class LLMEngine:
         tested = len(draft) if refused is None else refused + 1
         final = refused is None
         probe, tokens, chosen_logprobs, accepted = seq.guide.probe(), [], [], 0
+        ahead = []  # the probes that took the tokens kept, for their emits (Guide.advance_as)
         for j in range(tested + int(final)):
             token, logprob = argmax[j], logprobs[j]
             if j < tested and token == draft[j]:  # walked above
                 allowed = refused is None or j < refused
             else:  # (no token, -1: a NaN or +inf the mask may rule out)
-                allowed = token >= 0 and _refused_at(probe, [token]) is None
+                took = _probe_allows(probe, token) if token >= 0 else None
+                allowed = took is not None
+                if allowed:
+                    ahead.append((token, took, 0))
             if not allowed:  # the masked row's pick, as filling its mask first would have made it
                 picked = self._masked_pick(probe, logits[start + j:start + j + 1], sampling_row(seq, draft[:j]))
                 if picked is None:
@@ -647,8 +662,10 @@ class LLMEngine:
             if j < tested and token == draft[j]:
                 accepted += 1
                 probe.advance(token)
+                ahead.append((token, probe, j))
             else:
                 break
+        seq.ahead = (len(seq.token_ids), ahead) if ahead else None
         rows = list(range(start, start + len(tokens)))
         return (DraftRows(0, draft[:tested], final, [False] * tested),
                 Verified(tokens, accepted, rows, chosen_logprobs, None))
@@ -950,7 +967,7 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         """Set ``seq.stop_reason`` and return the finish reason when ``token`` ends the sequence."""
         params = seq.params
-        if seq.guide is not None and not seq.guide.advance(token):
+        if seq.guide is not None and not self._advance_guide(seq, token):
             seq.stop_reason = getattr(seq.guide, "error", None)
             return "error"
         if token in self.vocabulary.eos_token_ids and not params.ignore_eos:
@@ -967,6 +984,21 @@ class LLMEngine:
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+    @staticmethod
+    def _advance_guide(seq: Sequence, token: int) -> bool:
+        """``seq.guide.advance(token)`` for the token just appended, by the step of the probe that took it where
+        this step walked one there (``seq.ahead``)."""
+        ahead = seq.ahead
+        if ahead is not None:
+            k = len(seq.token_ids) - 1 - ahead[0]
+            if 0 <= k < len(ahead[1]) and ahead[1][k][0] == token:
+                if k == len(ahead[1]) - 1:
+                    seq.ahead = None  # the last: the probes may go
+                _, probe, index = ahead[1][k]
+                return seq.guide.advance_as(token, probe, index)
+            seq.ahead = None
+        return seq.guide.advance(token)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -97,6 +97,10 @@ class Sequence:
         # (a draft, len(token_ids)) where a drafter advanced a copy of the guide through every token of that draft
         # at that length: its grammar allows the draft and every prefix of it, so verification need not ask again
         self.allowed_draft: tuple[list[int], int] | None = None
+        # (position, [(token, probe, index), ...]): the guide's probes that have taken the tokens now picked for
+        # positions ``position``, ``position + 1``, ... (each as that probe's ``index``-th advance), so that
+        # emitting them advances the guide without asking its grammar again (Guide.advance_as)
+        self.ahead: tuple[int, list] | None = None
         self.spec = None  # a SpecState once the sequence first drafts
         self.is_beam = False  # a beam of a beam-search request (its rows skip the sampler)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_forced_tokens = 0  # drafted, kept, jump-forward

@@ -558,6 +558,14 @@ class CFGGuide(Guide):
         self.configs.append(following)
         return following != DEAD
 
+    def advance_as(self, token_id: int, probe: Guide, index: int) -> bool:
+        configs = probe.configs if type(probe) is CFGGuide and probe.session is self.session else ()
+        if self.error is None and index + 1 < len(configs) and configs[index] == self.configs[-1] \
+                and configs[index + 1] != DEAD:
+            self.configs.append(configs[index + 1])
+            return True
+        return self.advance(token_id)
+
     def is_accepting(self) -> bool:
         config = self.config
         if config == ENDED:

@@ -59,6 +59,14 @@ class FSMGuide(Guide):
         self.states.append(next_state)
         return next_state != DEAD
 
+    def advance_as(self, token_id: int, probe: Guide, index: int) -> bool:
+        states = probe.states if type(probe) is FSMGuide and probe.index is self.index else ()
+        if self.error is None and index + 1 < len(states) and states[index] == self.states[-1] \
+                and states[index + 1] != DEAD:
+            self.states.append(states[index + 1])
+            return True
+        return self.advance(token_id)
+
     def is_accepting(self) -> bool:
         state = self.state
         return state == ENDED or (state >= 0 and self.index.is_accepting(state))

@@ -21,6 +21,14 @@ class Guide(ABC):
     def advance(self, token_id: int) -> bool:
         """Commit ``token_id``. False (and the error state) when the token was not allowed."""
 
+    def advance_as(self, token_id: int, probe: "Guide", index: int) -> bool:
+        """:meth:`advance` by ``token_id``, which ``probe`` (one of this guide's probes, or a probe's) took as its
+        ``index``-th advance (from 0) and accepted: where this guide stands where the probe stood before that
+        advance, the probe's state after it is this guide's next one, and the grammar is not asked again (the
+        same state and the same token give the same next state). The caller vouches for the token; the state
+        is checked here, and anything else (a state that differs, a refusal, an error) takes :meth:`advance`."""
+        return self.advance(token_id)
+
     @abstractmethod
     def is_accepting(self) -> bool:
         """The text so far is a complete match (EOS is allowed now)."""

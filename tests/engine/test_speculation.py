@@ -420,15 +420,29 @@ def test_deferred_masks_change_no_output(compiler, switches, monkeypatch):
     """A plain greedy guided row whose mask waits for its token (its unmasked argmax, the mask filled and the
     row picked again only where the grammar refuses it) gives the tokens, text, logprobs, finish and stop reasons
     and draft counts that masks filled before every step give, beside sampled and top-logprob rows that fill
-    theirs; fewer masks are filled."""
+    theirs; fewer masks are filled, and the emits of tokens a probe took already take the probe's step
+    (``Guide.advance_as``) instead of asking the grammar again."""
     from corral.fsm.fsm_guide import FSMGuide
-    fills, mode = collections.Counter(), [None]
-    fill_mask = FSMGuide.fill_mask
+    fills, mode, taken, asked = collections.Counter(), [None], collections.Counter(), [0]
+    fill_mask, advance, advance_as = FSMGuide.fill_mask, FSMGuide.advance, FSMGuide.advance_as
 
     def counted(self, row):
         fills[mode[0]] += 1
         fill_mask(self, row)
+
+    def counted_advance(self, token):
+        asked[0] += 1
+        return advance(self, token)
+
+    def counted_as(self, token, probe, index):
+        before = asked[0]
+        result = advance_as(self, token, probe, index)
+        taken[mode[0]] += asked[0] == before
+        taken["a draft's", mode[0]] += asked[0] == before and index > 0  # a walk's probe, past its first token
+        return result
     monkeypatch.setattr(FSMGuide, "fill_mask", counted)
+    monkeypatch.setattr(FSMGuide, "advance", counted_advance)
+    monkeypatch.setattr(FSMGuide, "advance_as", counted_as)
     model = ToyModel(seed=7, sharpness=2.0)
     runs = {}
     for defer in (False, True):
@@ -450,6 +464,9 @@ def test_deferred_masks_change_no_output(compiler, switches, monkeypatch):
         assert sum(o.outputs[0].num_accepted_tokens for o in deferred.values()) > 0
     # fewer: the refused rows' alone (this toy model's argmax breaks these grammars often), and the other rows'
     assert 0 < fills[True] < fills[False], fills
+    assert taken[True] > 0 and not taken[False], taken
+    if switches is ON:
+        assert taken["a draft's", True] > 0, taken
 
 
 class PrefersC(ToyModel):

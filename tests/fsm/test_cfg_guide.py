@@ -264,3 +264,33 @@ def test_masks_are_the_same_for_every_request_of_a_grammar(compiler, vocab):
         assert allowed == allowed_ids(second, vocab)
         token_id = rng.choice(sorted(allowed - {EOS}))
         assert first.advance(token_id) and second.advance(token_id)
+
+
+def test_advance_as_takes_a_probes_configurations_along_a_document(compiler, vocab):
+    """A guide that takes each byte by the step of a probe that walked the document ahead of it ends every step
+    in the configuration its own advance reaches; a probe made elsewhere is not taken."""
+    grammar = compiler.compile(Constraint("grammar", JSON_LARK))
+    text = b'[1, {"a": [true, null]}, "x"]'
+    guide, reference = grammar.new_guide(), grammar.new_guide()
+    probe = guide.probe()
+    for byte in text:
+        assert probe.advance(byte)
+    for index, byte in enumerate(text):
+        assert guide.advance_as(byte, probe, index) and reference.advance(byte)
+        assert guide.configs == reference.configs and allowed_ids(guide, vocab) == allowed_ids(reference, vocab)
+    base = grammar.new_guide()  # configurations are numbered per parse session: its copies share it
+    forged = base.probe()
+    assert forged.advance(ord("[")) and forged.advance(ord("1"))
+    forged.configs[2] = 999  # a next configuration no advance gives: seen only where it is taken
+    early = base.copy()
+    assert early.advance(ord("[")) and early.advance_as(ord("1"), forged, 1) and early.configs[-1] == 999
+    forged.configs[1] = 998
+    other = grammar.new_guide()  # another session's guide: its numbers are not the probe's, so it asks its own
+    assert other.advance_as(ord("["), forged, 0) and other.configs[-1] != 998
+    forged.configs[1] = early.configs[1]
+    moved, reference = base.copy(), base.copy()
+    for byte in b"[1,":
+        assert reference.advance(byte)
+    assert moved.advance(ord("[")) and moved.advance(ord("1"))
+    assert moved.advance_as(ord(","), forged, 1) and moved.configs == reference.configs  # not where it stood
+    assert not grammar.new_guide().advance_as(ord("x"), grammar.new_guide().probe(), 0)

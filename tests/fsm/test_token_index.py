@@ -208,3 +208,30 @@ def _decodes(data: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_advance_as_takes_the_probes_step_where_the_guide_stands_where_the_probe_stood(compiler):
+    """``advance_as``: the probe's next state where the guide is at the probe's state before that advance; a
+    guide elsewhere, a refused token or a guide of another grammar goes through ``advance`` (its own answer)."""
+    grammar = compiler.compile(Constraint("regex", "ab*c?"))
+    guide = grammar.new_guide()
+    probe = guide.probe()
+    assert probe.advance(0) and probe.advance(1) and probe.advance(4)  # "abc"
+    reference = grammar.new_guide()
+    for index, token in enumerate([0, 1, 4]):
+        assert guide.advance_as(token, probe, index) == reference.advance(token)
+        assert guide.states == reference.states
+    assert guide.advance_as(EOS, probe, 3) and guide.states == reference.states + [-2]  # no step 3: advance
+    probe.states[1] = 12345  # a next state no advance gives: seen only where it is taken
+    assert grammar.new_guide().advance_as(0, probe, 0) is True
+    taken = grammar.new_guide()
+    assert taken.advance_as(0, probe, 0) and taken.states[-1] == 12345  # the grammar was not asked
+    elsewhere = grammar.new_guide()
+    assert elsewhere.advance(0)  # "a": the probe's index 0 starts before it
+    assert elsewhere.advance_as(1, probe, 0) and elsewhere.states == reference.states[:3]  # its own advance
+    refused = grammar.new_guide().probe()
+    assert not refused.advance(4)
+    fresh = grammar.new_guide()
+    assert not fresh.advance_as(4, refused, 0) and fresh.is_error()
+    other = compiler.compile(Constraint("regex", "c")).new_guide()
+    assert not other.advance_as(0, grammar.new_guide().probe(), 0) and other.is_error()
