@@ -70,7 +70,10 @@ def build_for_this_cpu() -> str:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo spells them (empty where it cannot be read)."""
+    """The x86 CPU's feature flags as /proc/cpuinfo spells them; empty on any other CPU (an ARM kernel lists
+    "Features" there, and qemu-user shows an emulated ARM program the x86 host's file) and where it cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))

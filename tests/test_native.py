@@ -284,3 +284,21 @@ def test_a_grammar_lexer_past_4096_states_keeps_its_moves():
     guide.fill_mask(row)
     assert int(row[0]) & 0b1111 == 0b1111  # a, b, c and x are all allowed, EOS not yet
     assert guide.advance(3) and guide.is_accepting()
+
+
+def test_cpu_flags_are_x86_flags_alone(monkeypatch):
+    """On another CPU the flags are empty: no x86 kernel is chosen or tested there, even where /proc/cpuinfo holds
+    an x86 host's flags (qemu-user shows an emulated ARM program the host's file)."""
+    import platform
+
+    native.cpu_flags.cache_clear()
+    try:
+        host = native.cpu_flags()
+        monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+        native.cpu_flags.cache_clear()
+        assert native.cpu_flags() == frozenset() and native.build_for_this_cpu() == "_native"
+        if platform.uname().machine in ("x86_64", "AMD64"):
+            assert "sse2" in host
+    finally:
+        monkeypatch.undo()
+        native.cpu_flags.cache_clear()
