@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import platform
+import re
 import threading
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,36 @@ def release_thread_pool() -> None:
     thread): with two pools alive on a machine with fewer cores than their workers, OpenMP puts every worker to
     sleep between parallel regions, and torch's and the kernels' small operations then wait tens of microseconds
     each to wake them (a single-client decode step took 1.8x as long). Workers come back if this thread runs a
-    parallel region again. A no-op without the native module."""
+    parallel region again. A no-op without the native module. Where torch brought an OpenMP runtime of its own (a
+    second library: PyPI's aarch64 torch 2.8.0 ships a renamed libgomp), only the module's pool ends here and the
+    two runtimes keep a pool each; that is said once, loudly."""
     found = module()
     if found is not None:
         found.release_thread_pool()
+        runtimes = openmp_runtimes()
+        if len(runtimes) > 1 and not _warned_runtimes:
+            _warned_runtimes.append(runtimes)
+            log.warning("%d OpenMP runtimes are loaded (%s): torch's worker pool and the native kernels' are apart, "
+                        "so a thread's hand-over leaves one alive and decode steps may run up to about 2x slower on "
+                        "a machine with few cores; a torch build that uses the system's libgomp avoids it",
+                        len(runtimes), ", ".join(runtimes))
+
+
+_warned_runtimes: list = []
+_OPENMP = re.compile(r"/lib(gomp|iomp5|omp)([-.][^/]*)?\.so[^/]*$")
+
+
+def openmp_runtimes(maps: str | None = None) -> list[str]:
+    """The OpenMP runtime libraries mapped into this process (from /proc/self/maps, or ``maps``' text), sorted;
+    empty where that cannot be read."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return []
+    return sorted({path for line in maps.splitlines() if (path := line.split(maxsplit=5)[-1]) and
+                   path.startswith("/") and _OPENMP.search(path)})
 
 
 def status() -> dict:

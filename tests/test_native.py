@@ -302,3 +302,25 @@ def test_cpu_flags_are_x86_flags_alone(monkeypatch):
     finally:
         monkeypatch.undo()
         native.cpu_flags.cache_clear()
+
+
+def test_two_openmp_runtimes_are_found_and_said_once(monkeypatch, caplog):
+    """torch with an OpenMP runtime of its own (PyPI's aarch64 torch 2.8.0 ships a renamed libgomp beside the
+    system's, which the module links) keeps a pool the hand-over cannot end: found in the process's mappings, and
+    said once when the hand-over runs."""
+    maps = ("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/aarch64-linux-gnu/libgomp.so.1.0.0\n"
+            "7f02-7f03 r--p 00001000 08:01 1 /usr/lib/aarch64-linux-gnu/libgomp.so.1.0.0\n"
+            "7f04-7f05 r-xp 00000000 08:01 2 /site/torch.libs/libgomp-947d5fa1.so.1.0.0\n"
+            "7f06-7f07 rw-p 00000000 00:00 0\n"
+            "7f08-7f09 r-xp 00000000 08:01 3 /site/torch/lib/libgompx.so\n")
+    assert native.openmp_runtimes(maps) == ["/site/torch.libs/libgomp-947d5fa1.so.1.0.0",
+                                            "/usr/lib/aarch64-linux-gnu/libgomp.so.1.0.0"]
+    assert all(path.startswith("/") for path in native.openmp_runtimes())
+    if native.module() is not None:
+        monkeypatch.setattr(native, "openmp_runtimes", lambda: ["/a/libgomp.so.1", "/b/libgomp-1234.so.1"])
+        monkeypatch.setattr(native, "_warned_runtimes", [])
+        with caplog.at_level("WARNING", logger="corral.native"):
+            native.release_thread_pool()
+            native.release_thread_pool()
+        said = [r for r in caplog.records if "OpenMP runtimes are loaded" in r.getMessage()]
+        assert len(said) == 1 and "/b/libgomp-1234.so.1" in said[0].getMessage()
