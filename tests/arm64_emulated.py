@@ -41,7 +41,7 @@ WHEELS = ["numpy", "pytest", "pytest-timeout", "hypothesis", "regex", "jsonschem
           "jinja2", "gguf", "safetensors", "lark==1.3.1", "sympy", "networkx", "filelock", "fsspec",
           "typing_extensions", "transformers", "fastapi", "uvicorn", "httpx"]
 TORCH = "torch==2.8.0"
-# about 25 minutes on a 2-core x86 host; tests/fsm/test_random_walks.py alone would take longer than the rest
+# about 13 minutes on a 2-core x86 host; tests/fsm/test_random_walks.py alone would take longer than the rest
 DEFAULT_TESTS = ["tests/test_native.py", "tests/fsm", "--deselect", "tests/fsm/test_random_walks.py",
                  "tests/kernels/test_qmatmul.py", "tests/kernels/test_cpu_ops.py",
                  "tests/kernels/test_paged_attention_cpu.py", "tests/kernels/test_prefill_attention.py"]
@@ -182,10 +182,14 @@ def main() -> int:
     args = sys.argv[1:] or DEFAULT_TESTS
     failed = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "3600", *args],
                             env=env, cwd=tree).returncode
-    here = subprocess.run([sys.executable, "-c", GREEDY], capture_output=True, text=True, check=True, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout.splitlines()[-1]
-    there = subprocess.run([python, "-c", GREEDY], capture_output=True, text=True, check=True, cwd=tree,
-                           env=env).stdout.splitlines()[-1]
+    runs = [subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=run_env)
+            for command, cwd, run_env in (([sys.executable, "-c", GREEDY], ROOT, {**os.environ, "HF_HUB_OFFLINE": "1"}),
+                                          ([python, "-c", GREEDY], tree, env))]
+    for result in runs:
+        if result.returncode != 0 or not result.stdout.strip():
+            print(f"the greedy run failed:\n{result.stderr[-3000:]}")
+            return 1
+    here, there = (result.stdout.splitlines()[-1] for result in runs)
     print(f"greedy tokens, this host: {here}\ngreedy tokens, emulated arm64: {there}")
     if here != there:
         print("the emulated arm64 engine's greedy tokens differ from this host's")
