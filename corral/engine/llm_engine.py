@@ -12,8 +12,9 @@ each step's input the greedy token of the step before, so the loop's Python runs
 forward's weight stream it finds its data cold, about 100 us a step on a 2-core EPYC). The tokens are the
 sampler's own greedy picks (one native pass, the same one), so they are emitted as they are; where that pass could
 not decide a row or top logprobs are asked for, they are verified as a draft is. A stop among them drops the rest.
-Where a burst may not run (more sequences, or a request waits) but every sequence is such a plain greedy decode,
-the native step still makes the greedy pick in its call, and the sampler's call is saved.
+Where a burst may not run (more sequences, a request waits, or a sequence has a draft) but every sequence is a
+plain greedy decode, the native step still makes the greedy pick of every logits row in its call, a draft's rows
+included: the sampler's call is saved, and a draft is verified on those picks (kept while it is its row's pick).
 
 A beam-search request (``BeamSearchParams``) is a :class:`BeamGroup` whose live beams are sequences in the same
 batches as everything else. Its rows skip the sampler: each beam's full raw logprob row, masked by its own
@@ -43,8 +44,8 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, draw_parameters,
-                                   draw_uniforms, make_generator, sampling_row)
+from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, verify_greedy,
+                                   draw_parameters, draw_uniforms, make_generator, sampling_row)
 from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
@@ -337,7 +338,7 @@ class LLMEngine:
                 for seq, tokens in zip(seqs, picks):
                     seq.draft, seq.draft_by_self = tokens[:-1], True
                 self._counters["burst_steps"] += 1
-        elif deferred and self._picks_in_call(batch.seqs, deferred):  # every row's pick is its unmasked argmax
+        elif self._picks_in_call(batch.seqs, deferred or ()):  # every row's pick is its unmasked argmax
             seqs, logits, row_picks = self.runner.execute_picking(batch, self.sampler.vocab_size or 0)
             first_rows = self._first_rows(seqs) if row_picks is not None else None
         else:
@@ -428,15 +429,16 @@ class LLMEngine:
         """Whether every row of a step of ``seqs`` takes its unmasked greedy argmax first, so that the native call
         may pick them all where it computes the logits (:meth:`ModelRunner.execute_picking`) instead of a sampler
         pass after it: each sequence is ``deferred`` (guided: its grammar then rules on that pick, drafts
-        included), or unguided, plain greedy past ``min_tokens``, with no draft, beam or sibling to fork."""
+        included), or unguided, plain greedy past ``min_tokens``, with no beam or sibling to fork (a draft's rows
+        are then verified on those picks: see :meth:`_verify_picked`)."""
         if not self._runner_picks:
             return False
         for seq in seqs:
             if seq.seq_id in deferred:
                 continue
             params = seq.params
-            if seq.guide is not None or seq.draft or seq.is_beam or seq.num_forks_pending \
-                    or not params.plain_greedy or seq.num_output_tokens < params.min_tokens:
+            if seq.guide is not None or seq.is_beam or seq.num_forks_pending or not params.plain_greedy \
+                    or seq.num_output_tokens < params.min_tokens:
                 return False
         return True
 
@@ -808,6 +810,9 @@ class LLMEngine:
             walked = self._verify_deferred(mine, logits if len(mine) == len(drafted) else _take_rows(
                 logits, [row for seq, first in mine for row in range(first, first + len(seq.draft) + 1)]), picks)
             drafted = [d for d in drafted if d[0].seq_id not in deferred]
+        if drafted and picks is not None:  # every row's argmax is known, and each of these is unguided
+            walked.update(self._verify_picked(drafted, picks))
+            drafted = []
         if drafted:
             batch = draft_batch(drafted, masks)
             live = [d for d in batch.drafts if d is not None]
@@ -822,6 +827,21 @@ class LLMEngine:
         for seq in order:  # in batch order
             touched[seq.request_id] = self._requests[seq.request_id]
             self._settle(seq, *walked[seq.seq_id], now)
+
+    @staticmethod
+    def _verify_picked(drafted: list[tuple[Sequence, int]], picks) -> dict[int, tuple[DraftRows, Verified]]:
+        """Verify unguided plain greedy drafts on the native call's picks (``picks``: as :meth:`_verify_deferred`
+        takes them) as :meth:`Sampler.verify` verifies a greedy row with no mask: each draft token is kept while it
+        is its row's argmax, then the argmax after it is taken. Those picks come from the sampler's own greedy
+        pass, so the tokens and their logprobs are the ones its verification would give."""
+        (tokens, logprobs), first_rows = picks
+        out = {}
+        for seq, _ in drafted:
+            draft = DraftRows(first_rows[seq.seq_id], seq.draft, True, [False] * len(seq.draft))
+            chosen, accepted = verify_greedy(draft, tokens)
+            out[seq.seq_id] = (draft, Verified([t for t, _ in chosen], accepted, [r for _, r in chosen],
+                                               [logprobs[r] for _, r in chosen], None))
+        return out
 
     def _settle(self, seq: Sequence, draft: DraftRows | None, result: Verified | None, now: float) -> None:
         """Count the draft, emit the verified tokens, and give back what the rejected positions took: their

@@ -220,7 +220,7 @@ class Sampler:
                 argmax, row_logprobs = picked
                 out = []
                 for draft in drafts:  # every chosen token is its row's argmax: its logprob is the row's
-                    chosen, accepted = _verify_greedy(draft, argmax)
+                    chosen, accepted = verify_greedy(draft, argmax)
                     out.append(Verified([t for t, _ in chosen], accepted, [r for _, r in chosen],
                                         [row_logprobs[r] for _, r in chosen], None))
                 return out
@@ -281,7 +281,7 @@ class Sampler:
         for draft in drafts:
             row = rows[draft.start]
             if row.params.is_greedy:
-                chosen, accepted = _verify_greedy(draft, argmax)
+                chosen, accepted = verify_greedy(draft, argmax)
             else:
                 chosen, accepted = _verify_sampled(draft, draw, possible, row.generator)
             picked = [r for _, r in chosen]
@@ -416,7 +416,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
 
 
-def _verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int, int]], int]:
+def verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int, int]], int]:
     """((token, row) chosen, draft tokens accepted): the draft while it is the argmax, then the argmax."""
     chosen = []
     for j, token in enumerate(draft.tokens):

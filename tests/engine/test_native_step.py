@@ -585,6 +585,48 @@ def test_guided_steps_pick_in_the_call_and_change_no_output(engines):
     engine.block_manager.reset_prefix_cache()
 
 
+def test_unguided_drafts_are_verified_on_the_calls_picks(engines):
+    """Plain greedy requests whose prompt-lookup drafts the native call picks row by row: each draft is kept while
+    it is its row's pick, as the sampler's verification keeps it, so the tokens, texts, finish and stop reasons,
+    cumulative logprobs and draft counts are those of the sampler's verification. Drafts must have been verified
+    that way, some kept and some cut."""
+    import dataclasses
+
+    engine = engines["native"]
+    prompts = [chat(engine, f"Repeat this line {n} times: the {thing} sat on the mat by the door.")
+               for n, thing in [(3, "cat"), (4, "dog"), (5, "old man"), (3, "red hat"), (6, "box"), (2, "bird")]]
+    params = [greedy(24 + 7 * i, stop=["door"] if i == 2 else ()) for i in range(len(prompts))]
+    verified = []  # (tested, accepted) per draft verified on the picks
+    verify_picked = engine._verify_picked
+
+    def counted(drafted, picks):
+        out = verify_picked(drafted, picks)
+        verified.extend((len(draft.tokens), result.num_accepted) for draft, result in out.values())
+        return out
+
+    def outputs(picking: bool):
+        engine.block_manager.reset_prefix_cache()
+        if not picking:
+            engine._picks_in_call = lambda seqs, deferred: False
+        try:
+            outs = engine.generate(prompts, params)
+        finally:
+            engine.__dict__.pop("_picks_in_call", None)
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.num_draft_tokens,
+                 c.num_accepted_tokens) for o in outs for c in o.outputs]
+
+    engine._verify_picked = counted
+    config = engine.config
+    engine.config = dataclasses.replace(config, draft_row_cost=0.0)  # drafts at full length: many rows per sequence
+    try:
+        assert outputs(True) == outputs(False)
+    finally:
+        del engine._verify_picked
+        engine.config = config
+    assert verified and any(a == t for t, a in verified) and any(a < t for t, a in verified), verified
+    engine.block_manager.reset_prefix_cache()
+
+
 def test_health_and_metrics_say_how_many_tokens_a_call_decodes(engines):
     from corral.api.launch import decode_burst
 
