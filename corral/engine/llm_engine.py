@@ -348,6 +348,10 @@ class LLMEngine:
             return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens
         if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
             drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
+        elif row_picks is not None and not deferred:  # plain greedy rows, drafts among them: the picks decide
+            rows = [(s, s) for s in seqs if not s.draft]  # every row, so no logits row is read, split or masked
+            drafted = ([(s, first_rows[s.seq_id]) for s in seqs if s.draft], None)
+            beams, row_logits, stuck, masks = None, None, [], {}
         else:
             (seqs, logits), drafted = self._split_drafts(seqs, logits)      # drafted rows are verified
             (seqs, logits), beams = self._split_beams(seqs, logits)         # beam rows skip the sampler
@@ -864,14 +868,19 @@ class LLMEngine:
                 self._counters["model_drafted"] += len(tested)
                 self._counters["model_accepted"] += accepted
         seq.draft, seq.num_draft_forced, seq.draft_by_model, seq.draft_by_self = [], 0, False, False
-        for j, token in enumerate(result.token_ids if result is not None else ()):
-            if token < 0:  # its logits left nothing finite to choose: it ends alone, the tokens before it kept
-                seq.stop_reason = NO_FINITE_LOGIT
-                self._finish(seq, "error")
+        if seq.guide is None and result is not None and result.top_logprobs is None and result.token_ids \
+                and min(result.token_ids) >= 0:
+            if self._emit_run(seq, result.token_ids, result.logprobs, now):  # one stop check for the run
                 return
-            top = result.top_logprobs[j] if result.top_logprobs is not None else []
-            if self._emit(seq, token, result.logprobs[j], top, now):
-                return
+        else:
+            for j, token in enumerate(result.token_ids if result is not None else ()):
+                if token < 0:  # its logits left nothing finite to choose: it ends alone, the tokens before it kept
+                    seq.stop_reason = NO_FINITE_LOGIT
+                    self._finish(seq, "error")
+                    return
+                top = result.top_logprobs[j] if result.top_logprobs is not None else []
+                if self._emit(seq, token, result.logprobs[j], top, now):
+                    return
         seq.num_computed_tokens += accepted  # the accepted draft tokens' K/V, computed this step
         if draft is None or (not draft.final and accepted == len(tested)):
             # end as the plain path would at its next step, with the limit the guide reached there (if one did)

@@ -122,6 +122,47 @@ def test_drafts_change_no_output(compiler, pattern, params):
         assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
 
 
+@pytest.mark.parametrize("logprobs", [None, 0])
+def test_an_unguided_drafts_tokens_end_where_single_steps_end(logprobs):
+    """An unguided draft's verified tokens are emitted as one run (one stop check for them all): with stop
+    strings, stop ids, EOS and length limits falling inside drafts, greedy and seeded sampled requests give the
+    tokens, text, finish and stop reasons and logprobs of a run without drafts."""
+    model = ToyModel(seed=5, sharpness=2.0)
+    outputs, runs = {}, {}
+    for name, switches in (("off", OFF), ("on", ON)):
+        engine = draft_engine(model)
+        emit_run = engine._emit_run
+        runs[name] = collections.Counter()
+
+        def counted(seq, *args, _run=emit_run, _name=name):
+            ended = _run(seq, *args)
+            runs[_name][(seq.finish_reason, type(seq.stop_reason).__name__) if ended else None] += 1
+            return ended
+        engine._emit_run = counted
+        requests = []
+        for i in range(40):
+            params = dict(temperature=0) if i % 3 else dict(temperature=1.0, seed=i)
+            stops = dict(stop=[["ba"], ["ca", "bb"]][i % 2]) if i % 4 == 0 else \
+                dict(stop_token_ids=[i % 4]) if i % 4 == 1 else {}
+            p = SamplingParams(max_tokens=4 + i % 13, logprobs=logprobs, ignore_eos=i % 4 != 2, **params, **stops,
+                               **switches)
+            requests.append((f"r{i}", PROMPT[i % 7:] * 2, p, None))
+        outputs[name] = run_all(engine, requests), engine
+    (off, off_engine), (on, on_engine) = outputs["off"], outputs["on"]
+    for engine in (off_engine, on_engine):
+        assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+    reasons = collections.Counter()
+    for request_id, out in off.items():
+        a, b = out.outputs[0], on[request_id].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
+        assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+        reasons[a.finish_reason, type(a.stop_reason).__name__] += 1
+    assert on_engine.stats().num_accepted_tokens > 0 and not runs["off"], runs
+    # each way to end met inside a verified run: a stop string, a stop id, EOS and the length limit
+    assert {("stop", "str"), ("stop", "int"), ("stop", "NoneType"), ("length", "NoneType")} <= set(runs["on"]), runs
+
+
 def test_penalties_that_read_the_native_tally_change_no_output(compiler, monkeypatch):
     """Seeded n = 2 and greedy requests with repetition, frequency and presence penalties, drafts on, guided or
     not, in a pool small enough to preempt: the same tokens and logprobs whether the penalties read each
