@@ -94,19 +94,25 @@ class Scheduler:
 
     def _plain_decodes(self) -> ScheduledBatch | None:
         """The usual decode step, where the walk in :meth:`schedule` would change nothing and admit no one: every
-        running sequence decodes its one uncomputed token, with no draft, into room its own last block already
-        has, and the queue is empty. The same batch, in the same order, without the walk; None where any of
-        that does not hold."""
+        running sequence decodes its one uncomputed token and its whole draft into room its own last block
+        already has, all of them within the token budget, and the queue is empty. The same batch, in the same
+        order (the drafted ones after the others), without the walk; None where any of that does not hold."""
         running = self.running
-        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+        if self.waiting or not running:
             return None
         size, refs, live = self.block_manager.block_size, self.block_manager.ref_counts, SequenceStatus.RUNNING
+        budget, drafted = self.max_num_batched_tokens, False
         for seq in running:
-            computed, table = seq.num_computed_tokens, seq.block_table
-            if seq.draft or len(seq.token_ids) - computed != 1 or seq.status is not live \
-                    or computed >= len(table) * size or refs[table[computed // size]] != 1:
+            computed, table, count = seq.num_computed_tokens, seq.block_table, 1 + len(seq.draft)
+            budget -= count
+            if budget < 0 or len(seq.token_ids) - computed != 1 or seq.status is not live \
+                    or count > len(table) * size - computed or refs[table[computed // size]] != 1:
                 return None
-        return ScheduledBatch(list(running), [1] * len(running), [])
+            drafted = drafted or count > 1
+        if not drafted:
+            return ScheduledBatch(list(running), [1] * len(running), [])
+        seqs = [seq for seq in running if not seq.draft] + [seq for seq in running if seq.draft]
+        return ScheduledBatch(seqs, [1 + len(seq.draft) for seq in seqs], [])
 
     def _decodes_first(self) -> list[Sequence]:
         """The running sequences in the order a batch takes them (stable within each kind)."""

@@ -143,13 +143,14 @@ def _batch(sched: Scheduler):
 def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
     """The steady decode step skips the walk over the running sequences (``_plain_decodes``): over random traffic
     (arrivals, finishes, drafts, forks sharing a last block, a pool small enough to preempt), wherever it answers,
-    its batch and the block tables after it are those of the walk, and it answers in most decode steps."""
+    its batch and the block tables after it are those of the walk, and it answers in most decode steps, drafted
+    ones among them."""
     import copy
     import random
 
     rng = random.Random(7)
     sched = make(num_blocks=40, block_size=4, max_num_seqs=6, budget=12)
-    answered = decode_steps = shared = 0
+    answered = decode_steps = shared = drafted = 0
     for i in range(600):
         if rng.random() < 0.08 and len(sched.waiting) < 3:
             add(sched, f"r{i}", rng.randint(1, 9), first_token=rng.randint(0, 3) * 100)
@@ -158,7 +159,7 @@ def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
             victim = rng.choice(running)
             sched.finish(victim)
         for seq in running:
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and rng.random() < 0.04:
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and rng.random() < 0.15:
                 seq.draft = [rng.randint(0, 50) for _ in range(rng.randint(1, 3))]
         if running and rng.random() < 0.1 and len(sched.running) < 6:
             parent = rng.choice(running)
@@ -174,6 +175,7 @@ def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
             decode_steps += 1
         if plain is not None:
             answered += 1
+            drafted += any(n > 1 for n in plain.num_new_tokens)
             walked = copy.deepcopy(sched)
             walked._plain_decodes = lambda: None
             assert _batch(fast) == _batch(walked)
@@ -182,4 +184,19 @@ def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
             seq.draft = []
             if seq.status is SequenceStatus.RUNNING and seq.num_output_tokens >= PARAMS.max_tokens:
                 sched.finish(seq)
-    assert answered > 0.5 * decode_steps > 50 and shared > 10, (answered, decode_steps, shared)
+    assert answered > 0.5 * decode_steps > 50 and shared > 10 and drafted > 10, (answered, decode_steps, shared, drafted)
+
+
+def test_drafts_past_the_token_budget_go_through_the_walk_that_cuts_them():
+    """Drafts whose tokens all fit their own blocks but not the step's budget: the plain decode step declines,
+    and the walk cuts the last drafted sequence's draft to what the budget leaves."""
+    sched = make(num_blocks=16, block_size=8, max_num_seqs=4, budget=6)
+    a, b = add(sched, "a", 2), add(sched, "b", 2, first_token=10)
+    assert step(sched) == [("a", 2), ("b", 2)]
+    a.draft, b.draft = [5, 6], [7, 8]  # 3 + 3 tokens, room for them in each block, a budget of 6
+    assert sched._plain_decodes() is not None
+    b.draft = [7, 8, 9]  # 3 + 4 tokens: past the budget
+    assert sched._plain_decodes() is None
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("a", 3), ("b", 3)]
+    assert b.draft == [7, 8]
