@@ -163,6 +163,59 @@ def test_an_unguided_drafts_tokens_end_where_single_steps_end(logprobs):
     assert {("stop", "str"), ("stop", "int"), ("stop", "NoneType"), ("length", "NoneType")} <= set(runs["on"]), runs
 
 
+class PickingKVRunner(DraftKVRunner):
+    """The toy runner with the native step's picking call: every logits row's greedy pick and its logprob, made
+    by the sampler's own greedy pass (as the native call makes them where it computes the logits)."""
+
+    def execute_picking(self, batch, pick_columns):
+        from corral.kernels import cpu_ops
+
+        seqs, logits = self.execute(batch)
+        picks = cpu_ops.greedy_pick(logits, pick_columns or logits.shape[1], None, None)
+        return seqs, logits, picks
+
+
+def test_unguided_drafts_verified_on_picks_end_where_single_steps_end():
+    """Plain greedy unguided requests whose steps pick every row in the call (drafts verified on those picks, the
+    logits never split): the tokens, text, finish and stop reasons, logprobs (top 0 or none) and cumulative
+    logprobs of a run without drafts, with stop strings, stop ids, EOS, ``max_tokens``, the model's length,
+    ``min_tokens`` (its steps go to the sampler) and ``n`` siblings among them."""
+    model = ToyModel(seed=5, sharpness=2.0)
+    outputs, picked_drafts = {}, []
+    for name, switches in (("off", OFF), ("on", ON)):
+        runner = PickingKVRunner(model, 256) if name == "on" else DraftKVRunner(model, 256)
+        engine = LLMEngine(EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=256, max_num_seqs=16,
+                                        max_num_batched_tokens=256, draft_row_cost=0.0),
+                           runner=runner, vocabulary=VOCAB,
+                           model_config=SimpleNamespace(vocab_size=len(TOKENS), max_position=48))
+        verified = engine._verify_picked
+        engine._verify_picked = lambda drafted, picks, _verify=verified: \
+            picked_drafts.extend(drafted) or _verify(drafted, picks)
+        requests = []
+        for i in range(40):
+            extra = dict(stop=[["ba"], ["ca", "bb"]][i % 2]) if i % 5 == 0 else \
+                dict(stop_token_ids=[1]) if i % 5 == 1 else dict(min_tokens=5) if i % 5 == 2 else \
+                dict(n=2) if i % 10 == 3 else {}
+            p = SamplingParams(temperature=0, max_tokens=4 + i % 13 if i % 7 else 40, logprobs=0 if i % 3 == 0 else None,
+                               ignore_eos=i % 4 != 2, **extra, **switches)
+            prompt = (PROMPT * 3)[:12 + i % 30]  # up to 41 of the model's 48 positions: some reach its length
+            requests.append((f"r{i}", prompt, p, None))
+        outputs[name] = run_all(engine, requests), engine
+    (off, off_engine), (on, on_engine) = outputs["off"], outputs["on"]
+    reasons = collections.Counter()
+    for request_id, out in off.items():
+        assert len(out.outputs) == len(on[request_id].outputs)
+        for a, b in zip(out.outputs, on[request_id].outputs):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
+            assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+            reasons[a.finish_reason, type(a.stop_reason).__name__] += 1
+    assert {("stop", "str"), ("stop", "int"), ("stop", "NoneType"), ("length", "NoneType")} <= set(reasons), reasons
+    assert on_engine.stats().num_accepted_tokens > 0 and len(picked_drafts) > 20, len(picked_drafts)
+    for engine in (off_engine, on_engine):
+        assert engine.block_manager.num_used_blocks == 0 and not any(engine.block_manager.ref_counts)
+
+
 def test_penalties_that_read_the_native_tally_change_no_output(compiler, monkeypatch):
     """Seeded n = 2 and greedy requests with repetition, frequency and presence penalties, drafts on, guided or
     not, in a pool small enough to preempt: the same tokens and logprobs whether the penalties read each
