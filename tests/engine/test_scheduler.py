@@ -137,7 +137,8 @@ def test_drafted_decodes_come_after_the_other_decodes_and_before_prefills():
 def _batch(sched: Scheduler):
     batch = sched.schedule()
     return ([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
-            [s.request_id for s in batch.preempted], [(s.request_id, s.index, s.block_table) for s in sched.running])
+            [s.request_id for s in batch.preempted],
+            [(s.request_id, s.index, s.block_table, s.draft, s.num_draft_forced) for s in sched.running])
 
 
 def test_the_plain_decode_step_makes_the_batch_the_walk_makes():
