@@ -44,8 +44,8 @@ from corral.engine.config import EngineConfig
 from corral.engine.detokenizer import IncrementalDetokenizer
 from corral.engine.model_runner import ModelRunner
 from corral.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, verify_greedy,
-                                   draw_parameters, draw_uniforms, make_generator, sampling_row)
+from corral.engine.sampler import (DraftRows, Sampler, SampleResult, SamplingRow, Verified, draw_parameters,
+                                   draw_uniforms, make_generator, sampling_row, verified_on_picks)
 from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
@@ -842,9 +842,7 @@ class LLMEngine:
         out = {}
         for seq, _ in drafted:
             draft = DraftRows(first_rows[seq.seq_id], seq.draft, True, [False] * len(seq.draft))
-            chosen, accepted = verify_greedy(draft, tokens)
-            out[seq.seq_id] = (draft, Verified([t for t, _ in chosen], accepted, [r for _, r in chosen],
-                                               [logprobs[r] for _, r in chosen], None))
+            out[seq.seq_id] = (draft, verified_on_picks(draft, tokens, logprobs))
         return out
 
     def _settle(self, seq: Sequence, draft: DraftRows | None, result: Verified | None, now: float) -> None:

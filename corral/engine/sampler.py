@@ -217,13 +217,8 @@ class Sampler:
         if all(self._only_masked_greedy(row) for row in rows):  # one native pass per row, as in __call__
             picked = cpu_ops.greedy_pick(logits, self.vocab_size or logits.shape[1], bitmask, masked_rows)
             if picked is not None:
-                argmax, row_logprobs = picked
-                out = []
-                for draft in drafts:  # every chosen token is its row's argmax: its logprob is the row's
-                    chosen, accepted = verify_greedy(draft, argmax)
-                    out.append(Verified([t for t, _ in chosen], accepted, [r for _, r in chosen],
-                                        [row_logprobs[r] for _, r in chosen], None))
-                return out
+                # every chosen token is its row's argmax: its logprob is the row's
+                return [verified_on_picks(draft, *picked) for draft in drafts]
         raw, log_normalizer, top_logprobs = self._raw_logprobs(logits, rows)
         tensors = _as_tensors(bitmask, masked_rows)
         width, vocab_size = logits.shape[1], self.vocab_size or logits.shape[1]
@@ -281,7 +276,7 @@ class Sampler:
         for draft in drafts:
             row = rows[draft.start]
             if row.params.is_greedy:
-                chosen, accepted = verify_greedy(draft, argmax)
+                chosen, accepted = _verify_greedy(draft, argmax)
             else:
                 chosen, accepted = _verify_sampled(draft, draw, possible, row.generator)
             picked = [r for _, r in chosen]
@@ -416,7 +411,15 @@ def _uniform(generator: torch.Generator | None) -> float:
     return torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator).item()
 
 
-def verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int, int]], int]:
+def verified_on_picks(draft: DraftRows, argmax: list[int], row_logprobs: list[float]) -> Verified:
+    """A greedy row's verification from each row's argmax and that argmax's logprob (the greedy pass's picks):
+    the draft kept while it is the argmax, then the argmax."""
+    chosen, accepted = _verify_greedy(draft, argmax)
+    return Verified([t for t, _ in chosen], accepted, [r for _, r in chosen], [row_logprobs[r] for _, r in chosen],
+                    None)
+
+
+def _verify_greedy(draft: DraftRows, argmax: list[int]) -> tuple[list[tuple[int, int]], int]:
     """((token, row) chosen, draft tokens accepted): the draft while it is the argmax, then the argmax."""
     chosen = []
     for j, token in enumerate(draft.tokens):

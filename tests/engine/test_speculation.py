@@ -25,6 +25,7 @@ from corral.engine.speculation import Drafter, Rate, SpecState, best_rate, draft
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
+from corral.kernels import cpu_ops
 from tests.engine.test_beam_groups import assert_equals_search, run_all
 from tests.engine.test_beam_search import EOS, TOKENS, ToyModel
 
@@ -82,6 +83,14 @@ def compiler():
 
 def text_of(token_ids) -> str:
     return b"".join(TOKENS[t] for t in token_ids if t != EOS).decode()
+
+
+def assert_same_completion(a, b, request_id: str) -> None:
+    """Two completions of one request: the same tokens, text, finish and stop reasons, logprobs and cumulative
+    logprob."""
+    assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+        (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
+    assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
 
 
 PROMPT = [0, 2, 1, 0, 2, 2, 0, 1, 2, 3, 0, 2]  # lookups find many continuations in it
@@ -154,9 +163,7 @@ def test_an_unguided_drafts_tokens_end_where_single_steps_end(logprobs):
     reasons = collections.Counter()
     for request_id, out in off.items():
         a, b = out.outputs[0], on[request_id].outputs[0]
-        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
-            (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
-        assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+        assert_same_completion(a, b, request_id)
         reasons[a.finish_reason, type(a.stop_reason).__name__] += 1
     assert on_engine.stats().num_accepted_tokens > 0 and not runs["off"], runs
     # each way to end met inside a verified run: a stop string, a stop id, EOS and the length limit
@@ -168,8 +175,6 @@ class PickingKVRunner(DraftKVRunner):
     by the sampler's own greedy pass (as the native call makes them where it computes the logits)."""
 
     def execute_picking(self, batch, pick_columns):
-        from corral.kernels import cpu_ops
-
         seqs, logits = self.execute(batch)
         picks = cpu_ops.greedy_pick(logits, pick_columns or logits.shape[1], None, None)
         return seqs, logits, picks
@@ -206,9 +211,7 @@ def test_unguided_drafts_verified_on_picks_end_where_single_steps_end():
     for request_id, out in off.items():
         assert len(out.outputs) == len(on[request_id].outputs)
         for a, b in zip(out.outputs, on[request_id].outputs):
-            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
-                (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
-            assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+            assert_same_completion(a, b, request_id)
             reasons[a.finish_reason, type(a.stop_reason).__name__] += 1
     assert {("stop", "str"), ("stop", "int"), ("stop", "NoneType"), ("length", "NoneType")} <= set(reasons), reasons
     assert on_engine.stats().num_accepted_tokens > 0 and len(picked_drafts) > 20, len(picked_drafts)
@@ -547,9 +550,7 @@ def test_deferred_masks_change_no_output(compiler, switches, monkeypatch):
     reasons = collections.Counter()
     for request_id, out in eager.items():
         a, b = out.outputs[0], deferred[request_id].outputs[0]
-        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
-            (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
-        assert (a.logprobs, a.cumulative_logprob) == (b.logprobs, b.cumulative_logprob), request_id
+        assert_same_completion(a, b, request_id)
         assert (a.num_draft_tokens, a.num_accepted_tokens, a.num_forced_tokens) == \
             (b.num_draft_tokens, b.num_accepted_tokens, b.num_forced_tokens), request_id
         reasons[a.finish_reason] += 1
