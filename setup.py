@@ -20,7 +20,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = ["module.cpp", "terms.cpp", "kernels.cpp", "kernels_baseline.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp",
            "qmatmul.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp",
-           "decode_step.cpp", "cfg.cpp"]
+           "decode_step.cpp", "cfg.cpp", "ngram.cpp"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Not -ffast-math: linking with it pulls in crtfastmath, whose constructor turns on flush-to-zero and
 # denormals-are-zero for the whole process when the module loads (numpy, torch and every test after it would lose

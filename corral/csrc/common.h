@@ -127,5 +127,6 @@ void add_terms(nb::module_& m);
 void add_kernels(nb::module_& m);
 void add_qmatmul(nb::module_& m);
 void add_decode_step(nb::module_& m);
+void add_ngram(nb::module_& m);
 
 }  // namespace corral_native

@@ -93,4 +93,5 @@ NB_MODULE(CORRAL_MODULE, m) {
     add_qmatmul(m);
     add_decode_step(m);
     add_cfg(m);
+    add_ngram(m);
 }

@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from corral import native
 from corral.engine.sampler import DraftRows, SamplingRow, sampling_row
 from corral.engine.sequence import Sequence
 from corral.fsm.guide import Guide
@@ -92,11 +93,42 @@ class Rate:
         self.accepted = self.accepted * _DECAY + num_accepted
 
 
+class PyNgramIndex:
+    """Prompt lookup's index of one sequence's tokens, in Python: what the native module's ``NgramIndex`` computes
+    (this is its oracle, and what runs with the native module off). For each n up to ``order``, every n-gram maps
+    to the position right after its latest occurrence."""
+
+    def __init__(self, order: int):
+        self.order, self.indexed = order, 0  # tokens[:indexed] are registered
+        self._grams: list[dict[tuple[int, ...], int]] = [{} for _ in range(order)]
+
+    def find(self, tokens: list[int], tail: list[int] | None) -> tuple[int, int]:
+        """Register every n-gram of ``tokens`` (which only grow between calls) that ends before its last token
+        and is not registered yet; then (n, end) for the longest n whose last n items of ``tokens + tail`` were
+        registered, ``end`` the position in ``tokens`` right after their latest occurrence; (0, -1) for none."""
+        for end in range(max(self.indexed, 1), len(tokens)):
+            for n in range(1, min(self.order, end) + 1):
+                self._grams[n - 1][tuple(tokens[end - n: end])] = end
+        self.indexed = max(self.indexed, len(tokens))
+        context = tokens + tail if tail else tokens
+        for n in range(min(self.order, len(context)), 0, -1):
+            end = self._grams[n - 1].get(tuple(context[-n:]))
+            if end is not None:
+                return n, end
+        return 0, -1
+
+
+def ngram_index(order: int = MAX_NGRAM):
+    """A sequence's n-gram index: the native one (a few hash probes a step, about 65 bytes a token where a dict of
+    tuples took about 280), or its Python twin where the native module is off."""
+    module = native.module()
+    return module.NgramIndex(order) if module is not None else PyNgramIndex(order)
+
+
 @dataclass
 class SpecState:
     """Per sequence: the n-gram index of its tokens and its acceptance rates."""
-    ngrams: list[dict] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM)])
-    indexed: int = 0  # tokens[:indexed] are in ``ngrams``
+    ngrams: "PyNgramIndex" = field(default_factory=lambda: ngram_index())  # or the native NgramIndex
     forced: Rate = field(default_factory=Rate)
     # prompt lookup's tokens, by the length of the suffix that matched (index n - 1): a one-token match is weak
     # evidence and a three-token one strong, so each sizes its drafts by its own record
@@ -156,7 +188,6 @@ class Drafter:
         lookup: list[int] = []
         state.lookup_order = 0
         if max(caps) > 0:
-            self._index(tokens, state)
             lookup = self._lookup(tokens, forced, state, caps, guide)
         return Draft(forced + lookup, len(forced))
 
@@ -267,32 +298,18 @@ class Drafter:
         return None
 
     # -- prompt lookup --------------------------------------------------------------------------------------
-    @staticmethod
-    def _index(tokens: list[int], state: SpecState) -> None:
-        """Register every n-gram that ends before the last token, with where its continuation starts."""
-        for end in range(max(state.indexed, 1), len(tokens)):
-            for n in range(1, MAX_NGRAM + 1):
-                if end >= n:
-                    state.ngrams[n - 1][tuple(tokens[end - n: end])] = end
-        state.indexed = max(state.indexed, len(tokens))
-
     def _lookup(self, tokens: list[int], forced: list[int], state: SpecState, caps: tuple[int, ...],
                 guide: Guide | None) -> list[int]:
-        """What followed the longest matching suffix, up to its length's cap (none when that cap is 0: a
-        shorter match is weaker evidence still)."""
-        context = tokens + forced if forced else tokens
-        for n in range(MAX_NGRAM, 0, -1):
-            if len(context) < n:
-                continue
-            start = state.ngrams[n - 1].get(tuple(context[-n:]))
-            if start is None:
-                continue
-            draft = tokens[start: start + caps[n - 1]]
-            if guide is not None:
-                draft = self._allowed_prefix(draft, forced, guide)
-            state.lookup_order = n if draft else 0
-            return draft
-        return []
+        """What followed the longest matching suffix of the text and ``forced`` after it, up to its length's cap
+        (none when that cap is 0: a shorter match is weaker evidence still)."""
+        n, start = state.ngrams.find(tokens, forced or None)
+        if n == 0:
+            return []
+        draft = tokens[start: start + caps[n - 1]]
+        if guide is not None:
+            draft = self._allowed_prefix(draft, forced, guide)
+        state.lookup_order = n if draft else 0
+        return draft
 
     def shadow(self, tokens: list[int], guide: Guide | None, state: SpecState, caps: tuple[int, ...],
                length: int) -> None:
@@ -302,18 +319,13 @@ class Drafter:
         that turns repetitive (a list, a table, code) would go undrafted for the rest of the sequence."""
         if length <= 0:
             return
-        self._index(tokens, state)
-        for n in range(MAX_NGRAM, 0, -1):
-            start = state.ngrams[n - 1].get(tuple(tokens[-n:])) if len(tokens) >= n else None
-            if start is None:
-                continue
-            if caps[n - 1] == 0:
-                draft = tokens[start: start + length]
-                if guide is not None:  # a token the grammar forbids is never drafted, so never counted against
-                    draft = self._allowed_prefix(draft, [], guide)
-                if draft:
-                    state.shadow = (n, len(tokens), draft)
-            return
+        n, start = state.ngrams.find(tokens, None)
+        if n and caps[n - 1] == 0:
+            draft = tokens[start: start + length]
+            if guide is not None:  # a token the grammar forbids is never drafted, so never counted against
+                draft = self._allowed_prefix(draft, [], guide)
+            if draft:
+                state.shadow = (n, len(tokens), draft)
 
     @staticmethod
     def _allowed_prefix(draft: list[int], forced: list[int], guide: Guide) -> list[int]:

@@ -17,11 +17,14 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from corral import native
 from corral.engine import sampler as sampler_module
+from corral.engine import speculation
 from corral.engine.config import EngineConfig
 from corral.engine.llm_engine import LLMEngine
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
-from corral.engine.speculation import Drafter, Rate, SpecState, best_rate, draft_price, settle_shadow
+from corral.engine.speculation import (MAX_NGRAM, Drafter, PyNgramIndex, Rate, SpecState, best_rate, draft_price,
+                                       settle_shadow)
 from corral.fsm.compiler import GrammarCompiler
 from corral.fsm.vocabulary import Vocabulary
 from corral.grammar.regex_parser import parse_regex
@@ -33,6 +36,7 @@ BLOCK_SIZE = 4
 VOCAB = Vocabulary.from_token_bytes(TOKENS, special_ids=[EOS], eos_token_ids=[EOS])
 OFF = dict(jump_forward=False, speculation=False)
 ON = dict(jump_forward=True, speculation=True)
+needs_native = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
 # After the first byte, "c" then "abab" are forced: "ab ab", "a b ab", "a ba b"... spell it, and the model
 # decides which (the drafter proposes the longest match, less the tail it backs off).
 AMBIGUOUS = "(a|b)cabab(c|ab|b){1,2}"
@@ -288,7 +292,15 @@ def test_the_tokenizers_cut_of_a_forced_span_is_asked_once(compiler, monkeypatch
     assert len(drafter._cut) <= 2 and len(calls) == 7
 
 
-def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_allows(compiler):
+@pytest.fixture(params=["python", pytest.param("native", marks=needs_native)])
+def ngram_kind(request, monkeypatch):
+    """Each prompt-lookup test with the native n-gram index and with its Python twin."""
+    if request.param == "python":
+        monkeypatch.setattr(speculation, "ngram_index", lambda order=MAX_NGRAM: PyNgramIndex(order))
+    return request.param
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_allows(compiler, ngram_kind):
     drafter, state = Drafter(VOCAB), SpecState()
     tokens = [0, 1, 3, 2, 0, 1, 3, 3, 0, 1]
     draft = drafter.propose(tokens, None, state, forced_cap=0, lookup_cap=3, room=10)
@@ -305,7 +317,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_suffix_and_the_guide_a
     assert 3 not in draft.tokens, "a second c is not allowed: the draft stops before it"
 
 
-def test_a_lookup_draft_is_capped_by_the_record_of_its_match_length():
+def test_a_lookup_draft_is_capped_by_the_record_of_its_match_length(ngram_kind):
     """The longest matching suffix decides both what is drafted and whose cap applies: a three-token match is
     capped by the three-token record, a one-token match by the one-token record, and none is drafted where the
     matched length's cap is 0 (a shorter match is weaker evidence, so it is not tried instead)."""
@@ -322,6 +334,41 @@ def test_a_lookup_draft_is_capped_by_the_record_of_its_match_length():
     assert draft.tokens == [1] and state.lookup_order == 1
     state.record(num_tested=1, num_forced=0, num_accepted=0)
     assert (state.lookup[0].reached, state.lookup[0].accepted) == (1, 0) and state.lookup[2].reached == 0
+
+
+@needs_native
+@pytest.mark.parametrize("order", [1, 2, 3, 5])
+def test_the_native_ngram_index_finds_what_its_python_twin_finds(order):
+    """Sequences that grow by 0-6 tokens a call, over vocabularies from 2 ids (every n-gram recurs, and the
+    tables grow past their first size) to ids past 2**16, each call with or without a tail (jump-forward's forced
+    tokens): the same (length, position) every call, and the same count of indexed tokens."""
+    rng = random.Random(order)
+    for _ in range(60):
+        ours, twin = native.module().NgramIndex(order), PyNgramIndex(order)
+        vocab, tokens = rng.choice([2, 3, 7, 50, 70_000, 2**32 - 1]), []
+        for _ in range(rng.randint(1, 60)):
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 6)))
+            tail = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))] if rng.random() < 0.5 else None
+            assert ours.find(tokens, tail) == twin.find(tokens, tail), (tokens, tail)
+            assert ours.indexed == twin.indexed == len(tokens)
+    index = native.module().NgramIndex(3)
+    assert index.find([5], None) == (0, -1) and index.find([], [5]) == (0, -1)
+    tokens = [7, 8, 9, 7, 8, 9, 4, 7, 8]
+    assert index.find(tokens, None) == (2, 5)  # "4 7 8" never came before; "7 8" last did at 3-4, then 5 ("9")
+    assert index.find(tokens, [9]) == (3, 6)  # "7 8 9" last came at 3-5, followed at 6 by "4"
+
+
+@needs_native
+def test_the_native_ngram_index_refuses_what_is_not_a_list_of_token_ids():
+    index = native.module().NgramIndex(3)
+    for tokens, tail, error in (((1, 2), None, TypeError), ([1, 2], (3,), TypeError), ([1, True], None, TypeError),
+                                ([1, -1], None, ValueError), ([2**32], None, ValueError),
+                                ([1, 2], [3, 2**40], ValueError)):
+        with pytest.raises(error):
+            index.find(tokens, tail)
+    for order in (0, 9):
+        with pytest.raises(ValueError):
+            native.module().NgramIndex(order)
 
 
 def test_draft_length_follows_the_acceptance_rate_and_the_price():
@@ -357,7 +404,7 @@ class _Decoding:
         return len(self.token_ids)
 
 
-def test_a_shadow_is_recorded_as_its_verification_would_be():
+def test_a_shadow_is_recorded_as_its_verification_would_be(ngram_kind):
     """A stopped match length's shadow: the tokens that length would have drafted, checked once the tokens that
     came decide it: kept up to the first that differs (that one reached), or all of them; undecided while every
     token so far agrees."""
