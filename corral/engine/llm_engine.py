@@ -54,6 +54,7 @@ from corral.engine.weights import gguf_has_q4
 from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.fsm.guide import Guide
 from corral.fsm.vocabulary import Vocabulary
+from corral.kernels import cpu_ops
 from corral.kernels.bitmask import apply_token_bitmask_
 from corral.models import load_model_config, load_tokenizer, resolve_model
 
@@ -569,12 +570,21 @@ class LLMEngine:
                 and not seq.num_forks_pending and seq.num_output_tokens >= seq.params.min_tokens
                 and not seq.guide.is_error()}  # an error met already (a limit): its mask ends it, as before
 
-    def _masked_pick(self, guide: Guide, logits: torch.Tensor, row: SamplingRow) -> SampleResult | None:
-        """The pick of one row of ``logits`` under ``guide``'s mask, filled now; None where the mask allows
-        nothing (a limit the guide meets filling it is its error, as before the forward)."""
+    def _masked_pick(self, guide: Guide, logits: torch.Tensor, at: int, seq: Sequence,
+                     draft: list[int] = ()) -> SampleResult | None:
+        """The pick of ``logits[at]``, a row of deferred ``seq`` (after ``draft``), under ``guide``'s mask, filled
+        now; None where the mask allows nothing (a limit the guide meets filling it is its error, as before the
+        forward). A deferred row is plain greedy, so the sampler would make the native greedy pick of the masked
+        row: it is made here on a view of that row, with no torch slice, and the sampler decides only where that
+        pick cannot (a NaN or +inf)."""
         mask = np.zeros((1, self._mask_words), dtype=np.int32)
         guide.fill_mask(mask[0])
-        return self.sampler(logits, [row], mask, [0]) if np.count_nonzero(mask) else None
+        if not np.count_nonzero(mask):
+            return None
+        picked = cpu_ops.greedy_pick_row(logits, at, self.sampler.vocab_size or logits.shape[1], mask)
+        if picked is not None:
+            return SampleResult([picked[0]], [picked[1]], None)
+        return self.sampler(logits[at:at + 1], [sampling_row(seq, draft)], mask, [0])
 
     def _repick_refused(self, rows, logits: torch.Tensor, result: SampleResult, deferred: set[int],
                         stuck: list[Sequence]) -> tuple[list, SampleResult]:
@@ -589,7 +599,7 @@ class LLMEngine:
                 if probe is not None:  # its emit takes the probe's step (Guide.advance_as)
                     seq.ahead = (len(seq.token_ids), [(tokens[i], probe, 0)])
                     continue
-            picked = self._masked_pick(seq.guide, logits[i:i + 1], sampling_row(seq))  # its own guide's mask
+            picked = self._masked_pick(seq.guide, logits, i, seq)  # its own guide's mask
             if picked is None:
                 dropped.append(i)
                 stuck.append(seq)
@@ -658,7 +668,7 @@ class LLMEngine:
                 if allowed:
                     ahead.append((token, took, 0))
             if not allowed:  # the masked row's pick, as filling its mask first would have made it
-                picked = self._masked_pick(probe, logits[start + j:start + j + 1], sampling_row(seq, draft[:j]))
+                picked = self._masked_pick(probe, logits, start + j, seq, draft[:j])
                 if picked is None:
                     tested, final = j, False
                     break

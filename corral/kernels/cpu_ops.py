@@ -111,6 +111,20 @@ def greedy_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray
     return ids, logprobs
 
 
+def greedy_pick_row(logits: torch.Tensor, row: int, n: int, bitmask: np.ndarray) -> tuple[int, float] | None:
+    """:func:`greedy_pick` of ``logits[row]`` alone under one int32 ``bitmask`` row ([1, words] numpy): (id,
+    logprob), with no torch call where ``logits`` is a registered buffer (the row is a numpy view), or None where
+    :func:`greedy_pick` of the one-row slice would return None."""
+    args = _pick_args(logits, n, None, None)
+    if args is None or not 0 <= row < len(args[1]):
+        return None
+    module, array = args[0], args[1]
+    if bitmask.dtype != np.int32 or bitmask.shape != (1, (n + 31) // 32):
+        return None
+    ids, logprobs = module.greedy_pick(array[row:row + 1], n, bitmask, [0], torch.get_num_threads())
+    return (ids[0], logprobs[0]) if ids[0] >= 0 else None
+
+
 def sample_pick(logits: torch.Tensor, n: int, bitmask: torch.Tensor | np.ndarray | None,
                 masked_rows: torch.Tensor | list[int] | None, temperature: list[float], top_k: list[int],
                 top_p: list[float], min_p: list[float], uniform: list[float], top_n: list[int],

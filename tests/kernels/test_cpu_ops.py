@@ -426,3 +426,31 @@ def test_the_native_draw_takes_greedy_rows_skips_rows_and_checks_its_lists():
         cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [1.0], [0.0], [1.0], [0])
     with pytest.raises(ValueError, match="out of range"):
         cpu_ops.sample_pick(logits[:1], 4, None, None, [1.0], [0], [1.0], [0.0], [0.5], [21])
+
+
+def test_one_rows_masked_pick_is_the_greedy_pass_over_that_row_alone():
+    """``greedy_pick_row`` (a deferred guided row's masked pick, made on a view of its row) gives what
+    ``greedy_pick`` of the one-row slice gives, for a registered buffer and a plain tensor, and None where that
+    would be None (a NaN in the row, no allowed column) or the arguments do not fit (a row out of range, a
+    bitmask of another width)."""
+    rng = np.random.default_rng(3)
+    n, rows = 1000, 6
+    logits = torch.from_numpy(rng.standard_normal((rows, n + 24)).astype(np.float32))  # wider than the vocabulary
+    logits[4, 10] = float("nan")
+    registered = torch.empty_like(logits)
+    registered.copy_(logits)
+    cpu_ops.register_buffer(registered)
+    words = (n + 31) // 32
+    for trial in range(40):
+        row = int(rng.integers(rows))
+        bitmask = rng.integers(-2 ** 31, 2 ** 31, size=(1, words), dtype=np.int64).astype(np.int32)
+        bitmask &= rng.integers(0, 2, size=(1, words)).astype(np.int32) * -1  # some words allow nothing
+        if trial % 10 == 0:
+            bitmask[:] = 0
+        want = cpu_ops.greedy_pick(logits[row:row + 1], n, bitmask, [0])
+        want = None if want is None else (want[0][0], want[1][0])
+        for source in (logits, registered):
+            assert cpu_ops.greedy_pick_row(source, row, n, bitmask) == want, (trial, row)
+    assert cpu_ops.greedy_pick_row(logits, rows, n, bitmask) is None
+    assert cpu_ops.greedy_pick_row(logits, -1, n, bitmask) is None
+    assert cpu_ops.greedy_pick_row(logits, 0, n, np.zeros((1, words + 1), np.int32)) is None
