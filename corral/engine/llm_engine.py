@@ -755,27 +755,42 @@ class LLMEngine:
 
     def _emit_run(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float) -> bool:
         """:meth:`_emit` for each of ``tokens`` (with no top logprobs) until one ends ``seq``, with the same stop
-        checks in the same order, made once for the run where no guide is involved: the first EOS or stop id,
-        the text of the tokens before it in one detokenizer call, and the length limit. True when ``seq``
-        ended."""
-        if seq.guide is not None:
+        checks in the same order, made once for the run where they can be: the first EOS or stop id (for a guided
+        sequence, also the first token its grammar refuses or after which it is finished; each token advances its
+        guide in turn), the text of the tokens the detokenizer would have seen in one call, and the length limit.
+        A guided sequence with stop strings goes a token at a time: a stop string may end it before a token its
+        guide would otherwise have taken. True when ``seq`` ended."""
+        params, length, guide = seq.params, len(seq.token_ids), seq.guide
+        if guide is not None and params.stop:
             return any(self._emit(seq, token, logprob, [], now) for token, logprob in zip(tokens, logprobs))
-        params, length = seq.params, len(seq.token_ids)
         # a token is emitted before its limit is checked, so at least one is (a burst is planned within them)
         room = max(1, min(params.max_tokens - length + seq.num_prompt_tokens, self.max_model_len - length))
         run = tokens[:room] if room < len(tokens) else tokens
         count, reason, stop_reason = len(run), "length" if len(run) == room else None, None
         eos = () if params.ignore_eos else self.vocabulary.eos_token_ids
-        for i, token in enumerate(run):
-            if token in eos or token in params.stop_token_ids:
-                count, reason, stop_reason = i + 1, "stop", None if token in eos else token
-                break
-        added, stop = seq.detokenizer.add_tokens(run[:count - 1] if reason == "stop" else run)
-        if stop is not None:  # a stop string, completed before any stop id
-            count, reason, stop_reason = added, "stop", stop
-        if count < len(run):
-            run, logprobs = run[:count], logprobs[:count]
-        seq.token_ids.extend(run)
+        if guide is None:
+            for i, token in enumerate(run):
+                if token in eos or token in params.stop_token_ids:
+                    count, reason, stop_reason = i + 1, "stop", None if token in eos else token
+                    break
+            added, stop = seq.detokenizer.add_tokens(run[:count - 1] if reason == "stop" else run)
+            if stop is not None:  # a stop string, completed before any stop id
+                count, reason, stop_reason = added, "stop", stop
+            seq.token_ids.extend(run[:count] if count < len(run) else run)
+        else:
+            token_ids, seen = seq.token_ids, len(run)  # seen: the tokens whose text the detokenizer gets
+            for i, token in enumerate(run):
+                token_ids.append(token)  # before its advance, which reads where the sequence stands
+                if not self._advance_guide(seq, token):
+                    count, reason, stop_reason, seen = i + 1, "error", getattr(guide, "error", None), i
+                    break
+                if token in eos or token in params.stop_token_ids:
+                    count, reason, stop_reason, seen = i + 1, "stop", None if token in eos else token, i
+                    break
+                if guide.is_finished():  # after its text, as a token at a time
+                    count, reason, seen = i + 1, "stop", i + 1
+                    break
+            seq.detokenizer.add_tokens(run[:seen] if seen < len(run) else run)  # (no stop string to find)
         self._counters["generated"] += count
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -876,8 +891,7 @@ class LLMEngine:
                 self._counters["model_drafted"] += len(tested)
                 self._counters["model_accepted"] += accepted
         seq.draft, seq.num_draft_forced, seq.draft_by_model, seq.draft_by_self = [], 0, False, False
-        if seq.guide is None and result is not None and result.top_logprobs is None and result.token_ids \
-                and min(result.token_ids) >= 0:
+        if result is not None and result.top_logprobs is None and result.token_ids and min(result.token_ids) >= 0:
             if self._emit_run(seq, result.token_ids, result.logprobs, now):  # one stop check for the run
                 return
         else:

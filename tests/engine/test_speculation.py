@@ -611,6 +611,39 @@ def test_deferred_masks_change_no_output(compiler, switches, monkeypatch):
         assert taken["a draft's", True] > 0, taken
 
 
+@pytest.mark.parametrize("fail_at", [2, 4, 6])
+def test_a_guide_that_fails_inside_a_verified_run_ends_its_sequence_at_that_token(compiler, fail_at, monkeypatch):
+    """A guide that meets a limit while a token is emitted (here forced at output token ``fail_at``) ends its
+    sequence with an error at that token, counted and with its logprob, whether the token came alone or inside a
+    verified run of drafted tokens (emitted as a run, its guide advanced token by token): the same tokens, text,
+    reasons and logprobs with drafts on as off, and drafts did reach the failing token."""
+    advance = LLMEngine._advance_guide
+
+    def failing(seq, token):
+        if seq.num_output_tokens == fail_at:
+            seq.guide.error = "a limit"
+            return False
+        return advance(seq, token)
+    monkeypatch.setattr(LLMEngine, "_advance_guide", staticmethod(failing))
+    outs, accepted = {}, 0
+    for switches in (OFF, ON):
+        engine = draft_engine(ToyModel(seed=7, sharpness=2.0), **switches)
+        engine.defer_masks = True
+        requests = [(f"r{i}", PROMPT[i % 5:], SamplingParams(temperature=0, max_tokens=8),
+                     compiler.compile_node(parse_regex(pattern)).new_guide())
+                    for i, pattern in enumerate([AMBIGUOUS, "a[bc]{0,3}(ab){2}c"] * 3)]
+        done = run_all(engine, requests)
+        assert engine.block_manager.num_used_blocks == 0
+        outs[switches is ON] = {k: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                                    o.outputs[0].stop_reason, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob)
+                                for k, o in done.items()}
+        accepted = sum(o.outputs[0].num_accepted_tokens for o in done.values())
+    assert outs[False] == outs[True]
+    assert accepted > 0
+    ended = [v for v in outs[True].values() if v[2] == "error"]
+    assert ended and all(len(v[0]) == fail_at and v[3] == "a limit" for v in ended), outs[True]
+
+
 class PrefersC(ToyModel):
     """A model whose argmax is always "c", then "ab", "b", "a", EOS."""
 
