@@ -349,10 +349,11 @@ class LLMEngine:
             return self._outputs(self._settle_burst(seqs, picks, logprobs))  # the sampler's own greedy tokens
         if masks is None and _one_row_each(seqs):  # the usual decode step: nothing below would change a thing
             drafted, beams, rows, row_logits, stuck, masks = None, None, [(s, s) for s in seqs], logits, [], {}
-        elif row_picks is not None and not deferred:  # plain greedy rows, drafts among them: the picks decide
-            rows = [(s, s) for s in seqs if not s.draft]  # every row, so no logits row is read, split or masked
-            drafted = ([(s, first_rows[s.seq_id]) for s in seqs if s.draft], None)
-            beams, row_logits, stuck, masks = None, None, [], {}
+        elif row_picks is not None:  # plain greedy rows, drafts among them: the picks decide every row, so no
+            # logits row is split or masked; a deferred row whose pick its grammar refuses is read where it lies
+            rows = [(s, s) for s in seqs if not s.draft]
+            drafted = ([(s, first_rows[s.seq_id]) for s in seqs if s.draft], logits if deferred else None)
+            beams, row_logits, stuck, masks = None, logits if deferred else None, [], {}
         else:
             (seqs, logits), drafted = self._split_drafts(seqs, logits)      # drafted rows are verified
             (seqs, logits), beams = self._split_beams(seqs, logits)         # beam rows skip the sampler
@@ -361,13 +362,14 @@ class LLMEngine:
             rows, row_logits, stuck = self._drop_dead_ends(rows, row_logits, masks)  # a mask with no token: error
         touched: dict[str, _Request] = {}
         if rows or stuck:
+            at = None  # each row's place in row_logits where the picks decided (else its place in the list)
             if row_picks is not None and not stuck and not masks:  # no forks, no mask: each row's own pick
                 at = [first_rows[seq.seq_id] for seq, _ in rows]
                 result = SampleResult([row_picks[0][i] for i in at], [row_picks[1][i] for i in at], None)
             else:
                 result = self.sampler(row_logits, self._sampling_rows(rows), *self._bitmask(masks, rows))
             if deferred:  # a token its grammar refuses: that row's mask now, and its pick again
-                rows, result = self._repick_refused(rows, row_logits, result, deferred, stuck)
+                rows, result = self._repick_refused(rows, row_logits, result, deferred, stuck, at)
             self._process(rows, result, stuck, touched)                     # guides, stops
         if drafted:
             self._verify_drafts(*drafted, masks, touched, deferred,         # accept, then roll back the rest
@@ -587,9 +589,10 @@ class LLMEngine:
         return self.sampler(logits[at:at + 1], [sampling_row(seq, draft)], mask, [0])
 
     def _repick_refused(self, rows, logits: torch.Tensor, result: SampleResult, deferred: set[int],
-                        stuck: list[Sequence]) -> tuple[list, SampleResult]:
+                        stuck: list[Sequence], at: list[int] | None = None) -> tuple[list, SampleResult]:
         """The rows of deferred sequences whose unmasked argmax their grammar refuses, picked again with their
-        masks; a row whose mask allows nothing leaves the batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
+        masks (row i at ``logits[at[i]]``; no ``at``: ``logits[i]``); a row whose mask allows nothing leaves the
+        batch for ``stuck``, as :meth:`_drop_dead_ends` does."""
         tokens, logprobs, dropped = result.token_ids, result.logprobs, []
         for i, (seq, _) in enumerate(rows):
             if seq.seq_id not in deferred:
@@ -599,7 +602,7 @@ class LLMEngine:
                 if probe is not None:  # its emit takes the probe's step (Guide.advance_as)
                     seq.ahead = (len(seq.token_ids), [(tokens[i], probe, 0)])
                     continue
-            picked = self._masked_pick(seq.guide, logits, i, seq)  # its own guide's mask
+            picked = self._masked_pick(seq.guide, logits, i if at is None else at[i], seq)  # its own guide's mask
             if picked is None:
                 dropped.append(i)
                 stuck.append(seq)
@@ -616,24 +619,28 @@ class LLMEngine:
 
     def _verify_deferred(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor, picks=None
                          ) -> dict[int, tuple[DraftRows, Verified]]:
-        """Verify the drafts of deferred sequences (``drafted``: each with its rows, and only those, in
-        ``logits``, in order) as their masks would have: per sequence, its draft and what it verified, by sequence
-        id. Every row's unmasked argmax comes from one sampler call; each sequence then walks its rows with a copy
-        of its guide (see :meth:`_walk_deferred`). The caller takes the rows out only where other sequences' rows
-        are among them: right after the forward, a torch call costs tens of microseconds. ``picks``: (the native
-        call's picks of the step's logits rows, each sequence's first row there), which are those argmax."""
+        """Verify the drafts of deferred sequences as their masks would have: per sequence, its draft and what it
+        verified, by sequence id; each sequence walks its rows with a copy of its guide (see
+        :meth:`_walk_deferred`) from their unmasked argmax. ``picks``: (the native call's picks of the step's
+        logits rows, each sequence's first row there), which are those argmax, and ``logits`` the step's own (a
+        row is read only where its grammar refuses its pick). Without them ``drafted`` holds each sequence with its
+        rows, and only those, in ``logits``, in order, and their argmax come from one sampler call: the caller takes
+        the rows out only where other sequences' rows are among them (right after the forward, a torch call costs
+        tens of microseconds)."""
+        out = {}
         if picks is not None:
             (tokens, logprobs), first_rows = picks
-            at = [i for seq, _ in drafted for i in range(first_rows[seq.seq_id], first_rows[seq.seq_id]
-                                                         + len(seq.draft) + 1)]
-            picked = SampleResult([tokens[i] for i in at], [logprobs[i] for i in at], None)
-        else:
-            rows = []
             for seq, _ in drafted:
-                draft = seq.draft
-                rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
-            picked = self.sampler(logits, rows)
-        out, start = {}, 0
+                first, count = first_rows[seq.seq_id], len(seq.draft) + 1
+                out[seq.seq_id] = self._walk_deferred(seq, logits, first, tokens[first:first + count],
+                                                      logprobs[first:first + count])
+            return out
+        rows = []
+        for seq, _ in drafted:
+            draft = seq.draft
+            rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
+        picked = self.sampler(logits, rows)
+        start = 0
         for seq, _ in drafted:
             count = len(seq.draft) + 1
             out[seq.seq_id] = self._walk_deferred(seq, logits, start, picked.token_ids[start:start + count],
@@ -836,8 +843,11 @@ class LLMEngine:
         walked = {}
         if deferred and any(seq.seq_id in deferred for seq in order):
             mine = [d for d in drafted if d[0].seq_id in deferred]
-            walked = self._verify_deferred(mine, logits if len(mine) == len(drafted) else _take_rows(
-                logits, [row for seq, first in mine for row in range(first, first + len(seq.draft) + 1)]), picks)
+            theirs = logits  # with picks, the step's logits; else the drafted rows, of which these take theirs
+            if picks is None and len(mine) < len(drafted):
+                theirs = _take_rows(logits, [row for seq, first in mine for row in range(first, first + len(seq.draft)
+                                                                                        + 1)])
+            walked = self._verify_deferred(mine, theirs, picks)
             drafted = [d for d in drafted if d[0].seq_id not in deferred]
         if drafted and picks is not None:  # every row's argmax is known, and each of these is unguided
             walked.update(self._verify_picked(drafted, picks))
