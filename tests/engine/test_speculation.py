@@ -616,7 +616,7 @@ def test_a_guide_that_fails_inside_a_verified_run_ends_its_sequence_at_that_toke
     """A guide that meets a limit while a token is emitted (here forced at output token ``fail_at``) ends its
     sequence with an error at that token, counted and with its logprob, whether the token came alone or inside a
     verified run of drafted tokens (emitted as a run, its guide advanced token by token): the same tokens, text,
-    reasons and logprobs with drafts on as off, and drafts did reach the failing token."""
+    reasons and logprobs with drafts on as off, and some sequence failed inside a run of verified tokens."""
     advance = LLMEngine._advance_guide
 
     def failing(seq, token):
@@ -625,6 +625,13 @@ def test_a_guide_that_fails_inside_a_verified_run_ends_its_sequence_at_that_toke
             return False
         return advance(seq, token)
     monkeypatch.setattr(LLMEngine, "_advance_guide", staticmethod(failing))
+    emit_run, in_runs = LLMEngine._emit_run, collections.Counter()
+
+    def counted_run(self, seq, tokens, logprobs, now):
+        ended = emit_run(self, seq, tokens, logprobs, now)
+        in_runs[len(tokens) > 1 and seq.finish_reason == "error"] += 1  # it failed inside a run of tokens
+        return ended
+    monkeypatch.setattr(LLMEngine, "_emit_run", counted_run)
     outs, accepted = {}, 0
     for switches in (OFF, ON):
         engine = draft_engine(ToyModel(seed=7, sharpness=2.0), **switches)
@@ -639,7 +646,7 @@ def test_a_guide_that_fails_inside_a_verified_run_ends_its_sequence_at_that_toke
                                 for k, o in done.items()}
         accepted = sum(o.outputs[0].num_accepted_tokens for o in done.values())
     assert outs[False] == outs[True]
-    assert accepted > 0
+    assert accepted > 0 and in_runs[True] > 0, in_runs
     ended = [v for v in outs[True].values() if v[2] == "error"]
     assert ended and all(len(v[0]) == fail_at and v[3] == "a limit" for v in ended), outs[True]
 
