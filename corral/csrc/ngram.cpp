@@ -2,7 +2,7 @@
 // order, every n-gram of the tokens maps to the position right after its latest occurrence; a draft is what
 // followed the longest suffix of the text that occurred before. The index grows with the sequence, one call per
 // step reading only the tokens added since the call before, so a step's lookup costs a few hash probes, with no
-// Python object made per n-gram: about 65 bytes a token, where a dict of tuples took about 280, and most of the
+// Python object made per n-gram: 60-75 bytes a token, where a dict of tuples took 260-300, and most of the
 // drafter's time after a forward, its data cold.
 #include "common.h"
 
@@ -72,7 +72,7 @@ struct Table {
 
 struct NgramIndex {
     int64_t order = 0, indexed = 0;
-    std::vector<uint32_t> window;  // a call's new tokens (kept for its capacity)
+    std::vector<uint32_t> window;  // a call's new tokens (kept for its capacity, up to a few thousand)
     Table tables[MAX_ORDER];
 };
 
@@ -111,6 +111,7 @@ nb::tuple index_find(NgramIndex& self, nb::handle tokens_in, nb::handle tail_in)
         for (int64_t n = 1; n <= self.order && n <= end; ++n)
             self.tables[n - 1].put(&window[size_t(end - n - from)], int32_t(end));
     self.indexed = std::max<int64_t>(self.indexed, length);
+    if (window.capacity() > 4096) std::vector<uint32_t>().swap(window);  // a long prompt's first call: not kept
     uint32_t context[MAX_ORDER];
     const Py_ssize_t extra = has_tail ? PyList_GET_SIZE(tail_in.ptr()) : 0;
     for (int64_t n = std::min<int64_t>(self.order, length + extra); n >= 1; --n) {

@@ -119,8 +119,8 @@ class PyNgramIndex:
 
 
 def ngram_index(order: int = MAX_NGRAM):
-    """A sequence's n-gram index: the native one (a few hash probes a step, about 65 bytes a token where a dict of
-    tuples took about 280), or its Python twin where the native module is off."""
+    """A sequence's n-gram index: the native one (a few hash probes a step, 60-75 bytes a token where a dict of
+    tuples took 260-300), or its Python twin where the native module is off."""
     module = native.module()
     return module.NgramIndex(order) if module is not None else PyNgramIndex(order)
 
