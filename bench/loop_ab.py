@@ -45,6 +45,7 @@ def base_module(commit: str, path: str, name: str):
         out.write(source)
     spec = importlib.util.spec_from_file_location(name, out.name)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up while the classes are made)
     spec.loader.exec_module(module)
     os.unlink(out.name)
     return module
