@@ -1,7 +1,9 @@
 """The native module: the CORRAL_NATIVE switch, the GIL released during a mask, checked buffers, the limits that
-hold while decoding, and several processes importing it at once."""
+hold while decoding, several processes importing it at once, and prompt lookup's n-gram index against its Python
+twin."""
 
 import os
+import random
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from corral import native
 from corral.budget import Budget
+from corral.engine.speculation import PyNgramIndex
 from corral.errors import GrammarTooComplexError
 from corral.fsm import derivatives
 from corral.fsm.lazy_dfa import DEAD, LazyDFA
@@ -324,3 +327,38 @@ def test_two_openmp_runtimes_are_found_and_said_once(monkeypatch, caplog):
             native.release_thread_pool()
         said = [r for r in caplog.records if "OpenMP runtimes are loaded" in r.getMessage()]
         assert len(said) == 1 and "/b/libgomp-1234.so.1" in said[0].getMessage()
+
+
+@needs_native
+@pytest.mark.parametrize("order", [1, 2, 3, 5])
+def test_the_native_ngram_index_finds_what_its_python_twin_finds(order):
+    """Sequences that grow by 0-6 tokens a call, over vocabularies from 2 ids (every n-gram recurs, and the
+    tables grow past their first size) to ids past 2**16, each call with or without a tail (jump-forward's forced
+    tokens): the same (length, position) every call, and the same count of indexed tokens."""
+    rng = random.Random(order)
+    for _ in range(60):
+        ours, twin = native.module().NgramIndex(order), PyNgramIndex(order)
+        vocab, tokens = rng.choice([2, 3, 7, 50, 70_000, 2**32 - 1]), []
+        for _ in range(rng.randint(1, 60)):
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 6)))
+            tail = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))] if rng.random() < 0.5 else None
+            assert ours.find(tokens, tail) == twin.find(tokens, tail), (tokens, tail)
+            assert ours.indexed == twin.indexed == len(tokens)
+    index = native.module().NgramIndex(3)
+    assert index.find([5], None) == (0, -1) and index.find([], [5]) == (0, -1)
+    tokens = [7, 8, 9, 7, 8, 9, 4, 7, 8]
+    assert index.find(tokens, None) == (2, 5)  # "4 7 8" never came before; "7 8" last did at 3-4, then 5 ("9")
+    assert index.find(tokens, [9]) == (3, 6)  # "7 8 9" last came at 3-5, followed at 6 by "4"
+
+
+@needs_native
+def test_the_native_ngram_index_refuses_what_is_not_a_list_of_token_ids():
+    index = native.module().NgramIndex(3)
+    for tokens, tail, error in (((1, 2), None, TypeError), ([1, 2], (3,), TypeError), ([1, True], None, TypeError),
+                                ([1, -1], None, ValueError), ([2**32], None, ValueError),
+                                ([1, 2], [3, 2**40], ValueError)):
+        with pytest.raises(error):
+            index.find(tokens, tail)
+    for order in (0, 9):
+        with pytest.raises(ValueError):
+            native.module().NgramIndex(order)

@@ -336,41 +336,6 @@ def test_a_lookup_draft_is_capped_by_the_record_of_its_match_length(ngram_kind):
     assert (state.lookup[0].reached, state.lookup[0].accepted) == (1, 0) and state.lookup[2].reached == 0
 
 
-@needs_native
-@pytest.mark.parametrize("order", [1, 2, 3, 5])
-def test_the_native_ngram_index_finds_what_its_python_twin_finds(order):
-    """Sequences that grow by 0-6 tokens a call, over vocabularies from 2 ids (every n-gram recurs, and the
-    tables grow past their first size) to ids past 2**16, each call with or without a tail (jump-forward's forced
-    tokens): the same (length, position) every call, and the same count of indexed tokens."""
-    rng = random.Random(order)
-    for _ in range(60):
-        ours, twin = native.module().NgramIndex(order), PyNgramIndex(order)
-        vocab, tokens = rng.choice([2, 3, 7, 50, 70_000, 2**32 - 1]), []
-        for _ in range(rng.randint(1, 60)):
-            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 6)))
-            tail = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))] if rng.random() < 0.5 else None
-            assert ours.find(tokens, tail) == twin.find(tokens, tail), (tokens, tail)
-            assert ours.indexed == twin.indexed == len(tokens)
-    index = native.module().NgramIndex(3)
-    assert index.find([5], None) == (0, -1) and index.find([], [5]) == (0, -1)
-    tokens = [7, 8, 9, 7, 8, 9, 4, 7, 8]
-    assert index.find(tokens, None) == (2, 5)  # "4 7 8" never came before; "7 8" last did at 3-4, then 5 ("9")
-    assert index.find(tokens, [9]) == (3, 6)  # "7 8 9" last came at 3-5, followed at 6 by "4"
-
-
-@needs_native
-def test_the_native_ngram_index_refuses_what_is_not_a_list_of_token_ids():
-    index = native.module().NgramIndex(3)
-    for tokens, tail, error in (((1, 2), None, TypeError), ([1, 2], (3,), TypeError), ([1, True], None, TypeError),
-                                ([1, -1], None, ValueError), ([2**32], None, ValueError),
-                                ([1, 2], [3, 2**40], ValueError)):
-        with pytest.raises(error):
-            index.find(tokens, tail)
-    for order in (0, 9):
-        with pytest.raises(ValueError):
-            native.module().NgramIndex(order)
-
-
 def test_draft_length_follows_the_acceptance_rate_and_the_price():
     assert draft_price(1, 0.25) == 0.25 and draft_price(16, 0.25) == pytest.approx(4 / 4.75)
     assert draft_price(64, 0.25) > 0.95 and draft_price(1000, 0.0) == 0.0
