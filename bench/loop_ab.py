@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from servers import cpu_summary, frozen_heap  # noqa: E402
+from servers import clocked, cpu_summary, frozen_heap  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,29 +88,12 @@ def main() -> int:
         drafters["old"] = engine.drafter
     forward, inside = [0.0], [0.0]
     for name in ("execute", "execute_picking", "execute_burst"):
-        call = getattr(engine.runner, name)
-
-        def counted(*a, _call=call, **k):
-            start = time.perf_counter()
-            try:
-                return _call(*a, **k)
-            finally:
-                forward[0] += time.perf_counter() - start
-        setattr(engine.runner, name, counted)
+        setattr(engine.runner, name, clocked(getattr(engine.runner, name), forward))
 
     def install(side: str) -> None:
         for name, function in sides[side].items():
             bound = function.__get__(engine)
-            if name in timed:
-                def measured(*a, _bound=bound, **k):
-                    start = time.perf_counter()
-                    try:
-                        return _bound(*a, **k)
-                    finally:
-                        inside[0] += time.perf_counter() - start
-                setattr(engine, name, measured)
-            else:
-                setattr(engine, name, bound)
+            setattr(engine, name, clocked(bound, inside) if name in timed else bound)
         engine.drafter = drafters[side]
 
     guide_of = None

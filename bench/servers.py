@@ -186,6 +186,17 @@ def llama_server_version(binary: str = LLAMA_SERVER) -> str:
     return "; ".join(line for line in lines if line.startswith(("version", "built"))) or "unknown"
 
 
+def clocked(call, total: list[float]):
+    """``call``, adding the seconds each call takes to ``total[0]`` (an in-process bench's timer around a part)."""
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+    return timed
+
+
 @contextlib.contextmanager
 def frozen_heap():
     """Everything alive moved out of the garbage collector's walks while the block runs, as ``corral serve`` does

@@ -59,7 +59,7 @@ from corral.errors import CorralError  # noqa: E402
 from corral.fsm.compiler import GrammarCompiler  # noqa: E402
 from corral.grammar.constraint import Constraint  # noqa: E402
 from engine import free_text, json_requests, machine_check  # noqa: E402
-from servers import cpu_summary, frozen_heap  # noqa: E402
+from servers import clocked, cpu_summary, frozen_heap  # noqa: E402
 
 FORMATS = {"auto": dict(dtype="auto", quantization="auto", kv_cache_dtype="auto"), "fp32": dict(dtype="float32")}
 OFF = dict(jump_forward=False, speculation=False)
@@ -335,15 +335,7 @@ def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
     filled, side = {False: 0, True: 0}, [False]
     inner, loops = [0.0], {False: [], True: []}  # forward and sampler time; per step, the rest
 
-    def timing(fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                inner[0] += time.perf_counter() - start
-        return timed
-    Sampler.__call__, Sampler.verify = timing(Sampler.__call__), timing(Sampler.verify)
+    Sampler.__call__, Sampler.verify = clocked(Sampler.__call__, inner), clocked(Sampler.verify, inner)
 
     def counting(fill_mask):
         def fill(self, row):
@@ -360,8 +352,8 @@ def masks(formats: list[str], cell_names: list[str], repeats: int = 1) -> int:
     for fmt in formats:
         b = Bench(fmt)
         runner, step = b.engine.runner, b.engine.step
-        runner.execute, runner.execute_burst = timing(runner.execute), timing(runner.execute_burst)
-        runner.execute_picking = timing(runner.execute_picking)  # a step whose picks the native call makes
+        runner.execute, runner.execute_burst = clocked(runner.execute, inner), clocked(runner.execute_burst, inner)
+        runner.execute_picking = clocked(runner.execute_picking, inner)  # a step whose picks the native call makes
 
         def timed_step():
             start, before = time.perf_counter(), inner[0]
