@@ -1,9 +1,9 @@
 """The engine loop of this checkout against an earlier commit's, in one process, taking turns round by round.
 
-The loop (a step's time outside the runner's forward call) moves by a few percent with a change, while separate
-runs on a shared machine move by 20-50%. So this builds one engine and, each round, runs the same requests twice:
-once with the functions a change touched as ``--base`` had them, once as this checkout has them (which goes first
-alternates: old-new, new-old, ...). The old functions are the base commit's source of the same module, loaded
+The loop (a run's time outside the runner's forward calls, per step: the steps and the requests' adding) moves
+by a few percent with a change, while separate runs on a shared machine move by 20-50%. So this builds one engine
+and, each round, runs the same requests twice: once with the functions a change touched as ``--base`` had them,
+once as this checkout has them (which goes first alternates: old-new, new-old, ...). The old functions are the base commit's source of the same module, loaded
 beside this checkout's (``git show BASE:PATH``): methods of ``LLMEngine`` (``--methods``) or the whole drafter
 (``--drafter``: ``corral.engine.speculation``'s ``Drafter`` of the base commit, whose sequences keep the base's
 own speculation state). The swapped code must fit the rest of this checkout; a change to what they share (a

@@ -352,8 +352,8 @@ class LLMEngine:
         elif row_picks is not None:  # plain greedy rows, drafts among them: the picks decide every row, so no
             # logits row is split or masked; a deferred row whose pick its grammar refuses is read where it lies
             rows = [(s, s) for s in seqs if not s.draft]
-            drafted = ([(s, first_rows[s.seq_id]) for s in seqs if s.draft], logits if deferred else None)
-            beams, row_logits, stuck, masks = None, logits if deferred else None, [], {}
+            drafted = ([(s, first_rows[s.seq_id]) for s in seqs if s.draft], logits)
+            beams, row_logits, stuck, masks = None, logits, [], {}
         else:
             (seqs, logits), drafted = self._split_drafts(seqs, logits)      # drafted rows are verified
             (seqs, logits), beams = self._split_beams(seqs, logits)         # beam rows skip the sampler
@@ -627,25 +627,21 @@ class LLMEngine:
         rows, and only those, in ``logits``, in order, and their argmax come from one sampler call: the caller takes
         the rows out only where other sequences' rows are among them (right after the forward, a torch call costs
         tens of microseconds)."""
-        out = {}
         if picks is not None:
             (tokens, logprobs), first_rows = picks
+            starts = [first_rows[seq.seq_id] for seq, _ in drafted]
+        else:
+            rows = []
             for seq, _ in drafted:
-                first, count = first_rows[seq.seq_id], len(seq.draft) + 1
-                out[seq.seq_id] = self._walk_deferred(seq, logits, first, tokens[first:first + count],
-                                                      logprobs[first:first + count])
-            return out
-        rows = []
-        for seq, _ in drafted:
-            draft = seq.draft
-            rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
-        picked = self.sampler(logits, rows)
-        start = 0
-        for seq, _ in drafted:
-            count = len(seq.draft) + 1
-            out[seq.seq_id] = self._walk_deferred(seq, logits, start, picked.token_ids[start:start + count],
-                                                  picked.logprobs[start:start + count])
-            start += count
+                draft = seq.draft
+                rows.extend([sampling_row(seq, draft[:j]) for j in range(len(draft) + 1)])
+            picked = self.sampler(logits, rows)
+            tokens, logprobs = picked.token_ids, picked.logprobs
+            starts = list(itertools.accumulate([len(seq.draft) + 1 for seq, _ in drafted], initial=0))
+        out = {}
+        for (seq, _), start in zip(drafted, starts):
+            end = start + len(seq.draft) + 1
+            out[seq.seq_id] = self._walk_deferred(seq, logits, start, tokens[start:end], logprobs[start:end])
         return out
 
     def _walk_deferred(self, seq: Sequence, logits: torch.Tensor, start: int, argmax: list[int],
@@ -845,8 +841,7 @@ class LLMEngine:
             mine = [d for d in drafted if d[0].seq_id in deferred]
             theirs = logits  # with picks, the step's logits; else the drafted rows, of which these take theirs
             if picks is None and len(mine) < len(drafted):
-                theirs = _take_rows(logits, [row for seq, first in mine for row in range(first, first + len(seq.draft)
-                                                                                        + 1)])
+                theirs = _take_rows(logits, [first + j for seq, first in mine for j in range(len(seq.draft) + 1)])
             walked = self._verify_deferred(mine, theirs, picks)
             drafted = [d for d in drafted if d[0].seq_id not in deferred]
         if drafted and picks is not None:  # every row's argmax is known, and each of these is unguided
