@@ -1,7 +1,7 @@
 // The quantized products' Python entry points (see qmatmul.h for the layouts and the numerics): every buffer is
 // checked before a kernel reads it, the GIL is released while it runs, and the variant is the one chosen for this
 // CPU when the module loads (CORRAL_QMATMUL_ISA=scalar|avx2|avx512|amx|amx-model picks another the CPU has,
-// for tests).
+// for tests; CORRAL_QMATMUL_TILE_PAIRS=on|off the AVX-512 kernels' way with 1-4 rows, see qmatmul_avx512.cpp).
 #include "arrays.h"
 #include "common.h"
 #include "qmatmul.h"
@@ -35,6 +35,11 @@ const char* amx_refusal = nullptr;
 // nullptr with a Python error set when CORRAL_QMATMUL_ISA names a variant this CPU cannot run. By default: AMX
 // where the CPU has it and it passes its load-time check, else AVX-512 VNNI, else AVX2, else scalar.
 const QTable* choose_q() {
+    if (corral_qmatmul::tile_pairs() < 0) {
+        PyErr_Format(PyExc_ImportError, "CORRAL_QMATMUL_TILE_PAIRS=%s: on or off",
+                     std::getenv("CORRAL_QMATMUL_TILE_PAIRS"));
+        return nullptr;
+    }
     const char* forced = std::getenv("CORRAL_QMATMUL_ISA");
     const std::string want = forced == nullptr ? "" : forced;
     const char* why_not = nullptr;

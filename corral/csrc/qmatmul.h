@@ -80,7 +80,12 @@ float half_to_float(const uint8_t* p);
 
 const QTable* scalar_table();
 const QTable* avx2_table();
+// The AVX-512 VNNI variant, with or without tile pairs at 1-4 rows as tile_pairs() says (qmatmul_avx512.cpp).
 const QTable* avx512_table();
+// Whether a decode step's AVX-512 Q4 products of 1-4 rows take a group's two tiles at once: 1 on Intel CPUs, 0
+// elsewhere, or what CORRAL_QMATMUL_TILE_PAIRS says (on or off); -1 when that names neither. The products are the
+// same bits either way: the choice is speed alone, measured on the CPUs that qmatmul_avx512.cpp names.
+int tile_pairs();
 // What the CPU runs (false off x86): the VNNI kernels' instructions (AVX-512 F, BW, VL, VNNI), and the tiles'.
 bool cpu_has_avx512_vnni();
 bool cpu_has_amx_int8();

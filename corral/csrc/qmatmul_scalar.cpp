@@ -4,6 +4,7 @@
 #include "qmatmul.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -20,6 +21,21 @@ bool cpu_has_avx512_vnni() {
 #else
     return false;
 #endif
+}
+
+int tile_pairs() {
+    static const int chosen = [] {
+        const char* forced = std::getenv("CORRAL_QMATMUL_TILE_PAIRS");
+        if (forced != nullptr && *forced != 0)
+            return std::strcmp(forced, "on") == 0 ? 1 : std::strcmp(forced, "off") == 0 ? 0 : -1;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        return __builtin_cpu_is("intel") ? 1 : 0;
+#else
+        return 0;
+#endif
+    }();
+    return chosen;
 }
 
 bool cpu_has_amx_int8() {

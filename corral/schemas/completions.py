@@ -74,7 +74,7 @@ class NativePaths(Open):
     module: str | None = None
     mask_path: Literal["native", "python"]
     kernels: str
-    qmatmul: str | None = None  # the W4A8/W8A8 products' variant: native-avx512-vnni, native-avx2, native-scalar
+    qmatmul: str | None = None  # the W4A8/W8A8 products' variant: native-avx512-vnni(-pairs), native-avx2, native-scalar
     build: str | None = None
 
 

@@ -200,6 +200,47 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
     assert report["isa"].startswith(variant) and report["worst"] < 1e-5 and report["independent"], report
 
 
+_PAIRS_CHECK = """
+import hashlib, json, torch
+from corral import native
+from corral.engine.quant import pack_q4_tiles, quantize_int4
+from corral.kernels.cpu_ops import buffer
+mod = native.module()
+torch.manual_seed(5)
+digest = hashlib.sha256()
+for n in (100, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (3 pairs), 36
+    tiles = pack_q4_tiles(quantize_int4(torch.randn(n, 576), 32))
+    for rows in (1, 2, 3, 4, 5, 8):
+        out = torch.empty(rows, n)
+        mod.q4_matmul(buffer(torch.randn(rows, 576)), buffer(tiles), n, buffer(out), 2)
+        digest.update(out.numpy().tobytes())
+print(json.dumps({"isa": mod.qmatmul_isa, "digest": digest.hexdigest()}))
+"""
+
+
+@pytest.mark.skipif(not VNNI, reason="tile pairs are an AVX-512 kernel's")
+def test_tile_pairs_on_and_off_give_the_same_bits_and_the_variant_says_which():
+    """A decode step's Q4 products of 1-4 rows over a group's two tiles at once, or one tile at a time (the choice
+    is the CPU's, or CORRAL_QMATMUL_TILE_PAIRS's): bit for bit the same products, the chosen way in the name."""
+    on = report_in_variant(_PAIRS_CHECK, CORRAL_QMATMUL_ISA="avx512", CORRAL_QMATMUL_TILE_PAIRS="on")
+    off = report_in_variant(_PAIRS_CHECK, CORRAL_QMATMUL_ISA="avx512", CORRAL_QMATMUL_TILE_PAIRS="off")
+    assert (on["isa"], off["isa"]) == ("avx512-vnni-pairs", "avx512-vnni")
+    assert on["digest"] == off["digest"]
+
+
+@pytest.mark.skipif(not VNNI, reason="tile pairs are an AVX-512 kernel's")
+@pytest.mark.parametrize("pairs", ["on", "off"])
+def test_the_avx512_variant_agrees_with_the_numerics_with_tile_pairs_and_without(pairs):
+    report = report_in_variant(_VARIANT_CHECK, CORRAL_QMATMUL_ISA="avx512", CORRAL_QMATMUL_TILE_PAIRS=pairs)
+    assert report["worst"] < 1e-5 and report["independent"], report
+
+
+def test_a_tile_pairs_setting_that_is_neither_on_nor_off_refuses_to_load():
+    result = subprocess.run([sys.executable, "-c", "import corral._native"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env={**os.environ, "CORRAL_QMATMUL_TILE_PAIRS": "yes"})
+    assert result.returncode != 0 and "CORRAL_QMATMUL_TILE_PAIRS=yes: on or off" in result.stderr
+
+
 @pytest.mark.skipif(not VNNI, reason="the AMX model's epilogue needs AVX-512")
 def test_the_amx_load_check_passes_on_the_tile_model():
     """The check an AMX CPU runs when the module loads (one product through the tiles and through the VNNI kernels,
