@@ -36,8 +36,10 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // same step reads 20+. Those kernels ask for the tile bytes `Ahead` bytes past the block they are at, every line of
 // it, as each block starts (20 Q4 blocks, 12 Q8 blocks). On the 2-core Ice Lake Xeon, the two builds' calls
 // interleaved in one process: the 30 layers' Q4 products of SmolLM2 21-25% faster at 1-4 rows (with tile pairs,
-// below), 14% at 8, 6% at 16; the Q8 LM head 17-23% at 1-8 rows, 12% at 16. A prefill's products, whose arithmetic
-// hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic, so no product.
+// below, as that Intel CPU runs them), 14% at 8, 6% at 16; the Q8 LM head 17-23% at 1-8 rows, 12% at 16. On the
+// 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products,
+// whose arithmetic hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic,
+// so no product.
 constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
 
 template <int64_t Ahead, int64_t Bytes>
@@ -49,7 +51,8 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 
 // Rows m..m+R of T adjacent tiles (T * 16 outputs), the tiles `stride` bytes apart: each activation broadcast feeds
 // T vpdpbusd, one per tile. Two tiles at a time made the 521-row products 5-16% faster than one (paired runs), and
-// a decode step's products of 1-4 rows 5-8% faster (two streams of tiles and two chains of vpdpbusd in flight).
+// on the Ice Lake Xeon a decode step's products of 1-4 rows 5-8% faster (two streams of tiles and two chains of
+// vpdpbusd in flight); on the Zen 4 EPYC 27-28% slower, so only Intel CPUs run them there (q4_pairs, below).
 template <int R, int T, int64_t Ahead = 0>
 CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
                            float* y, int64_t ldy, __mmask16 keep) {
