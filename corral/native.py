@@ -27,7 +27,8 @@ MODES = ("auto", "require", "off")
 
 
 class NativeModuleError(RuntimeError):
-    """``CORRAL_NATIVE=require`` and the native module cannot be imported."""
+    """``CORRAL_NATIVE=require`` and the native module cannot be imported, or a setting the module reads when it
+    loads (``CORRAL_NATIVE``, ``CORRAL_QMATMUL_ISA``, ``CORRAL_QMATMUL_TILE_PAIRS``) names what it cannot run."""
 
 
 _lock = threading.Lock()
@@ -90,7 +91,12 @@ def _load() -> tuple:
     try:
         _native = importlib.import_module(f"corral.{build_for_this_cpu()}")
     except ImportError as exc:
-        reason = (f"{exc}. The module is built when the package is installed: reinstall with `pip install -e .` "
+        cause = exc  # a failure inside the module's initialization comes wrapped, raised from the real one
+        while isinstance(cause.__cause__, ImportError):
+            cause = cause.__cause__
+        if str(cause).startswith("CORRAL_"):  # a setting it refused: what was asked for, not a missing build
+            raise NativeModuleError(f"the native module refused a setting: {cause}") from exc
+        reason = (f"{cause}. The module is built when the package is installed: reinstall with `pip install -e .` "
                   "(or `make test`, which does it) on a machine with a C++17 compiler and Python's headers")
         if chosen == "auto":
             log.warning("native module unavailable, running the Python mask core and the torch kernels, several "

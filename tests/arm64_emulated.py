@@ -175,7 +175,7 @@ def main() -> int:
         os.symlink(list(model.submodule_search_locations)[0], link)
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{site}", "HF_HUB_OFFLINE": "1",
            "PYTHONDONTWRITEBYTECODE": "1"}
-    for name in ("CORRAL_NATIVE_BUILD", "CORRAL_QMATMUL_ISA", "CORRAL_NATIVE"):
+    for name in ("CORRAL_NATIVE_BUILD", "CORRAL_QMATMUL_ISA", "CORRAL_QMATMUL_TILE_PAIRS", "CORRAL_NATIVE"):
         env.pop(name, None)
     run(python, "-c", "import platform; from corral import native; print(platform.machine(), native.status())",
         env=env, cwd=tree)

@@ -71,6 +71,20 @@ def test_auto_falls_back_with_one_loud_line():
     assert result.stderr.count("native module unavailable") == 1 and "pip install -e ." in result.stderr
 
 
+@needs_native
+@pytest.mark.parametrize("setting, value, message", [("CORRAL_QMATMUL_TILE_PAIRS", "yes", "on or off"),
+                                                     ("CORRAL_QMATMUL_ISA", "sse", "no such variant")])
+def test_a_setting_the_module_refuses_is_an_error_in_every_mode(setting, value, message):
+    """Not a fallback to the slow path with a hint to reinstall: what was asked for, named, at start-up."""
+    for switch in ("auto", "require"):
+        result = _python("from corral import native\ntry:\n    native.module()\nexcept native.NativeModuleError "
+                         "as e:\n    print('refused:', e)\nelse:\n    raise SystemExit('no error')",
+                         CORRAL_NATIVE=switch, **{setting: value})
+        assert result.returncode == 0, result.stderr
+        assert f"refused: the native module refused a setting: {setting}={value}: " in result.stdout
+        assert message in result.stdout and "pip install" not in result.stdout + result.stderr
+
+
 def test_a_bad_switch_value_is_an_error():
     result = _python("from corral import native; native.module()", CORRAL_NATIVE="fast")
     assert result.returncode != 0 and "expected one of auto, require, off" in result.stderr

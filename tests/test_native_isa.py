@@ -116,7 +116,8 @@ def test_each_build_imports_and_picks_its_kernels_on_an_older_cpu(cpu, build, ex
     if not build and native.build_for_this_cpu() != "_native":
         pytest.skip("this host's /proc/cpuinfo, which qemu shows, names the v2 build")
     code = "from corral import native; s = native.status(); print(s['module'], s['kernels'], s['qmatmul'])"
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_NATIVE_BUILD", "CORRAL_QMATMUL_ISA")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CORRAL_NATIVE_BUILD", "CORRAL_QMATMUL_ISA", "CORRAL_QMATMUL_TILE_PAIRS")}
     result = subprocess.run(["qemu-x86_64", "-cpu", cpu, sys.executable, "-c", code], capture_output=True,
                             text=True, timeout=600, env={**env, "CORRAL_NATIVE_BUILD": build})
     assert result.returncode == 0, result.stderr[-2000:]
