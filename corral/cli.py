@@ -9,6 +9,7 @@ def _serve(args) -> int:
     from corral import native
     from corral.api.launch import GracefulServer, ServeOptions, build_context, build_engine
     from corral.engine import EngineConfig
+    from corral.errors import InvalidRequestError
     from corral.schemas.limits import RequestLimits
 
     try:  # before the model loads: CORRAL_NATIVE=require fails here, auto warns here when it falls back
@@ -21,7 +22,11 @@ def _serve(args) -> int:
           file=sys.stderr)
 
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    engine = build_engine(EngineConfig(model=args.model, num_threads=args.threads, **_formats(args), **overrides))
+    try:
+        engine = build_engine(EngineConfig(model=args.model, num_threads=args.threads, **_formats(args), **overrides))
+    except InvalidRequestError as err:  # a setting the engine refuses (out of range, or one the formats rule out)
+        print(f"corral: {err}", file=sys.stderr)
+        return 2
     print(f"corral: formats {engine.formats.tag} ({engine.formats.reason})", file=sys.stderr)
     options = ServeOptions(api_keys=tuple(args.api_key or ()), protect_all=args.protect_all,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
@@ -41,7 +46,7 @@ def _serve(args) -> int:
 def _formats(args) -> dict:
     return {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "quant_group_size": args.quant_group_size, "awq": args.awq, "decode_step": args.decode_step,
-            "decode_burst": args.decode_burst,
+            "decode_burst": args.decode_burst, "deterministic": args.deterministic,
             "jump_forward": args.jump_forward == "on", "speculation": args.speculation == "on",
             "num_speculative_tokens": args.num_speculative_tokens, "draft_row_cost": args.draft_row_cost,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
@@ -71,6 +76,11 @@ def _add_format_args(command) -> None:
                               "decodes greedily or samples with no draft, guide, bias or penalty and no request "
                               "waits (1: a call per token); each token is the one the sampler would pick or draw, "
                               "so outputs do not change")
+    command.add_argument("--deterministic", action="store_true",
+                         help="a request's tokens and logprobs the same bits whatever the prefix cache holds, how "
+                              "its prompt is chunked, whether it is preempted and what runs beside it: every "
+                              "query, prompts' included, through the decode kernel over the cache (w4a8 only; "
+                              "prompts take longer)")
     command.add_argument("--jump-forward", default="on", choices=("on", "off"),
                          help="draft the spans a grammar forces (a request's jump_forward overrides it); drafts are "
                               "verified and never change an output")

@@ -60,6 +60,7 @@ class ServerConfig:
     formats: dict[str, str] | None = None  # for /v1/models
     decode_step: str | None = None  # native | torch: what runs decode-only steps, for /health and /metrics
     decode_burst: int | None = None  # the most tokens one native call decodes per sequence (None: a toy)
+    deterministic: bool | None = None  # EngineConfig.deterministic, for /health and /metrics (None: a toy)
 
     def __post_init__(self):
         assert self.max_model_len > 0 and self.max_body_bytes > 0 and self.send_timeout_s > 0

@@ -77,8 +77,10 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
                           max_connections=options.max_connections,
                           reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
                           decode_step=decode_path(engine), decode_burst=decode_burst(engine),
-                          **formats_fields(getattr(engine, "formats", None)))
+                          deterministic=deterministic(engine),
+                          **formats_fields(getattr(engine, "formats", None), deterministic(engine)))
     metrics.decode_step, metrics.decode_burst = config.decode_step, config.decode_burst
+    metrics.deterministic = config.deterministic
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
 
 
@@ -96,8 +98,16 @@ def decode_burst(engine) -> int | None:
     return engine.config.decode_burst if runner.max_burst_rows else 1
 
 
-def formats_fields(formats) -> dict:
-    """``system_fingerprint`` and the ``/v1/models`` formats of an engine's resolved formats (none for a toy)."""
+def deterministic(engine) -> bool | None:
+    """Whether a real engine runs every query through the decode kernel (``EngineConfig.deterministic``); None for
+    a toy one."""
+    runner = getattr(engine, "runner", None)
+    return getattr(runner, "deterministic", None) if runner is not None else None
+
+
+def formats_fields(formats, deterministic: bool | None = None) -> dict:
+    """``system_fingerprint`` and the ``/v1/models`` formats of an engine's resolved formats (none for a toy); the
+    fingerprint ends in ``-deterministic`` where prompts take the decode kernel too (their numerics differ)."""
     if formats is None:
         return {}
     from corral import native
@@ -105,7 +115,7 @@ def formats_fields(formats) -> dict:
     flags = native.cpu_flags()
     isa = next((name for flag, name in (("amx_bf16", "amx"), ("avx512f", "avx512"), ("avx2", "avx2"))
                 if flag in flags), "base")
-    return {"system_fingerprint": f"corral-{formats.tag}-{isa}",
+    return {"system_fingerprint": f"corral-{formats.tag}-{isa}" + ("-deterministic" if deterministic else ""),
             "formats": {"dtype": formats.dtype, "quantization": formats.quantization,
                         "kv_cache_dtype": formats.kv_cache_dtype, "reason": formats.reason}}
 

@@ -69,6 +69,7 @@ class ServerMetrics:
         self.stats = None
         self.decode_step: str | None = None  # native | torch, set by the server once the engine is built
         self.decode_burst: int | None = None  # the most tokens a native call decodes per sequence, set with it
+        self.deterministic: bool | None = None  # EngineConfig.deterministic, set with it
         self._timings: dict[str, _Timing] = {}
         self._lock = threading.Lock()
 
@@ -132,11 +133,12 @@ class ServerMetrics:
                [f"{{{lab}}} {num_compiling}"])
         paths = native.status()
         metric("corral:native_info", "gauge", "Which paths run: the CORRAL_NATIVE mode, the mask path, the CPU "
-               "kernels, the quantized products, the decode step and the most tokens its calls decode per sequence "
-               "(always 1).",
+               "kernels, the quantized products, the decode step, the most tokens its calls decode per sequence "
+               "and whether every query takes the decode kernel (always 1).",
                [f'{{{lab},mode="{paths["mode"]}",mask_path="{paths["mask_path"]}",kernels="{paths["kernels"]}",'
                 f'qmatmul="{paths["qmatmul"] or "none"}",decode_step="{self.decode_step or "none"}",'
-                f'decode_burst="{self.decode_burst or "none"}"}} 1'])
+                f'decode_burst="{self.decode_burst or "none"}",'
+                f'deterministic="{"none" if self.deterministic is None else str(self.deterministic).lower()}"}} 1'])
 
         running, waiting, usage, queries, hits = stats_numbers(self.stats)
         metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", [f"{{{lab}}} {running}"])

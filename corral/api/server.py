@@ -222,7 +222,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def health():
         ctx.engine.check_admission(0)
         return Health(native=NativePaths(**native.status()), decode_step=ctx.config.decode_step,
-                      decode_burst=ctx.config.decode_burst)
+                      decode_burst=ctx.config.decode_burst, deterministic=ctx.config.deterministic)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

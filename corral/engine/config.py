@@ -43,6 +43,10 @@ class EngineConfig:
     # samples with no draft, guide, bias or penalty and nothing waits (each token is the pick or draw the sampler
     # would make; a stop id, an arrival or a departure ends the burst early); 1: a call per token
     decode_burst: int = 8
+    # every query's attention through the decode kernel over the cache, prompt chunks included, so a request's tokens
+    # and logprobs do not depend on the prefix cache, chunking, preemption or its batch (see ModelRunner.prepare);
+    # W4A8 only, whose products are the same bits at any row count. Prompts take longer (bench/deterministic.py)
+    deterministic: bool = False
     # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
     jump_forward: bool = True
     speculation: bool = True
@@ -82,7 +86,7 @@ class EngineConfig:
         if self.awq and self.quantization != "w4a16":
             raise InvalidRequestError("awq scales weights before w4a16 quantization: it needs quantization w4a16",
                                       param="awq")
-        for name in ("jump_forward", "speculation"):
+        for name in ("jump_forward", "speculation", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", param=name)
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:

@@ -256,8 +256,10 @@ def build(config: EngineConfig, target: ModelRunner, vocabulary: Vocabulary) -> 
         model = ModelRunner.load_model(config, model_config, files)
         what = f"{config.draft_model}, {model.config.num_layers} layers"
     # the draft pool holds as many tokens as the target's; a draft is never longer than its target
+    # (its numerics never reach an output, which verification decides: it keeps the fast prompt kernels)
     draft_config = dataclasses.replace(config, num_kv_blocks=target.num_blocks, enable_prefix_caching=False,
-                                       decode_step="torch" if config.decode_step == "torch" else "auto")
+                                       decode_step="torch" if config.decode_step == "torch" else "auto",
+                                       deterministic=False)
     runner = ModelRunner(draft_config, model.config, None, model=model)
     cost = config.draft_model_cost
     if cost is None:

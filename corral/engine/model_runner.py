@@ -38,6 +38,15 @@ class ModelRunner:
         target's weights is run this way, with a KV pool of its own."""
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
+        # every query as a decode's (see prepare): W4A8's integer products give a row the same bits in any batch,
+        # torch's dense and weight-only products do not promise it
+        self.deterministic = config.deterministic
+        if self.deterministic and (config.quantization != "w4a8" or paged_attention_cpu.load() is None):
+            raise InvalidRequestError(
+                f"deterministic needs quantization w4a8 and the native module (here quantization "
+                f"{config.quantization!r}, the native module "
+                f"{'loaded' if paged_attention_cpu.load() is not None else 'not loaded'}): only its integer "
+                "products give a row the same bits at any row count", param="deterministic")
         if model is None:
             model = self.load_model(config, model_config, files)
         self.model = model
@@ -221,7 +230,13 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat input ids, positions and attention metadata for ``seqs`` advancing by ``counts`` tokens. A decode
         with a draft is one query row per token, each seeing the keys up to its own position: every layer writes
-        the batch's K/V before it attends, so the draft's rows see one another's keys as a causal prefill would."""
+        the batch's K/V before it attends, so the draft's rows see one another's keys as a causal prefill would.
+        Deterministic (``EngineConfig.deterministic``): a prompt chunk's tokens are single queries too, each over
+        the cache up to its own position, so every query of a sequence is attended by the decode kernel from the
+        K/V the cache holds, with the same arithmetic whether it comes in a fresh prompt, a later chunk, a
+        prefix-cache hit, a recompute after preemption, a draft or a decode; the prompt kernels would read a fresh
+        chunk's own K/V unrounded (bfloat16 and int8 caches) and sum in another order, and a last-bit difference
+        can move an int8 rounding of the activations and, through the layers, a token."""
         size = self.block_size
         input_ids, positions, slots, prefills = [], [], [], []
         decode_rows: list[tuple[Sequence, int]] = []  # (sequence, keys its query sees)
@@ -231,7 +246,7 @@ class ModelRunner:
             input_ids.extend(seq.input_token_ids(start, count))
             positions.extend(range(start, start + count))
             slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
-            if _is_decode(seq, count):
+            if self.deterministic or _is_decode(seq, count):
                 decode_rows.extend((seq, start + i + 1) for i in range(count))
             else:
                 context = None if start == 0 else torch.tensor(table[: -(-(start + count) // size)])
@@ -245,13 +260,23 @@ class ModelRunner:
 
     def _decode_group(self, rows: list[tuple[Sequence, int]], start: int) -> DecodeGroup:
         """Block tables padded (with block 0) to the group's longest, and for the torch path the [B, 1, 1, L]
-        mask of real keys."""
+        mask of real keys. A sequence's consecutive rows (a draft's, a deterministic prompt chunk's) share one
+        table, built once."""
         context_lens = torch.tensor([keys for _, keys in rows])
         width = -(-int(context_lens.max()) // self.block_size)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq, _ in rows]
+        runs: list[list] = []  # [sequence, its consecutive rows]
+        for seq, _ in rows:
+            if runs and runs[-1][0] is seq:
+                runs[-1][1] += 1
+            else:
+                runs.append([seq, 1])
+        tables = torch.tensor([seq.block_table[:width] + [0] * (width - len(seq.block_table[:width]))
+                               for seq, _ in runs])
+        if len(runs) < len(rows):
+            tables = tables.repeat_interleave(torch.tensor([count for _, count in runs]), dim=0)
         mask = None if self.use_decode_kernel else \
             (torch.arange(width * self.block_size)[None, :] < context_lens[:, None])[:, None, None, :]
-        return DecodeGroup(start, start + len(rows), torch.tensor(tables), context_lens, mask)
+        return DecodeGroup(start, start + len(rows), tables, context_lens, mask)
 
 
 def _is_decode(seq: Sequence, count: int) -> bool:

@@ -177,7 +177,7 @@ def test_metrics_use_vllm_names(server, client):
     paths = native.status()  # which mask path and kernels run, as /health says too
     assert rows[f'corral:native_info{{model_name="test-model",mode="{paths["mode"]}",'
                 f'mask_path="{paths["mask_path"]}",kernels="{paths["kernels"]}",qmatmul="{paths["qmatmul"] or "none"}",'
-                f'decode_step="none",decode_burst="none"}}'] == "1"  # a toy engine: no decode step of a model
+                f'decode_step="none",decode_burst="none",deterministic="none"}}'] == "1"  # a toy: no decode step
 
 
 @pytest.mark.parametrize("suffix", ["", "/v1", "/v1/"])

@@ -83,6 +83,7 @@ def test_gguf_needs_q4_blocks():
     ("decode_burst", 0, "decode_burst must be an integer from 1 to 16"),
     ("decode_burst", 17, "decode_burst must be an integer from 1 to 16"),
     ("decode_burst", True, "decode_burst must be an integer from 1 to 16"),
+    ("deterministic", 1, "deterministic must be a boolean"),
 ])
 def test_bad_format_names_are_refused(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):
