@@ -114,12 +114,12 @@ def _generate(args) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     engine = None
-    if args.base_url is None:
-        from corral.api.launch import build_engine
-        from corral.engine import EngineConfig
-
-        engine = build_engine(EngineConfig(model=args.model, **_formats(args)))
     try:
+        if args.base_url is None:  # a setting the engine refuses is printed as any other error
+            from corral.api.launch import build_engine
+            from corral.engine import EngineConfig
+
+            engine = build_engine(EngineConfig(model=args.model, **_formats(args)))
         value = generate_json(schema, args.prompt, base_url=args.base_url, api_key=args.api_key, model=args.model,
                               engine=engine, **sampling)
     except CorralError as err:

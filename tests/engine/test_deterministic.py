@@ -87,7 +87,7 @@ def test_products_that_may_change_with_the_row_count_are_refused(quantization):
     assert refused.value.param == "deterministic"
 
 
-def test_the_server_and_the_command_line_say_so(capsys):
+def test_the_server_and_the_command_line_say_so(capsys, tmp_path):
     from corral import cli
     from corral.api.launch import build_context
 
@@ -95,6 +95,10 @@ def test_the_server_and_the_command_line_say_so(capsys):
     assert cli._formats(args)["deterministic"] is True
     assert cli._formats(cli.parser().parse_args(["serve"]))["deterministic"] is False
     assert cli.main(["serve", "--quantization", "none", "--deterministic"]) == 2  # refused before it serves
+    assert "corral: deterministic needs quantization w4a8" in capsys.readouterr().err
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "boolean"}')
+    assert cli.main(["generate", "--schema", str(schema), "--quantization", "none", "--deterministic", "Yes?"]) == 1
     assert "corral: deterministic needs quantization w4a8" in capsys.readouterr().err
     ctx = build_context(deterministic(num_kv_blocks=64))
     assert ctx.config.deterministic is True
