@@ -9,9 +9,9 @@ and one without:
   64-token batch budget (chunked prompts, recompute after preemption). Counts the requests whose tokens, and
   those whose logprobs, differ from the first run.
 - **Prompt cost**: requests with one output token each (``--prompt-lengths``, and 64 prompts of about 48 tokens at
-  once), nothing cached (a fresh salt each round), the two engines taking turns; milliseconds per request batch and
-  the ratio. Decode-only steps run the same kernels either way; ``--decode`` also times 128 greedy tokens at 1 and
-  16 sequences to show it.
+  once), nothing cached from an earlier batch (a fresh salt each round and engine), the two engines taking turns;
+  milliseconds per request batch and the ratio. Decode-only steps run the same kernels either way; ``--decode``
+  also times 128 greedy tokens at 1 and 16 sequences (their short prompts included) to show it.
 - ``--fuzz N``: N random trials instead, the mode on (``--fuzz-off``: off) in both engines: each trial 1-20
   requests (greedy or seeded sampling with random top-k/top-p/min-p, penalties, logit bias, stop strings and ids,
   ``min_tokens``, logprobs, ``n`` = 2, a JSON Schema for a quarter of them, repetitive prompts that prompt lookup
@@ -231,7 +231,8 @@ def main() -> int:
         off, on = (statistics.median(times[d]) * 1e3 for d in (False, True))
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
     if args.decode:
-        print("\n## Decode: 128 greedy tokens per sequence after a short prompt (tok/s, median of the rounds)\n\n"
+        print("\n## Decode: 128 greedy tokens per sequence after a short prompt (tok/s over the whole request, its "
+              "prompt included; median of the rounds)\n\n"
               "| sequences | off | on | on / off |\n|---|---|---|---|")
         params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
         for count in (1, 16):

@@ -80,7 +80,7 @@ def _add_format_args(command) -> None:
                          help="a request's tokens and logprobs the same bits whatever the prefix cache holds, how "
                               "its prompt is chunked, whether it is preempted and what runs beside it: every "
                               "query, prompts' included, through the decode kernel over the cache (w4a8 only; "
-                              "prompts take longer)")
+                              "long prompts take longer)")
     command.add_argument("--jump-forward", default="on", choices=("on", "off"),
                          help="draft the spans a grammar forces (a request's jump_forward overrides it); drafts are "
                               "verified and never change an output")

@@ -67,6 +67,7 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
 
     name = model_name or resolve_model(getattr(getattr(engine, "config", None), "model", None)).name
     metrics = ServerMetrics(name)
+    same_bits = deterministic(engine)
     async_engine = AsyncEngine(engine, compiler or build_compiler(engine, options),
                                AsyncEngineConfig(max_in_flight=options.max_in_flight,
                                                  max_compiling=options.max_compiling), observer=metrics)
@@ -77,8 +78,8 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
                           max_connections=options.max_connections,
                           reject_unknown_keywords=options.reject_unknown_keywords, limits=options.limits,
                           decode_step=decode_path(engine), decode_burst=decode_burst(engine),
-                          deterministic=deterministic(engine),
-                          **formats_fields(getattr(engine, "formats", None), deterministic(engine)))
+                          deterministic=same_bits,
+                          **formats_fields(getattr(engine, "formats", None), same_bits))
     metrics.decode_step, metrics.decode_burst = config.decode_step, config.decode_burst
     metrics.deterministic = config.deterministic
     return ServingContext(async_engine, engine.tokenizer, engine.vocabulary, config, metrics)
@@ -101,8 +102,7 @@ def decode_burst(engine) -> int | None:
 def deterministic(engine) -> bool | None:
     """Whether a real engine runs every query through the decode kernel (``EngineConfig.deterministic``); None for
     a toy one."""
-    runner = getattr(engine, "runner", None)
-    return getattr(runner, "deterministic", None) if runner is not None else None
+    return getattr(getattr(engine, "runner", None), "deterministic", None)
 
 
 def formats_fields(formats, deterministic: bool | None = None) -> dict:

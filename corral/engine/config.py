@@ -45,7 +45,7 @@ class EngineConfig:
     decode_burst: int = 8
     # every query's attention through the decode kernel over the cache, prompt chunks included, so a request's tokens
     # and logprobs do not depend on the prefix cache, chunking, preemption or its batch (see ModelRunner.prepare);
-    # W4A8 only, whose products are the same bits at any row count. Prompts take longer (bench/deterministic.py)
+    # W4A8 only, whose products are the same bits at any row count. Long prompts take longer (bench/deterministic.py)
     deterministic: bool = False
     # drafts (corral/engine/speculation.py): the defaults of the per-request switches, and the lookup's bounds
     jump_forward: bool = True

@@ -38,20 +38,19 @@ class ModelRunner:
         target's weights is run this way, with a KV pool of its own."""
         self.config, self.model_config = config, model_config
         dtype = config.torch_dtype
+        self.use_decode_kernel = paged_attention_cpu.load() is not None
         # every query as a decode's (see prepare): W4A8's integer products give a row the same bits in any batch,
         # torch's dense and weight-only products do not promise it
         self.deterministic = config.deterministic
-        if self.deterministic and (config.quantization != "w4a8" or paged_attention_cpu.load() is None):
+        if self.deterministic and (config.quantization != "w4a8" or not self.use_decode_kernel):
             raise InvalidRequestError(
                 f"deterministic needs quantization w4a8 and the native module (here quantization "
-                f"{config.quantization!r}, the native module "
-                f"{'loaded' if paged_attention_cpu.load() is not None else 'not loaded'}): only its integer "
-                "products give a row the same bits at any row count", param="deterministic")
+                f"{config.quantization!r}, the native module {'loaded' if self.use_decode_kernel else 'not loaded'}"
+                "): only its integer products give a row the same bits at any row count", param="deterministic")
         if model is None:
             model = self.load_model(config, model_config, files)
         self.model = model
         self.block_size = config.block_size
-        self.use_decode_kernel = paged_attention_cpu.load() is not None
         # a prefill over cached context runs alone through the native kernel; other prefills group into SDPA calls
         self.native_prefill = paged_attention_cpu.serves_prefills(dtype, model_config.head_dim)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else kv_torch_dtype(config.kv_cache_dtype)

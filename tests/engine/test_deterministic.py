@@ -4,8 +4,8 @@ recomputed, and whatever runs beside it (drafts, bursts, the native step or the 
 
 Without it, a prompt's own attention runs in the prompt kernels, over its fresh K/V unrounded and in another order
 than a decode's; a later request that finds that prompt in the prefix cache reads the bfloat16 cache instead, and
-a last-bit difference can move an int8 rounding of the activations and, layers later, a token (the greedy tokens of
-the same request, sent twice, differed for 3 of 8 prompts on the 2-core EPYC)."""
+a last-bit difference can move an int8 rounding of the activations and, layers later, a token (how often:
+``bench/deterministic.py`` and the README's Deterministic mode)."""
 
 import pytest
 
