@@ -8,7 +8,7 @@ inside a timed part (views, splits, casts), and "engine loop" is the step's time
 sampler (scheduling, guides, drafts, outputs), also given per step (median and p90; inside ``engine.step``, so
 without ``generate``'s own work). Drafts are on as a server runs them (``--drafts off``: one row per sequence per
 step; the "Tale" prompts make prompt lookup draft often). Where the native decode step runs (``w4a8``), it times its own parts
-("native: ..."; the prefill steps still go through the timed torch parts), and greedy steps with no draft may decode
+("native: ..."; steps with prompts run in it too), and greedy steps with no draft may decode
 up to ``--decode-burst`` tokens per sequence in one native call (8, as a server runs; 1: a call per token): the
 shares are then per step, and the engine loop is also given per generated token. A plain greedy step makes its
 pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with

@@ -58,7 +58,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     system_fingerprint: str | None = None  # e.g. "corral-bf16-gguf-kvbf16-avx512": the formats behind the outputs
     formats: dict[str, str] | None = None  # for /v1/models
-    decode_step: str | None = None  # native | torch: what runs decode-only steps, for /health and /metrics
+    decode_step: str | None = None  # native | torch: what runs the steps, for /health and /metrics
     decode_burst: int | None = None  # the most tokens one native call decodes per sequence (None: a toy)
     deterministic: bool | None = None  # EngineConfig.deterministic, for /health and /metrics (None: a toy)
 

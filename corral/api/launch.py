@@ -86,7 +86,7 @@ def build_context(engine, compiler=None, options: ServeOptions = ServeOptions(),
 
 
 def decode_path(engine) -> str | None:
-    """``native`` or ``torch`` for a real engine's decode-only steps; None for a toy one."""
+    """``native`` or ``torch`` for what runs a real engine's steps; None for a toy one."""
     return getattr(getattr(engine, "runner", None), "decode_path", None)
 
 

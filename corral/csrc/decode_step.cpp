@@ -1,7 +1,8 @@
-// The native decode step of a W4A8 Llama model: for B sequences with one new token each, the embedding lookup,
-// every layer (RMSNorm, QKV, RoPE, the K/V write into the paged cache, paged attention, the output projection,
-// RMSNorm, gate/up, SiLU * up, down) and the final norm, in one call with the GIL released. Python schedules
-// once per step; the block tables, the prefix cache and the guides stay in Python.
+// The native step of a W4A8 Llama model: for a batch of single-query rows (decodes, a draft's rows) and prompt
+// spans (a sequence's new tokens, fresh or over cached context), the embedding lookup, every layer (RMSNorm, QKV,
+// RoPE, the K/V write into the paged cache, attention, the output projection, RMSNorm, gate/up, SiLU * up, down)
+// and the final norm, in one call with the GIL released. Python schedules once per step; the block tables, the
+// prefix cache and the guides stay in Python.
 //
 // It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles linears
 // and the fused ops, float32 activations), in the same order on the same buffers, so its hidden states equal
@@ -93,6 +94,48 @@ struct Tables {
     }
 };
 
+// A prompt span of a step (decode_step's spans): rows [start, end) of the batch are one sequence's new tokens at
+// positions num_context - (end - start) .. num_context - 1. Without a table they are its first tokens and attend
+// to their own fresh K/V (causal_prefill, reading the float32 QKV rows, as the torch path does); with one, its
+// block ids hold every key up to num_context, the span's own just written, and the queries read them from the
+// cache (prefill_paged).
+struct Span {
+    int64_t start, end, num_context;
+    std::unique_ptr<Ints> table;
+};
+
+std::vector<Span> read_spans(nb::handle in, Py_ssize_t rows, int64_t blocks, int64_t block_size) {
+    std::vector<Span> spans;
+    if (in.is_none()) return spans;
+    if (!PyList_Check(in.ptr())) fail(PyExc_TypeError, "spans: a list of (start, end, table, num_context) expected");
+    const Py_ssize_t n = PyList_GET_SIZE(in.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PyList_GET_ITEM(in.ptr(), i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4)
+            fail(PyExc_TypeError, "spans: a list of (start, end, table, num_context) expected");
+        Span span{exact_int_of(PyTuple_GET_ITEM(item, 0)), exact_int_of(PyTuple_GET_ITEM(item, 1)),
+                  exact_int_of(PyTuple_GET_ITEM(item, 3)), nullptr};
+        const nb::handle table(PyTuple_GET_ITEM(item, 2));
+        const int64_t tokens = span.end - span.start;
+        if (span.start < 0 || tokens < 1 || span.end > rows || (i > 0 && span.start != spans.back().end))
+            fail(PyExc_ValueError, "decode_step: spans must be nonempty, one after another, within the batch");
+        if (table.is_none()) {
+            if (span.num_context != tokens)
+                fail(PyExc_ValueError, "decode_step: a span without a table must see its own tokens only");
+        } else {
+            span.table = std::make_unique<Ints>(table, "span table");
+            if (span.num_context < tokens || span.num_context > span.table->size * block_size)
+                fail(PyExc_IndexError, "decode_step: a span's context outside its block table");
+            for (int64_t j = 0; j < (span.num_context + block_size - 1) / block_size; ++j)
+                if (span.table->data[j] < 0 || span.table->data[j] >= blocks)
+                    fail(PyExc_IndexError, "decode_step: a block id outside the cache");
+        }
+        spans.push_back(std::move(span));
+    }
+    if (!spans.empty() && spans.back().end != rows) fail(PyExc_ValueError, "decode_step: the spans must end the batch");
+    return spans;
+}
+
 // Adds the time since the last mark to a part; a no-op without a timings buffer.
 struct Clock {
     double* timings;
@@ -107,11 +150,24 @@ struct Clock {
 
 // An int8 cache row as corral/engine/quant.py's quantize_int8_rows writes it: the same float32 operations, so the
 // same codes and scale.
+// The maximum of |x| is taken on the bits (non-negative floats order as their bits do; a NaN wins, as in torch's
+// amax), and the clamps are comparisons: both vectorize, where fmax and fmin were calls into libm, 16 times slower.
 void quantize_row(const float* x, int64_t n, int8_t* codes, float* scale) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, x + i, 4);
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+    }
+    float amax;
+    std::memcpy(&amax, &top, 4);
     const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
-    for (int64_t i = 0; i < n; ++i) codes[i] = int8_t(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(x[i] / safe))));
+    for (int64_t i = 0; i < n; ++i) {
+        const float r = std::nearbyint(x[i] / safe);
+        const float low = r >= -127.0f ? r : -127.0f;
+        codes[i] = int8_t(low <= 127.0f ? low : 127.0f);
+    }
     *scale = s;
 }
 
@@ -135,9 +191,14 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             that ends a burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one
 //             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
 //             pick, else (picks: B lists of the steps done's token ids, their logprobs: B lists of floats,
-//             decided: whether the native pass decided every pick)
+//             decided: whether the native pass decided every pick); spans: None or a list of (start, end, table
+//             or None, num_context), see Span
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
+//
+// With spans, B counts every row, and only the rows before the first span are single queries, with lens and
+// tables (one entry each); the spans take the rest of the batch, one after another, each its own attention call
+// per layer. Such a step is a single one, without the LM head (the engine takes the rows it samples from out).
 //
 // A burst decodes `steps` tokens per sequence in this one call: after each step's LM head (and after a single
 // step's, where pick_columns > 0), every row's greedy token (greedy_pick's: the first column at the max of its first pick_columns, with its logprob over them; id 0
@@ -161,7 +222,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
                  nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
                  int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in,
-                 nb::handle draws_in) {
+                 nb::handle draws_in, nb::handle spans_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -176,8 +237,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     const Ints ids(ids_in, "ids"), positions(positions_in, "positions"), slots(slots_in, "slots"),
         lens(lens_in, "lens");
     const Py_ssize_t B = ids.size;
-    for (const Ints* a : {&positions, &slots, &lens})
-        if (a->size != B) fail(PyExc_ValueError, "decode_step: ids, positions, slots and lens differ in length");
+    for (const Ints* a : {&positions, &slots})
+        if (a->size != B) fail(PyExc_ValueError, "decode_step: ids, positions and slots differ in length");
     if (steps < 1 || steps > 64) fail(PyExc_ValueError, "decode_step: steps must be 1 to 64");
     const Tables tables(tables_in, lens, block_size, steps - 1);
     const int64_t width = tables.width;
@@ -209,6 +270,12 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     if (v_cache.cache_kind() != kv_kind) fail(PyExc_TypeError, "k_cache and v_cache differ in dtype");
     const bool has_scales = !k_scale_in.is_none() || !v_scale_in.is_none();
     if (has_scales != (kv_kind == 1)) fail(PyExc_TypeError, "k_scale and v_scale go with an int8 cache, only");
+    const std::vector<Span> spans = read_spans(spans_in, B, blocks, block_size);
+    const Py_ssize_t decodes = spans.empty() ? B : spans.front().start;  // the single-query rows come first
+    if (lens.size != decodes) fail(PyExc_ValueError, "decode_step: lens must have one entry per row before the spans");
+    if (!spans.empty() && (steps > 1 || !head_in.is_none()))
+        fail(PyExc_TypeError, "decode_step: spans go with a single step without the LM head");
+    if (!spans.empty() && D != 64 && D != 128) fail(PyExc_ValueError, "decode_step: spans need head_dim 64 or 128");
     const Array k_scale(has_scales ? k_scale_in : spec_in, "k_scale", has_scales),
         v_scale(has_scales ? v_scale_in : spec_in, "v_scale", has_scales);
     if (has_scales)
@@ -229,7 +296,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     const int64_t* table = tables.data;
     // the rows' inputs, positions, slots and lengths: a burst moves each on by one a step
     std::vector<int64_t> id(ids.data, ids.data + B), pos(positions.data, positions.data + B),
-        slot(slots.data, slots.data + B), len(lens.data, lens.data + B);
+        slot(slots.data, slots.data + B), len(lens.data, lens.data + lens.size);
     const bool has_head = !head_in.is_none();
     if (has_head == logits_in.is_none()) fail(PyExc_TypeError, "decode_step: head and logits go together");
     const Array head(has_head ? head_in : spec_in, "head", false), logits(has_head ? logits_in : spec_in, "logits",
@@ -273,6 +340,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             fail(PyExc_IndexError, "decode_step: a position past the table");
         if (slot[b] < 0 || slot[b] >= blocks * block_size)
             fail(PyExc_IndexError, "decode_step: a slot outside the cache");
+        if (b >= decodes) continue;
         if (len[b] < 1 || len[b] + steps - 1 > width * block_size)
             fail(PyExc_IndexError, "decode_step: a context length outside its block table");
         if (burst && (slot[b] != table[b * width + pos[b] / block_size] * block_size + pos[b] % block_size
@@ -283,7 +351,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 fail(PyExc_IndexError, "decode_step: a block id outside the cache");
     }
     if (B == 0) return picking ? nb::object(nb::make_tuple(nb::list(), nb::list(), nb::bool_(true))) : nb::none();
-    std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(B * Q), attn(B * Q),
+    std::vector<float> h(B * H), normed(B * H), delta(B * H), qkv(B * QKV), q(decodes * Q), attn(B * Q),
         gate_up(B * 2 * I), act(B * I);
     std::vector<int64_t> picks(picking ? B * steps : 0);  // the picks, row by row, and their logprobs
     std::vector<float> pick_logprobs(picking ? B * steps : 0);
@@ -296,7 +364,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         const uint8_t* embed_tiles = embed.data<const uint8_t>();
         const float* norm = norms.data<const float>();
         const int64_t layer_cache = blocks * block_size * KVW;
-        const float scale = 1.0f / std::sqrt(float(D));
+        const float scale = float(std::pow(double(D), -0.5));  // Python's head_dim ** -0.5, as the torch path's
         std::vector<int64_t> picked(picking ? B : 0);
         std::vector<float> picked_logprobs(picking ? B : 0);
         const std::vector<int64_t> no_tops(sampled ? B : 0);  // sampled picks report no top logprobs
@@ -318,7 +386,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 clock.mark(ROPE);
                 for (Py_ssize_t b = 0; b < B; ++b) {
                     const float* row = qkv.data() + b * QKV;
-                    std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
+                    if (b < decodes) std::memcpy(q.data() + b * Q, row, sizeof(float) * Q);
                     const int64_t at = l * layer_cache + slot[b] * KVW;
                     if (kv_kind == 1) {  // per (token, KV head): scale max|x| / 127, codes round(x / scale)
                         const int64_t scale_at = (l * blocks * block_size + slot[b]) * kv_heads;
@@ -341,21 +409,51 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 }
                 clock.mark(KV_WRITE);
                 const int64_t scale_layer = l * blocks * block_size * kv_heads;
-                if (kv_kind == 1)
-                    k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
-                                           v_cache.data<const int8_t>() + l * layer_cache,
-                                           k_scale.data<const float>() + scale_layer,
-                                           v_scale.data<const float>() + scale_layer, table, width, len.data(),
-                                           attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
-                else if (kv_kind == 4)
-                    k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
-                                        v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table, width,
-                                        len.data(), attn.data(), B, heads, kv_heads, D, block_size, scale, threads);
-                else
-                    k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
-                                             v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
-                                             table, width, len.data(), attn.data(), B, heads, kv_heads, D,
-                                             block_size, scale, threads);
+                if (decodes > 0) {  // the single-query rows, in one call
+                    if (kv_kind == 1)
+                        k->paged_decode_f32_i8(q.data(), k_cache.data<const int8_t>() + l * layer_cache,
+                                               v_cache.data<const int8_t>() + l * layer_cache,
+                                               k_scale.data<const float>() + scale_layer,
+                                               v_scale.data<const float>() + scale_layer, table, width, len.data(),
+                                               attn.data(), decodes, heads, kv_heads, D, block_size, scale, threads);
+                    else if (kv_kind == 4)
+                        k->paged_decode_f32(q.data(), k_cache.data<const float>() + l * layer_cache,
+                                            v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, table,
+                                            width, len.data(), attn.data(), decodes, heads, kv_heads, D, block_size,
+                                            scale, threads);
+                    else
+                        k->paged_decode_f32_bf16(q.data(), k_cache.data<const uint16_t>() + l * layer_cache,
+                                                 v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr,
+                                                 table, width, len.data(), attn.data(), decodes, heads, kv_heads, D,
+                                                 block_size, scale, threads);
+                }
+                for (const Span& span : spans) {
+                    const float* qs = qkv.data() + span.start * QKV;
+                    float* o = attn.data() + span.start * Q;
+                    const int64_t tokens = span.end - span.start;
+                    if (span.table == nullptr) {
+                        k->causal_prefill(qs, QKV, qs + Q, QKV, qs + Q + KVW, QKV, o, tokens, heads, kv_heads, D,
+                                          scale, threads);
+                        continue;
+                    }
+                    const int64_t* ids = span.table->data;
+                    if (kv_kind == 1)
+                        k->prefill_paged_i8(qs, QKV, k_cache.data<const int8_t>() + l * layer_cache,
+                                            v_cache.data<const int8_t>() + l * layer_cache,
+                                            k_scale.data<const float>() + scale_layer,
+                                            v_scale.data<const float>() + scale_layer, ids, span.num_context, o,
+                                            tokens, heads, kv_heads, D, block_size, scale, threads);
+                    else if (kv_kind == 4)
+                        k->prefill_paged_f32(qs, QKV, k_cache.data<const float>() + l * layer_cache,
+                                             v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, ids,
+                                             span.num_context, o, tokens, heads, kv_heads, D, block_size, scale,
+                                             threads);
+                    else
+                        k->prefill_paged_bf16(qs, QKV, k_cache.data<const uint16_t>() + l * layer_cache,
+                                              v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr, ids,
+                                              span.num_context, o, tokens, heads, kv_heads, D, block_size, scale,
+                                              threads);
+                }
                 clock.mark(ATTENTION);
                 w += sizes[0];
                 q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
@@ -434,7 +532,8 @@ void add_decode_step(nb::module_& m) {
           nb::arg("threads"), nb::arg("timings").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(),
           nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
           nb::arg("pick_columns") = 0, nb::arg("end_ids").none() = nb::none(),
-          nb::arg("interrupt").none() = nb::none(), nb::arg("draws").none() = nb::none());
+          nb::arg("interrupt").none() = nb::none(), nb::arg("draws").none() = nb::none(),
+          nb::arg("spans").none() = nb::none());
 }
 
 }  // namespace corral_native

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from corral.engine import hugepages
-from corral.engine.attention import AttentionMetadata, KVCache, paged_attention_forward, write_kv
+from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q8Tiles, concat_q4,
                                  quantize_int4)
 from corral import native
@@ -185,8 +185,13 @@ class NativeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [B, hidden] of B single-token decodes; ``k_cache``/``v_cache`` every layer's cache
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 spans: tuple[PrefillSpan, ...] = ()) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a flat batch of T rows: first single-query rows (decodes, a draft's
+        rows), each over the keys of its ``tables`` row up to its ``context_lens`` entry, then the prompt
+        ``spans`` one after another to the end, as :class:`PrefillSpan` gives them: without context blocks a
+        sequence's first tokens, attending to their own fresh K/V, else over the cache through the blocks (the
+        prompt kernels the torch path runs, so its bits). ``k_cache``/``v_cache`` every layer's cache
         [layers, blocks, block_size, kv_heads, head_dim] (float32, bfloat16 or int8 with ``k_scale``/``v_scale``
         [layers, blocks, block_size, kv_heads]), written at ``slots``."""
         model = self.model
@@ -199,7 +204,9 @@ class NativeStep:
             view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
             view(k_cache), view(v_cache), cpu_ops.buffer(out), torch.get_num_threads(),
             None if self.profile is None else self.profile.numpy(),
-            *(None if s is None else view(s) for s in (k_scale, v_scale)))
+            *(None if s is None else view(s) for s in (k_scale, v_scale)),
+            spans=[(span.start, span.end, None if span.context_blocks is None else cpu_ops.buffer(span.context_blocks),
+                    span.num_context) for span in spans] or None)
         return out
 
     def decode(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],

@@ -93,7 +93,7 @@ class ModelRunner:
 
     @property
     def decode_path(self) -> str:
-        """Which code runs decode-only steps: ``native`` (one call per step) or ``torch`` (a call per op)."""
+        """Which code runs the steps: ``native`` (one call per step, prompts included) or ``torch`` (a call per op)."""
         return "native" if self.native_step is not None else "torch"
 
     def _log_kv_bill(self, bytes_per_token: int, kv_dtype: torch.dtype) -> None:
@@ -208,10 +208,12 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         input_ids, positions, meta = self.prepare(seqs, counts)
-        if self.native_step is not None and not meta.prefills and not meta.prefill_groups:
-            (group,) = meta.decodes  # with the decode kernel, all decodes are one group
-            hidden = self.native_step(input_ids, positions, meta.slot_mapping, group.block_tables,
-                                      group.context_lens, *self.whole_kv)
+        if self.native_step is not None and not meta.prefill_groups and (self.native_prefill or not meta.prefills):
+            # with the decode kernel, all decodes are one group; prompt spans follow it
+            tables, lens = (meta.decodes[0].block_tables, meta.decodes[0].context_lens) if meta.decodes else \
+                (_NO_TABLES, _NO_LENS)
+            hidden = self.native_step(input_ids, positions, meta.slot_mapping, tables, lens, *self.whole_kv,
+                                      spans=meta.prefills)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows, sampling = [], []
@@ -276,6 +278,9 @@ class ModelRunner:
         mask = None if self.use_decode_kernel else \
             (torch.arange(width * self.block_size)[None, :] < context_lens[:, None])[:, None, None, :]
         return DecodeGroup(start, start + len(rows), tables, context_lens, mask)
+
+
+_NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # a step of prompts only
 
 
 def _is_decode(seq: Sequence, count: int) -> bool:

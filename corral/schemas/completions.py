@@ -81,6 +81,6 @@ class NativePaths(Open):
 class Health(Open):
     status: Literal["ok"] = "ok"
     native: NativePaths | None = None
-    decode_step: Literal["native", "torch"] | None = None  # what runs decode-only steps (None: a toy engine)
+    decode_step: Literal["native", "torch"] | None = None  # what runs the steps (None: a toy engine)
     decode_burst: int | None = None  # the most greedy tokens one native call decodes per sequence (1: one a call)
     deterministic: bool | None = None  # prompts' queries through the decode kernel too (None: a toy engine)

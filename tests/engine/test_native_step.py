@@ -9,6 +9,7 @@ import torch
 
 from corral import native
 from corral.engine import EngineConfig, LLMEngine
+from corral.engine.attention import PrefillSpan
 from corral.kernels.cpu_ops import buffer
 from tests.engine.real_model import PROMPTS, chat, greedy
 
@@ -91,6 +92,53 @@ def test_an_int8_kv_cache_is_written_and_read_as_the_torch_path_does():
     assert run(made[0], prompts) == run(made[1], prompts)
     assert torch.equal(made[0].runner.whole_kv.k, made[1].runner.whole_kv.k)  # the same codes
     assert torch.equal(made[0].runner.whole_kv.v_scale, made[1].runner.whole_kv.v_scale)  # and scales
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_prompts_and_mixed_steps_run_in_the_native_step_as_the_torch_path(kv_cache_dtype):
+    """Prompt spans in the native step (fresh prompts through the causal kernel over their float32 K/V, chunks
+    and prefix-cache hits over the cache), alone and in steps with decodes: the torch path's tokens, logprobs and
+    cache contents, bit for bit, and the torch forward never called. A 32-token budget chunks the prompts and
+    mixes them with decodes; the second round finds the shared system prompt and the whole prompts cached."""
+    made = {step: LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype=kv_cache_dtype,
+                                         decode_step=step, num_kv_blocks=96, num_threads=2,
+                                         max_num_batched_tokens=32, max_num_seqs=8, decode_burst=1))
+            for step in ("native", "torch")}
+    forwards = []
+    model = made["native"].runner.model
+    model.forward = lambda *args, **kwargs: forwards.append(args) or pytest.fail("the torch forward ran")
+    system = "You are a terse assistant for a class of curious children. Answer in one short line, plainly, " \
+             "with no lists, no greetings and no questions back."
+    prompts = [chat(made["native"], q, system=system) for q in QUESTIONS[:6]]
+    assert min(len(p) for p in prompts) > 32
+    for _ in range(2):
+        assert run(made["native"], prompts, 8) == run(made["torch"], prompts, 8)
+        for a, b in zip(made["native"].runner.whole_kv, made["torch"].runner.whole_kv):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert not forwards
+
+
+def test_prompt_spans_that_do_not_fit_are_refused(engines):
+    runner = engines["native"].runner
+    step, kv = runner.model.native_step, runner.whole_kv
+    size = runner.block_size
+    ids, positions, slots = (torch.tensor(v) for v in ([1, 2, 3], [0, 1, 2], [0, 1, 2]))
+    none, empty = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    span = PrefillSpan
+    context = torch.tensor([0])
+    cases = [((span(0, 2, None, 2),), ValueError, "must end the batch"),
+             ((span(0, 1, None, 1), span(2, 3, None, 1)), ValueError, "one after another"),
+             ((span(0, 3, None, 5),), ValueError, "its own tokens only"),
+             ((span(0, 3, context, size + 1),), IndexError, "context outside its block table"),
+             ((span(0, 3, torch.tensor([10 ** 9]), 3),), IndexError, "block id outside the cache")]
+    for spans, error, message in cases:
+        with pytest.raises(error, match=message):
+            step(ids, positions, slots, none, empty, kv.k, kv.v, spans=spans)
+    with pytest.raises(ValueError, match="one entry per row before the spans"):  # lens for the span rows too
+        step(ids, positions, slots, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), kv.k, kv.v,
+             spans=(span(0, 3, None, 3),))
+    assert step(ids, positions, slots, none, empty, kv.k, kv.v, spans=(span(0, 3, None, 3),)).shape == (3, 576)
+    engines["native"].block_manager.reset_prefix_cache()  # the call wrote K/V into block 0
 
 
 def test_the_switch_is_stated_and_native_is_refused_where_it_cannot_run():
