@@ -111,7 +111,7 @@ def instrument(engine: LLMEngine, spent: dict, resumes: list | None = None) -> N
     runner.execute_burst = timed("forward", runner.execute_burst, resumes)  # a burst's steps, each with its LM head
     runner.execute_picking = timed("forward", runner.execute_picking, resumes)  # a step with its picks made inside
     runner.prepare_decode = timed("batch preparation", runner.prepare_decode)  # the native step's lists
-    if runner.native_step is not None:  # the native step times its own parts (decode-only steps)
+    if runner.native_step is not None:  # the native step times its own parts (every step it runs)
         runner.native_step.profile = torch.zeros(len(runner.native_step.PARTS), dtype=torch.float64)
 
 

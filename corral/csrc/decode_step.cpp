@@ -116,9 +116,9 @@ std::vector<Span> read_spans(nb::handle in, Py_ssize_t rows, int64_t blocks, int
         Span span{exact_int_of(PyTuple_GET_ITEM(item, 0)), exact_int_of(PyTuple_GET_ITEM(item, 1)),
                   exact_int_of(PyTuple_GET_ITEM(item, 3)), nullptr};
         const nb::handle table(PyTuple_GET_ITEM(item, 2));
-        const int64_t tokens = span.end - span.start;
-        if (span.start < 0 || tokens < 1 || span.end > rows || (i > 0 && span.start != spans.back().end))
+        if (span.start < 0 || span.end > rows || span.end <= span.start || (i > 0 && span.start != spans.back().end))
             fail(PyExc_ValueError, "decode_step: spans must be nonempty, one after another, within the batch");
+        const int64_t tokens = span.end - span.start;  // both within [0, rows]: no overflow
         if (table.is_none()) {
             if (span.num_context != tokens)
                 fail(PyExc_ValueError, "decode_step: a span without a table must see its own tokens only");

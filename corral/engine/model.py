@@ -111,8 +111,9 @@ _MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weight
 
 
 class NativeStep:
-    """The whole decode step of a W4A8 model in one native call (``corral/csrc/decode_step.cpp``): the same kernels
-    as :meth:`LlamaModel.forward` on the same weights, so the same hidden states bit for bit. The layers' tiles are
+    """The whole forward of a W4A8 model's step in one native call (``corral/csrc/decode_step.cpp``), for decodes,
+    drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
+    the same weights, so the same hidden states bit for bit. The layers' tiles are
     moved into one buffer that the layers' :class:`Q4Tiles` then view (one copy of the weights)."""
 
     @staticmethod

@@ -93,7 +93,8 @@ class ModelRunner:
 
     @property
     def decode_path(self) -> str:
-        """Which code runs the steps: ``native`` (one call per step, prompts included) or ``torch`` (a call per op)."""
+        """Which code runs the steps: ``native`` (one call per step; prompts too where the head size is 64 or 128)
+        or ``torch`` (a call per op)."""
         return "native" if self.native_step is not None else "torch"
 
     def _log_kv_bill(self, bytes_per_token: int, kv_dtype: torch.dtype) -> None:

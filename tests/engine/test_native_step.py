@@ -94,28 +94,49 @@ def test_an_int8_kv_cache_is_written_and_read_as_the_torch_path_does():
     assert torch.equal(made[0].runner.whole_kv.v_scale, made[1].runner.whole_kv.v_scale)  # and scales
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+class _SpanKinds:
+    """The native step, recording each prompt span it is given as (fresh, beside decodes)."""
+
+    def __init__(self, step):
+        self.step, self.kinds = step, set()
+
+    def __call__(self, *args, spans=(), **kwargs):
+        decodes = len(args[4]) > 0  # context_lens: one per single-query row
+        self.kinds.update((span.context_blocks is None, decodes) for span in spans)
+        return self.step(*args, spans=spans, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32", "int8"])
 def test_prompts_and_mixed_steps_run_in_the_native_step_as_the_torch_path(kv_cache_dtype):
     """Prompt spans in the native step (fresh prompts through the causal kernel over their float32 K/V, chunks
     and prefix-cache hits over the cache), alone and in steps with decodes: the torch path's tokens, logprobs and
     cache contents, bit for bit, and the torch forward never called. A 32-token budget chunks the prompts and
-    mixes them with decodes; the second round finds the shared system prompt and the whole prompts cached."""
+    mixes them with decodes, and 8 sequences at most make the last prompts start beside decodes; the prompts
+    that share a system prompt find its blocks cached, and the second round finds whole prompts cached."""
     made = {step: LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype=kv_cache_dtype,
                                          decode_step=step, num_kv_blocks=96, num_threads=2,
                                          max_num_batched_tokens=32, max_num_seqs=8, decode_burst=1))
             for step in ("native", "torch")}
     forwards = []
-    model = made["native"].runner.model
-    model.forward = lambda *args, **kwargs: forwards.append(args) or pytest.fail("the torch forward ran")
+    runner = made["native"].runner
+    runner.model.forward = lambda *args, **kwargs: forwards.append(args) or pytest.fail("the torch forward ran")
+    runner.native_step = recorder = _SpanKinds(runner.native_step)
     system = "You are a terse assistant for a class of curious children. Answer in one short line, plainly, " \
              "with no lists, no greetings and no questions back."
+    tokenizer = made["native"].tokenizer
     prompts = [chat(made["native"], q, system=system) for q in QUESTIONS[:6]]
-    assert min(len(p) for p in prompts) > 32
+    prompts += [tokenizer.encode(f"{n}: {q}" * n) for n, q in enumerate(QUESTIONS[6:10], 1)]  # no shared prefix
+    assert min(len(p) for p in prompts[:6]) > 32 and min(len(p) for p in prompts[6:]) < 32
     for _ in range(2):
         assert run(made["native"], prompts, 8) == run(made["torch"], prompts, 8)
-        for a, b in zip(made["native"].runner.whole_kv, made["torch"].runner.whole_kv):
+        for a, b in zip(runner.whole_kv, made["torch"].runner.whole_kv):
             assert (a is None and b is None) or torch.equal(a, b)
     assert not forwards
+    # fresh and over cached context, each alone and beside decodes
+    assert recorder.kinds == {(True, False), (True, True), (False, False), (False, True)}
 
 
 def test_prompt_spans_that_do_not_fit_are_refused(engines):
