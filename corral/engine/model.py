@@ -274,9 +274,11 @@ class NativeStep:
 
 
 class _StepOutputs:
-    """The native step's output buffers, kept across steps and grown to the most rows a step has had, up to
-    ``KEEP_BYTES``, with their views for each row count made once (a view is a torch and a numpy call, each tens of
-    microseconds in a cold step). A step with more rows than that gets buffers of its own, not kept."""
+    """The native step's output buffers, kept across steps, for up to ``KEEP_BYTES`` of rows, with their views for
+    each row count made once (a view is a torch and a numpy call, each tens of microseconds in a cold step). With
+    an LM head they are made whole at the start: grown on demand, the buffer on huge pages took 28 ms to make at
+    128 rows (16 sequences x 8 tokens) and 42 ms at 168, a stall of every stream at the first large burst. A step
+    with more rows than that gets buffers of its own, not kept."""
 
     KEEP_BYTES = 32 << 20
 
@@ -286,6 +288,8 @@ class _StepOutputs:
         self._capacity = 0
         self._hidden, self._logits = torch.empty(0, hidden_size), torch.empty(0, vocab)
         self._rows: dict[int, tuple] = {}
+        if vocab:
+            self.rows(self.keep_rows)
 
     def __del__(self) -> None:
         try:  # the registry holds the views, so nothing of a dropped step outlives it

@@ -250,12 +250,12 @@ def test_greedy_without_logprobs_is_the_torch_path(engines):
 
 
 def test_the_step_keeps_its_output_buffers_up_to_a_bound():
-    """Views of one kept buffer per row count, grown as steps grow, up to KEEP_BYTES; a larger step gets buffers
-    of its own, so a burst never leaves hundreds of megabytes of logits behind."""
+    """Views of one kept buffer per row count, made whole at the start for KEEP_BYTES of rows; a larger step gets
+    buffers of its own, so a burst never leaves hundreds of megabytes of logits behind."""
     from corral.engine.model import _StepOutputs
 
     outputs = _StepOutputs(576, 49152)
-    assert outputs.keep_rows == (32 << 20) // (4 * (576 + 49152))
+    assert outputs.keep_rows == (32 << 20) // (4 * (576 + 49152)) and outputs._capacity == outputs.keep_rows
     one, two = outputs.rows(1), outputs.rows(2)
     assert outputs.rows(1) is one and one[1].data_ptr() == two[1].data_ptr()  # the same buffer, views made once
     big = outputs.rows(outputs.keep_rows + 1)
