@@ -139,6 +139,49 @@ def test_prompts_and_mixed_steps_run_in_the_native_step_as_the_torch_path(kv_cac
     assert recorder.kinds == {(True, False), (True, True), (False, False), (False, True)}
 
 
+_MIXED_STEP_CHECK = """
+import itertools, json, torch
+from corral import native
+from corral.engine import EngineConfig, LLMEngine, SamplingParams
+from corral.engine.model_runner import _NO_LENS, _NO_TABLES
+from corral.engine.sequence import Sequence
+engine = LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="int8", num_kv_blocks=256,
+                                num_threads=2))
+runner, blocks, generator = engine.runner, itertools.count(1), torch.Generator().manual_seed(0)
+def sequence(tokens, computed):
+    seq = Sequence("r", torch.randint(100, 40000, (tokens,), generator=generator).tolist(), SamplingParams())
+    seq.block_table = [next(blocks) for _ in range(-(-(tokens + 1) // runner.block_size))]
+    seq.num_computed_tokens = computed
+    return seq
+equal = []
+with torch.inference_mode():
+    for decodes, prompts, cached in (([], [37], 0), ([90, 200], [20, 33], 0), ([150], [40], 100)):
+        seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
+        ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
+        expected = runner.model.forward(ids, positions, meta, runner.kv_caches)
+        group = meta.decodes[0] if meta.decodes else None
+        got = runner.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
+                                 group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
+        equal.append(bool(torch.equal(got, expected)))
+print(json.dumps({"isa": native.module().kernel_isa, "equal": equal}))
+"""
+
+
+@pytest.mark.parametrize("variant", ["baseline"] + (
+    ["avx2"] if {"avx2", "fma", "f16c", "bmi2"} <= native.cpu_flags() else []))
+def test_a_step_with_prompts_is_the_torch_forward_in_every_variant(variant):
+    """The kernel variants the other CPUs take (forced here: a process holds one), a fresh prompt alone, fresh
+    prompts beside decodes and a chunk over cached context beside a decode, int8 cache: the native step's hidden
+    states equal the torch forward's, bit for bit."""
+    from tests.kernels.variants import report_in_variant
+
+    env = {"CORRAL_NATIVE_BUILD": variant, "HF_HUB_OFFLINE": "1"}
+    if variant == "avx2":
+        env["CORRAL_QMATMUL_ISA"] = "avx2"
+    report = report_in_variant(_MIXED_STEP_CHECK, **env)
+    assert report["isa"].startswith(variant) and report["equal"] == [True] * 3, report
+
+
 def test_prompt_spans_that_do_not_fit_are_refused(engines):
     runner = engines["native"].runner
     step, kv = runner.model.native_step, runner.whole_kv
