@@ -7,8 +7,8 @@ context, decodes with a prompt beside them), each batch run by the torch forward
 turns, in one process: their hidden states compared bit for bit, and the median time of each with the ratio.
 ``--kv int8`` for the int8 cache.
 
-Both engines run the same requests in the same order, so they take the same steps; each step's logits are
-recorded (``compute_logits``) and compared. The native step runs the torch path's kernels in its order, so the
+Both engines run the same requests in the same order, one token per sequence and step (no burst, no draft), so
+they take the same steps; each step's logits, as the runner returns them, are recorded and compared row by row. The native step runs the torch path's kernels in its order, so the
 claim is equality, and the tolerance printed is the largest difference seen.
 
     .venv/bin/python bench/native_step.py --check
@@ -48,15 +48,23 @@ def prompts(engine: LLMEngine, count: int) -> list[list[int]]:
 
 
 def recorded(engine: LLMEngine) -> list[torch.Tensor]:
+    """Every step's logits as the runner returns them, one row per sequence in request order (the two paths may
+    order a step's rows differently; the native step's logits are a view of a buffer the next step overwrites, so
+    they are copied). The native step computes its LM head inside its call, so the runner's methods are wrapped,
+    not ``compute_logits``."""
     steps: list[torch.Tensor] = []
-    model = engine.runner.model
-    inner = model.compute_logits
+    runner = engine.runner
 
-    def compute_logits(hidden):
-        logits = inner(hidden)
-        steps.append(logits.clone())
-        return logits
-    model.compute_logits = compute_logits
+    def wrap(method):
+        def recording(*args, **kwargs):
+            out = method(*args, **kwargs)
+            seqs, logits = out[0], out[1]
+            order = sorted(range(len(seqs)), key=lambda i: seqs[i].request_id)
+            steps.append(logits[order].clone())
+            return out
+        return recording
+    for name in ("execute", "execute_picking", "execute_burst"):
+        setattr(runner, name, wrap(getattr(runner, name)))
     return steps
 
 
@@ -127,8 +135,10 @@ def main() -> int:
     if args.prompt_steps:
         ok = prompt_steps(args.kv)
         return 0 if ok or not args.check else 1
+    # one token per sequence and step in both (no burst, no draft), so both take the same steps
     engines = {step: LLMEngine(EngineConfig(quantization="w4a8", dtype="auto", kv_cache_dtype="auto",
-                                            decode_step=step, num_kv_blocks=2048, enable_prefix_caching=False))
+                                            decode_step=step, num_kv_blocks=2048, enable_prefix_caching=False,
+                                            decode_burst=1, speculation=False, jump_forward=False))
                for step in ("native", "torch")}
     print({step: (e.formats.tag, e.runner.decode_path) for step, e in engines.items()})
     logs = {step: recorded(e) for step, e in engines.items()}
@@ -136,6 +146,7 @@ def main() -> int:
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for e in engines.values():
         e.generate(sixteen, greedy)
+    assert len(logs["native"]) == len(logs["torch"]) == args.tokens, (len(logs["native"]), len(logs["torch"]))
     pairs = list(zip(logs["native"], logs["torch"]))
     worst = max(float((a - b).abs().max()) for a, b in pairs)
     scale = max(float(b.abs().max()) for _, b in pairs)
