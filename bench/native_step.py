@@ -8,8 +8,9 @@ turns, in one process: their hidden states compared bit for bit, and the median 
 ``--kv int8`` for the int8 cache.
 
 Both engines run the same requests in the same order, one token per sequence and step (no burst, no draft), so
-they take the same steps; each step's logits, as the runner returns them, are recorded and compared row by row. The native step runs the torch path's kernels in its order, so the
-claim is equality, and the tolerance printed is the largest difference seen.
+they take the same steps; each step's logits, as the runner returns them, are recorded and compared row by row.
+The native step runs the torch path's kernels in its order, so the claim is equality, and the tolerance printed is
+the largest difference seen.
 
     .venv/bin/python bench/native_step.py --check
     .venv/bin/python bench/native_step.py --prompt-steps [--kv int8]

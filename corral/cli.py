@@ -69,8 +69,8 @@ def _add_format_args(command) -> None:
     command.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
                          help="auto: bfloat16 under w4a8, else the activation dtype; int8 halves the KV bytes")
     command.add_argument("--decode-step", default="auto", choices=("auto", "native", "torch"),
-                         help="each step in one native call (auto: where it serves the model, w4a8; prompts where the head "
-                              "size is 64 or 128) or op by op in torch (the oracle)")
+                         help="each step in one native call (auto: where it serves the model, w4a8; prompts where "
+                              "the head size is 64 or 128) or op by op in torch (the oracle)")
     command.add_argument("--decode-burst", type=int, default=8,
                          help="the most tokens one native call decodes per sequence while every running sequence "
                               "decodes greedily or samples with no draft, guide, bias or penalty and no request "

@@ -436,23 +436,12 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                                           scale, threads);
                         continue;
                     }
-                    const int64_t* ids = span.table->data;
-                    if (kv_kind == 1)
-                        k->prefill_paged_i8(qs, QKV, k_cache.data<const int8_t>() + l * layer_cache,
-                                            v_cache.data<const int8_t>() + l * layer_cache,
-                                            k_scale.data<const float>() + scale_layer,
-                                            v_scale.data<const float>() + scale_layer, ids, span.num_context, o,
-                                            tokens, heads, kv_heads, D, block_size, scale, threads);
-                    else if (kv_kind == 4)
-                        k->prefill_paged_f32(qs, QKV, k_cache.data<const float>() + l * layer_cache,
-                                             v_cache.data<const float>() + l * layer_cache, nullptr, nullptr, ids,
-                                             span.num_context, o, tokens, heads, kv_heads, D, block_size, scale,
-                                             threads);
-                    else
-                        k->prefill_paged_bf16(qs, QKV, k_cache.data<const uint16_t>() + l * layer_cache,
-                                              v_cache.data<const uint16_t>() + l * layer_cache, nullptr, nullptr, ids,
-                                              span.num_context, o, tokens, heads, kv_heads, D, block_size, scale,
-                                              threads);
+                    corral_kernels::prefill_paged_of_kind(  // kv_kind is also a cache element's bytes
+                        k, kv_kind, qs, QKV, k_cache.data<const char>() + l * layer_cache * kv_kind,
+                        v_cache.data<const char>() + l * layer_cache * kv_kind,
+                        kv_kind == 1 ? k_scale.data<const float>() + scale_layer : nullptr,
+                        kv_kind == 1 ? v_scale.data<const float>() + scale_layer : nullptr, span.table->data,
+                        span.num_context, o, tokens, heads, kv_heads, D, block_size, scale, threads);
                 }
                 clock.mark(ATTENTION);
                 w += sizes[0];

@@ -687,18 +687,9 @@ void kernel_prefill_paged(nb::handle q_in, nb::handle k_cache_in, nb::handle v_c
     const float* ks = cache.k_scales();
     const float* vs = cache.v_scales();
     NoGil nogil;
-    if (kv_kind == 4)
-        chosen->prefill_paged_f32(q.data<const float>(), q_stride, k.data<const float>(), v.data<const float>(), ks,
-                                  vs, ids, num_context, out.data<float>(), tokens, heads, kv_heads, head_dim,
-                                  block_size, scale, threads);
-    else if (kv_kind == 2)
-        chosen->prefill_paged_bf16(q.data<const float>(), q_stride, k.data<const uint16_t>(),
-                                   v.data<const uint16_t>(), ks, vs, ids, num_context, out.data<float>(), tokens,
-                                   heads, kv_heads, head_dim, block_size, scale, threads);
-    else
-        chosen->prefill_paged_i8(q.data<const float>(), q_stride, k.data<const int8_t>(), v.data<const int8_t>(), ks,
-                                 vs, ids, num_context, out.data<float>(), tokens, heads, kv_heads, head_dim,
-                                 block_size, scale, threads);
+    corral_kernels::prefill_paged_of_kind(chosen, kv_kind, q.data<const float>(), q_stride, k.data<const void>(),
+                                          v.data<const void>(), ks, vs, ids, num_context, out.data<float>(), tokens,
+                                          heads, kv_heads, head_dim, block_size, scale, threads);
 }
 
 // Ends the calling thread's OpenMP worker threads (they come back if it runs a parallel region again). OpenMP

@@ -112,6 +112,27 @@ struct KernelTable {
 template <Isa isa>
 const KernelTable* variant();
 
+// prefill_paged over a cache of `kind` (a KV cache's element, as Array::cache_kind gives it: 4 float32, 2 bfloat16,
+// 1 int8 with its scales), through `table`'s kernels.
+inline void prefill_paged_of_kind(const KernelTable* table, int kind, const float* q, int64_t q_stride,
+                                  const void* k_cache, const void* v_cache, const float* k_scale,
+                                  const float* v_scale, const int64_t* blocks, int64_t num_context, float* out,
+                                  int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, float scale, int num_threads) {
+    if (kind == 4)
+        table->prefill_paged_f32(q, q_stride, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+                                 k_scale, v_scale, blocks, num_context, out, tokens, num_heads, num_kv_heads,
+                                 head_dim, block_size, scale, num_threads);
+    else if (kind == 2)
+        table->prefill_paged_bf16(q, q_stride, static_cast<const uint16_t*>(k_cache),
+                                  static_cast<const uint16_t*>(v_cache), k_scale, v_scale, blocks, num_context, out,
+                                  tokens, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+    else
+        table->prefill_paged_i8(q, q_stride, static_cast<const int8_t*>(k_cache), static_cast<const int8_t*>(v_cache),
+                                k_scale, v_scale, blocks, num_context, out, tokens, num_heads, num_kv_heads, head_dim,
+                                block_size, scale, num_threads);
+}
+
 }  // namespace corral_kernels
 
 namespace corral_native {
