@@ -42,6 +42,11 @@ times slower in fp32); their model dtype is ``auto``'s.
     .venv/bin/python bench/engine.py --cells short-1,short-4,short-16 --no-hf --no-fp32 --decode-bursts 1
     .venv/bin/python bench/engine.py --cells short-1,short-4 --no-hf --no-fp32 --temperature 0.8 --top-p 0.95 \
         --top-k 40 --min-p 0.05                          # sampled, the same parameters sent to every server
+    .venv/bin/python bench/engine.py --model smollm2-q4km.gguf --cells short-1,short-16 --no-hf --no-fp32
+
+``--model FILE`` runs every engine (Corral, llama-server, llama-cpp-python) on that GGUF instead of the shipped one
+(HF rows are off: they run the shipped model's dense weights); a K-quant file is made from the shipped one with
+llama.cpp's own ``llama-quantize --allow-requantize SHIPPED.gguf OUT.gguf Q4_K_M``.
 """
 
 import argparse
@@ -350,12 +355,12 @@ def run_hf(model, tokenizer, cell: Cell, label: str) -> Result:
     return Result(label, cell.name, time.perf_counter() - start, timings, check)
 
 
-def run_llama_cpp_python(tokenizer, cell: Cell) -> Result:
+def run_llama_cpp_python(tokenizer, cell: Cell, model: str | None = None) -> Result:
     from llama_cpp import Llama
 
     from corral.models import resolve_model
 
-    llm = Llama(model_path=resolve_model(None).path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
+    llm = Llama(model_path=resolve_model(model).path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
     eos = tokenizer.eos_token_ids[0]
     check = machine_check()
     timings, start = [], time.perf_counter()
@@ -449,6 +454,8 @@ def main() -> None:
     parser.add_argument("--llama-server", default=LLAMA_SERVER,
                         help="the llama-server binary (default: make bench-extras' build for this CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="a GGUF file every engine runs instead of the shipped model "
+                                                      "(implies --no-hf)")
     parser.add_argument("--out", default=None, help="write every timing as JSON")
     parser.add_argument("--decode-bursts", default="", help="also Corral (make serve's formats) with each of these "
                         "--decode-burst values, as corral-auto-burstN (comma separated; corral-auto runs the default)")
@@ -477,7 +484,15 @@ def main() -> None:
     if args.cells or args.formats:
         wanted = (args.cells or "short-1,short-16,short-64").split(",")
         cells = [c for c in cells if c.name in wanted]
-    tokenizer = load_tokenizer()
+    global MODEL
+    from corral.models import resolve_model
+
+    files = resolve_model(args.model)
+    if args.model:
+        args.no_hf, MODEL = True, files.name  # the name Corral serves it under (llama-server takes any)
+        print(f"model: {files.path}")
+    tokenizer = load_tokenizer(files)
+    model_args = ("--model", files.path) if args.model else ()
     if not args.no_llama and not os.path.exists(args.llama_server):
         print(f"WARNING: {args.llama_server} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
     elif not args.no_llama:
@@ -485,23 +500,27 @@ def main() -> None:
               f"{LLAMA_CTX_PER_SLOT}-token context per slot")
     from corral.engine.config import EngineConfig
     from corral.engine.formats import resolve
+    from corral.engine.weights import gguf_has_q4, gguf_has_q8
 
-    auto = resolve(EngineConfig(dtype="auto", quantization="auto"), gguf_q4=True)
+    auto = resolve(EngineConfig(dtype="auto", quantization="auto"), gguf_q4=gguf_has_q4(files),
+                   gguf_q8=gguf_has_q8(files))
     print(f"auto (make serve) picks here: {auto.tag} ({auto.reason})")
     if args.formats:
         corrals = {}
         for name in args.formats.split(","):
             for kv in ("auto", "int8"):
                 label = f"corral-{name}" + ("-kvint8" if kv == "int8" else "")
-                corrals[label] = corral_server(**FORMATS_ARGS[name], kv_cache_dtype=kv, label=label).start()
+                corrals[label] = corral_server(**FORMATS_ARGS[name], kv_cache_dtype=kv, label=label,
+                                               extra=model_args).start()
     else:
-        corrals = {"corral-auto": corral_server("auto", quantization="auto", label="corral-auto").start()}
+        corrals = {"corral-auto": corral_server("auto", quantization="auto", label="corral-auto",
+                                                extra=model_args).start()}
         for burst in (int(b) for b in args.decode_bursts.split(",") if b):
             label = f"corral-auto-burst{burst}"
-            corrals[label] = corral_server("auto", quantization="auto", extra=("--decode-burst", str(burst)),
+            corrals[label] = corral_server("auto", quantization="auto", extra=("--decode-burst", str(burst), *model_args),
                                            label=label).start()
         if not args.no_fp32:
-            corrals["corral-float32"] = corral_server("float32").start()
+            corrals["corral-float32"] = corral_server("float32", extra=model_args).start()
     for label, server in corrals.items():
         warm_up(label, server.url)
         native = httpx.get(server.url + "/health", timeout=30).json().get("native") or {}
@@ -519,7 +538,8 @@ def main() -> None:
                 for slots in (int(s) for s in args.slots.split(",")):
                     if slots > max(cell.concurrency, 1):
                         continue
-                    with llama_server(slots, binary=args.llama_server, kv_unified=args.kv_unified) as peer:
+                    with llama_server(slots, binary=args.llama_server, kv_unified=args.kv_unified,
+                                      model=files.path) as peer:
                         warm_up("llama-server", peer.url)
                         results.append(run_server(f"llama-server -np {slots}", peer.url, cell, server=peer))
                     print(row(results[-1]), flush=True)
@@ -532,7 +552,7 @@ def main() -> None:
                       f"{args.llama_server}", file=sys.stderr)
             elif cell.name == "short-1" and not args.no_llama:
                 try:
-                    results.append(run_llama_cpp_python(tokenizer, cell))
+                    results.append(run_llama_cpp_python(tokenizer, cell, args.model))
                     print(row(results[-1]), flush=True)
                 except ImportError:
                     print("llama-cpp-python is not installed (make bench-extras): skipped", file=sys.stderr)

@@ -26,6 +26,14 @@ namespace {
 constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size
 
 int64_t q4_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * (k / 32) * corral_qmatmul::Q4_TILE_BYTES; }
+int64_t q8_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * (k / 32) * corral_qmatmul::Q8_TILE_BYTES; }
+
+// One linear's product: Q4 tiles (bits 4) or Q8 tiles (bits 8), x [rows, cols] into y [rows, n].
+void product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* w, int64_t n, float* y,
+             int threads) {
+    if (bits == 8) q8_product(x, rows, cols, w, n, y, threads);
+    else q4_product(x, rows, cols, w, n, y, threads);
+}
 
 // The parts a profile splits a step into (seconds added to timings[part] when a timings buffer is given).
 enum Part { EMBED, NORM, MATMUL, ROPE, KV_WRITE, ATTENTION, SILU, LM_HEAD, PARTS };
@@ -192,7 +200,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
 //             pick, else (picks: B lists of the steps done's token ids, their logprobs: B lists of floats,
 //             decided: whether the native pass decided every pick); spans: None or a list of (start, end, table
-//             or None, num_context), see Span
+//             or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64 [layers, 4]: each of a
+//             layer's qkv, o, gate_up and down as Q4 tiles (4) or Q8 tiles (8), one after another in layer_tiles
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -222,7 +231,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
                  nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
                  int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in,
-                 nb::handle draws_in, nb::handle spans_in) {
+                 nb::handle draws_in, nb::handle spans_in, nb::handle kinds_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -248,10 +257,22 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     embed.expect_uint8();
     embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
-    const int64_t sizes[4] = {q4_bytes(QKV, H), q4_bytes(H, Q), q4_bytes(2 * I, H), q4_bytes(H, I)};
-    const int64_t per_layer = sizes[0] + sizes[1] + sizes[2] + sizes[3];
+    // each layer's linears: their bits (4 or 8) and where each starts in layer_tiles
+    std::vector<int64_t> bits(L * 4, 4), starts(L * 4 + 1, 0);
+    if (!kinds_in.is_none()) {
+        const Array kinds(kinds_in, "kinds", false);
+        kinds.expect_shape({Py_ssize_t(L), 4});
+        kinds.expect_int64();
+        for (int64_t i = 0; i < L * 4; ++i) {
+            bits[i] = kinds.data<const int64_t>()[i];
+            if (bits[i] != 4 && bits[i] != 8) fail(PyExc_ValueError, "decode_step: kinds must be 4 or 8");
+        }
+    }
+    const int64_t shapes[4][2] = {{QKV, H}, {H, Q}, {2 * I, H}, {H, I}};  // (n, k) of qkv, o, gate_up, down
+    for (int64_t i = 0; i < L * 4; ++i)
+        starts[i + 1] = starts[i] + (bits[i] == 8 ? q8_bytes : q4_bytes)(shapes[i % 4][0], shapes[i % 4][1]);
     layer_tiles.expect_uint8();
-    layer_tiles.expect_shape({Py_ssize_t(L * per_layer)});
+    layer_tiles.expect_shape({Py_ssize_t(starts[L * 4])});
     norms.expect_float32();
     norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
     cos.expect_float32();
@@ -375,11 +396,13 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             clock.mark(EMBED);
             bool has_delta = false;
             for (int64_t l = 0; l < L; ++l) {
-                const uint8_t* w = layer_tiles.data<const uint8_t>() + l * per_layer;
+                const uint8_t* tiles = layer_tiles.data<const uint8_t>();
+                const int64_t* start = starts.data() + 4 * l;  // this layer's qkv, o, gate_up, down
+                const int64_t* bit = bits.data() + 4 * l;
                 k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
                                     H, eps, threads);
                 clock.mark(NORM);
-                q4_product(normed.data(), B, H, w, QKV, qkv.data(), threads);
+                product(bit[0], normed.data(), B, H, tiles + start[0], QKV, qkv.data(), threads);
                 clock.mark(MATMUL);
                 k->rope_f32(qkv.data(), QKV, pos.data(), cos.data<const float>(), sin.data<const float>(), B,
                             heads + kv_heads, D, threads);
@@ -444,18 +467,15 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                         span.num_context, o, tokens, heads, kv_heads, D, block_size, scale, threads);
                 }
                 clock.mark(ATTENTION);
-                w += sizes[0];
-                q4_product(attn.data(), B, Q, w, H, delta.data(), threads);
+                product(bit[1], attn.data(), B, Q, tiles + start[1], H, delta.data(), threads);
                 clock.mark(MATMUL);
                 k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
                 clock.mark(NORM);
-                w += sizes[1];
-                q4_product(normed.data(), B, H, w, 2 * I, gate_up.data(), threads);
+                product(bit[2], normed.data(), B, H, tiles + start[2], 2 * I, gate_up.data(), threads);
                 clock.mark(MATMUL);
                 k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
                 clock.mark(SILU);
-                w += sizes[2];
-                q4_product(act.data(), B, I, w, H, delta.data(), threads);
+                product(bit[3], act.data(), B, I, tiles + start[3], H, delta.data(), threads);
                 clock.mark(MATMUL);
                 has_delta = true;
             }
@@ -522,7 +542,7 @@ void add_decode_step(nb::module_& m) {
           nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
           nb::arg("pick_columns") = 0, nb::arg("end_ids").none() = nb::none(),
           nb::arg("interrupt").none() = nb::none(), nb::arg("draws").none() = nb::none(),
-          nb::arg("spans").none() = nb::none());
+          nb::arg("spans").none() = nb::none(), nb::arg("kinds").none() = nb::none());
 }
 
 }  // namespace corral_native

@@ -51,20 +51,24 @@ def has_fast_bf16(flags: frozenset[str]) -> bool:
     return bool(FAST_BF16_FLAGS & flags)
 
 
-def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = None) -> Formats:
+def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = None, gguf_q8: bool = False
+            ) -> Formats:
     """The formats ``config`` runs in on a CPU with ``flags`` (default: this one's), for a model whose linears are
-    (``gguf_q4``) or are not GGUF Q4_0/Q4_1 blocks."""
+    (``gguf_q4``) or are not GGUF Q4_0/Q4_1/Q4_K blocks, and are (``gguf_q8``) or are not Q5, Q6 or Q8_0 blocks
+    (which the native module runs as Q8 blocks)."""
     flags = native.cpu_flags() if flags is None else flags
     reasons = []
     quantization = config.quantization
     if quantization == "auto":
-        quantization = ("w4a8" if native.module() is not None else "gguf") if gguf_q4 else "none"
-        reasons.append({"w4a8": "quantization w4a8: the GGUF's Q4 linears and Q8 head as shipped, native kernels",
+        quantization = "w4a8" if native.module() is not None and (gguf_q4 or gguf_q8) else \
+            "gguf" if gguf_q4 else "none"
+        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (Q4 as Q4 blocks, Q5 to Q8 as Q8 "
+                                "blocks) and its head in Q8 blocks, native kernels",
                         "gguf": "quantization gguf: the GGUF's Q4 linears as shipped (no native module: torch's "
                                 "int4 kernel)",
                         "none": "quantization none: the model has no Q4 blocks"}[quantization])
     if quantization == "gguf" and not gguf_q4:
-        raise InvalidRequestError("quantization 'gguf' needs a GGUF model whose linears are Q4_0 or Q4_1 blocks; "
+        raise InvalidRequestError("quantization 'gguf' needs a GGUF model whose linears are Q4_0, Q4_1 or Q4_K blocks; "
                                   "w4a16 quantizes any model", param="quantization")
     if quantization == "w4a8" and native.module() is None:
         raise InvalidRequestError("quantization 'w4a8' runs on the native module, which is not loaded here",

@@ -50,7 +50,7 @@ from corral.engine.speculation import Drafter, draft_batch
 from corral.engine.sampling_params import BeamSearchParams, SamplingParams
 from corral.engine.scheduler import ScheduledBatch, Scheduler
 from corral.engine.sequence import Sequence, SequenceStatus
-from corral.engine.weights import gguf_has_q4
+from corral.engine.weights import gguf_has_q4, gguf_has_q8
 from corral.errors import InvalidRequestError, PromptTooLongError
 from corral.fsm.guide import Guide
 from corral.fsm.vocabulary import Vocabulary
@@ -198,7 +198,7 @@ class LLMEngine:
         self.model_drafter = None
         if runner is None:
             files = resolve_model(config.model)
-            self.formats = formats.resolve(config, gguf_has_q4(files))
+            self.formats = formats.resolve(config, gguf_has_q4(files), gguf_q8=gguf_has_q8(files))
             config = formats.resolved_config(config, self.formats)
             log.info("formats: %s (%s)", self.formats.tag, self.formats.reason)
             model_config, tokenizer = load_model_config(files), load_tokenizer(files)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
-from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q8Tiles, concat_q4,
-                                 quantize_int4)
+from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q8Blocks, Q8Linear,
+                                 Q8Tiles, concat_q4, quantize_int4, quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -113,17 +113,25 @@ _MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weight
 class NativeStep:
     """The whole forward of a W4A8 model's step in one native call (``corral/csrc/decode_step.cpp``), for decodes,
     drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
-    the same weights, so the same hidden states bit for bit. The layers' tiles are
-    moved into one buffer that the layers' :class:`Q4Tiles` then view (one copy of the weights)."""
+    the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
+    file keeps more than 4 bits, Q8 tiles (:class:`Q8Linear`). The layers' tiles are moved into one buffer that the
+    layers' linears then view (one copy of the weights)."""
+
+    LINEARS = ("qkv", "o", "gate_up", "down")
 
     @staticmethod
     def serves(model: "LlamaModel") -> bool:
-        layer = model.layers[0] if model.layers else {}
-        return (model.quantization == "w4a8" and model.fused and isinstance(layer.get("qkv"), Q4Tiles)
-                and layer["qkv"].bias is None and hasattr(native.module(), "decode_step"))
+        return (model.quantization == "w4a8" and model.fused and bool(model.layers)
+                and all(isinstance(layer[name], (Q4Tiles, Q8Linear)) and layer[name].bias is None
+                        for layer in model.layers for name in NativeStep.LINEARS)
+                and hasattr(native.module(), "decode_step"))
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
+        kinds = [[8 if isinstance(layer[name], Q8Linear) else 4 for name in self.LINEARS] for layer in model.layers]
+        # each linear's tiles: 4 (Q4) or 8 (Q8) bits a weight; None where all are Q4 (the call then skips the table)
+        self.kinds = torch.tensor(kinds, dtype=torch.int64) if any(8 in row for row in kinds) else None
+        self.layer_bytes = [sum(layer[name].tiles.numel() for name in self.LINEARS) for layer in model.layers]
         self.layer_tiles = self._gather_tiles(model)
         self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +
                                  [model.final_norm]).float().contiguous()
@@ -142,8 +150,8 @@ class NativeStep:
     @staticmethod
     def _gather_tiles(model: "LlamaModel") -> torch.Tensor:
         """Every layer's tiles in one buffer (on huge pages where granted: the step streams it whole), in layer
-        order, each layer's :class:`Q4Tiles` then a view of its part."""
-        layers = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+        order, each layer's linears then a view of its part."""
+        layers = [layer[name] for layer in model.layers for name in NativeStep.LINEARS]
         gathered = hugepages.zeros((sum(layer.tiles.numel() for layer in layers),), torch.uint8)
         offset = 0
         for layer in layers:
@@ -175,8 +183,9 @@ class NativeStep:
         same weight buffer, read only as far as those layers reach."""
         num_layers = model.config.num_layers
         step = copy.copy(self)
-        per_layer = self.layer_tiles.numel() // int(self.spec[0])
-        step.layer_tiles = self.layer_tiles[: num_layers * per_layer]
+        step.layer_tiles = self.layer_tiles[: sum(self.layer_bytes[:num_layers])]
+        step.layer_bytes = self.layer_bytes[:num_layers]
+        step.kinds = None if self.kinds is None else self.kinds[:num_layers].contiguous()
         step.norms = torch.cat((self.norms[: 2 * num_layers], self.norms[-1:])).contiguous()
         step.spec = self.spec.clone()
         step.spec[0] = num_layers
@@ -207,7 +216,8 @@ class NativeStep:
             None if self.profile is None else self.profile.numpy(),
             *(None if s is None else view(s) for s in (k_scale, v_scale)),
             spans=[(span.start, span.end, None if span.context_blocks is None else cpu_ops.buffer(span.context_blocks),
-                    span.num_context) for span in spans] or None)
+                    span.num_context) for span in spans] or None,
+            kinds=None if self.kinds is None else view(self.kinds))
         return out
 
     def decode(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -263,10 +273,11 @@ class NativeStep:
                 (view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
                  view(k_cache), view(v_cache)),
                 (None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
-                 view(self.head_tiles)))
+                 view(self.head_tiles)), None if self.kinds is None else view(self.kinds))
         return native.module().decode_step(*args[4], *rows, *args[5], hidden_buffer, threads,
                                            None if self.profile is None else self.profile.numpy(), *args[6],
-                                           logits_buffer, steps, pick_columns, end_ids, interrupt, draws)
+                                           logits_buffer, steps, pick_columns, end_ids, interrupt, draws, None,
+                                           args[7])
 
     def _set_block_size(self, block_size: int) -> None:
         if block_size != self._block_size:  # known once the cache is
@@ -368,10 +379,15 @@ class LlamaModel:
 
     @staticmethod
     def _dense(value) -> torch.Tensor:
-        return value.dequantize() if isinstance(value, Q4Blocks) else value.float()
+        return value.dequantize() if isinstance(value, (Q4Blocks, Q8Blocks)) else value.float()
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
+        if self.quantization == "w4a8" and any(isinstance(p, Q8Blocks) for p in parts):
+            # a part the file keeps in more than 4 bits: the whole fused layer in Q8 blocks (a Q4 part's values
+            # rounded to 8 bits), where Q4 blocks would round that part to 4
+            blocks = [p if isinstance(p, Q8Blocks) else Q8Blocks(*quantize_q8_blocks(self._dense(p))) for p in parts]
+            return Q8Linear(Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks])), bias)
         if self.quantization == "w4a8":  # Q4 blocks as shipped, or quantized at group 32
             blocks = [p if isinstance(p, Q4Blocks) else quantize_int4(self._dense(p), 32) for p in parts]
             return Q4Tiles(concat_q4(blocks), bias)

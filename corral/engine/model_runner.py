@@ -85,7 +85,7 @@ class ModelRunner:
         if config.quantization == "w4a16":
             check_group_size(config.quant_group_size, model_config)
         weights = load_weights(files, model_config, dtype if config.quantization == "none" else torch.float32,
-                               keep_q4=config.quantization in ("gguf", "w4a8"))
+                               keep_q4=config.quantization in ("gguf", "w4a8"), keep_q8=config.quantization == "w4a8")
         if config.awq:
             weights = awq.scale_weights(weights, model_config, awq.calibration_ids(load_tokenizer(files).encode),
                                         config.quant_group_size)

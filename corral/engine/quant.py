@@ -19,8 +19,11 @@ activation dtype):
   16s: a layer whose N is not a multiple of 16 is padded with zero rows.
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
-kernel. What this leaves out: 3-bit and K-quant kernels (those GGUF blocks are dequantized at load, with a log
-line, by :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
+kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K) and :class:`Q8Linear` Q8 blocks
+(:class:`Q8Blocks`: GGUF Q8_0 and Q5_0 exactly, Q5_1, Q5_K and Q6_K rounded to 8 bits) on the native kernels. What
+this leaves out: 2-, 3-, 5- and 6-bit kernels (such GGUF blocks are dequantized at load, with a log line, by
+:mod:`corral.engine.weights`, or run as Q8 blocks) and a CUDA path for any form but :class:`Dense` and
+:class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
 
@@ -50,6 +53,17 @@ class Q4Blocks(NamedTuple):
         scale = self.scale.to(dtype).float().repeat_interleave(self.group, dim=1)
         zero = self.zero.to(dtype).float().repeat_interleave(self.group, dim=1)
         return (self.codes.float() - 8) * scale + zero
+
+
+class Q8Blocks(NamedTuple):
+    """Int8 codes with one float16 scale per 32 weights along K, as GGUF Q8_0: ``W = codes * d``. What the native
+    W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0, Q5 and Q6 linears load as these under ``w4a8``."""
+    codes: torch.Tensor  # [N, K] int8, -127..127
+    d: torch.Tensor  # [N, K // 32] float16
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        return (self.codes.float().view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
 
 
 def concat_q4(parts: list[Q4Blocks]) -> Q4Blocks:
@@ -279,6 +293,26 @@ class Q4Tiles(_Biased):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(native_matmul("q4_matmul", x, self.tiles, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+class Q8Linear(_Biased):
+    """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`) through the native kernel, float32 activations quantized to int8 per
+    block of 32 on the fly: a linear layer under ``w4a8`` whose weights have more than 4 bits (a GGUF's Q8_0, Q5_K or
+    Q6_K tensors), where Q4 blocks would lose what the file kept."""
+
+    kind = "w8a8"
+
+    def __init__(self, blocks: Q8Blocks, bias: torch.Tensor | None):
+        super().__init__(bias, torch.float32)
+        self.out_features, self.in_features = blocks.codes.shape
+        self.tiles = pack_q8_tiles(blocks.codes, blocks.d)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(native_matmul("q8_matmul", x, self.tiles, self.out_features))
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,10 @@
 """Weight loading: a GGUF file or a local HF folder (safetensors) → a flat dict of torch tensors in HF naming.
 
 GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1, Q8_0, F16, K-quants, ...),
-except that with ``keep_q4`` the Q4_1 and Q4_0 blocks of linear layers stay as int4 codes with their scale and
-zero (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernel runs as shipped. The Q/K projections are
+except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
+and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
+``keep_q8`` (``w4a8``) its Q8_0, Q5 and Q6 linears become int8 codes with one float16 scale per 32 weights
+(:class:`~corral.engine.quant.Q8Blocks`: Q8_0 as shipped, the others rounded to 8 bits). The Q/K projections are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves.
 
@@ -21,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import Q4Blocks
+from corral.engine.quant import Q4Blocks, Q8Blocks, quantize_q8_blocks
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -62,13 +64,18 @@ def _gguf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: derived from the config instead
 
 
-_Q4_KINDS = ("Q4_0", "Q4_1")
+_Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+# linears with more than 4 bits a weight: kept at 8 (Q8 blocks of 32) under w4a8, where Q4 blocks would lose bits
+_Q8_KINDS = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
-    """The codes, scale and zero of GGUF Q4_1 (``w = d q + m``) or Q4_0 (``w = d (q - 8)``) rows ``raw`` (bytes
-    [rows, blocks * block_bytes]), as ``w = (q - 8) scale + zero``: scale = d, zero = m + 8 d (Q4_1) or 0 (Q4_0).
-    A block is its float16 d (and m), then 16 bytes: the low nibbles are weights 0-15, the high ones 16-31."""
+    """The codes, scale and zero of GGUF Q4_1 (``w = d q + m``), Q4_0 (``w = d (q - 8)``) or Q4_K rows ``raw``
+    (bytes [rows, blocks * block_bytes]), as ``w = (q - 8) scale + zero``: scale = d, zero = m + 8 d (Q4_1) or 0
+    (Q4_0). A block is its float16 d (and m), then 16 bytes: the low nibbles are weights 0-15, the high ones 16-31.
+    Q4_K: see :func:`q4k_blocks`."""
+    if kind == "Q4_K":
+        return q4k_blocks(raw, rows, cols)
     head = 4 if kind == "Q4_1" else 2
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, head + 16)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -79,28 +86,88 @@ def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
     return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero), 32)
 
 
-def gguf_has_q4(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q4_0 or Q4_1 blocks (the int4 kernel's)."""
+Q4K_BYTES = 144  # a Q4_K super-block: float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+
+
+def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
+    """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4 blocks of 32. A super-block of 256 weights is
+    float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in 12 bytes, then 128 bytes of
+    codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles). Sub-block s's weight
+    is ``d sc[s] q - dmin mn[s]`` (llama.cpp's dequantization), so each sub-block is a Q4_1 block with
+    ``scale = d sc[s]`` (exact in float32: 11 by 6 significant bits) and ``zero = 8 scale - dmin mn[s]``."""
+    if cols % 256:
+        raise ValueError(f"Q4_K rows of {cols} weights: not whole super-blocks of 256")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:16].astype(np.uint8)
+    sc = np.empty(packed.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
+    codes = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols)  # sub-blocks 2j, 2j + 1 from bytes 32j..
+    scale = (d[..., None] * sc).reshape(rows, cols // 32)
+    zero = (8 * scale - (dmin[..., None] * mn).reshape(rows, cols // 32)).astype(np.float32)
+    return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(scale.astype(np.float32)), torch.from_numpy(zero), 32)
+
+
+def q8_blocks_of(values: torch.Tensor, raw: np.ndarray, kind: str, heads: int | None) -> Q8Blocks:
+    """A GGUF linear of 5 to 8 bits (``values``: its dequantized float32 rows, rotary rows un-permuted) as Q8 blocks
+    of 32. Q8_0 comes back exactly (:func:`quantize_q8_blocks`). So does Q5_0, whose weights are ``d (q - 16)``
+    with ``q`` in 0..31: codes ``4 (q - 16)`` in -64..60 with scale ``d / 4`` (exact in float16 for any d a
+    model carries; checked, and rounded as below where it is not). Q5_1, Q5_K and Q6_K have no exact Q8_0 form
+    (a zero point, or two scales in a block): they are rounded to 8 bits, an error of at most half a code,
+    ``max|w| / 254`` per block."""
+    if kind == "Q5_0":
+        rows, cols = values.shape
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 22)  # float16 d, 4 bytes of high bits, 16
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        if heads:
+            d = unpermute_rotary(d, heads)
+        d8 = torch.from_numpy((d.astype(np.float32) / 4).astype(np.float16))
+        scale = d8.float().repeat_interleave(32, dim=1)
+        codes = torch.round(values / torch.where(scale == 0, 1.0, scale))
+        if bool((codes.abs() <= 127).all()) and torch.equal(codes * scale, values):
+            return Q8Blocks(codes.to(torch.int8), d8)
+    return Q8Blocks(*quantize_q8_blocks(values))
+
+
+def gguf_linear_kinds(files: ModelFiles) -> set[str]:
+    """The GGUF block types of ``files``' layers' linear weights (empty for an HF folder)."""
     if files.kind != "gguf":
-        return False
+        return set()
     from corral.models.gguf_file import gguf_tensors
 
-    return any(t.tensor_type.name in _Q4_KINDS and (_gguf_name(t.name) or "").endswith("_proj.weight")
-               for t in gguf_tensors(files.path))
+    return {t.tensor_type.name for t in gguf_tensors(files.path) if (_gguf_name(t.name) or "").endswith("_proj.weight")
+            and _gguf_name(t.name).startswith("model.layers.")}
 
 
-def _log_dequantized(path: str) -> None:
+def gguf_has_q4(files: ModelFiles) -> bool:
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q4_0, Q4_1 or Q4_K blocks (the int4 kernels')."""
+    return bool(gguf_linear_kinds(files) & set(_Q4_KINDS))
+
+
+def gguf_has_q8(files: ModelFiles) -> bool:
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6 or Q8_0 blocks (Q8 blocks under w4a8)."""
+    return bool(gguf_linear_kinds(files) & set(_Q8_KINDS))
+
+
+def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    kinds = sorted({t.tensor_type.name for t in gguf_tensors(path) if _gguf_name(t.name)} -
-                   {*_Q4_KINDS, "F32", "F16", "BF16"})
+    kept = {*_Q4_KINDS, *(_Q8_KINDS if keep_q8 else ()), "F32", "F16", "BF16"}
+    kinds = sorted({t.tensor_type.name for t in gguf_tensors(path) if _gguf_name(t.name)} - kept)
     if kinds:
-        log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0 and Q4_1 linears run as "
-                 "shipped; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds))
+        log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
+                 "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
+                 ", Q5, Q6 and Q8_0 ones as Q8 blocks" if keep_q8 else "")
 
 
-def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[str, torch.Tensor | Q4Blocks]:
+def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
+               keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
     from gguf.quants import dequantize
 
     from corral.models.gguf_file import gguf_tensors
@@ -122,7 +189,10 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False) -> dict[st
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         if heads:
             values = unpermute_rotary(values, heads)
-        tensors[name] = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
+        values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
+        if keep_q8 and kind in _Q8_KINDS and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            values = q8_blocks_of(values, tensor.data, kind, heads)
+        tensors[name] = values
     return tensors
 
 
@@ -136,11 +206,12 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool) -> str:
+def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{'q4' if keep_q4 else ''}|v2"
+    kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v3"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    tag = str(dtype).removeprefix("torch.") + ("-q4" if keep_q4 else "")
+    tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
@@ -148,39 +219,45 @@ _Q4_FIELDS = ("codes", "scale", "zero")
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
-    """One safetensors dict: Q4 blocks as three tensors ``<name>.q4_codes`` / ``.q4_scale`` / ``.q4_zero``."""
+    """One safetensors dict: Q4 blocks as three tensors ``<name>.q4_codes`` / ``.q4_scale`` / ``.q4_zero``, Q8
+    blocks as two, ``<name>.q8_codes`` / ``.q8_d``."""
     flat = {}
     for name, value in tensors.items():
         if isinstance(value, Q4Blocks):
             flat.update({f"{name}.q4_{field}": getattr(value, field).contiguous() for field in _Q4_FIELDS})
+        elif isinstance(value, Q8Blocks):
+            flat.update({f"{name}.q8_{field}": getattr(value, field).contiguous() for field in Q8Blocks._fields})
         else:
             flat[name] = value
     return flat
 
 
 def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
-    tensors = {name: value for name, value in flat.items() if ".q4_" not in name}
+    tensors = {name: value for name, value in flat.items() if ".q4_" not in name and ".q8_" not in name}
     for name in {n.rsplit(".q4_", 1)[0] for n in flat if ".q4_" in n}:
         tensors[name] = Q4Blocks(*(flat[f"{name}.q4_{field}"] for field in _Q4_FIELDS), 32)
+    for name in {n.rsplit(".q8_", 1)[0] for n in flat if ".q8_" in n}:
+        tensors[name] = Q8Blocks(*(flat[f"{name}.q8_{field}"] for field in Q8Blocks._fields))
     return tensors
 
 
-def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
-                 keep_q4: bool = False) -> dict[str, torch.Tensor | Q4Blocks]:
-    """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`).
-    GGUF conversions are cached on disk; HF folders are read directly."""
+def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
+                 keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
+    """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
+    ``keep_q8``, its linears of 5 to 8 bits as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
+    are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:
-        _log_dequantized(files.path)
-    path = _cache_path(files, dtype, keep_q4)
+        _log_dequantized(files.path, keep_q8)
+    path = _cache_path(files, dtype, keep_q4, keep_q8)
     if os.path.isfile(path):
         try:
             return _unflatten(load_file(path))
         except Exception as exc:  # a truncated cache file is rebuilt, never trusted
             log.warning("ignoring unreadable weight cache %s: %s", path, exc)
-    tensors = {name: t if isinstance(t, Q4Blocks) else t.to(dtype).contiguous()
-               for name, t in _read_gguf(files.path, config, keep_q4).items()}
+    tensors = {name: t if isinstance(t, (Q4Blocks, Q8Blocks)) else t.to(dtype).contiguous()
+               for name, t in _read_gguf(files.path, config, keep_q4, keep_q8).items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     save_file(_flatten(tensors), tmp)

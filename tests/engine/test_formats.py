@@ -40,6 +40,23 @@ def test_auto_runs_q4_ggufs_as_w4a8_on_the_native_module(flags):
     assert (formats.dtype, formats.quantization, formats.kv_cache_dtype) == ("float32", "w4a8", "bfloat16")
     assert formats.tag == "fp32-w4a8-kvbf16" and "native kernels" in formats.reason
     assert resolve(AUTO, False, flags).quantization == "none"  # nothing to run as shipped
+    # Q5, Q6 or Q8_0 linears and no Q4 ones (a Q8_0 or Q5_K_M file): Q8 blocks on the native module
+    assert resolve(AUTO, False, flags, gguf_q8=True).quantization == "w4a8"
+
+
+def test_q8_linears_alone_stay_dense_without_the_native_module(without_native):
+    assert resolve(AUTO, False, AVX2, gguf_q8=True).quantization == "none"
+    assert resolve(AUTO, True, AVX2, gguf_q8=True).quantization == "gguf"
+
+
+def test_the_block_kinds_of_a_k_quant_file_are_read():
+    from corral.engine.weights import gguf_has_q4, gguf_has_q8, gguf_linear_kinds
+    from corral.models import resolve_model
+    from tests.models.kquant_fixture import DATA
+
+    files = resolve_model(f"{DATA}/tiny-kquants.gguf")
+    assert gguf_linear_kinds(files) == {"Q4_K", "Q5_0", "Q6_K", "Q4_0", "Q8_0", "Q5_K"}
+    assert gguf_has_q4(files) and gguf_has_q8(files)
 
 
 @needs_native
@@ -70,7 +87,7 @@ def test_kv_auto_is_the_activation_dtype():
 
 
 def test_gguf_needs_q4_blocks():
-    with pytest.raises(InvalidRequestError, match="needs a GGUF model whose linears are Q4_0 or Q4_1"):
+    with pytest.raises(InvalidRequestError, match="needs a GGUF model whose linears are Q4_0, Q4_1 or Q4_K"):
         resolve(EngineConfig(quantization="gguf"), False, AMX)
 
 

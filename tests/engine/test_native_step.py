@@ -765,3 +765,40 @@ def test_no_burst_holds_back_a_waiting_request():
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_burst_steps > 0  # the second one, alone
+
+
+def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_path(engines):
+    """A model whose layers mix Q4 and Q8 linears (as a GGUF with Q5/Q6/Q8_0 tensors beside its Q4 ones loads under
+    w4a8) in different layers and places: the native step runs each at its kind, whole and cut to its first 12
+    layers (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch path."""
+    import dataclasses
+
+    from corral.engine.model import LlamaModel
+    from corral.engine.model_runner import ModelRunner
+    from corral.engine.quant import Q8Blocks, quantize_q8_blocks
+    from corral.engine.weights import load_weights
+    from corral.models import load_model_config, resolve_model
+
+    target = engines["native"]
+    files = resolve_model(None)
+    config = load_model_config(files)
+    weights = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    for layer, name in ((2, "self_attn.v_proj"), (5, "mlp.down_proj"), (11, "self_attn.o_proj"), (20, "mlp.up_proj")):
+        key = f"model.layers.{layer}.{name}.weight"
+        weights[key] = Q8Blocks(*quantize_q8_blocks(weights[key].dequantize()))
+    model = LlamaModel(config, weights, torch.float32, "w4a8")
+    kinds = model.native_step.kinds.tolist()
+    assert (kinds[2], kinds[5], kinds[11], kinds[20], kinds[0]) == ([8, 4, 4, 4], [4, 4, 4, 8], [4, 8, 4, 4],
+                                                                    [4, 4, 8, 4], [4, 4, 4, 4])
+    prompts = [chat(target, q) for q in QUESTIONS[:6]]
+    for cut in (model, model.truncated(12)):
+        outputs = {}
+        for step in ("native", "torch"):
+            engine_config = dataclasses.replace(target.config, decode_step=step, num_kv_blocks=128, draft_layers=None)
+            runner = ModelRunner(engine_config, cut.config, None, model=cut)
+            assert runner.decode_path == step
+            engine = LLMEngine(engine_config, runner=runner, model_config=cut.config, vocabulary=target.vocabulary,
+                               tokenizer=target.tokenizer)
+            outputs[step] = run(engine, prompts)
+        assert outputs["native"] == outputs["torch"]
+    assert outputs["native"] != run(target, prompts)  # the cut model: 12 layers, not 30

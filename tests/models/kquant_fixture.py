@@ -22,9 +22,10 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SEED = 20261204
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256, 1
 # file -> (llama-quantize's base type, per-tensor overrides): Q4_K, Q5_K and Q6_K (the K-quants users' GGUFs
-# carry), with a Q4_0 and a Q8_0 tensor beside them
+# carry), with a Q4_0, a Q5_0 (llama.cpp's fallback for a K-quant whose rows are not whole super-blocks: most
+# tensors of a small model's Q4_K_M file) and a Q8_0 tensor beside them
 FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
-                                             "ffn_gate=q8_0"])}
+                                             "ffn_gate=q8_0", "attn_k=q5_0"])}
 
 
 def weights() -> dict[str, np.ndarray]:

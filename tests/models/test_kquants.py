@@ -12,7 +12,7 @@ import torch
 
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan
 from corral.engine.model import LlamaModel
-from corral.engine.quant import Q4Blocks
+from corral.engine.quant import Q4Blocks, Q8Blocks
 from corral.engine.weights import load_weights
 from corral.models import load_model_config, resolve_model
 from corral.models.gguf_file import gguf_tensors
@@ -22,7 +22,7 @@ from tests.engine.test_weights import corral_logits_of
 PATH = os.path.join(kquant_fixture.DATA, "tiny-kquants.gguf")
 # relative RMS error of a format on Gaussian rows (measured: Q8_0 0.005, Q6_K 0.018, Q5_K 0.036, Q4_K 0.072,
 # Q4_0 0.086), with room; a tensor read in the wrong layout or rotary order is off by about 1.4
-BOUNDS = {"Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.05, "Q4_K": 0.1, "Q4_0": 0.12, "F32": 1e-7}
+BOUNDS = {"Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.05, "Q5_0": 0.06, "Q4_K": 0.1, "Q4_0": 0.12, "F32": 1e-7}
 GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
               "model.norm.weight": "output_norm.weight",
               "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
@@ -50,7 +50,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 def test_every_tensor_reads_back_within_its_format_error(fixture_files):
     files, config = fixture_files
     kinds = {t.name: t.tensor_type.name for t in gguf_tensors(PATH)}
-    assert {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"} <= set(kinds.values())
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q8_0"} <= set(kinds.values())
     weights = load_weights(files, config, torch.float32)
     for name, want in kquant_fixture.weights().items():
         kind = kinds[GGUF_NAMES[name]]
@@ -78,9 +78,10 @@ def test_k_quants_are_dequantized_with_a_log_line_and_the_model_runs(fixture_fil
     with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
         shipped = load_weights(files, config, torch.float32, keep_q4=True)
     (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert "Q4_K, Q5_K, Q6_K, Q8_0" in line
+    assert "Q5_0, Q5_K, Q6_K, Q8_0" in line
     assert isinstance(shipped["model.layers.0.self_attn.o_proj.weight"], Q4Blocks)  # Q4_0: kept as shipped
-    assert not isinstance(shipped["model.layers.0.self_attn.q_proj.weight"], Q4Blocks)
+    assert isinstance(shipped["model.layers.0.self_attn.q_proj.weight"], Q4Blocks)  # Q4_K: kept too
+    assert not isinstance(shipped["model.layers.0.self_attn.v_proj.weight"], Q4Blocks)
     dense = corral_logits_of(config, load_weights(files, config, torch.float32), token_ids)
 
     def off(logits):
@@ -89,3 +90,76 @@ def test_k_quants_are_dequantized_with_a_log_line_and_the_model_runs(fixture_fil
     # random weights pass every error on: measured 0.19 (dense) and 0.24 (w4a8, its int4 and int8 requantized)
     assert off(dense) < 0.3
     assert off(model_logits(config, shipped, "w4a8", token_ids)) < 0.35
+
+
+LINEAR_KINDS = {"self_attn.q_proj.weight": Q4Blocks, "self_attn.k_proj.weight": Q8Blocks,  # Q4_K, Q5_0
+                "self_attn.v_proj.weight": Q8Blocks, "self_attn.o_proj.weight": Q4Blocks,  # Q6_K, Q4_0
+                "mlp.gate_proj.weight": Q8Blocks, "mlp.up_proj.weight": Q4Blocks,  # Q8_0, Q4_K
+                "mlp.down_proj.weight": Q8Blocks}  # Q5_K
+
+
+def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
+    """Under w4a8 a 4-bit linear (Q4_0, Q4_1, Q4_K) is Q4 blocks of 32 and a linear of 5 to 8 bits is Q8 blocks of
+    32, each against llama.cpp's own dequantization (the ``gguf`` package's): Q4_K's sub-blocks to float32
+    rounding, Q5_0 and Q8_0 exactly, Q5_K and Q6_K within half a code of their block's 8-bit grid."""
+    files, config = fixture_files
+    kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    reference = load_weights(files, config, torch.float32)
+    p = "model.layers.0."
+    assert {name: type(kept[p + name]) for name in LINEAR_KINDS} == LINEAR_KINDS
+    for name in LINEAR_KINDS:
+        got, want = kept[p + name].dequantize(), reference[p + name]
+        kind = {"k_proj": "Q5_0", "gate_proj": "Q8_0", "v_proj": "Q6_K", "down_proj": "Q5_K"}.get(name.split(".")[1])
+        if kind in ("Q5_0", "Q8_0"):
+            assert torch.equal(got, want), name
+        elif kind is None:  # Q4_K (q, up) and Q4_0 (o)
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
+        else:
+            rows, cols = want.shape
+            half_code = want.view(rows, cols // 32, 32).abs().amax(-1, keepdim=True) / 254
+            error = (got - want).view(rows, cols // 32, 32).abs()
+            assert bool((error <= half_code * (1 + 2 ** -10) + 1e-7).all()) and error.max() > 0, name
+    # what the W4A8 kernel reads of a Q4_K block: its scale and min rounded to float16 (relative 2^-11 each)
+    q = kept[p + "self_attn.q_proj.weight"]
+    assert relative_error(q.dequantize(torch.float16).numpy(), reference[p + "self_attn.q_proj.weight"].numpy()) < 1e-3
+
+
+def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_files):
+    """The fixture's layer under w4a8: fused QKV and gate/up in Q8 blocks (each has a part of more than 4 bits),
+    the output projection in Q4: the native step runs each at its kind, and its hidden states equal the torch
+    forward's bit for bit, for a fresh prompt alone, prompts beside decodes, and a chunk over cached context."""
+    import itertools
+
+    from corral.engine import EngineConfig
+    from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
+    from corral.engine.quant import Q4Tiles, Q8Linear
+    from corral.engine.sampling_params import SamplingParams
+    from corral.engine.sequence import Sequence
+
+    files, config = fixture_files
+    model = LlamaModel(config, load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True),
+                       torch.float32, "w4a8")
+    layer = model.layers[0]
+    assert [type(layer[n]) for n in ("qkv", "o", "gate_up", "down")] == [Q8Linear, Q4Tiles, Q8Linear, Q8Linear]
+    if model.native_step is None:
+        pytest.skip("the native module is off or missing")
+    assert model.native_step.kinds.tolist() == [[8, 4, 8, 8]]
+    runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
+                                      num_kv_blocks=64, num_threads=2, max_model_len=256), config, None, model=model)
+    blocks, generator = itertools.count(1), torch.Generator().manual_seed(0)
+
+    def sequence(tokens, computed):
+        seq = Sequence("r", torch.randint(1, 256, (tokens,), generator=generator).tolist(), SamplingParams())
+        seq.block_table = [next(blocks) for _ in range(-(-(tokens + 1) // runner.block_size))]
+        seq.num_computed_tokens = computed
+        return seq
+
+    with torch.inference_mode():
+        for decodes, prompts, cached in (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60)):
+            seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
+            ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
+            expected = model.forward(ids, positions, meta, runner.kv_caches)
+            group = meta.decodes[0] if meta.decodes else None
+            got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
+                                    group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
+            assert torch.equal(got, expected), (decodes, prompts, cached)
