@@ -517,8 +517,8 @@ def main() -> None:
                                                 extra=model_args).start()}
         for burst in (int(b) for b in args.decode_bursts.split(",") if b):
             label = f"corral-auto-burst{burst}"
-            corrals[label] = corral_server("auto", quantization="auto", extra=("--decode-burst", str(burst), *model_args),
-                                           label=label).start()
+            corrals[label] = corral_server("auto", quantization="auto", label=label,
+                                           extra=("--decode-burst", str(burst), *model_args)).start()
         if not args.no_fp32:
             corrals["corral-float32"] = corral_server("float32", extra=model_args).start()
     for label, server in corrals.items():

@@ -96,6 +96,11 @@ void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q8(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
+void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    chosen_q->q5(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
     const int64_t t = id / 16, r = id % 16;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -107,9 +112,9 @@ void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
 
 namespace {
 
-// q4_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32,
-// threads): out = x W^T.
-template <bool four_bit>
+// q4_matmul / q5_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N]
+// float32, threads): out = x W^T.
+template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
     x.expect_ndim(2);
@@ -120,13 +125,14 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
     tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
-                        four_bit ? corral_qmatmul::Q4_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
+                        bits == 4 ? corral_qmatmul::Q4_TILE_BYTES
+                                  : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);
     if (rows > 0) {
         NoGil nogil;
-        (four_bit ? q4_product : q8_product)(x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n,
-                                             out.data<float>(), threads, n);
+        (bits == 4 ? q4_product : bits == 5 ? q5_product : q8_product)(
+            x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n, out.data<float>(), threads, n);
     }
 }
 
@@ -164,8 +170,9 @@ void add_qmatmul(nb::module_& m) {
         if (PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw nb::python_error();
     }
     m.def("qmatmul_amx_model_agrees", &corral_qmatmul::amx_model_agrees);
-    m.def("q4_matmul", &matmul<true>);
-    m.def("q8_matmul", &matmul<false>);
+    m.def("q4_matmul", &matmul<4>);
+    m.def("q5_matmul", &matmul<5>);
+    m.def("q8_matmul", &matmul<8>);
     m.def("q8_rows", &q8_rows);
 }
 

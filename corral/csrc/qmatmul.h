@@ -9,6 +9,10 @@
 //   Q4 tile block (320 bytes): 4 chunks of 64 bytes, then 16 float16 d, then 16 float16 m (w = d q + m, q 0..15).
 //     In chunk c, byte 4 r + i holds q[r][8 c + i] in its low nibble and q[r][8 c + 4 + i] in its high one
 //     (r: the row in the tile, i: 0..3, the column within the block).
+//   Q5 tile block (384 bytes): a Q4 tile block's 4 chunks of the codes' low 4 bits, then 4 x 16 bytes of their
+//     fifth bits, then 16 float16 d, then 16 float16 m (w = d q + m, q 0..31). Chunk c's 16 bytes are two 64-bit
+//     masks: bit j of the first is the fifth bit of the code in byte j's low nibble, of the second of the code in
+//     its high nibble (bytes 256 + 16 c .. + 7, and + 8 .. + 15).
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //
@@ -16,7 +20,7 @@
 //
 // Activations, per row and block b of 32: s = max|x| / 127, xq = round(x * (127 / max|x|)) (ties to even; all
 // zero when max|x| = 0), also isum = the sum of its xq and sum = s * isum. Then
-//   Q4: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
+//   Q4, Q5: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
 // that is W times the quantized x (s xq), exactly (float32 summation order aside). The only error against the
 // product with the dequantized weights is x's rounding: at most s_b / 2 per element, so
@@ -29,7 +33,7 @@
 
 namespace corral_qmatmul {
 
-constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q8_TILE_BYTES = 544;
+constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q8_TILE_BYTES = 544;
 
 struct Activations {
     const int8_t* xq;    // [M, K]
@@ -73,6 +77,7 @@ struct QTable {
     Matmul q4;
     Matmul q8;
     Quantize quantize;
+    Matmul q5;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -105,6 +110,8 @@ namespace corral_native {
 void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
 void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy = 0);
+void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
 // Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);

@@ -205,6 +205,7 @@ namespace {
 QTable with_quantize(const QTable& table) {
     QTable out = table;
     out.quantize = avx512_table()->quantize;  // the same bytes as every variant's
+    out.q5 = avx512_table()->q5;  // Q5 tiles: no tile kernel of their own, the VNNI one at any row count
     return out;
 }
 

@@ -40,7 +40,7 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products,
 // whose arithmetic hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic,
 // so no product.
-constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
+constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block) {
@@ -53,15 +53,17 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // T vpdpbusd, one per tile. Two tiles at a time made the 521-row products 5-16% faster than one (paired runs), and
 // on the Ice Lake Xeon a decode step's products of 1-4 rows 5-8% faster (two streams of tiles and two chains of
 // vpdpbusd in flight); on the Zen 4 EPYC 27-28% slower, so only Intel CPUs run them there (q4_pairs, below).
-template <int R, int T, int64_t Ahead = 0>
-CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
-                           float* y, int64_t ldy, __mmask16 keep) {
+// Bits 5: Q5 tiles, each code's fifth bit added from its chunk's masks (qmatmul.h) before the same products.
+template <int Bits, int R, int T, int64_t Ahead = 0>
+CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
+                               float* y, int64_t ldy, __mmask16 keep) {
+    constexpr int64_t Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES, Scales = Bits == 5 ? 320 : 256;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b, w += Q4_TILE_BYTES) {
-        for (int t = 0; t < T; ++t) read_ahead<Ahead, Q4_TILE_BYTES>(w + t * stride);
+    for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
+        for (int t = 0; t < T; ++t) read_ahead<Ahead, Bytes>(w + t * stride);
         __m512i dot[T][R];
         for (int t = 0; t < T; ++t)
             for (int r = 0; r < R; ++r) dot[t][r] = _mm512_setzero_si512();
@@ -70,6 +72,15 @@ CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, in
             for (int t = 0; t < T; ++t) {
                 const __m512i v = _mm512_loadu_si512(w + t * stride + 64 * c);
                 lo[t] = _mm512_and_si512(v, low), hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if constexpr (Bits == 5) {
+                    const uint8_t* fifth = w + t * stride + 256 + 16 * c;
+                    uint64_t lo_bits, hi_bits;
+                    std::memcpy(&lo_bits, fifth, 8);
+                    std::memcpy(&hi_bits, fifth + 8, 8);
+                    const __m512i sixteen = _mm512_set1_epi8(16);
+                    lo[t] = _mm512_mask_add_epi8(lo[t], _cvtu64_mask64(lo_bits), lo[t], sixteen);
+                    hi[t] = _mm512_mask_add_epi8(hi[t], _cvtu64_mask64(hi_bits), hi[t], sixteen);
+                }
             }
             for (int r = 0; r < R; ++r) {
                 const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
@@ -81,7 +92,7 @@ CORRAL_INLINE void q4_rows(const Activations& x, int64_t m, const uint8_t* w, in
             }
         }
         for (int t = 0; t < T; ++t) {
-            const __m512 d = halves(w + t * stride + 256), mins = halves(w + t * stride + 288);
+            const __m512 d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
             for (int r = 0; r < R; ++r) {
                 const int64_t at = (m + r) * blocks + b;
                 const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at]));
@@ -185,23 +196,40 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 // ahead). On the 2-core AMD EPYC (Zen 4, family 25), in one process taking turns with a build that has them, 12
 // rounds: 2.83 -> 2.22 ms at 1 row, 2.97 -> 2.33 at 2, 3.55 -> 2.77 at 4 without them (the same build otherwise,
 // reading ahead; at 8 and 16 rows, where no pairs run, within 4%).
-void q4_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
-             const Rows* pair) {
-    constexpr int64_t A = Q4_AHEAD;
-    static const Rows single[9] = {nullptr, q4_rows<1, 1, A>, q4_rows<2, 1, A>, q4_rows<3, 1, A>, q4_rows<4, 1, A>,
-                                   q4_rows<5, 1, A>, q4_rows<6, 1, A>, q4_rows<7, 1, A>, q4_rows<8, 1, A>};
-    matmul<q4_rows<1, 1>, q4_rows<2, 1>, q4_rows<4, 1>, q4_rows<1, 2>, q4_rows<2, 2>, q4_rows<4, 2>, q4_rows<6, 2>,
-           Q4_TILE_BYTES, 2>(x, tiles, n, y, ldy, threads, single, pair);
+template <int Bits>
+void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
+                  const Rows* pair) {
+    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD, Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+    static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
+                                   nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
+                                   nibble_rows<Bits, 6, 1, A>, nibble_rows<Bits, 7, 1, A>, nibble_rows<Bits, 8, 1, A>};
+    matmul<nibble_rows<Bits, 1, 1>, nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 1, 2>,
+           nibble_rows<Bits, 2, 2>, nibble_rows<Bits, 4, 2>, nibble_rows<Bits, 6, 2>, Bytes, 2>(x, tiles, n, y, ldy,
+                                                                                              threads, single, pair);
+}
+
+template <int Bits>
+const Rows* pairs() {
+    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
+    static const Rows pair[5] = {nullptr, nibble_rows<Bits, 1, 2, A>, nibble_rows<Bits, 2, 2, A>,
+                                 nibble_rows<Bits, 3, 2, A>, nibble_rows<Bits, 4, 2, A>};
+    return pair;
 }
 
 void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    q4_over(x, tiles, n, y, ldy, threads, nullptr);
+    nibbles_over<4>(x, tiles, n, y, ldy, threads, nullptr);
 }
 
 void q4_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t A = Q4_AHEAD;
-    static const Rows pair[5] = {nullptr, q4_rows<1, 2, A>, q4_rows<2, 2, A>, q4_rows<3, 2, A>, q4_rows<4, 2, A>};
-    q4_over(x, tiles, n, y, ldy, threads, pair);
+    nibbles_over<4>(x, tiles, n, y, ldy, threads, pairs<4>());
+}
+
+void q5(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<5>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void q5_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<5>(x, tiles, n, y, ldy, threads, pairs<5>());
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -236,8 +264,8 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize};
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize};
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs};
 
 }  // namespace
 }  // namespace avx512

@@ -105,6 +105,24 @@ void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
     });
 }
 
+void q5(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    each_tile<Q5_TILE_BYTES>(x, tiles, n, y, ldy, threads,
+                             [](const uint8_t* w, const int8_t* xq, float s, float sum, float* acc) {
+        for (int r = 0; r < TILE; ++r) {
+            int32_t dot = 0;
+            for (int c = 0; c < 4; ++c)
+                for (int i = 0; i < 4; ++i) {
+                    const int j = 4 * r + i;  // the byte in the chunk, and the bit in each of its masks
+                    const uint8_t byte = w[64 * c + j], *fifth = w + 256 + 16 * c + j / 8;
+                    const int32_t low = (byte & 0x0F) | ((fifth[0] >> (j % 8) & 1) << 4);
+                    const int32_t high = (byte >> 4) | ((fifth[8] >> (j % 8) & 1) << 4);
+                    dot += low * xq[8 * c + i] + high * xq[8 * c + 4 + i];
+                }
+            acc[r] += float(dot) * (half_to_float(w + 320 + 2 * r) * s) + half_to_float(w + 352 + 2 * r) * sum;
+        }
+    });
+}
+
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     each_tile<Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads,
                              [](const uint8_t* w, const int8_t* xq, float s, float, float* acc) {
@@ -137,7 +155,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", q4, q8, quantize};
+const QTable table = {"scalar", q4, q8, quantize, q5};
 
 }  // namespace
 

@@ -46,13 +46,35 @@ class Q4Blocks(NamedTuple):
     codes: torch.Tensor  # [N, K] uint8, 0..15
     scale: torch.Tensor  # [N, K // group] float32
     zero: torch.Tensor  # [N, K // group] float32
-    group: int
+    group: int = 32
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W`` [N, K] computed in float32 from scale and zero first rounded to ``dtype`` (the kernel's rounding)."""
         scale = self.scale.to(dtype).float().repeat_interleave(self.group, dim=1)
         zero = self.zero.to(dtype).float().repeat_interleave(self.group, dim=1)
         return (self.codes.float() - 8) * scale + zero
+
+
+class Q5Blocks(NamedTuple):
+    """5-bit codes with one (scale, zero) per 32 weights along K, as :class:`Q4Blocks` (``W = (codes - 8) * scale +
+    zero``, codes 0..31): what the native Q5 kernel runs (:class:`Q5Tiles`). GGUF Q5_0 (``d (q - 16)``), Q5_1
+    (``d q + m``) and Q5_K (per sub-block of 32, ``d sc q - dmin mn``) load as these under ``w4a8``."""
+    codes: torch.Tensor  # [N, K] uint8, 0..31
+    scale: torch.Tensor  # [N, K // 32] float32
+    zero: torch.Tensor  # [N, K // 32] float32
+    group: int = 32
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return Q4Blocks.dequantize(self, dtype)  # the same form; codes up to 31
+
+    def as_q8(self) -> "Q8Blocks":
+        """These weights as Q8 blocks: exactly where each block is symmetric (Q5_0's ``d (q - 16)``: codes
+        ``4 (q - 16)``, scale ``d / 4``), else rounded to 8 bits (:func:`quantize_q8_blocks`)."""
+        d = self.scale.to(torch.float16)
+        quarter = (d.float() / 4).to(torch.float16)
+        if torch.equal(self.zero, -8 * self.scale) and torch.equal(quarter.float() * 4, d.float()):
+            return Q8Blocks((4 * (self.codes.to(torch.int16) - 16)).to(torch.int8), quarter)
+        return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
 
 
 class Q8Blocks(NamedTuple):
@@ -66,10 +88,12 @@ class Q8Blocks(NamedTuple):
         return (self.codes.float().view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
 
 
-def concat_q4(parts: list[Q4Blocks]) -> Q4Blocks:
-    """Blocks of several layers stacked along N (the fused QKV and gate/up projections)."""
-    assert len({p.group for p in parts}) == 1
-    return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")), parts[0].group)
+def concat_q4(parts: list):
+    """Blocks of several layers (all :class:`Q4Blocks`, or all :class:`Q5Blocks`) stacked along N (the fused QKV
+    and gate/up projections)."""
+    assert len({p.group for p in parts}) == 1 and len({type(p) for p in parts}) == 1
+    return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")),
+                          parts[0].group)
 
 
 def check_group_size(group: int, config) -> None:
@@ -134,6 +158,25 @@ def pack_q4_tiles(blocks: Q4Blocks) -> torch.Tensor:
     d = _tile_rows(blocks.scale.float())
     m = _tile_rows((blocks.zero.float() - 8 * blocks.scale.float()))
     return torch.cat((packed, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)), -1).contiguous()
+
+
+def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
+    """Q5 blocks of 32 as the native kernel's tiles [ceil(N / 16), K / 32, 384] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): a Q4 tile block of the codes' low 4 bits, their fifth bits as two 64-bit masks per
+    chunk, then ``d = scale`` and ``m = zero - 8 scale`` as float16."""
+    rows, cols = blocks.codes.shape
+    codes = _tile_rows(blocks.codes.to(torch.uint8))
+    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
+    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
+    nibbles = q & 0x0F
+    packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)
+    # chunk c's masks: bit j = 4 r + i of mask h is the fifth bit of q[r][8 c + 4 h + i]
+    fifth = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
+    masks = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks, 64)
+    d = _tile_rows(blocks.scale.float())
+    m = _tile_rows((blocks.zero.float() - 8 * blocks.scale.float()))
+    return torch.cat((packed, masks, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)),
+                     -1).contiguous()
 
 
 def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +323,7 @@ class Int4Groups(_Biased):
 
 
 class Q4Tiles(_Biased):
-    """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0 as shipped, or :func:`quantize_int4` at group 32) through the native
+    """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0/Q4_K as shipped, or :func:`quantize_int4` at group 32) through the native
     kernel, float32 activations quantized to int8 per block of 32 on the fly (``corral/csrc/qmatmul.h``): the
     product of the weights with the quantized activations."""
 
@@ -293,6 +336,26 @@ class Q4Tiles(_Biased):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(native_matmul("q4_matmul", x, self.tiles, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+class Q5Tiles(_Biased):
+    """W5A8: :class:`Q5Blocks` through the native kernel, float32 activations quantized to int8 per block of 32 on
+    the fly, as :class:`Q4Tiles` (the same products; codes up to 31): a ``w4a8`` linear whose file keeps 5 bits a
+    weight (GGUF Q5_0, Q5_1, Q5_K), 0.75 bytes a weight where Q8 blocks take 1.06."""
+
+    kind = "w5a8"
+
+    def __init__(self, blocks: Q5Blocks, bias: torch.Tensor | None):
+        super().__init__(bias, torch.float32)
+        self.out_features, self.in_features = blocks.codes.shape
+        self.tiles = pack_q5_tiles(blocks)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(native_matmul("q5_matmul", x, self.tiles, self.out_features))
 
     @property
     def nbytes(self) -> int:

@@ -3,8 +3,9 @@
 GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1, Q8_0, F16, K-quants, ...),
 except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
-``keep_q8`` (``w4a8``) its Q8_0, Q5 and Q6 linears become int8 codes with one float16 scale per 32 weights
-(:class:`~corral.engine.quant.Q8Blocks`: Q8_0 as shipped, the others rounded to 8 bits). The Q/K projections are
+``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
+(:class:`~corral.engine.quant.Q5Blocks`) and its Q8_0 and Q6_K ones become int8 codes with one float16 scale per 32
+weights (:class:`~corral.engine.quant.Q8Blocks`: Q8_0 as shipped, Q6_K rounded to 8 bits). The Q/K projections are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves.
 
@@ -23,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import Q4Blocks, Q8Blocks, quantize_q8_blocks
+from corral.engine.quant import Q4Blocks, Q5Blocks, Q8Blocks, quantize_q8_blocks
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -65,8 +66,10 @@ def _gguf_name(name: str) -> str | None:
 
 
 _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
-# linears with more than 4 bits a weight: kept at 8 (Q8 blocks of 32) under w4a8, where Q4 blocks would lose bits
-_Q8_KINDS = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# linears with more than 4 bits a weight, kept under w4a8 at 5 (Q5 blocks of 32) or 8 (Q8 blocks of 32), where Q4
+# blocks would lose bits
+_Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
+_Q8_KINDS = ("Q8_0", "Q6_K")
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -86,18 +89,14 @@ def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
     return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero), 32)
 
 
-Q4K_BYTES = 144  # a Q4_K super-block: float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+Q4K_BYTES, Q5K_BYTES = 144, 176  # K-quant super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit scales, codes
 
 
-def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
-    """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4 blocks of 32. A super-block of 256 weights is
-    float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in 12 bytes, then 128 bytes of
-    codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles). Sub-block s's weight
-    is ``d sc[s] q - dmin mn[s]`` (llama.cpp's dequantization), so each sub-block is a Q4_1 block with
-    ``scale = d sc[s]`` (exact in float32: 11 by 6 significant bits) and ``zero = 8 scale - dmin mn[s]``."""
-    if cols % 256:
-        raise ValueError(f"Q4_K rows of {cols} weights: not whole super-blocks of 256")
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES)
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K tensor's super-blocks [rows, S, bytes] → each sub-block of 32's scale ``d sc`` and min
+    ``dmin mn`` [rows, S * 8] in float32 (exact: 11 by 6 significant bits), as llama.cpp unpacks the eight 6-bit
+    scales and mins from their 12 bytes."""
+    rows = blocks.shape[0]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     packed = blocks[..., 4:16].astype(np.uint8)
@@ -106,32 +105,47 @@ def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
     sc[..., :4], mn[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
     sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
     mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    return (d[..., None] * sc).reshape(rows, -1), (dmin[..., None] * mn).reshape(rows, -1)
+
+
+def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
+    """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4 blocks of 32. A super-block of 256 weights is
+    float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in 12 bytes, then 128 bytes of
+    codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles). Sub-block s's weight
+    is ``d sc[s] q - dmin mn[s]`` (llama.cpp's dequantization), so each sub-block is a Q4_1 block with
+    ``scale = d sc[s]`` and ``zero = 8 scale - dmin mn[s]``."""
+    if cols % 256:
+        raise ValueError(f"Q4_K rows of {cols} weights: not whole super-blocks of 256")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES)
+    scale, low = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
     codes = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols)  # sub-blocks 2j, 2j + 1 from bytes 32j..
-    scale = (d[..., None] * sc).reshape(rows, cols // 32)
-    zero = (8 * scale - (dmin[..., None] * mn).reshape(rows, cols // 32)).astype(np.float32)
+    zero = (8 * scale - low).astype(np.float32)
     return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(scale.astype(np.float32)), torch.from_numpy(zero), 32)
 
 
-def q8_blocks_of(values: torch.Tensor, raw: np.ndarray, kind: str, heads: int | None) -> Q8Blocks:
-    """A GGUF linear of 5 to 8 bits (``values``: its dequantized float32 rows, rotary rows un-permuted) as Q8 blocks
-    of 32. Q8_0 comes back exactly (:func:`quantize_q8_blocks`). So does Q5_0, whose weights are ``d (q - 16)``
-    with ``q`` in 0..31: codes ``4 (q - 16)`` in -64..60 with scale ``d / 4`` (exact in float16 for any d a
-    model carries; checked, and rounded as below where it is not). Q5_1, Q5_K and Q6_K have no exact Q8_0 form
-    (a zero point, or two scales in a block): they are rounded to 8 bits, an error of at most half a code,
-    ``max|w| / 254`` per block."""
-    if kind == "Q5_0":
-        rows, cols = values.shape
-        blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 22)  # float16 d, 4 bytes of high bits, 16
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        if heads:
-            d = unpermute_rotary(d, heads)
-        d8 = torch.from_numpy((d.astype(np.float32) / 4).astype(np.float16))
-        scale = d8.float().repeat_interleave(32, dim=1)
-        codes = torch.round(values / torch.where(scale == 0, 1.0, scale))
-        if bool((codes.abs() <= 127).all()) and torch.equal(codes * scale, values):
-            return Q8Blocks(codes.to(torch.int8), d8)
-    return Q8Blocks(*quantize_q8_blocks(values))
+def q5_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> Q5Blocks | None:
+    """GGUF Q5_0 (``d (q - 16)``), Q5_1 (``d q + m``) or Q5_K (per sub-block of 32, ``d sc q - dmin mn``) rows as
+    Q5 blocks of 32, in the file's row order: each block's d and m from ``raw`` (its bytes [rows, ...]), its codes
+    0..31 from llama.cpp's dequantized ``values`` [rows, cols], as ``round((w - m) / d)``, checked to give those
+    values back (to float32 rounding). None where they do not: the caller then rounds the tensor to Q8 blocks."""
+    rows, cols = values.shape
+    if kind == "Q5_K":
+        if cols % 256:
+            return None
+        scale, low = _k_scales(np.ascontiguousarray(raw).reshape(rows, cols // 256, Q5K_BYTES))
+        d, m = scale, -low
+    else:
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 22 if kind == "Q5_0" else 24)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = -16 * d if kind == "Q5_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d, m = torch.from_numpy(np.ascontiguousarray(d, np.float32)), torch.from_numpy(np.ascontiguousarray(m, np.float32))
+    w = values.view(rows, cols // 32, 32)
+    codes = torch.round((w - m[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).clamp_(0, 31)
+    back = codes * d[..., None] + m[..., None]
+    if not bool(((back - w).abs() <= 2.0 ** -20 * (31 * d.abs() + m.abs())[..., None]).all()):
+        return None
+    return Q5Blocks(codes.to(torch.uint8).view(rows, cols), d, m + 8 * d)
 
 
 def gguf_linear_kinds(files: ModelFiles) -> set[str]:
@@ -150,20 +164,21 @@ def gguf_has_q4(files: ModelFiles) -> bool:
 
 
 def gguf_has_q8(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6 or Q8_0 blocks (Q8 blocks under w4a8)."""
-    return bool(gguf_linear_kinds(files) & set(_Q8_KINDS))
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6 or Q8_0 blocks (Q5 or Q8 blocks under
+    w4a8)."""
+    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q8_KINDS})
 
 
 def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    kept = {*_Q4_KINDS, *(_Q8_KINDS if keep_q8 else ()), "F32", "F16", "BF16"}
+    kept = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q8_KINDS) if keep_q8 else ()), "F32", "F16", "BF16"}
     kinds = sorted({t.tensor_type.name for t in gguf_tensors(path) if _gguf_name(t.name)} - kept)
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q5, Q6 and Q8_0 ones as Q8 blocks" if keep_q8 else "")
+                 ", Q5 ones as Q5 blocks, Q6_K and Q8_0 ones as Q8 blocks" if keep_q8 else "")
 
 
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
@@ -187,11 +202,18 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
             tensors[name] = blocks
             continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
+        kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True))) \
+            if keep_q8 and linear and kind in _Q5_KINDS else None
+        if kept is not None:  # codes, scales and zeros, in the rotary order the values take below
+            tensors[name] = Q5Blocks(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
+                                       if heads else f for f in kept[:3]))
+            continue
         if heads:
             values = unpermute_rotary(values, heads)
         values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
-        if keep_q8 and kind in _Q8_KINDS and name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            values = q8_blocks_of(values, tensor.data, kind, heads)
+        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q8_KINDS):  # Q8_0 exactly; Q6_K (a Q5 that failed) rounded
+            values = Q8Blocks(*quantize_q8_blocks(values))
         tensors[name] = values
     return tensors
 
@@ -209,43 +231,43 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v3"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v4"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
-_Q4_FIELDS = ("codes", "scale", "zero")
+_BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q8": Q8Blocks}  # safetensors name prefix -> the blocks' type
+_FIELDS = {"q4": ("codes", "scale", "zero"), "q5": ("codes", "scale", "zero"), "q8": ("codes", "d")}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
-    """One safetensors dict: Q4 blocks as three tensors ``<name>.q4_codes`` / ``.q4_scale`` / ``.q4_zero``, Q8
-    blocks as two, ``<name>.q8_codes`` / ``.q8_d``."""
+    """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
+    ``.q4_zero``, the same with ``q5_``), Q8 blocks as two (``<name>.q8_codes`` / ``.q8_d``)."""
     flat = {}
     for name, value in tensors.items():
-        if isinstance(value, Q4Blocks):
-            flat.update({f"{name}.q4_{field}": getattr(value, field).contiguous() for field in _Q4_FIELDS})
-        elif isinstance(value, Q8Blocks):
-            flat.update({f"{name}.q8_{field}": getattr(value, field).contiguous() for field in Q8Blocks._fields})
-        else:
+        prefix = next((p for p, kind in _BLOCKS.items() if type(value) is kind), None)
+        if prefix is None:
             flat[name] = value
+        else:
+            flat.update({f"{name}.{prefix}_{field}": getattr(value, field).contiguous() for field in _FIELDS[prefix]})
     return flat
 
 
 def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
-    tensors = {name: value for name, value in flat.items() if ".q4_" not in name and ".q8_" not in name}
-    for name in {n.rsplit(".q4_", 1)[0] for n in flat if ".q4_" in n}:
-        tensors[name] = Q4Blocks(*(flat[f"{name}.q4_{field}"] for field in _Q4_FIELDS), 32)
-    for name in {n.rsplit(".q8_", 1)[0] for n in flat if ".q8_" in n}:
-        tensors[name] = Q8Blocks(*(flat[f"{name}.q8_{field}"] for field in Q8Blocks._fields))
+    marks = tuple(f".{prefix}_" for prefix in _BLOCKS)
+    tensors = {name: value for name, value in flat.items() if not any(mark in name for mark in marks)}
+    for prefix, kind in _BLOCKS.items():
+        for name in {n.rsplit(f".{prefix}_", 1)[0] for n in flat if f".{prefix}_" in n}:
+            tensors[name] = kind(*(flat[f"{name}.{prefix}_{field}"] for field in _FIELDS[prefix]))
     return tensors
 
 
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its linears of 5 to 8 bits as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
-    are read directly."""
+    ``keep_q8``, its Q5 linears as :class:`Q5Blocks` and its Q6_K and Q8_0 ones as :class:`Q8Blocks`). GGUF
+    conversions are cached on disk; HF folders are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:
@@ -256,7 +278,7 @@ def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, kee
             return _unflatten(load_file(path))
         except Exception as exc:  # a truncated cache file is rebuilt, never trusted
             log.warning("ignoring unreadable weight cache %s: %s", path, exc)
-    tensors = {name: t if isinstance(t, (Q4Blocks, Q8Blocks)) else t.to(dtype).contiguous()
+    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q8Blocks)) else t.to(dtype).contiguous()
                for name, t in _read_gguf(files.path, config, keep_q4, keep_q8).items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

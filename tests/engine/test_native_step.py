@@ -768,14 +768,15 @@ def test_no_burst_holds_back_a_waiting_request():
 
 
 def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_path(engines):
-    """A model whose layers mix Q4 and Q8 linears (as a GGUF with Q5/Q6/Q8_0 tensors beside its Q4 ones loads under
-    w4a8) in different layers and places: the native step runs each at its kind, whole and cut to its first 12
-    layers (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch path."""
+    """A model whose layers mix Q4, Q5 and Q8 linears (as a GGUF with Q5/Q6/Q8_0 tensors beside its Q4 ones loads
+    under w4a8) in different layers and places: the native step runs each at its kind, whole and cut to its first
+    12 layers (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch
+    path."""
     import dataclasses
 
     from corral.engine.model import LlamaModel
     from corral.engine.model_runner import ModelRunner
-    from corral.engine.quant import Q8Blocks, quantize_q8_blocks
+    from corral.engine.quant import Q5Blocks, Q8Blocks, quantize_q8_blocks
     from corral.engine.weights import load_weights
     from corral.models import load_model_config, resolve_model
 
@@ -786,10 +787,16 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
     for layer, name in ((2, "self_attn.v_proj"), (5, "mlp.down_proj"), (11, "self_attn.o_proj"), (20, "mlp.up_proj")):
         key = f"model.layers.{layer}.{name}.weight"
         weights[key] = Q8Blocks(*quantize_q8_blocks(weights[key].dequantize()))
+    generator = torch.Generator().manual_seed(1)
+    for layer, name in ((3, "self_attn.q_proj"), (7, "mlp.down_proj"), (9, "mlp.gate_proj")):
+        key = f"model.layers.{layer}.{name}.weight"  # every code's fifth bit used: codes 2q + a random bit, d / 2
+        q4 = weights[key]
+        extra = torch.randint(0, 2, q4.codes.shape, generator=generator, dtype=torch.uint8)
+        weights[key] = Q5Blocks(2 * q4.codes + extra, q4.scale / 2, q4.zero - 4 * q4.scale)  # near the Q4 weights
     model = LlamaModel(config, weights, torch.float32, "w4a8")
     kinds = model.native_step.kinds.tolist()
-    assert (kinds[2], kinds[5], kinds[11], kinds[20], kinds[0]) == ([8, 4, 4, 4], [4, 4, 4, 8], [4, 8, 4, 4],
-                                                                    [4, 4, 8, 4], [4, 4, 4, 4])
+    assert (kinds[2], kinds[3], kinds[5], kinds[7], kinds[9], kinds[11], kinds[20], kinds[0]) == (
+        [8, 4, 4, 4], [5, 4, 4, 4], [4, 4, 4, 8], [4, 4, 4, 5], [4, 4, 5, 4], [4, 8, 4, 4], [4, 4, 8, 4], [4, 4, 4, 4])
     prompts = [chat(target, q) for q in QUESTIONS[:6]]
     for cut in (model, model.truncated(12)):
         outputs = {}

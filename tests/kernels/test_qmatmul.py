@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (Q4Blocks, pack_q4_tiles, pack_q8_tiles, quantize_activations, quantize_int4,
-                                 quantize_q8_blocks, w4a8_reference, w8a8_reference)
+from corral.engine.quant import (Q4Blocks, Q5Blocks, pack_q4_tiles, pack_q5_tiles, pack_q8_tiles,
+                                 quantize_activations, quantize_int4, quantize_q8_blocks, w4a8_reference,
+                                 w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -33,6 +34,19 @@ def q4_product(x, tiles, n):
     out = torch.empty(x.shape[0], n)
     native.module().q4_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
     return out
+
+
+def q5_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q5_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def random_q5(n: int, k: int) -> Q5Blocks:
+    """5-bit codes over every value 0..31, with scales and zeros as a GGUF Q5_1 block's (d and m in float16)."""
+    d = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
+    m = (-16 * d * (0.5 + torch.rand(n, k // 32))).half().float()
+    return Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), d, m + 8 * d)
 
 
 def q8_product(x, tiles, n):
@@ -89,6 +103,43 @@ def test_q4_error_against_the_dequantized_weights_is_within_the_stated_bound(m, 
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q5_equals_its_stated_numerics(m, n, k):
+    """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31."""
+    torch.manual_seed(m * 31 + n + k)
+    blocks = random_q5(n, k)
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    x[0, :32] = 0
+    got = q5_product(x, pack_q5_tiles(blocks), n)
+    bound = summation_bound(q4_terms(x, blocks), k // 32).float()
+    assert ((got - w4a8_reference(x, blocks)).abs() <= bound + 1e-30).all()
+
+
+def test_q5_tiles_hold_every_code_and_their_d_and_m():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
+    fifth bit from its chunk's masks, and d and m as float16."""
+    torch.manual_seed(4)
+    n, k = 20, 64
+    blocks = random_q5(n, k)
+    tiles = pack_q5_tiles(blocks)
+    assert tiles.shape == (2, 2, 384) and tiles.dtype == torch.uint8
+    for row in range(n):
+        t, r = divmod(row, 16)
+        for b in range(k // 32):
+            w = tiles[t, b]
+            for col in range(32):
+                c, within = divmod(col, 8)
+                half, i = divmod(within, 4)
+                j = 4 * r + i
+                nibble = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
+                fifth = (int(w[256 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
+                assert nibble | (fifth << 4) == int(blocks.codes[row, 32 * b + col])
+            d = w[320 + 2 * r: 322 + 2 * r].view(torch.float16).float()
+            m_ = w[352 + 2 * r: 354 + 2 * r].view(torch.float16).float()
+            assert float(d) == float(blocks.scale[row, b])
+            assert float(m_) == float(blocks.zero[row, b] - 8 * blocks.scale[row, b])
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
 def test_q8_equals_its_stated_numerics(m, n, k):
     torch.manual_seed(n + 3 * k)
     codes, d = quantize_q8_blocks(torch.randn(n, k))
@@ -100,7 +151,7 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
@@ -110,6 +161,8 @@ def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     weights = torch.randn(n, k)
     if kind == "q4":
         tiles, matmul = pack_q4_tiles(quantize_int4(weights, 32)), native.module().q4_matmul
+    elif kind == "q5":
+        tiles, matmul = pack_q5_tiles(random_q5(n, k)), native.module().q5_matmul
     else:
         tiles, matmul = pack_q8_tiles(*quantize_q8_blocks(weights)), native.module().q8_matmul
 
@@ -176,18 +229,25 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     mod.q8_matmul(buffer(x), buffer(pack_q8_tiles(codes, d)), n, buffer(out), 2)
     ref = w8a8_reference(x, codes, d)
     worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    five = Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.02 + 1e-3,
+                    torch.randn(n, k // 32) * 0.1)
+    mod.q5_matmul(buffer(x), buffer(pack_q5_tiles(five)), n, buffer(out), 2)
+    ref = w4a8_reference(x, five)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
 codes, d = quantize_q8_blocks(torch.randn(100, 576))
 q8_tiles = pack_q8_tiles(codes, d)
+q5_tiles = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02,
+                                  torch.randn(100, 18) * 0.1))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
     matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
     return out
 independent = True
-for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles)]:
+for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles)]:
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
@@ -203,17 +263,21 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
 _PAIRS_CHECK = """
 import hashlib, json, torch
 from corral import native
-from corral.engine.quant import pack_q4_tiles, quantize_int4
+from corral.engine.quant import Q5Blocks, pack_q4_tiles, pack_q5_tiles, quantize_int4
 from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(5)
 digest = hashlib.sha256()
 for n in (100, 90, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (the last pair's second short), 6, 36
     tiles = pack_q4_tiles(quantize_int4(torch.randn(n, 576), 32))
+    five = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (n, 576), dtype=torch.uint8), torch.rand(n, 18) * 0.02,
+                                  torch.randn(n, 18) * 0.1))
     for rows in (1, 2, 3, 4, 5, 8):
-        out = torch.empty(rows, n)
-        mod.q4_matmul(buffer(torch.randn(rows, 576)), buffer(tiles), n, buffer(out), 2)
-        digest.update(out.numpy().tobytes())
+        x = torch.randn(rows, 576)
+        for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five)):
+            out = torch.empty(rows, n)
+            matmul(buffer(x), buffer(w), n, buffer(out), 2)
+            digest.update(out.numpy().tobytes())
 print(json.dumps({"isa": mod.qmatmul_isa, "digest": digest.hexdigest()}))
 """
 

@@ -12,7 +12,7 @@ import torch
 
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan
 from corral.engine.model import LlamaModel
-from corral.engine.quant import Q4Blocks, Q8Blocks
+from corral.engine.quant import Q4Blocks, Q5Blocks, Q8Blocks
 from corral.engine.weights import load_weights
 from corral.models import load_model_config, resolve_model
 from corral.models.gguf_file import gguf_tensors
@@ -92,16 +92,17 @@ def test_k_quants_are_dequantized_with_a_log_line_and_the_model_runs(fixture_fil
     assert off(model_logits(config, shipped, "w4a8", token_ids)) < 0.35
 
 
-LINEAR_KINDS = {"self_attn.q_proj.weight": Q4Blocks, "self_attn.k_proj.weight": Q8Blocks,  # Q4_K, Q5_0
+LINEAR_KINDS = {"self_attn.q_proj.weight": Q4Blocks, "self_attn.k_proj.weight": Q5Blocks,  # Q4_K, Q5_0
                 "self_attn.v_proj.weight": Q8Blocks, "self_attn.o_proj.weight": Q4Blocks,  # Q6_K, Q4_0
                 "mlp.gate_proj.weight": Q8Blocks, "mlp.up_proj.weight": Q4Blocks,  # Q8_0, Q4_K
-                "mlp.down_proj.weight": Q8Blocks}  # Q5_K
+                "mlp.down_proj.weight": Q5Blocks}  # Q5_K
 
 
 def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
-    """Under w4a8 a 4-bit linear (Q4_0, Q4_1, Q4_K) is Q4 blocks of 32 and a linear of 5 to 8 bits is Q8 blocks of
-    32, each against llama.cpp's own dequantization (the ``gguf`` package's): Q4_K's sub-blocks to float32
-    rounding, Q5_0 and Q8_0 exactly, Q5_K and Q6_K within half a code of their block's 8-bit grid."""
+    """Under w4a8 a 4-bit linear (Q4_0, Q4_1, Q4_K) is Q4 blocks of 32, a 5-bit one (Q5_0, Q5_1, Q5_K) Q5 blocks of
+    32 and a 6- or 8-bit one (Q6_K, Q8_0) Q8 blocks of 32, each against llama.cpp's own dequantization (the
+    ``gguf`` package's): Q5_0 and Q8_0 exactly, Q4_K's and Q5_K's sub-blocks to float32 rounding, Q6_K within
+    half a code of its block's 8-bit grid."""
     files, config = fixture_files
     kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
     reference = load_weights(files, config, torch.float32)
@@ -109,10 +110,10 @@ def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
     assert {name: type(kept[p + name]) for name in LINEAR_KINDS} == LINEAR_KINDS
     for name in LINEAR_KINDS:
         got, want = kept[p + name].dequantize(), reference[p + name]
-        kind = {"k_proj": "Q5_0", "gate_proj": "Q8_0", "v_proj": "Q6_K", "down_proj": "Q5_K"}.get(name.split(".")[1])
+        kind = {"k_proj": "Q5_0", "gate_proj": "Q8_0", "v_proj": "Q6_K"}.get(name.split(".")[1])
         if kind in ("Q5_0", "Q8_0"):
             assert torch.equal(got, want), name
-        elif kind is None:  # Q4_K (q, up) and Q4_0 (o)
+        elif kind is None:  # Q4_K (q, up), Q4_0 (o) and Q5_K (down)
             assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
         else:
             rows, cols = want.shape
@@ -125,14 +126,15 @@ def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
 
 
 def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_files):
-    """The fixture's layer under w4a8: fused QKV and gate/up in Q8 blocks (each has a part of more than 4 bits),
-    the output projection in Q4: the native step runs each at its kind, and its hidden states equal the torch
-    forward's bit for bit, for a fresh prompt alone, prompts beside decodes, and a chunk over cached context."""
+    """The fixture's layer under w4a8: fused QKV and gate/up in Q8 blocks (each has a part of 6 or 8 bits; the
+    Q5_0 key projection goes to Q8 exactly), the output projection in Q4, the down projection (Q5_K) in Q5: the
+    native step runs each at its kind, and its hidden states equal the torch forward's bit for bit, for a fresh
+    prompt alone, prompts beside decodes, and a chunk over cached context."""
     import itertools
 
     from corral.engine import EngineConfig
     from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
-    from corral.engine.quant import Q4Tiles, Q8Linear
+    from corral.engine.quant import Q4Tiles, Q5Tiles, Q8Linear
     from corral.engine.sampling_params import SamplingParams
     from corral.engine.sequence import Sequence
 
@@ -140,10 +142,10 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     model = LlamaModel(config, load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True),
                        torch.float32, "w4a8")
     layer = model.layers[0]
-    assert [type(layer[n]) for n in ("qkv", "o", "gate_up", "down")] == [Q8Linear, Q4Tiles, Q8Linear, Q8Linear]
+    assert [type(layer[n]) for n in ("qkv", "o", "gate_up", "down")] == [Q8Linear, Q4Tiles, Q8Linear, Q5Tiles]
     if model.native_step is None:
         pytest.skip("the native module is off or missing")
-    assert model.native_step.kinds.tolist() == [[8, 4, 8, 8]]
+    assert model.native_step.kinds.tolist() == [[8, 4, 8, 5]]
     runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
                                       num_kv_blocks=64, num_threads=2, max_model_len=256), config, None, model=model)
     blocks, generator = itertools.count(1), torch.Generator().manual_seed(0)
