@@ -60,8 +60,8 @@ def _add_format_args(command) -> None:
     command.add_argument("--quantization", default="auto", choices=("auto", "none", "w8a16", "w4a16", "gguf", "w4a8"),
                          help="linear weights: w4a8 runs a GGUF's Q4, Q5 and Q8 blocks (Q6_K as Q8) and Q8 head as "
                               "shipped on the native integer kernels, gguf runs the Q4 blocks through torch's int4 "
-                              "kernel, w4a16/w8a16 quantize at load (auto: w4a8 for a GGUF with quantized linears, "
-                              "gguf without the native module, else none)")
+                              "kernel, w4a16/w8a16 quantize at load (auto: w4a8 for a GGUF with Q4, Q5, Q6_K or "
+                              "Q8_0 linears, gguf without the native module, else none)")
     command.add_argument("--quant-group-size", type=int, default=32, choices=(32, 64, 128),
                          help="w4a16: weights per scale along K")
     command.add_argument("--awq", action="store_true",

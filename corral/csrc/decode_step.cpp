@@ -4,9 +4,9 @@
 // and the final norm, in one call with the GIL released. Python schedules once per step; the block tables, the
 // prefix cache and the guides stay in Python.
 //
-// It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles linears
-// and the fused ops, float32 activations), in the same order on the same buffers, so its hidden states equal
-// that path's bit for bit; tests/engine/test_native_step.py holds it to that.
+// It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles, Q5Tiles
+// and Q8Linear linears and the fused ops, float32 activations), in the same order on the same buffers, so its
+// hidden states equal that path's bit for bit; tests/engine/test_native_step.py holds it to that.
 #include "arrays.h"
 #include "common.h"
 #include "draws.h"
@@ -262,6 +262,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     embed.expect_uint8();
     embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
+    norms.expect_float32();  // (first: its rows bound the layer count the tables below are sized by)
+    norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
     // each layer's linears: their bits (4, 5 or 8) and where each starts in layer_tiles
     std::vector<int64_t> bits(L * 4, 4), starts(L * 4 + 1, 0);
     if (!kinds_in.is_none()) {
@@ -279,8 +281,6 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         starts[i + 1] = starts[i] + tile_bytes(bits[i], shapes[i % 4][0], shapes[i % 4][1]);
     layer_tiles.expect_uint8();
     layer_tiles.expect_shape({Py_ssize_t(starts[L * 4])});
-    norms.expect_float32();
-    norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
     cos.expect_float32();
     cos.expect_ndim(2);
     if (cos.dim(1) != D) fail(PyExc_ValueError, "cos: head_dim columns expected");

@@ -19,11 +19,11 @@ activation dtype):
   16s: a layer whose N is not a multiple of 16 is padded with zero rows.
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
-kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K) and :class:`Q8Linear` Q8 blocks
-(:class:`Q8Blocks`: GGUF Q8_0 and Q5_0 exactly, Q5_1, Q5_K and Q6_K rounded to 8 bits) on the native kernels. What
-this leaves out: 2-, 3-, 5- and 6-bit kernels (such GGUF blocks are dequantized at load, with a log line, by
-:mod:`corral.engine.weights`, or run as Q8 blocks) and a CUDA path for any form but :class:`Dense` and
-:class:`Int4Groups`.
+kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
+Q5_0, Q5_1, Q5_K) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly, Q6_K rounded to 8 bits) on
+the native kernels. What this leaves out: 2-, 3- and 6-bit kernels (such GGUF blocks are dequantized at load, with
+a log line, by :mod:`corral.engine.weights`, or run as Q8 blocks) and a CUDA path for any form but :class:`Dense`
+and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
 
@@ -68,18 +68,17 @@ class Q5Blocks(NamedTuple):
         return Q4Blocks.dequantize(self, dtype)  # the same form; codes up to 31
 
     def as_q8(self) -> "Q8Blocks":
-        """These weights as Q8 blocks: exactly where each block is symmetric (Q5_0's ``d (q - 16)``: codes
-        ``4 (q - 16)``, scale ``d / 4``), else rounded to 8 bits (:func:`quantize_q8_blocks`)."""
+        """These weights as Q8 blocks: exactly where every block is symmetric with a float16 scale (Q5_0's
+        ``d (q - 16)``: codes ``q - 16``, scale ``d``), else rounded to 8 bits (:func:`quantize_q8_blocks`)."""
         d = self.scale.to(torch.float16)
-        quarter = (d.float() / 4).to(torch.float16)
-        if torch.equal(self.zero, -8 * self.scale) and torch.equal(quarter.float() * 4, d.float()):
-            return Q8Blocks((4 * (self.codes.to(torch.int16) - 16)).to(torch.int8), quarter)
+        if torch.equal(self.zero, -8 * self.scale) and torch.equal(d.float(), self.scale):
+            return Q8Blocks((self.codes.to(torch.int16) - 16).to(torch.int8), d)
         return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
 
 
 class Q8Blocks(NamedTuple):
     """Int8 codes with one float16 scale per 32 weights along K, as GGUF Q8_0: ``W = codes * d``. What the native
-    W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0, Q5 and Q6 linears load as these under ``w4a8``."""
+    W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0 and Q6_K linears load as these under ``w4a8``."""
     codes: torch.Tensor  # [N, K] int8, -127..127
     d: torch.Tensor  # [N, K // 32] float16
 
@@ -164,6 +163,10 @@ def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
     """Q5 blocks of 32 as the native kernel's tiles [ceil(N / 16), K / 32, 384] uint8 (layout in
     ``corral/csrc/qmatmul.h``): a Q4 tile block of the codes' low 4 bits, their fifth bits as two 64-bit masks per
     chunk, then ``d = scale`` and ``m = zero - 8 scale`` as float16."""
+    if blocks.group != 32:
+        raise ValueError(f"the W5A8 kernel takes blocks of 32 along K, not {blocks.group}")
+    if blocks.codes.numel() and int(blocks.codes.max()) > 31:  # a sixth bit would land in the next code's fifth
+        raise ValueError("Q5 codes must be 0..31")
     rows, cols = blocks.codes.shape
     codes = _tile_rows(blocks.codes.to(torch.uint8))
     num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
@@ -364,8 +367,8 @@ class Q5Tiles(_Biased):
 
 class Q8Linear(_Biased):
     """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`) through the native kernel, float32 activations quantized to int8 per
-    block of 32 on the fly: a linear layer under ``w4a8`` whose weights have more than 4 bits (a GGUF's Q8_0, Q5_K or
-    Q6_K tensors), where Q4 blocks would lose what the file kept."""
+    block of 32 on the fly: a linear layer under ``w4a8`` whose weights have 6 or 8 bits (a GGUF's Q8_0 or Q6_K
+    tensors, or a fused layer with such a part), where fewer bits would lose what the file kept."""
 
     kind = "w8a8"
 

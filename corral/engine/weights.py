@@ -173,8 +173,14 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    kept = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q8_KINDS) if keep_q8 else ()), "F32", "F16", "BF16"}
-    kinds = sorted({t.tensor_type.name for t in gguf_tensors(path) if _gguf_name(t.name)} - kept)
+    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # kept for a layer's linears only
+
+    def kept(name: str, kind: str) -> bool:
+        linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
+        return kind in ("F32", "F16", "BF16") or (linear and kind in linear_kinds)
+
+    kinds = sorted({t.tensor_type.name for t in gguf_tensors(path)
+                    if (name := _gguf_name(t.name)) and not kept(name, t.tensor_type.name)})
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),

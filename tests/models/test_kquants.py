@@ -78,7 +78,7 @@ def test_k_quants_are_dequantized_with_a_log_line_and_the_model_runs(fixture_fil
     with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
         shipped = load_weights(files, config, torch.float32, keep_q4=True)
     (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert "Q5_0, Q5_K, Q6_K, Q8_0" in line
+    assert "Q4_K, Q5_0, Q5_K, Q6_K, Q8_0" in line  # Q4_K: the embedding (a Q4_K linear is kept)
     assert isinstance(shipped["model.layers.0.self_attn.o_proj.weight"], Q4Blocks)  # Q4_0: kept as shipped
     assert isinstance(shipped["model.layers.0.self_attn.q_proj.weight"], Q4Blocks)  # Q4_K: kept too
     assert not isinstance(shipped["model.layers.0.self_attn.v_proj.weight"], Q4Blocks)
@@ -90,6 +90,7 @@ def test_k_quants_are_dequantized_with_a_log_line_and_the_model_runs(fixture_fil
     # random weights pass every error on: measured 0.19 (dense) and 0.24 (w4a8, its int4 and int8 requantized)
     assert off(dense) < 0.3
     assert off(model_logits(config, shipped, "w4a8", token_ids)) < 0.35
+    assert off(model_logits(config, shipped, "gguf", token_ids)) < 0.35  # torch's int4 kernel, Q4_K blocks in it
 
 
 LINEAR_KINDS = {"self_attn.q_proj.weight": Q4Blocks, "self_attn.k_proj.weight": Q5Blocks,  # Q4_K, Q5_0
@@ -98,13 +99,16 @@ LINEAR_KINDS = {"self_attn.q_proj.weight": Q4Blocks, "self_attn.k_proj.weight": 
                 "mlp.down_proj.weight": Q5Blocks}  # Q5_K
 
 
-def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
+def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files, caplog):
     """Under w4a8 a 4-bit linear (Q4_0, Q4_1, Q4_K) is Q4 blocks of 32, a 5-bit one (Q5_0, Q5_1, Q5_K) Q5 blocks of
     32 and a 6- or 8-bit one (Q6_K, Q8_0) Q8 blocks of 32, each against llama.cpp's own dequantization (the
     ``gguf`` package's): Q5_0 and Q8_0 exactly, Q4_K's and Q5_K's sub-blocks to float32 rounding, Q6_K within
     half a code of its block's 8-bit grid."""
     files, config = fixture_files
-    kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
+        kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert "at load: Q4_K, Q6_K (" in line  # the embedding and the LM head: every linear is kept
     reference = load_weights(files, config, torch.float32)
     p = "model.layers.0."
     assert {name: type(kept[p + name]) for name in LINEAR_KINDS} == LINEAR_KINDS
@@ -120,9 +124,20 @@ def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files):
             half_code = want.view(rows, cols // 32, 32).abs().amax(-1, keepdim=True) / 254
             error = (got - want).view(rows, cols // 32, 32).abs()
             assert bool((error <= half_code * (1 + 2 ** -10) + 1e-7).all()) and error.max() > 0, name
-    # what the W4A8 kernel reads of a Q4_K block: its scale and min rounded to float16 (relative 2^-11 each)
-    q = kept[p + "self_attn.q_proj.weight"]
-    assert relative_error(q.dequantize(torch.float16).numpy(), reference[p + "self_attn.q_proj.weight"].numpy()) < 1e-3
+    # what the kernels read of a Q4_K or Q5_K block (pack_q4_tiles, pack_q5_tiles): d = scale and m = zero - 8 scale
+    # rounded to float16, each off by at most a relative 2^-11, so a weight by at most 2^-11 (|d| max q + |m|)
+    for name, top in (("self_attn.q_proj.weight", 15), ("mlp.down_proj.weight", 31)):
+        blocks, want = kept[p + name], reference[p + name]
+        d, m = blocks.scale.half().float(), (blocks.zero - 8 * blocks.scale).half().float()
+        read = blocks.codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+        bound = 2.0 ** -11 * (top * d.abs() + m.abs()).repeat_interleave(32, 1) * (1 + 2 ** -10) + 1e-7
+        assert bool(((read - want).abs() <= bound).all()) and not torch.equal(read, want), name
+    # a Q5_0 part of a fused Q8 layer goes to Q8 exactly, whatever its scale (codes q - 16, scale d)
+    k = kept[p + "self_attn.k_proj.weight"]
+    assert torch.equal(k.as_q8().dequantize(), reference[p + "self_attn.k_proj.weight"])
+    tiny = Q5Blocks(k.codes[:, :64].contiguous(), torch.full((k.codes.shape[0], 2), 1.3e-4).half().float(), None)
+    tiny = tiny._replace(zero=-8 * tiny.scale)
+    assert torch.equal(tiny.as_q8().dequantize(), tiny.dequantize())
 
 
 def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_files):
