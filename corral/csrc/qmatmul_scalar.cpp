@@ -90,35 +90,28 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
     }
 }
 
-void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    each_tile<Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads,
-                             [](const uint8_t* w, const int8_t* xq, float s, float sum, float* acc) {
-        for (int r = 0; r < TILE; ++r) {
-            int32_t dot = 0;
-            for (int c = 0; c < 4; ++c)
-                for (int i = 0; i < 4; ++i) {
-                    const uint8_t byte = w[64 * c + 4 * r + i];
-                    dot += int32_t(byte & 0x0F) * xq[8 * c + i] + int32_t(byte >> 4) * xq[8 * c + 4 + i];
-                }
-            acc[r] += float(dot) * (half_to_float(w + 256 + 2 * r) * s) + half_to_float(w + 288 + 2 * r) * sum;
-        }
-    });
-}
-
-void q5(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    each_tile<Q5_TILE_BYTES>(x, tiles, n, y, ldy, threads,
-                             [](const uint8_t* w, const int8_t* xq, float s, float sum, float* acc) {
+// Q4 tiles (Bits 4) or Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h).
+template <int Bits>
+void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    constexpr int64_t Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES, Scales = Bits == 5 ? 320 : 256;
+    each_tile<Bytes>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const int8_t* xq, float s, float sum,
+                                                      float* acc) {
         for (int r = 0; r < TILE; ++r) {
             int32_t dot = 0;
             for (int c = 0; c < 4; ++c)
                 for (int i = 0; i < 4; ++i) {
                     const int j = 4 * r + i;  // the byte in the chunk, and the bit in each of its masks
-                    const uint8_t byte = w[64 * c + j], *fifth = w + 256 + 16 * c + j / 8;
-                    const int32_t low = (byte & 0x0F) | ((fifth[0] >> (j % 8) & 1) << 4);
-                    const int32_t high = (byte >> 4) | ((fifth[8] >> (j % 8) & 1) << 4);
+                    const uint8_t byte = w[64 * c + j];
+                    int32_t low = byte & 0x0F, high = byte >> 4;
+                    if constexpr (Bits == 5) {
+                        const uint8_t* fifth = w + 256 + 16 * c + j / 8;
+                        low |= (fifth[0] >> (j % 8) & 1) << 4;
+                        high |= (fifth[8] >> (j % 8) & 1) << 4;
+                    }
                     dot += low * xq[8 * c + i] + high * xq[8 * c + 4 + i];
                 }
-            acc[r] += float(dot) * (half_to_float(w + 320 + 2 * r) * s) + half_to_float(w + 352 + 2 * r) * sum;
+            const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
+            acc[r] += float(dot) * (d * s) + m * sum;
         }
     });
 }
@@ -155,7 +148,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", q4, q8, quantize, q5};
+const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>};
 
 }  // namespace
 

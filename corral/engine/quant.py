@@ -325,64 +325,53 @@ class Int4Groups(_Biased):
         return self.packed.nbytes + self.scale_zero.nbytes
 
 
-class Q4Tiles(_Biased):
-    """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0/Q4_K as shipped, or :func:`quantize_int4` at group 32) through the native
-    kernel, float32 activations quantized to int8 per block of 32 on the fly (``corral/csrc/qmatmul.h``): the
-    product of the weights with the quantized activations."""
+class _TileLinear(_Biased):
+    """A linear layer on a native integer kernel (``corral/csrc/qmatmul.h``): the blocks packed into its tiles by
+    ``_pack``, the product ``_kernel``, float32 activations quantized to int8 per block of 32 on the fly: the product
+    of the weights with the quantized activations."""
 
-    kind = "w4a8"
+    _kernel: str
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None):
+    def __init__(self, blocks, bias: torch.Tensor | None):
         super().__init__(bias, torch.float32)
         self.out_features, self.in_features = blocks.codes.shape
-        self.tiles = pack_q4_tiles(blocks)
+        self.tiles = self._pack(blocks)
+
+    @staticmethod
+    def _pack(blocks) -> torch.Tensor:
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(native_matmul("q4_matmul", x, self.tiles, self.out_features))
+        return self._add_bias(native_matmul(self._kernel, x, self.tiles, self.out_features))
 
     @property
     def nbytes(self) -> int:
         return self.tiles.nbytes
 
 
-class Q5Tiles(_Biased):
-    """W5A8: :class:`Q5Blocks` through the native kernel, float32 activations quantized to int8 per block of 32 on
-    the fly, as :class:`Q4Tiles` (the same products; codes up to 31): a ``w4a8`` linear whose file keeps 5 bits a
+class Q4Tiles(_TileLinear):
+    """W4A8: Q4 blocks of 32 (GGUF Q4_1/Q4_0/Q4_K as shipped, or :func:`quantize_int4` at group 32)."""
+
+    kind, _kernel, _pack = "w4a8", "q4_matmul", staticmethod(pack_q4_tiles)
+
+
+class Q5Tiles(_TileLinear):
+    """W5A8: :class:`Q5Blocks`, as :class:`Q4Tiles` with codes up to 31: a ``w4a8`` linear whose file keeps 5 bits a
     weight (GGUF Q5_0, Q5_1, Q5_K), 0.75 bytes a weight where Q8 blocks take 1.06."""
 
-    kind = "w5a8"
-
-    def __init__(self, blocks: Q5Blocks, bias: torch.Tensor | None):
-        super().__init__(bias, torch.float32)
-        self.out_features, self.in_features = blocks.codes.shape
-        self.tiles = pack_q5_tiles(blocks)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(native_matmul("q5_matmul", x, self.tiles, self.out_features))
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.nbytes
+    kind, _kernel, _pack = "w5a8", "q5_matmul", staticmethod(pack_q5_tiles)
 
 
-class Q8Linear(_Biased):
-    """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`) through the native kernel, float32 activations quantized to int8 per
-    block of 32 on the fly: a linear layer under ``w4a8`` whose weights have 6 or 8 bits (a GGUF's Q8_0 or Q6_K
-    tensors, or a fused layer with such a part), where fewer bits would lose what the file kept."""
+class Q8Linear(_TileLinear):
+    """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`): a linear layer under ``w4a8`` whose weights have 6 or 8 bits (a
+    GGUF's Q8_0 or Q6_K tensors, or a fused layer with such a part), where fewer bits would lose what the file
+    kept."""
 
-    kind = "w8a8"
+    kind, _kernel = "w8a8", "q8_matmul"
 
-    def __init__(self, blocks: Q8Blocks, bias: torch.Tensor | None):
-        super().__init__(bias, torch.float32)
-        self.out_features, self.in_features = blocks.codes.shape
-        self.tiles = pack_q8_tiles(blocks.codes, blocks.d)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(native_matmul("q8_matmul", x, self.tiles, self.out_features))
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.nbytes
+    @staticmethod
+    def _pack(blocks: Q8Blocks) -> torch.Tensor:
+        return pack_q8_tiles(blocks.codes, blocks.d)
 
 
 class Q8Tiles:

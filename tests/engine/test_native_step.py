@@ -212,26 +212,34 @@ def test_the_switch_is_stated_and_native_is_refused_where_it_cannot_run():
         LLMEngine(EngineConfig(quantization="none", dtype="float32", decode_step="native", num_kv_blocks=16))
 
 
-def test_a_model_cut_to_its_first_layers_steps_natively_as_its_torch_path(engines):
-    """Self-speculation's draft model (``LlamaModel.truncated``): the native step over the first 12 layers' slice
-    of the weight buffer, with the final norm after them, is bit for bit the torch path of the same 12 layers."""
+def native_and_torch(target, model, prompts) -> dict:
+    """``run``'s outputs for ``prompts`` from engines on ``model`` (``target``'s vocabulary and settings), one through
+    the native step and one through the torch path."""
     import dataclasses
 
     from corral.engine.model_runner import ModelRunner
 
-    target = engines["native"]
-    cut = target.runner.model.truncated(12)
-    assert cut.config.num_layers == 12 and cut.layers[0] is target.runner.model.layers[0]
     outputs = {}
     for step in ("native", "torch"):
         config = dataclasses.replace(target.config, decode_step=step, num_kv_blocks=128, draft_layers=None)
-        runner = ModelRunner(config, cut.config, None, model=cut)
+        runner = ModelRunner(config, model.config, None, model=model)
         assert runner.decode_path == step
-        engine = LLMEngine(config, runner=runner, model_config=cut.config, vocabulary=target.vocabulary,
+        engine = LLMEngine(config, runner=runner, model_config=model.config, vocabulary=target.vocabulary,
                            tokenizer=target.tokenizer)
-        outputs[step] = run(engine, [chat(target, q) for q in QUESTIONS[:6]])
+        outputs[step] = run(engine, prompts)
+    return outputs
+
+
+def test_a_model_cut_to_its_first_layers_steps_natively_as_its_torch_path(engines):
+    """Self-speculation's draft model (``LlamaModel.truncated``): the native step over the first 12 layers' slice
+    of the weight buffer, with the final norm after them, is bit for bit the torch path of the same 12 layers."""
+    target = engines["native"]
+    cut = target.runner.model.truncated(12)
+    assert cut.config.num_layers == 12 and cut.layers[0] is target.runner.model.layers[0]
+    prompts = [chat(target, q) for q in QUESTIONS[:6]]
+    outputs = native_and_torch(target, cut, prompts)
     assert outputs["native"] == outputs["torch"]
-    assert outputs["native"] != run(target, [chat(target, q) for q in QUESTIONS[:6]])  # 12 layers, not 30
+    assert outputs["native"] != run(target, prompts)  # 12 layers, not 30
 
 
 def test_the_step_fed_lists_computes_the_tensor_step_then_its_head(engines):
@@ -772,10 +780,7 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
     under w4a8) in different layers and places: the native step runs each at its kind, whole and cut to its first
     12 layers (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch
     path."""
-    import dataclasses
-
     from corral.engine.model import LlamaModel
-    from corral.engine.model_runner import ModelRunner
     from corral.engine.quant import Q5Blocks, Q8Blocks, quantize_q8_blocks
     from corral.engine.weights import load_weights
     from corral.models import load_model_config, resolve_model
@@ -799,13 +804,6 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
         [8, 4, 4, 4], [5, 4, 4, 4], [4, 4, 4, 8], [4, 4, 4, 5], [4, 4, 5, 4], [4, 8, 4, 4], [4, 4, 8, 4], [4, 4, 4, 4])
     prompts = [chat(target, q) for q in QUESTIONS[:6]]
     for cut in (model, model.truncated(12)):
-        outputs = {}
-        for step in ("native", "torch"):
-            engine_config = dataclasses.replace(target.config, decode_step=step, num_kv_blocks=128, draft_layers=None)
-            runner = ModelRunner(engine_config, cut.config, None, model=cut)
-            assert runner.decode_path == step
-            engine = LLMEngine(engine_config, runner=runner, model_config=cut.config, vocabulary=target.vocabulary,
-                               tokenizer=target.tokenizer)
-            outputs[step] = run(engine, prompts)
+        outputs = native_and_torch(target, cut, prompts)
         assert outputs["native"] == outputs["torch"]
     assert outputs["native"] != run(target, prompts)  # the cut model: 12 layers, not 30
