@@ -21,7 +21,8 @@ timed request to that JSON Schema (compact whitespace, as a server compiles it b
 masks, guide advances and jump-forward drafts the loop then carries; such a request ends where its JSON does, so
 the per-token figures count the tokens made. ``--context N`` gives every timed request a prompt of N tokens
 (a passage repeated, headed by its own number), computed into the prefix cache before the clock starts, so the
-timed steps decode at a context of N and up: attention's share at a long context.
+timed steps decode at a context of N and up: attention's share at a long context. ``--model`` profiles another
+GGUF (a K-quant file's Q5 and Q8 linears among its Q4 ones).
 
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
@@ -32,6 +33,7 @@ timed steps decode at a context of N and up: attention's share at a long context
         --repetition-penalty 1.1 --logit-bias 20
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --schema bench/data/story_schema.json
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --batches 1,16 --context 2048 --drafts off
+    .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --model smollm2-q4km.gguf   # K-quant file
 """
 
 import argparse
@@ -170,6 +172,7 @@ def main() -> int:
     ap.add_argument("--schema", default=None, help="a JSON Schema file: every timed request is constrained to it")
     ap.add_argument("--context", type=int, default=0,
                     help="prompts of this many tokens, prefilled into the prefix cache before the clock (0: short)")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF folder instead of the shipped model")
     args = ap.parse_args()
     if args.stub_forward and (args.drafts == "on" or args.temperature > 0 or args.schema):
         ap.error("--stub-forward takes unconstrained greedy steps with --drafts off (drafted steps would run the "
@@ -184,13 +187,14 @@ def main() -> int:
                            presence_penalty=args.presence_penalty, min_tokens=args.min_tokens,
                            logit_bias={97 * i: (1.0 if i % 2 else -1.0) for i in range(args.logit_bias)})
     torch.set_num_threads(args.threads)
-    print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads; the timed requests: {measured}")
+    print(f"# {cpu_summary()}; torch {torch.__version__}, {args.threads} threads; model: {args.model or 'shipped'}; "
+          f"the timed requests: {measured}")
     for spec in args.formats.split(","):
         dtype, quantization, kv = spec.split("/")
         drafts = args.drafts == "on"
         most = max(int(b) for b in args.batches.split(","))
         blocks = max(2048, most * -(-(args.context + args.tokens + 32) // 16) + 64)  # a long context's blocks
-        engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
                                         num_kv_blocks=blocks, max_num_seqs=64, jump_forward=drafts,
                                         speculation=drafts, decode_burst=args.decode_burst,
                                         max_model_len=args.context + args.tokens + 64 if args.context else None))
