@@ -70,7 +70,22 @@ def test_when_off_it_is_torch_memory(monkeypatch):
     out = hugepages.zeros(shape, torch.bfloat16)
     assert torch.equal(out, torch.zeros(shape, dtype=torch.bfloat16))
     if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch's allocator advises huge pages itself there
-        assert not advised(out)
+        # the mapping's range and flags beside the address, for a failure that has come up in full runs only
+        assert not advised(out), (hex(out.data_ptr()), vma_of(out))
+
+
+def vma_of(tensor: torch.Tensor) -> str:
+    """The header and VmFlags lines of the mapping that holds ``tensor``'s first byte, as smaps gives them."""
+    address, header = tensor.data_ptr(), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                header = line.strip() if start <= address < end else None
+            elif header is not None and head == "VmFlags:":
+                return f"{header} | {line.strip()}"
+    return "no mapping"
 
 
 def test_the_environment_turns_it_off(monkeypatch):
