@@ -148,14 +148,18 @@ def q5_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> Q5Blocks | No
     return Q5Blocks(codes.to(torch.uint8).view(rows, cols), d, m + 8 * d)
 
 
+def _is_layer_linear(name: str) -> bool:
+    """Whether HF-named ``name`` is a layer's linear weight (a projection: what the native kernels run)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
 def gguf_linear_kinds(files: ModelFiles) -> set[str]:
     """The GGUF block types of ``files``' layers' linear weights (empty for an HF folder)."""
     if files.kind != "gguf":
         return set()
     from corral.models.gguf_file import gguf_tensors
 
-    return {t.tensor_type.name for t in gguf_tensors(files.path) if (_gguf_name(t.name) or "").endswith("_proj.weight")
-            and _gguf_name(t.name).startswith("model.layers.")}
+    return {t.tensor_type.name for t in gguf_tensors(files.path) if _is_layer_linear(_gguf_name(t.name) or "")}
 
 
 def gguf_has_q4(files: ModelFiles) -> bool:
@@ -176,8 +180,7 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # kept for a layer's linears only
 
     def kept(name: str, kind: str) -> bool:
-        linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
-        return kind in ("F32", "F16", "BF16") or (linear and kind in linear_kinds)
+        return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds)
 
     kinds = sorted({t.tensor_type.name for t in gguf_tensors(path)
                     if (name := _gguf_name(t.name)) and not kept(name, t.tensor_type.name)})
@@ -208,7 +211,7 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
             tensors[name] = blocks
             continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
+        linear = _is_layer_linear(name)
         kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True))) \
             if keep_q8 and linear and kind in _Q5_KINDS else None
         if kept is not None:  # codes, scales and zeros, in the rotary order the values take below
