@@ -29,10 +29,15 @@ from corral.models import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's theta, and its ``linear`` or ``llama3`` scaling."""
+    """Inverse frequencies with the config's theta, and its ``linear`` or ``llama3`` scaling; a GGUF's per-pair
+    ``freq_factors`` (its ``rope_freqs.weight``: llama3 scaling as llama.cpp's converter stores it) divide them
+    first, as llama.cpp's RoPE divides each pair's angle."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(config.rope_scaling or {})
+    factors = scaling.pop("freq_factors", None)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv_freq

@@ -4,9 +4,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from corral.errors import ModelNotFoundError
 from corral.models.files import ModelFiles, resolve_model
-from corral.models.gguf_file import gguf_metadata
+from corral.models.gguf_file import gguf_metadata, gguf_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -54,9 +56,7 @@ def _from_gguf(path: str) -> ModelConfig:
     tokens = meta["tokenizer.ggml.tokens"]
     head_dim = meta.get("llama.rope.dimension_count", hidden // num_heads)
     reader_names = _gguf_tensor_names(path)
-    scaling = None
-    if "llama.rope.scaling.type" in meta:
-        scaling = {"type": meta["llama.rope.scaling.type"], "factor": meta.get("llama.rope.scaling.factor", 1.0)}
+    scaling = _gguf_rope_scaling(path, meta, head_dim)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="llama",
@@ -78,9 +78,25 @@ def _from_gguf(path: str) -> ModelConfig:
     )
 
 
-def _gguf_tensor_names(path: str) -> frozenset[str]:
-    from corral.models.gguf_file import gguf_tensors
+def _gguf_rope_scaling(path: str, meta: dict, head_dim: int) -> dict | None:
+    """A GGUF's RoPE scaling: ``llama.rope.scaling.type`` (linear, or one that loading refuses), and the per-pair
+    frequency divisors of ``rope_freqs.weight``, where llama.cpp's converter puts Llama 3.1's ``llama3`` scaling
+    (no metadata key says it): each pair's angle is divided by its factor, as in llama.cpp's RoPE."""
+    kind = meta.get("llama.rope.scaling.type")
+    scaling = {} if kind in (None, "none") else {"type": kind, "factor": meta.get("llama.rope.scaling.factor", 1.0)}
+    factors = [t for t in gguf_tensors(path) if t.name == "rope_freqs.weight"]
+    if factors:
+        values = np.asarray(factors[0].data, dtype=np.float64).ravel()
+        if values.shape != (head_dim // 2,):
+            raise ModelNotFoundError(f"{path}: rope_freqs.weight holds {values.shape[0]} factors where the "
+                                     f"{head_dim // 2} rotary pairs need one each")
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise ModelNotFoundError(f"{path}: rope_freqs.weight holds a factor that is not a positive number")
+        scaling["freq_factors"] = tuple(float(v) for v in values)
+    return scaling or None
 
+
+def _gguf_tensor_names(path: str) -> frozenset[str]:
     return frozenset(t.name for t in gguf_tensors(path))
 
 

@@ -11,6 +11,7 @@ import torch
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan
 from corral.engine.model import LlamaModel
 from corral.engine.weights import load_weights, unpermute_rotary
+from corral.errors import ModelNotFoundError
 from corral.models import load_model_config, resolve_model
 
 transformers = pytest.importorskip("transformers")
@@ -87,3 +88,103 @@ def test_unpermute_inverts_llama_cpp_permutation():
     permuted = weight.reshape(heads, 2, 4, 5).swapaxes(1, 2).reshape(weight.shape)
     assert not np.array_equal(permuted, weight)
     assert np.array_equal(unpermute_rotary(permuted, heads), weight)
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """What llama.cpp's converter stores as ``rope_freqs.weight`` for a ``llama3`` scaling: per rotary pair, the
+    divisor of its frequency (1 for short wavelengths, ``factor`` for long ones, a blend between)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * np.pi / inv_freq:
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(hf_model, path, rope_factors=None) -> None:
+    """``hf_model``'s weights in a float32 GGUF laid out as llama.cpp's converter writes a Llama (Q and K rows in
+    its rotary order), with ``rope_factors`` as its ``rope_freqs.weight`` where given."""
+    gguf = pytest.importorskip("gguf")
+    cfg = hf_model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(cfg.hidden_size // heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([bytes([b]).hex() for b in range(cfg.vocab_size)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(cfg.eos_token_id)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+
+    def permute(w, n):  # llama.cpp's converter: per head, the two rotary halves interleaved
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, value in hf_model.state_dict().items():
+        value = value.float().numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            if rest.endswith("q_proj.weight"):
+                value = permute(value, heads)
+            elif rest.endswith("k_proj.weight"):
+                value = permute(value, kv_heads)
+            name = f"blk.{layer}.{per_layer[rest]}"
+        else:
+            name = names[name]
+        writer.add_tensor(name, np.ascontiguousarray(value))
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_with_llama3_scaling_as_its_rope_freqs_matches_transformers(tmp_path):
+    """llama.cpp's converter keeps Llama 3.1's ``llama3`` RoPE scaling only as the ``rope_freqs.weight`` tensor:
+    a GGUF so written runs as transformers runs the checkpoint, and the same file without that tensor does not."""
+    scaling = VARIANTS["llama3 scaling"]["rope_scaling"]
+    hf = tiny_llama(tmp_path / "hf", **VARIANTS["llama3 scaling"])
+    factors = llama3_rope_factors(10000.0, hf.config.hidden_size // hf.config.num_attention_heads, scaling)
+    assert factors.min() == 1.0 and factors.max() == scaling["factor"]  # short, long and blended pairs
+    write_gguf(hf, tmp_path / "scaled.gguf", factors)
+    write_gguf(hf, tmp_path / "plain.gguf")
+    ids = [3 + i % 120 for i in range(240)]  # far past original_max_position_embeddings (32)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    config = load_model_config(resolve_model(str(tmp_path / "scaled.gguf")))
+    assert config.rope_scaling == {"freq_factors": tuple(float(f) for f in factors)}
+    assert float((corral_logits(tmp_path / "scaled.gguf", torch.float32, ids) - expected).abs().max()) < 1e-4
+    # random weights damp what RoPE changes: without the factors, measured 4.5e-3 off (with them, 2e-7)
+    assert float((corral_logits(tmp_path / "plain.gguf", torch.float32, ids) - expected).abs().max()) > 2e-3
+
+
+def test_a_gguf_whose_rope_freqs_do_not_fit_is_refused(tmp_path):
+    hf = tiny_llama(tmp_path / "hf")
+    half = hf.config.hidden_size // hf.config.num_attention_heads // 2
+    for name, factors, message in (("short", np.ones(half - 1, np.float32), "holds 7 factors"),
+                                   ("zero", np.zeros(half, np.float32), "not a positive number")):
+        write_gguf(hf, tmp_path / f"{name}.gguf", factors)
+        with pytest.raises(ModelNotFoundError, match=message):
+            load_model_config(resolve_model(str(tmp_path / f"{name}.gguf")))
