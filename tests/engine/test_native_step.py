@@ -807,3 +807,62 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
         outputs = native_and_torch(target, cut, prompts)
         assert outputs["native"] == outputs["torch"]
     assert outputs["native"] != run(target, prompts)  # the cut model: 12 layers, not 30
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 128), (8, 2, 64), (6, 3, 128)])
+def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, head_dim):
+    """Random Llamas of other shapes than the shipped model's (9 heads of 64 over 3 KV heads): a head size of 128
+    with 4 queries per KV head (Llama 3.2's), 8 heads of 64 over 2, 6 of 128 over 3, an untied head and Llama 3.1's
+    RoPE factors. Their W4A8 layers stepped natively give the torch forward's hidden states bit for bit: decodes at
+    contexts that take one, two and three attention chunks, prompts beside them, and a chunk over cached context."""
+    import itertools
+
+    from corral.engine.model import LlamaModel
+    from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
+    from corral.engine.sampling_params import SamplingParams
+    from corral.engine.sequence import Sequence
+    from corral.models import ModelConfig
+
+    hidden, ffn, vocab, layers = heads * head_dim, 768, 320, 2
+    factors = tuple(1.0 if i < head_dim // 8 else 8.0 for i in range(head_dim // 2))
+    config = ModelConfig("llama", layers, hidden, ffn, heads, kv_heads, head_dim, vocab, 1024, 500000.0, 1e-5,
+                         False, 1, (2,), rope_scaling={"freq_factors": factors})
+    generator = torch.Generator().manual_seed(heads * 1000 + head_dim)
+
+    def dense(rows, cols):
+        return torch.randn(rows, cols, generator=generator) / cols ** 0.5
+
+    weights = {"model.embed_tokens.weight": dense(vocab, hidden), "lm_head.weight": dense(vocab, hidden),
+               "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({p + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                        p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                        p + "self_attn.q_proj.weight": dense(heads * head_dim, hidden),
+                        p + "self_attn.k_proj.weight": dense(kv_heads * head_dim, hidden),
+                        p + "self_attn.v_proj.weight": dense(kv_heads * head_dim, hidden),
+                        p + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
+                        p + "mlp.gate_proj.weight": dense(ffn, hidden), p + "mlp.up_proj.weight": dense(ffn, hidden),
+                        p + "mlp.down_proj.weight": dense(hidden, ffn)})
+    model = LlamaModel(config, weights, torch.float32, "w4a8")
+    assert model.native_step is not None
+    runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
+                                      num_kv_blocks=256, num_threads=2, max_model_len=1024), config, None, model=model)
+    blocks = itertools.count(1)
+
+    def sequence(tokens, computed):
+        seq = Sequence("r", torch.randint(1, vocab, (tokens,), generator=generator).tolist(), SamplingParams())
+        seq.block_table = [next(blocks) for _ in range(-(-(tokens + 1) // runner.block_size))]
+        seq.num_computed_tokens = computed
+        return seq
+
+    with torch.inference_mode():
+        for decodes, prompts, cached in (([200], [], 0), ([300, 700, 41], [], 0), ([90, 520], [20, 33], 0),
+                                         ([50], [40], 300), ([], [130], 0)):
+            seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
+            ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
+            expected = model.forward(ids, positions, meta, runner.kv_caches)
+            group = meta.decodes[0] if meta.decodes else None
+            got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
+                                    group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
+            assert torch.equal(got, expected), (decodes, prompts, cached)
