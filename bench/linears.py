@@ -5,8 +5,8 @@ Per row count, the sum over SmolLM2-135M's 30 layers (fused QKV 960x576, gate/up
 bf16 and fp32 activations) and W4A16 (``_weight_int4pack_mm_for_cpu`` at group 32 and 64, bf16 and fp32
 activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds), and Corral's
 native W4A8 (Q4 tiles; on the LM head row, W8A8 Q8 tiles: what ``w4a8`` runs), fp32 activations quantized
-inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K linears) and W8A8 (Q8 tiles: its
-Q8_0 and Q6_K ones). Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a
+inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K linears), W6A8 (Q6 tiles: its Q6_K
+ones) and W8A8 (Q8 tiles: its Q8_0 ones). Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a
 warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from servers import cpu_summary  # noqa: E402
 
 from corral import native  # noqa: E402
-from corral.engine.quant import (Q4Tiles, Q5Blocks, Q5Tiles, Q8Blocks, Q8Linear, Q8Tiles, quantize_int4,  # noqa: E402
-                                 quantize_q8_blocks)
+from corral.engine.quant import (Q4Tiles, Q5Blocks, Q5Tiles, Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear,  # noqa: E402
+                                 Q8Tiles, quantize_int4, quantize_q8_blocks)
 
 LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
 HEAD = (49152, 576)
@@ -60,11 +60,15 @@ def kernels(n: int, k: int, rows: int) -> dict:
     if native.module() is not None:
         native_layer = (Q8Tiles(w) if (n, k) == HEAD else Q4Tiles(quantize_int4(w, 32), None))
         out["w4a8 native"] = lambda: native_layer(x)
-        if (n, k) != HEAD:  # a K-quant file's 5- and 8-bit linears (Q5_0/Q5_1/Q5_K; Q8_0/Q6_K)
+        if (n, k) != HEAD:  # a K-quant file's 5-, 6- and 8-bit linears (Q5_0/Q5_1/Q5_K; Q6_K; Q8_0)
             five = Q5Tiles(Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
                                     torch.randn(n, k // 32) * 0.01), None)
+            six = Q6Tiles(Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8),
+                                   (torch.rand(n, k // 32) * 1e-3).half().float(),
+                                   torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)), None)
             eight = Q8Linear(Q8Blocks(*quantize_q8_blocks(w)), None)
-            out["w5a8 native"], out["w8a8 native"] = (lambda: five(x)), (lambda: eight(x))
+            out["w5a8 native"], out["w6a8 native"] = (lambda: five(x)), (lambda: six(x))
+            out["w8a8 native"] = lambda: eight(x)
     return out
 
 

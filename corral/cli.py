@@ -58,7 +58,7 @@ def _add_format_args(command) -> None:
                          help="activations and dense weights (auto: float32 under w4a8, else bfloat16 where the CPU "
                               "has AMX or AVX-512 bf16)")
     command.add_argument("--quantization", default="auto", choices=("auto", "none", "w8a16", "w4a16", "gguf", "w4a8"),
-                         help="linear weights: w4a8 runs a GGUF's Q4, Q5 and Q8 blocks (Q6_K as Q8) and Q8 head as "
+                         help="linear weights: w4a8 runs a GGUF's Q4, Q5, Q6_K and Q8 blocks and Q8 head as "
                               "shipped on the native integer kernels, gguf runs the Q4 blocks through torch's int4 "
                               "kernel, w4a16/w8a16 quantize at load (auto: w4a8 for a GGUF with Q4, Q5, Q6_K or "
                               "Q8_0 linears, gguf without the native module, else none)")

@@ -25,17 +25,20 @@ namespace {
 
 constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size
 
-// One linear's tiles: Q4, Q5 or Q8 (bits 4, 5, 8), n rows of k.
+// One linear's tiles: Q4, Q5, Q6 or Q8 (bits 4, 5, 6, 8), n rows of k.
 int64_t tile_bytes(int64_t bits, int64_t n, int64_t k) {
-    const int64_t block = bits == 8 ? corral_qmatmul::Q8_TILE_BYTES : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES
-                                                                                 : corral_qmatmul::Q4_TILE_BYTES;
+    const int64_t block = bits == 8   ? corral_qmatmul::Q8_TILE_BYTES
+                          : bits == 6 ? corral_qmatmul::Q6_TILE_BYTES
+                          : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES
+                                      : corral_qmatmul::Q4_TILE_BYTES;
     return (n + 15) / 16 * (k / 32) * block;
 }
 
-// One linear's product on its tiles (bits 4, 5 or 8), x [rows, cols] into y [rows, n].
+// One linear's product on its tiles (bits 4, 5, 6 or 8), x [rows, cols] into y [rows, n].
 void product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* w, int64_t n, float* y,
              int threads) {
     if (bits == 8) q8_product(x, rows, cols, w, n, y, threads);
+    else if (bits == 6) q6_product(x, rows, cols, w, n, y, threads);
     else if (bits == 5) q5_product(x, rows, cols, w, n, y, threads);
     else q4_product(x, rows, cols, w, n, y, threads);
 }
@@ -206,7 +209,7 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             pick, else (picks: B lists of the steps done's token ids, their logprobs: B lists of floats,
 //             decided: whether the native pass decided every pick); spans: None or a list of (start, end, table
 //             or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64 [layers, 4]: each of a
-//             layer's qkv, o, gate_up and down as Q4 (4), Q5 (5) or Q8 tiles (8), one after another in layer_tiles
+//             layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one after another in layer_tiles
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -264,7 +267,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
     norms.expect_float32();  // (first: its rows bound the layer count the tables below are sized by)
     norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
-    // each layer's linears: their bits (4, 5 or 8) and where each starts in layer_tiles
+    // each layer's linears: their bits (4, 5, 6 or 8) and where each starts in layer_tiles
     std::vector<int64_t> bits(L * 4, 4), starts(L * 4 + 1, 0);
     if (!kinds_in.is_none()) {
         const Array kinds(kinds_in, "kinds", false);
@@ -272,8 +275,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         kinds.expect_int64();
         for (int64_t i = 0; i < L * 4; ++i) {
             bits[i] = kinds.data<const int64_t>()[i];
-            if (bits[i] != 4 && bits[i] != 5 && bits[i] != 8)
-                fail(PyExc_ValueError, "decode_step: kinds must be 4, 5 or 8");
+            if (bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8)
+                fail(PyExc_ValueError, "decode_step: kinds must be 4, 5, 6 or 8");
         }
     }
     const int64_t shapes[4][2] = {{QKV, H}, {H, Q}, {2 * I, H}, {H, I}};  // (n, k) of qkv, o, gate_up, down

@@ -101,6 +101,23 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q5(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
+void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    Activations a = scratch.of(x, rows, cols, threads);
+    // each block's first 16 codes summed (its second 16: isum less these), for the Q6 tiles' scale per half block
+    static thread_local std::vector<int32_t> first;
+    const int64_t blocks = cols / corral_qmatmul::BLOCK;
+    first.resize(size_t(rows * blocks));
+    for (int64_t i = 0; i < rows * blocks; ++i) {
+        const int8_t* codes = a.xq + i * corral_qmatmul::BLOCK;
+        int32_t total = 0;
+        for (int k = 0; k < 16; ++k) total += codes[k];
+        first[size_t(i)] = total;
+    }
+    a.isum_first = first.data();
+    chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
     const int64_t t = id / 16, r = id % 16;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -112,7 +129,7 @@ void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
 
 namespace {
 
-// q4_matmul / q5_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N]
+// q4_matmul / q5_matmul / q6_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N]
 // float32, threads): out = x W^T.
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
@@ -125,13 +142,15 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
     tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
-                        bits == 4 ? corral_qmatmul::Q4_TILE_BYTES
-                                  : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
+                        bits == 4   ? corral_qmatmul::Q4_TILE_BYTES
+                        : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES
+                        : bits == 6 ? corral_qmatmul::Q6_TILE_BYTES
+                                    : corral_qmatmul::Q8_TILE_BYTES});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);
     if (rows > 0) {
         NoGil nogil;
-        (bits == 4 ? q4_product : bits == 5 ? q5_product : q8_product)(
+        (bits == 4 ? q4_product : bits == 5 ? q5_product : bits == 6 ? q6_product : q8_product)(
             x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n, out.data<float>(), threads, n);
     }
 }
@@ -172,6 +191,7 @@ void add_qmatmul(nb::module_& m) {
     m.def("qmatmul_amx_model_agrees", &corral_qmatmul::amx_model_agrees);
     m.def("q4_matmul", &matmul<4>);
     m.def("q5_matmul", &matmul<5>);
+    m.def("q6_matmul", &matmul<6>);
     m.def("q8_matmul", &matmul<8>);
     m.def("q8_rows", &q8_rows);
 }

@@ -13,6 +13,10 @@
 //     fifth bits, then 16 float16 d, then 16 float16 m (w = d q + m, q 0..31). Chunk c's 16 bytes are two 64-bit
 //     masks: bit j of the first is the fifth bit of the code in byte j's low nibble, of the second of the code in
 //     its high nibble (bytes 256 + 16 c .. + 7, and + 8 .. + 15).
+//   Q6 tile block (448 bytes): a Q5 tile block's 4 chunks and fifth-bit masks (the codes' low 5 bits), then 4 x 16
+//     bytes of their sixth bits (bytes 320 + 16 c .., laid out as the fifth bits), then 16 float16 d (384), then
+//     16 int8 scales of the block's first 16 columns (416: chunks 0 and 1), then 16 of its last 16 (432):
+//     w = d sc (q - 32), q 0..63, llama.cpp's Q6_K exactly (its d per 256 columns and scale per 16).
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //
@@ -22,6 +26,9 @@
 // zero when max|x| = 0), also isum = the sum of its xq and sum = s * isum. Then
 //   Q4, Q5: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
+//   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
+//       block's xq over that half (isum_first, below, and isum less it); a block's sum over h in integers (at most
+//       2 x 128 x 16 x 32 x 127 < 2^24)
 // that is W times the quantized x (s xq), exactly (float32 summation order aside). The only error against the
 // product with the dequantized weights is x's rounding: at most s_b / 2 per element, so
 // |y - y_ref| <= sum_b (s_b / 2) sum_k |W[n, k]|. (Taking the m term over the exact x instead, as this once did,
@@ -33,7 +40,8 @@
 
 namespace corral_qmatmul {
 
-constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q8_TILE_BYTES = 544;
+constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448,
+                  Q8_TILE_BYTES = 544;
 
 struct Activations {
     const int8_t* xq;    // [M, K]
@@ -41,6 +49,7 @@ struct Activations {
     const float* sum;    // [M, K / 32]
     const int32_t* isum; // [M, K / 32]
     int64_t rows, cols;
+    const int32_t* isum_first = nullptr;  // [M, K / 32]: the sum of each block's first 16 xq (Q6 products only)
 };
 
 // Where the quantized activations go: the arrays an Activations then reads.
@@ -78,6 +87,7 @@ struct QTable {
     Matmul q8;
     Quantize quantize;
     Matmul q5;
+    Matmul q6;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -112,6 +122,8 @@ void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
 void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
 void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy = 0);
+void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
 // Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);

@@ -205,7 +205,8 @@ namespace {
 QTable with_quantize(const QTable& table) {
     QTable out = table;
     out.quantize = avx512_table()->quantize;  // the same bytes as every variant's
-    out.q5 = avx512_table()->q5;  // Q5 tiles: no tile kernel of their own, the VNNI one at any row count
+    out.q5 = avx512_table()->q5;  // Q5 and Q6 tiles: no tile kernel of their own, the VNNI one at any row count
+    out.q6 = avx512_table()->q6;
     return out;
 }
 

@@ -46,8 +46,8 @@ CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
 // (CORRAL_QMATMUL_ISA=avx2) on the 2-core Ice Lake Xeon, the two builds' calls interleaved in one process: the 30
 // layers' Q4 products of SmolLM2 6-12% faster at 1-4 rows, the Q8 LM head 14-23%; 3-4% at 8 rows; at 16 rows (four
 // passes, whose arithmetic hides the memory) 1-5% slower, so those go without. It changes no arithmetic.
-constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES,
-                  SMALL_MAX = 8;
+constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES,
+                  Q8_AHEAD = 12 * Q8_TILE_BYTES, SMALL_MAX = 8;
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block, int64_t m, int half) {
@@ -56,50 +56,80 @@ CORRAL_INLINE void read_ahead(const uint8_t* block, int64_t m, int half) {
         _mm_prefetch(reinterpret_cast<const char*>(block + Ahead + line), _MM_HINT_T0);
 }
 
-// 16 where bit j of the 32 bits at p is set, else 0, in byte j: a Q5 code's fifth bit (qmatmul.h).
-CORRAL_INLINE __m256i fifth_bits(const uint8_t* p) {
+// `value` where bit j of the 32 bits at p is set, else 0, in byte j: a Q5 or Q6 code's fifth bit (16) or a Q6
+// code's sixth (32) (qmatmul.h).
+CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
     int32_t bits;
     std::memcpy(&bits, p, 4);
     const __m256i spread = _mm256_shuffle_epi8(  // byte j gets byte j / 8 of the 32 bits (both lanes hold all 4)
         _mm256_set1_epi32(bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                   2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201));  // bit j % 8 in byte j
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(value));
 }
 
-// Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first. A Q4
-// block's 16 products a lane sum in 16 bits (at most 16 x 15 x 127); a Q5 block's may not (16 x 31 x 127), so
-// those go to 32 bits a chunk at a time. Integer sums either way: the same values.
+// Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first; Bits 6:
+// Q6 tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum,
+// times the half's scale, goes into the block's integer sum, which then takes d s. A Q4 block's 16 products a lane sum in 16 bits (at most 16 x 15 x 127);
+// a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a chunk at a time (a chunk's 4 pair sums are
+// at most 4 x 2 x 63 x 127). Integer sums either way: the same values.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
-    constexpr int64_t Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES, Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         read_ahead<Ahead, Bytes>(w, m, half);
-        __m256i pairs[R], wide[R];
-        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256(), wide[r] = _mm256_setzero_si256();
+        __m256i pairs[R], wide[R], scaled[R];
+        for (int r = 0; r < R; ++r) pairs[r] = wide[r] = scaled[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * half));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (Bits == 5) {
-                lo = _mm256_or_si256(lo, fifth_bits(w + 256 + 16 * c + 4 * half));
-                hi = _mm256_or_si256(hi, fifth_bits(w + 256 + 16 * c + 8 + 4 * half));
+            if constexpr (Bits >= 5) {
+                lo = _mm256_or_si256(lo, bit_values(w + 256 + 16 * c + 4 * half, 16));
+                hi = _mm256_or_si256(hi, bit_values(w + 256 + 16 * c + 8 + 4 * half, 16));
+            }
+            if constexpr (Bits == 6) {
+                lo = _mm256_or_si256(lo, bit_values(w + 320 + 16 * c + 4 * half, 32));
+                hi = _mm256_or_si256(hi, bit_values(w + 320 + 16 * c + 8 + 4 * half, 32));
             }
             for (int r = 0; r < R; ++r) {
                 const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
                 const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
                                                       _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
-                if constexpr (Bits == 5) wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(both, ones));
+                if constexpr (Bits >= 5) wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(both, ones));
                 else pairs[r] = _mm256_add_epi16(pairs[r], both);
             }
+            if constexpr (Bits == 6) {
+                if (c % 2 == 0) continue;
+                const int h = c / 2;  // the half block whose two chunks are in
+                const __m256i sc = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 416 + 16 * h + 8 * half)));
+                for (int r = 0; r < R; ++r) {
+                    const int64_t at = (m + r) * blocks + b;
+                    const int32_t half_sum = h == 0 ? x.isum_first[at] : x.isum[at] - x.isum_first[at];
+                    const __m256i part = _mm256_mullo_epi32(_mm256_sub_epi32(wide[r], _mm256_set1_epi32(32 * half_sum)),
+                                                            sc);
+                    scaled[r] = _mm256_add_epi32(scaled[r], part);
+                    wide[r] = _mm256_setzero_si256();
+                }
+            }
+        }
+        if constexpr (Bits == 6) {
+            const __m256 d = halves(w + 384 + 16 * half);
+            for (int r = 0; r < R; ++r) {
+                const float s = x.scale[(m + r) * blocks + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+            }
+            continue;
         }
         const __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
         for (int r = 0; r < R; ++r) {
             const int64_t at = (m + r) * blocks + b;
-            const __m256 dot = _mm256_cvtepi32_ps(Bits == 5 ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
+            const __m256 dot = _mm256_cvtepi32_ps(Bits >= 5 ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[at])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r]);
         }
@@ -166,12 +196,13 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
     static const Rows plain[5] = {nullptr, nibble_rows<Bits, 1>, nibble_rows<Bits, 2>, nibble_rows<Bits, 3>,
                                   nibble_rows<Bits, 4>};
     static const Rows ahead[5] = {nullptr, nibble_rows<Bits, 1, A>, nibble_rows<Bits, 2, A>, nibble_rows<Bits, 3, A>,
                                   nibble_rows<Bits, 4, A>};
-    matmul<Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads, plain, ahead);
+    matmul<Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads, plain,
+                                                                                  ahead);
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -218,7 +249,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>};
+const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>};
 
 }  // namespace
 }  // namespace avx2

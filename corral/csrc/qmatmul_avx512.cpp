@@ -40,7 +40,8 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products,
 // whose arithmetic hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic,
 // so no product.
-constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
+constexpr int64_t Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES,
+                  Q8_AHEAD = 12 * Q8_TILE_BYTES;
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block) {
@@ -53,33 +54,50 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // T vpdpbusd, one per tile. Two tiles at a time made the 521-row products 5-16% faster than one (paired runs), and
 // on the Ice Lake Xeon a decode step's products of 1-4 rows 5-8% faster (two streams of tiles and two chains of
 // vpdpbusd in flight); on the Zen 4 EPYC 27-28% slower, so only Intel CPUs run them there (q4_pairs, below).
-// Bits 5: Q5 tiles, each code's fifth bit added from its chunk's masks (qmatmul.h) before the same products.
+// Bits 5: Q5 tiles, each code's fifth bit added from its chunk's masks (qmatmul.h) before the same products. Bits
+// 6: Q6 tiles, a sixth bit too; once a half block's two chunks are in, its dot less 32 times the half's activation
+// sum, times the half's scale, goes into the block's integer sum (`scaled`), which then takes d s as Q8's does.
+template <int Bits>
+constexpr int64_t tile_bytes() {
+    return Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+}
+
+CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
+    uint64_t bits;
+    std::memcpy(&bits, mask, 8);
+    return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, value);
+}
+
 template <int Bits, int R, int T, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
                                float* y, int64_t ldy, __mmask16 keep) {
-    constexpr int64_t Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES, Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = tile_bytes<Bits>(), Scales = Bits == 5 ? 320 : 256;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         for (int t = 0; t < T; ++t) read_ahead<Ahead, Bytes>(w + t * stride);
-        __m512i dot[T][R];
+        __m512i dot[T][R], scaled[Bits == 6 ? T : 1][Bits == 6 ? R : 1];
         for (int t = 0; t < T; ++t)
             for (int r = 0; r < R; ++r) dot[t][r] = _mm512_setzero_si512();
+        if constexpr (Bits == 6)
+            for (int t = 0; t < T; ++t)
+                for (int r = 0; r < R; ++r) scaled[t][r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
             __m512i lo[T], hi[T];
             for (int t = 0; t < T; ++t) {
                 const __m512i v = _mm512_loadu_si512(w + t * stride + 64 * c);
                 lo[t] = _mm512_and_si512(v, low), hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if constexpr (Bits == 5) {
+                if constexpr (Bits >= 5) {
                     const uint8_t* fifth = w + t * stride + 256 + 16 * c;
-                    uint64_t lo_bits, hi_bits;
-                    std::memcpy(&lo_bits, fifth, 8);
-                    std::memcpy(&hi_bits, fifth + 8, 8);
                     const __m512i sixteen = _mm512_set1_epi8(16);
-                    lo[t] = _mm512_mask_add_epi8(lo[t], _cvtu64_mask64(lo_bits), lo[t], sixteen);
-                    hi[t] = _mm512_mask_add_epi8(hi[t], _cvtu64_mask64(hi_bits), hi[t], sixteen);
+                    lo[t] = add_where(lo[t], fifth, sixteen), hi[t] = add_where(hi[t], fifth + 8, sixteen);
+                }
+                if constexpr (Bits == 6) {
+                    const uint8_t* sixth = w + t * stride + 320 + 16 * c;
+                    const __m512i thirty_two = _mm512_set1_epi8(32);
+                    lo[t] = add_where(lo[t], sixth, thirty_two), hi[t] = add_where(hi[t], sixth + 8, thirty_two);
                 }
             }
             for (int r = 0; r < R; ++r) {
@@ -90,6 +108,33 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                     dot[t][r] = _mm512_dpbusd_epi32(dot[t][r], hi[t], second);
                 }
             }
+            if constexpr (Bits == 6) {
+                if (c % 2 == 0) continue;
+                const int h = c / 2;  // the half block whose two chunks are in
+                for (int t = 0; t < T; ++t) {
+                    const __m512i sc = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + 416 + 16 * h)));
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t at = (m + r) * blocks + b;
+                        const int32_t half_sum = h == 0 ? x.isum_first[at] : x.isum[at] - x.isum_first[at];
+                        const __m512i part = _mm512_mullo_epi32(
+                            _mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(32 * half_sum)), sc);
+                        scaled[t][r] = _mm512_add_epi32(scaled[t][r], part);
+                        dot[t][r] = _mm512_setzero_si512();
+                    }
+                }
+            }
+        }
+        if constexpr (Bits == 6) {
+            for (int t = 0; t < T; ++t) {
+                const __m512 d = halves(w + t * stride + 384);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t at = (m + r) * blocks + b;
+                    acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled[t][r]),
+                                                _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[t][r]);
+                }
+            }
+            continue;
         }
         for (int t = 0; t < T; ++t) {
             const __m512 d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
@@ -199,18 +244,23 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 template <int Bits>
 void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
                   const Rows* pair) {
-    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD, Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD, Bytes = tile_bytes<Bits>();
     static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
                                    nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
                                    nibble_rows<Bits, 6, 1, A>, nibble_rows<Bits, 7, 1, A>, nibble_rows<Bits, 8, 1, A>};
-    matmul<nibble_rows<Bits, 1, 1>, nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 1, 2>,
-           nibble_rows<Bits, 2, 2>, nibble_rows<Bits, 4, 2>, nibble_rows<Bits, 6, 2>, Bytes, 2>(x, tiles, n, y, ldy,
-                                                                                              threads, single, pair);
+    if constexpr (Bits == 6)  // a block's integer sums take a third set of registers: one tile at a time
+        matmul<nibble_rows<6, 1, 1>, nibble_rows<6, 2, 1>, nibble_rows<6, 4, 1>, nibble_rows<6, 1, 1>,
+               nibble_rows<6, 2, 1>, nibble_rows<6, 4, 1>, nibble_rows<6, 6, 1>, Bytes, 1>(x, tiles, n, y, ldy, threads,
+                                                                                          single, nullptr);
+    else
+        matmul<nibble_rows<Bits, 1, 1>, nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 1, 2>,
+               nibble_rows<Bits, 2, 2>, nibble_rows<Bits, 4, 2>, nibble_rows<Bits, 6, 2>, Bytes, 2>(x, tiles, n, y, ldy,
+                                                                                                  threads, single, pair);
 }
 
 template <int Bits>
 const Rows* pairs() {
-    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
     static const Rows pair[5] = {nullptr, nibble_rows<Bits, 1, 2, A>, nibble_rows<Bits, 2, 2, A>,
                                  nibble_rows<Bits, 3, 2, A>, nibble_rows<Bits, 4, 2, A>};
     return pair;
@@ -230,6 +280,14 @@ void q5(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
 
 void q5_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     nibbles_over<5>(x, tiles, n, y, ldy, threads, pairs<5>());
+}
+
+void q6(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<6>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void q6_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<6>(x, tiles, n, y, ldy, threads, pairs<6>());
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -264,8 +322,8 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5};
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs};
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6_pairs};
 
 }  // namespace
 }  // namespace avx512

@@ -90,28 +90,44 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
     }
 }
 
-// Q4 tiles (Bits 4) or Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h).
+// Q4 tiles (Bits 4), Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h) or Q6 tiles (Bits
+// 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t Bytes = Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES, Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
     each_tile<Bytes>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const int8_t* xq, float s, float sum,
                                                       float* acc) {
+        int32_t half_sum[2] = {0, 0};
+        if constexpr (Bits == 6)
+            for (int k = 0; k < BLOCK; ++k) half_sum[k / 16] += xq[k];
         for (int r = 0; r < TILE; ++r) {
-            int32_t dot = 0;
+            int32_t dot[2] = {0, 0};  // Q6: the block's two halves (chunks 0-1, 2-3); else all in the first
             for (int c = 0; c < 4; ++c)
                 for (int i = 0; i < 4; ++i) {
                     const int j = 4 * r + i;  // the byte in the chunk, and the bit in each of its masks
                     const uint8_t byte = w[64 * c + j];
                     int32_t low = byte & 0x0F, high = byte >> 4;
-                    if constexpr (Bits == 5) {
+                    if constexpr (Bits >= 5) {
                         const uint8_t* fifth = w + 256 + 16 * c + j / 8;
                         low |= (fifth[0] >> (j % 8) & 1) << 4;
                         high |= (fifth[8] >> (j % 8) & 1) << 4;
                     }
-                    dot += low * xq[8 * c + i] + high * xq[8 * c + 4 + i];
+                    if constexpr (Bits == 6) {
+                        const uint8_t* sixth = w + 320 + 16 * c + j / 8;
+                        low |= (sixth[0] >> (j % 8) & 1) << 5;
+                        high |= (sixth[8] >> (j % 8) & 1) << 5;
+                    }
+                    dot[Bits == 6 ? c / 2 : 0] += low * xq[8 * c + i] + high * xq[8 * c + 4 + i];
                 }
-            const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
-            acc[r] += float(dot) * (d * s) + m * sum;
+            if constexpr (Bits == 6) {
+                int32_t total = 0;
+                for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[416 + 16 * h + r])) * (dot[h] - 32 * half_sum[h]);
+                acc[r] += float(total) * (half_to_float(w + 384 + 2 * r) * s);
+            } else {
+                const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
+                acc[r] += float(dot[0]) * (d * s) + m * sum;
+            }
         }
     });
 }
@@ -148,7 +164,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>};
+const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>};
 
 }  // namespace
 

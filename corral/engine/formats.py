@@ -7,7 +7,7 @@ the same numerics (the format changes greedy outputs, which is why it is reporte
 ``/v1/models``):
 
 - ``quantization``: a GGUF whose linears are quantized runs them as shipped. With the native module that is
-  ``w4a8``: the Q4 (Q4_0, Q4_1, Q4_K) and Q5 (Q5_0, Q5_1, Q5_K) blocks, the Q8_0 ones (Q6_K rounded to them) and
+  ``w4a8``: the Q4 (Q4_0, Q4_1, Q4_K), Q5 (Q5_0, Q5_1, Q5_K), Q6_K and Q8_0 blocks and
   the Q8_0 embedding/LM head through Corral's integer kernels (AVX-512 VNNI, AVX2 or scalar, chosen by the CPU),
   activations float32, quantized to int8 per block of 32 inside each product, as llama.cpp runs the same file.
   Without the native module a file with Q4 linears runs ``gguf`` (W4A16 through torch's int4 kernel). Any other

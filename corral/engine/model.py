@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q5Blocks, Q5Tiles,
-                                 Q8Blocks, Q8Linear, Q8Tiles, concat_q4, quantize_int4, quantize_q8_blocks)
+                                 Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, concat_blocks, quantize_int4,
+                                 quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -119,23 +120,23 @@ class NativeStep:
     """The whole forward of a W4A8 model's step in one native call (``corral/csrc/decode_step.cpp``), for decodes,
     drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
     the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
-    file keeps more than 4 bits, Q5 (:class:`Q5Tiles`) or Q8 tiles (:class:`Q8Linear`). The layers' tiles are
-    moved into one buffer that the layers' linears then view (one copy of the weights)."""
+    file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`). The
+    layers' tiles are moved into one buffer that the layers' linears then view (one copy of the weights)."""
 
     LINEARS = ("qkv", "o", "gate_up", "down")
 
     @staticmethod
     def serves(model: "LlamaModel") -> bool:
         return (model.quantization == "w4a8" and model.fused and bool(model.layers)
-                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q8Linear)) and layer[name].bias is None
+                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear)) and layer[name].bias is None
                         for layer in model.layers for name in NativeStep.LINEARS)
                 and hasattr(native.module(), "decode_step"))
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
-        bits = {Q4Tiles: 4, Q5Tiles: 5, Q8Linear: 8}
+        bits = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8}
         kinds = [[bits[type(layer[name])] for name in self.LINEARS] for layer in model.layers]
-        # each linear's tiles: Q4, Q5 or Q8; None where all are Q4 (the call then skips the table)
+        # each linear's tiles: Q4, Q5, Q6 or Q8; None where all are Q4 (the call then skips the table)
         self.kinds = torch.tensor(kinds, dtype=torch.int64) if any(b != 4 for row in kinds for b in row) else None
         self.layer_bytes = [sum(layer[name].tiles.numel() for name in self.LINEARS) for layer in model.layers]
         self.layer_tiles = self._gather_tiles(model)
@@ -385,23 +386,27 @@ class LlamaModel:
 
     @staticmethod
     def _dense(value) -> torch.Tensor:
-        return value.dequantize() if isinstance(value, (Q4Blocks, Q5Blocks, Q8Blocks)) else value.float()
+        return value.dequantize() if isinstance(value, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks)) else value.float()
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
-        if self.quantization == "w4a8" and any(isinstance(p, Q8Blocks) for p in parts):
-            # a part the file keeps in 6 or 8 bits: the whole fused layer in Q8 blocks (a Q5_0 part exactly, a Q4
-            # or other Q5 part's values rounded to 8 bits), where fewer bits would round that part
-            blocks = [p if isinstance(p, Q8Blocks) else p.as_q8() if isinstance(p, Q5Blocks) else
+        six = [isinstance(p, Q6Blocks) for p in parts]
+        if self.quantization == "w4a8" and all(six):  # Q6_K parts alone: as shipped
+            return Q6Tiles(concat_blocks(parts), bias)
+        if self.quantization == "w4a8" and (any(isinstance(p, Q8Blocks) for p in parts) or any(six)):
+            # a part the file keeps in 8 bits, or in 6 beside parts of other kinds: the whole fused layer in Q8
+            # blocks (a Q5_0 part exactly, a Q4, other Q5 or Q6 part's values rounded to 8 bits), where fewer bits
+            # would round that part
+            blocks = [p if isinstance(p, Q8Blocks) else p.as_q8() if isinstance(p, (Q5Blocks, Q6Blocks)) else
                       Q8Blocks(*quantize_q8_blocks(self._dense(p))) for p in parts]
             return Q8Linear(Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks])), bias)
         if self.quantization == "w4a8":  # Q4 blocks as shipped, or quantized at group 32; Q5 where a part has 5 bits
             blocks = [p if isinstance(p, (Q4Blocks, Q5Blocks)) else quantize_int4(self._dense(p), 32) for p in parts]
             if any(isinstance(b, Q5Blocks) for b in blocks):  # a Q4 block is a Q5 block with the same d and m
-                return Q5Tiles(concat_q4([Q5Blocks(*b[:3]) for b in blocks]), bias)
-            return Q4Tiles(concat_q4(blocks), bias)
+                return Q5Tiles(concat_blocks([Q5Blocks(*b[:3]) for b in blocks]), bias)
+            return Q4Tiles(concat_blocks(blocks), bias)
         if self.quantization == "gguf" and all(isinstance(p, Q4Blocks) for p in parts):
-            layer = Int4Groups(concat_q4(parts), bias, torch.bfloat16)
+            layer = Int4Groups(concat_blocks(parts), bias, torch.bfloat16)
         else:
             weight = torch.cat([self._dense(p) for p in parts])
             if self.quantization in ("none", "gguf"):  # gguf: a tensor with no int4 kernel stays dense

@@ -20,10 +20,10 @@ activation dtype):
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
-Q5_0, Q5_1, Q5_K) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly, Q6_K rounded to 8 bits) on
-the native kernels. What this leaves out: 2-, 3- and 6-bit kernels (such GGUF blocks are dequantized at load, with
-a log line, by :mod:`corral.engine.weights`, or run as Q8 blocks) and a CUDA path for any form but :class:`Dense`
-and :class:`Int4Groups`.
+Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF
+Q8_0 exactly, and a fused layer's Q6_K part beside parts of other kinds, rounded to 8 bits) on the native kernels.
+What this leaves out: 2- and 3-bit kernels (such GGUF blocks are dequantized at load, with a log line, by
+:mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
 
@@ -76,9 +76,28 @@ class Q5Blocks(NamedTuple):
         return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
 
 
+class Q6Blocks(NamedTuple):
+    """6-bit codes with a float16 ``d`` per 32 weights along K and an int8 scale ``sc`` per 16: ``W = d sc (codes -
+    32)``, codes 0..63, GGUF Q6_K exactly (its d per super-block of 256 repeated over its 8 blocks): what the native
+    Q6 kernel runs (:class:`Q6Tiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..63
+    d: torch.Tensor  # [N, K // 32] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 16] int8
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
+        return (self.codes.float() - 32) * scale
+
+    def as_q8(self) -> "Q8Blocks":
+        """These weights rounded to Q8 blocks (:func:`quantize_q8_blocks`): a fused layer whose other parts are not
+        Q6 blocks."""
+        return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
+
+
 class Q8Blocks(NamedTuple):
     """Int8 codes with one float16 scale per 32 weights along K, as GGUF Q8_0: ``W = codes * d``. What the native
-    W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0 and Q6_K linears load as these under ``w4a8``."""
+    W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0 linears load as these under ``w4a8``."""
     codes: torch.Tensor  # [N, K] int8, -127..127
     d: torch.Tensor  # [N, K // 32] float16
 
@@ -87,12 +106,13 @@ class Q8Blocks(NamedTuple):
         return (self.codes.float().view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
 
 
-def concat_q4(parts: list):
-    """Blocks of several layers (all :class:`Q4Blocks`, or all :class:`Q5Blocks`) stacked along N (the fused QKV
-    and gate/up projections)."""
-    assert len({p.group for p in parts}) == 1 and len({type(p) for p in parts}) == 1
-    return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")),
-                          parts[0].group)
+def concat_blocks(parts: list):
+    """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks` or :class:`Q6Blocks`),
+    stacked along N (the fused QKV and gate/up projections)."""
+    kind = type(parts[0])
+    assert all(type(p) is kind for p in parts) and len({getattr(p, "group", 32) for p in parts}) == 1
+    return kind(**{f: parts[0].group if f == "group" else torch.cat([getattr(p, f) for p in parts])
+                   for f in kind._fields})
 
 
 def check_group_size(group: int, config) -> None:
@@ -182,6 +202,28 @@ def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
                      -1).contiguous()
 
 
+def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
+    """Q6 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 448] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): a Q5 tile block's codes and fifth-bit masks, the sixth bits as masks laid out
+    alike, ``d`` as float16, then each row's int8 scale of the block's first 16 columns, and of its last 16."""
+    if blocks.codes.numel() and int(blocks.codes.max()) > 63:
+        raise ValueError("Q6 codes must be 0..63")
+    rows, cols = blocks.codes.shape
+    codes = _tile_rows(blocks.codes.to(torch.uint8))
+    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
+    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
+    nibbles = q & 0x0F
+    packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)
+    masks = []
+    for bit in (4, 5):  # chunk c's masks: bit j = 4 r + i of mask h is that bit of q[r][8 c + 4 h + i]
+        plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
+        masks.append((plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks,
+                                                                                                  64))
+    sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
+    return torch.cat((packed, *masks, _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
+                      sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
+
+
 def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32 along K, as GGUF Q8_0 (``w = d q``, d float16): ``(codes [N, K] int8,
     d [N, K / 32] float16)``. Exact on a dequantized Q8_0 tensor: a block's largest code is 127, so
@@ -227,6 +269,17 @@ def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     m = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).double()
     dots = torch.einsum("abk,nbk->anb", codes, q)
     return (torch.einsum("anb,nb,ab->an", dots, d, scale) + sums @ m.T).float()
+
+
+def w6a8_reference(x: torch.Tensor, blocks: Q6Blocks) -> torch.Tensor:
+    """What the Q6 kernel computes, in float64: ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)`` over each block's
+    halves of 16, that is the quantized activations times the weights (float32 [M, N])."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    rows, cols = blocks.codes.shape
+    halves = (blocks.codes.double() - 32).view(rows, cols // 16, 16)
+    sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
+    dots = torch.einsum("ahk,nhk->anh", xq.view(xq.shape[0], cols // 16, 16), halves)
+    return torch.einsum("anh,nh,ah->an", dots, sc, scale.repeat_interleave(2, dim=1)).float()
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -362,10 +415,16 @@ class Q5Tiles(_TileLinear):
     kind, _kernel, _pack = "w5a8", "q5_matmul", staticmethod(pack_q5_tiles)
 
 
+class Q6Tiles(_TileLinear):
+    """W6A8: :class:`Q6Blocks` (GGUF Q6_K as shipped): 0.875 bytes a weight where Q8 blocks take 1.06 and round it."""
+
+    kind, _kernel, _pack = "w6a8", "q6_matmul", staticmethod(pack_q6_tiles)
+
+
 class Q8Linear(_TileLinear):
-    """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`): a linear layer under ``w4a8`` whose weights have 6 or 8 bits (a
-    GGUF's Q8_0 or Q6_K tensors, or a fused layer with such a part), where fewer bits would lose what the file
-    kept."""
+    """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`): a linear layer under ``w4a8`` whose weights have 8 bits (a GGUF's
+    Q8_0 tensors), or a fused layer with such a part or with a Q6_K part beside parts of other kinds, where fewer
+    bits would lose what the file kept."""
 
     kind, _kernel = "w8a8", "q8_matmul"
 

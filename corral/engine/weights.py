@@ -4,8 +4,9 @@ GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1
 except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
-(:class:`~corral.engine.quant.Q5Blocks`) and its Q8_0 and Q6_K ones become int8 codes with one float16 scale per 32
-weights (:class:`~corral.engine.quant.Q8Blocks`: Q8_0 as shipped, Q6_K rounded to 8 bits). The Q/K projections are
+(:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones as 6-bit codes with their scales
+(:class:`~corral.engine.quant.Q6Blocks`) and its Q8_0 ones as int8 codes with one float16 scale per 32 weights
+(:class:`~corral.engine.quant.Q8Blocks`). The Q/K projections are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves.
 
@@ -24,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import Q4Blocks, Q5Blocks, Q8Blocks, quantize_q8_blocks
+from corral.engine.quant import Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -66,10 +67,11 @@ def _gguf_name(name: str) -> str | None:
 
 
 _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
-# linears with more than 4 bits a weight, kept under w4a8 at 5 (Q5 blocks of 32) or 8 (Q8 blocks of 32), where Q4
-# blocks would lose bits
+# linears with more than 4 bits a weight, kept under w4a8 at 5 (Q5 blocks of 32), 6 (Q6 blocks) or 8 (Q8 blocks of
+# 32), where Q4 blocks would lose bits
 _Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
-_Q8_KINDS = ("Q8_0", "Q6_K")
+_Q6_KINDS = ("Q6_K",)
+_Q8_KINDS = ("Q8_0",)
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -90,6 +92,7 @@ def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
 
 
 Q4K_BYTES, Q5K_BYTES = 144, 176  # K-quant super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit scales, codes
+Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, float16 d
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,6 +151,27 @@ def q5_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> Q5Blocks | No
     return Q5Blocks(codes.to(torch.uint8).view(rows, cols), d, m + 8 * d)
 
 
+def q6_blocks(raw: np.ndarray, values: torch.Tensor) -> Q6Blocks | None:
+    """GGUF Q6_K rows as Q6 blocks, in the file's row order: each super-block of 256's float16 ``d`` and its 16 int8
+    scales (weight ``w`` of the super-block takes scale ``w // 16``) from ``raw`` (its bytes [rows, ...]), the codes
+    0..63 from llama.cpp's dequantized ``values`` [rows, cols] (``d sc (q - 32)``), checked to give those values back
+    (to float32 rounding). None where they do not: the caller then rounds the tensor to Q8 blocks."""
+    rows, cols = values.shape
+    if cols % 256:
+        return None
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q6K_BYTES)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, S]
+    sc = blocks[..., 192:208].copy().view(np.int8)  # [rows, S, 16]
+    d, sc = torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(sc))
+    scale = d[..., None] * sc.float()  # exact: 11 by 8 significant bits
+    w = values.view(rows, cols // 256, 16, 16)
+    codes = (torch.round(w / torch.where(scale == 0, 1.0, scale)[..., None]) + 32).clamp_(0, 63)
+    back = (codes - 32) * scale[..., None]
+    if not bool(((back - w).abs() <= 2.0 ** -20 * 32 * scale.abs()[..., None]).all()):
+        return None
+    return Q6Blocks(codes.to(torch.uint8).view(rows, cols), d.repeat_interleave(8, dim=1), sc.reshape(rows, -1))
+
+
 def _is_layer_linear(name: str) -> bool:
     """Whether HF-named ``name`` is a layer's linear weight (a projection: what the native kernels run)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
@@ -168,16 +192,16 @@ def gguf_has_q4(files: ModelFiles) -> bool:
 
 
 def gguf_has_q8(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6 or Q8_0 blocks (Q5 or Q8 blocks under
-    w4a8)."""
-    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q8_KINDS})
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6_K or Q8_0 blocks (Q5, Q6 or Q8 blocks
+    under w4a8)."""
+    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS})
 
 
 def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # kept for a layer's linears only
+    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # a layer's linears only
 
     def kept(name: str, kind: str) -> bool:
         return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds)
@@ -187,7 +211,7 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q5 ones as Q5 blocks, Q6_K and Q8_0 ones as Q8 blocks" if keep_q8 else "")
+                 ", Q5 and Q6_K ones as Q5 and Q6 blocks, Q8_0 ones as Q8 blocks" if keep_q8 else "")
 
 
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
@@ -212,17 +236,20 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
             continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         linear = _is_layer_linear(name)
-        kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True))) \
-            if keep_q8 and linear and kind in _Q5_KINDS else None
-        if kept is not None:  # codes, scales and zeros, in the rotary order the values take below
-            tensors[name] = Q5Blocks(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
-                                       if heads else f for f in kept[:3]))
+        kept = None
+        if keep_q8 and linear and kind in _Q5_KINDS:
+            kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
+        elif keep_q8 and linear and kind in _Q6_KINDS:
+            kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
+        if kept is not None:  # codes and scales, in the rotary order the values take below
+            tensors[name] = type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
+                                         if heads else f for f in kept[:3]))
             continue
         if heads:
             values = unpermute_rotary(values, heads)
         values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
-        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q8_KINDS):  # Q8_0 exactly; Q6_K (a Q5 that failed) rounded
-            values = Q8Blocks(*quantize_q8_blocks(values))
+        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS):  # Q8_0 exactly; a Q5 or Q6 that
+            values = Q8Blocks(*quantize_q8_blocks(values))  # failed its check, rounded
         tensors[name] = values
     return tensors
 
@@ -240,19 +267,21 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v4"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v5"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
-_BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q8": Q8Blocks}  # safetensors name prefix -> the blocks' type
-_FIELDS = {"q4": ("codes", "scale", "zero"), "q5": ("codes", "scale", "zero"), "q8": ("codes", "d")}
+_BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks}  # safetensors prefix -> the blocks' type
+_FIELDS = {"q4": ("codes", "scale", "zero"), "q5": ("codes", "scale", "zero"), "q6": ("codes", "d", "sc"),
+           "q8": ("codes", "d")}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
-    ``.q4_zero``, the same with ``q5_``), Q8 blocks as two (``<name>.q8_codes`` / ``.q8_d``)."""
+    ``.q4_zero``, the same with ``q5_``), Q6 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``), Q8 blocks as
+    two (``<name>.q8_codes`` / ``.q8_d``)."""
     flat = {}
     for name, value in tensors.items():
         prefix = next((p for p, kind in _BLOCKS.items() if type(value) is kind), None)
@@ -275,7 +304,8 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q5 linears as :class:`Q5Blocks` and its Q6_K and Q8_0 ones as :class:`Q8Blocks`). GGUF
+    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks` and its Q8_0 ones as
+    :class:`Q8Blocks`). GGUF
     conversions are cached on disk; HF folders are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
@@ -287,7 +317,7 @@ def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, kee
             return _unflatten(load_file(path))
         except Exception as exc:  # a truncated cache file is rebuilt, never trusted
             log.warning("ignoring unreadable weight cache %s: %s", path, exc)
-    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q8Blocks)) else t.to(dtype).contiguous()
+    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks)) else t.to(dtype).contiguous()
                for name, t in _read_gguf(files.path, config, keep_q4, keep_q8).items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -775,11 +775,26 @@ def test_no_burst_holds_back_a_waiting_request():
     assert engine.stats().num_burst_steps > 0  # the second one, alone
 
 
+def q6_blocks_of(weight: torch.Tensor):
+    """``weight`` [N, K] as Q6 blocks the way llama.cpp's Q6_K rounds (an int8 scale per 16 under a float16 d per 32
+    here): codes 0..63."""
+    from corral.engine.quant import Q6Blocks
+
+    rows, cols = weight.shape
+    w = weight.float().view(rows, cols // 32, 2, 16)
+    step = w.abs().amax(-1) / 31  # each half block's step, then d so that the larger one's scale is 127
+    d = (step.amax(-1) / 127).half().float().clamp_min(2 ** -24)
+    sc = torch.round(step / d[..., None]).clamp(-127, 127)
+    safe = torch.where(sc == 0, 1.0, sc * d[..., None])
+    codes = (torch.round(w / safe[..., None]) + 32).clamp(0, 63)
+    return Q6Blocks(codes.to(torch.uint8).view(rows, cols), d, sc.to(torch.int8).view(rows, cols // 16))
+
+
 def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_path(engines):
-    """A model whose layers mix Q4, Q5 and Q8 linears (as a GGUF with Q5/Q6/Q8_0 tensors beside its Q4 ones loads
-    under w4a8) in different layers and places: the native step runs each at its kind, whole and cut to its first
-    12 layers (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch
-    path."""
+    """A model whose layers mix Q4, Q5, Q6 and Q8 linears (as a GGUF with Q5/Q6_K/Q8_0 tensors beside its Q4 ones
+    loads under w4a8) in different layers and places, a fused gate/up of Q6 parts among them: the native step runs
+    each at its kind, whole and cut to its first 12 layers (self-speculation's slice of the weight buffer), with the
+    same tokens and logprobs as the torch path."""
     from corral.engine.model import LlamaModel
     from corral.engine.quant import Q5Blocks, Q8Blocks, quantize_q8_blocks
     from corral.engine.weights import load_weights
@@ -798,10 +813,14 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
         q4 = weights[key]
         extra = torch.randint(0, 2, q4.codes.shape, generator=generator, dtype=torch.uint8)
         weights[key] = Q5Blocks(2 * q4.codes + extra, q4.scale / 2, q4.zero - 4 * q4.scale)  # near the Q4 weights
+    for layer, name in ((4, "mlp.down_proj"), (8, "self_attn.o_proj"), (10, "mlp.gate_proj"), (10, "mlp.up_proj")):
+        key = f"model.layers.{layer}.{name}.weight"
+        weights[key] = q6_blocks_of(weights[key].dequantize())
     model = LlamaModel(config, weights, torch.float32, "w4a8")
     kinds = model.native_step.kinds.tolist()
     assert (kinds[2], kinds[3], kinds[5], kinds[7], kinds[9], kinds[11], kinds[20], kinds[0]) == (
         [8, 4, 4, 4], [5, 4, 4, 4], [4, 4, 4, 8], [4, 4, 4, 5], [4, 4, 5, 4], [4, 8, 4, 4], [4, 4, 8, 4], [4, 4, 4, 4])
+    assert (kinds[4], kinds[8], kinds[10]) == ([4, 4, 4, 6], [4, 6, 4, 4], [4, 4, 6, 4])
     prompts = [chat(target, q) for q in QUESTIONS[:6]]
     for cut in (model, model.truncated(12)):
         outputs = native_and_torch(target, cut, prompts)

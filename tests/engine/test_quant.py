@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from corral.engine.quant import Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_q4, quantize_int4
+from corral.engine.quant import Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, concat_blocks, quantize_int4
 from corral.engine.weights import q4_blocks
 
 
@@ -93,7 +93,7 @@ def test_constant_groups_quantize_exactly():
 
 def test_fused_blocks_are_the_parts_stacked():
     a, b = quantize_int4(torch.randn(8, 64), 32), quantize_int4(torch.randn(4, 64), 32)
-    assert torch.equal(concat_q4([a, b]).dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert torch.equal(concat_blocks([a, b]).dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
 
 
 def test_int8_rows_kernel_is_the_dequantized_matmul_and_within_half_a_step():

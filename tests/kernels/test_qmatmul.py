@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (Q4Blocks, Q5Blocks, pack_q4_tiles, pack_q5_tiles, pack_q8_tiles,
-                                 quantize_activations, quantize_int4, quantize_q8_blocks, w4a8_reference,
-                                 w8a8_reference)
+from corral.engine.quant import (Q4Blocks, Q5Blocks, Q6Blocks, pack_q4_tiles, pack_q5_tiles, pack_q6_tiles,
+                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks,
+                                 w4a8_reference, w6a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -47,6 +47,20 @@ def random_q5(n: int, k: int) -> Q5Blocks:
     d = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
     m = (-16 * d * (0.5 + torch.rand(n, k // 32))).half().float()
     return Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), d, m + 8 * d)
+
+
+def q6_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q6_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def random_q6(n: int, k: int) -> Q6Blocks:
+    """6-bit codes over every value 0..63 with int8 scales over their whole range per 16 and a float16 d per 256
+    (repeated per block of 32), as a GGUF Q6_K tensor's."""
+    d = (torch.rand(n, -(-k // 256)) * 0.002 + 1e-4).half().float().repeat_interleave(8, dim=1)[:, : k // 32]
+    return Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8), d.contiguous(),
+                    torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
 
 
 def q8_product(x, tiles, n):
@@ -114,6 +128,56 @@ def test_q5_equals_its_stated_numerics(m, n, k):
     assert ((got - w4a8_reference(x, blocks)).abs() <= bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q6_equals_its_stated_numerics(m, n, k):
+    """Q6 tiles: ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale."""
+    torch.manual_seed(m * 61 + n + k)
+    blocks = random_q6(n, k)
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    x[0, :32] = 0
+    got = q6_product(x, pack_q6_tiles(blocks), n)
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    halves = (blocks.codes.double() - 32).view(n, k // 16, 16)
+    sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
+    terms = torch.einsum("anh,nh,ah->an", torch.einsum("ahk,nhk->anh", xq.view(m, k // 16, 16), halves).abs(),
+                         sc.abs(), scale.repeat_interleave(2, dim=1))
+    assert ((got - w6a8_reference(x, blocks)).abs() <= summation_bound(terms, k // 16).float() + 1e-30).all()
+
+
+def test_q6_tiles_hold_every_code_and_scale_and_give_each_weight_back():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
+    fifth and sixth bits from its chunk's masks, d as float16 and each half block's int8 scale; and one activation
+    picks out a column's weight, d sc (q - 32), in either half of a block."""
+    torch.manual_seed(6)
+    n, k = 20, 64
+    blocks = random_q6(n, k)
+    tiles = pack_q6_tiles(blocks)
+    assert tiles.shape == (2, 2, 448) and tiles.dtype == torch.uint8
+    for row in range(n):
+        t, r = divmod(row, 16)
+        for b in range(k // 32):
+            w = tiles[t, b]
+            for col in range(32):
+                c, within = divmod(col, 8)
+                half, i = divmod(within, 4)
+                j = 4 * r + i
+                nibble = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
+                fifth = (int(w[256 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
+                sixth = (int(w[320 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
+                assert nibble | (fifth << 4) | (sixth << 5) == int(blocks.codes[row, 32 * b + col])
+            assert float(w[384 + 2 * r: 386 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
+            for h in range(2):
+                assert int(w[416 + 16 * h + r: 417 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
+    dense = blocks.dequantize()
+    for col in (3, 20, 45):  # first half, second half, the next block
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0  # code 127 at scale 1/127
+        assert torch.allclose(q6_product(x, tiles, n)[0], dense[:, col] * (127 * (1 / 127)), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="0..63"):
+        pack_q6_tiles(Q6Blocks(torch.full((16, 32), 64, dtype=torch.uint8), torch.ones(16, 1),
+                               torch.ones(16, 2, dtype=torch.int8)))
+
+
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
     fifth bit from its chunk's masks, and d and m as float16."""
@@ -151,7 +215,7 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
@@ -163,6 +227,8 @@ def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
         tiles, matmul = pack_q4_tiles(quantize_int4(weights, 32)), native.module().q4_matmul
     elif kind == "q5":
         tiles, matmul = pack_q5_tiles(random_q5(n, k)), native.module().q5_matmul
+    elif kind == "q6":
+        tiles, matmul = pack_q6_tiles(random_q6(n, k)), native.module().q6_matmul
     else:
         tiles, matmul = pack_q8_tiles(*quantize_q8_blocks(weights)), native.module().q8_matmul
 
@@ -234,6 +300,11 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     mod.q5_matmul(buffer(x), buffer(pack_q5_tiles(five)), n, buffer(out), 2)
     ref = w4a8_reference(x, five)
     worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    six = Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
+                   torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
+    mod.q6_matmul(buffer(x), buffer(pack_q6_tiles(six)), n, buffer(out), 2)
+    ref = w6a8_reference(x, six)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -241,13 +312,17 @@ codes, d = quantize_q8_blocks(torch.randn(100, 576))
 q8_tiles = pack_q8_tiles(codes, d)
 q5_tiles = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02,
                                   torch.randn(100, 18) * 0.1))
+q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.uint8),
+                                  (torch.rand(100, 18) * 0.002).half().float(),
+                                  torch.randint(-128, 128, (100, 36), dtype=torch.int8)))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
     matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
     return out
 independent = True
-for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles)]:
+for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
+                  (mod.q6_matmul, q6_tiles)]:
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
@@ -263,7 +338,7 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
 _PAIRS_CHECK = """
 import hashlib, json, torch
 from corral import native
-from corral.engine.quant import Q5Blocks, pack_q4_tiles, pack_q5_tiles, quantize_int4
+from corral.engine.quant import Q5Blocks, Q6Blocks, pack_q4_tiles, pack_q5_tiles, pack_q6_tiles, quantize_int4
 from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(5)
@@ -272,9 +347,12 @@ for n in (100, 90, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (the l
     tiles = pack_q4_tiles(quantize_int4(torch.randn(n, 576), 32))
     five = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (n, 576), dtype=torch.uint8), torch.rand(n, 18) * 0.02,
                                   torch.randn(n, 18) * 0.1))
+    six = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (n, 576), dtype=torch.uint8),
+                                 (torch.rand(n, 18) * 0.002).half().float(),
+                                 torch.randint(-128, 128, (n, 36), dtype=torch.int8)))
     for rows in (1, 2, 3, 4, 5, 8):
         x = torch.randn(rows, 576)
-        for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five)):
+        for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five), (mod.q6_matmul, six)):
             out = torch.empty(rows, n)
             matmul(buffer(x), buffer(w), n, buffer(out), 2)
             digest.update(out.numpy().tobytes())
