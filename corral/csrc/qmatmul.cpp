@@ -104,17 +104,17 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
 void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy) {
     Activations a = scratch.of(x, rows, cols, threads);
-    // each block's first 16 codes summed (its second 16: isum less these), for the Q6 tiles' scale per half block
-    static thread_local std::vector<int32_t> first;
+    // 32 times each block's halves' codes summed, for the Q6 tiles' scale per half block (its codes less 32)
+    static thread_local std::vector<int32_t> halves;
     const int64_t blocks = cols / corral_qmatmul::BLOCK;
-    first.resize(size_t(rows * blocks));
+    halves.resize(size_t(2 * rows * blocks));
     for (int64_t i = 0; i < rows * blocks; ++i) {
         const int8_t* codes = a.xq + i * corral_qmatmul::BLOCK;
-        int32_t total = 0;
-        for (int k = 0; k < 16; ++k) total += codes[k];
-        first[size_t(i)] = total;
+        int32_t first = 0;
+        for (int k = 0; k < 16; ++k) first += codes[k];
+        halves[size_t(2 * i)] = 32 * first, halves[size_t(2 * i + 1)] = 32 * (a.isum[i] - first);
     }
-    a.isum_first = first.data();
+    a.halves32 = halves.data();
     chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 

@@ -27,7 +27,7 @@
 //   Q4, Q5: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
 //   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
-//       block's xq over that half (isum_first, below, and isum less it); a block's sum over h in integers (at most
+//       block's xq over that half (halves32, below, holds 32 isum_h); a block's sum over h in integers (at most
 //       2 x 128 x 16 x 32 x 127 < 2^24)
 // that is W times the quantized x (s xq), exactly (float32 summation order aside). The only error against the
 // product with the dequantized weights is x's rounding: at most s_b / 2 per element, so
@@ -49,7 +49,7 @@ struct Activations {
     const float* sum;    // [M, K / 32]
     const int32_t* isum; // [M, K / 32]
     int64_t rows, cols;
-    const int32_t* isum_first = nullptr;  // [M, K / 32]: the sum of each block's first 16 xq (Q6 products only)
+    const int32_t* halves32 = nullptr;  // [M, K / 32, 2]: 32 times each block's halves' xq sums (Q6 products only)
 };
 
 // Where the quantized activations go: the arrays an Activations then reads.

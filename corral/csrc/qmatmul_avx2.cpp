@@ -110,9 +110,8 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 416 + 16 * h + 8 * half)));
                 for (int r = 0; r < R; ++r) {
                     const int64_t at = (m + r) * blocks + b;
-                    const int32_t half_sum = h == 0 ? x.isum_first[at] : x.isum[at] - x.isum_first[at];
-                    const __m256i part = _mm256_mullo_epi32(_mm256_sub_epi32(wide[r], _mm256_set1_epi32(32 * half_sum)),
-                                                            sc);
+                    const __m256i part = _mm256_mullo_epi32(
+                        _mm256_sub_epi32(wide[r], _mm256_set1_epi32(x.halves32[2 * at + h])), sc);
                     scaled[r] = _mm256_add_epi32(scaled[r], part);
                     wide[r] = _mm256_setzero_si256();
                 }

@@ -116,9 +116,8 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + 416 + 16 * h)));
                     for (int r = 0; r < R; ++r) {
                         const int64_t at = (m + r) * blocks + b;
-                        const int32_t half_sum = h == 0 ? x.isum_first[at] : x.isum[at] - x.isum_first[at];
                         const __m512i part = _mm512_mullo_epi32(
-                            _mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(32 * half_sum)), sc);
+                            _mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(x.halves32[2 * at + h])), sc);
                         scaled[t][r] = _mm512_add_epi32(scaled[t][r], part);
                         dot[t][r] = _mm512_setzero_si512();
                     }
