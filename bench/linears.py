@@ -9,7 +9,12 @@ inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K line
 ones) and W8A8 (Q8 tiles: its Q8_0 ones). Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a
 warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
 
+Timed alone, a layer's tiles stay in the cache: those figures are arithmetic. ``--streamed`` times instead, per
+row count, one pass over 30 distinct copies of each layer shape in each native format (W4A8, W5A8, W6A8, W8A8),
+as a decode step streams its weights from memory, the formats taking turns for ``--repeats`` rounds (the median).
+
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
+    .venv/bin/python bench/linears.py --streamed --rows 1,4,16 --repeats 9
 """
 
 import argparse
@@ -61,15 +66,45 @@ def kernels(n: int, k: int, rows: int) -> dict:
         native_layer = (Q8Tiles(w) if (n, k) == HEAD else Q4Tiles(quantize_int4(w, 32), None))
         out["w4a8 native"] = lambda: native_layer(x)
         if (n, k) != HEAD:  # a K-quant file's 5-, 6- and 8-bit linears (Q5_0/Q5_1/Q5_K; Q6_K; Q8_0)
-            five = Q5Tiles(Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
-                                    torch.randn(n, k // 32) * 0.01), None)
-            six = Q6Tiles(Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8),
-                                   (torch.rand(n, k // 32) * 1e-3).half().float(),
-                                   torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)), None)
+            five, six = random_native("q5", n, k), random_native("q6", n, k)
             eight = Q8Linear(Q8Blocks(*quantize_q8_blocks(w)), None)
             out["w5a8 native"], out["w6a8 native"] = (lambda: five(x)), (lambda: six(x))
             out["w8a8 native"] = lambda: eight(x)
     return out
+
+
+def random_native(kind: str, n: int, k: int):
+    """A random layer [n, k] in native ``kind`` (q4, q5, q6, q8)."""
+    if kind == "q4":
+        return Q4Tiles(quantize_int4(torch.randn(n, k), 32), None)
+    if kind == "q5":
+        return Q5Tiles(Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
+                                torch.randn(n, k // 32) * 0.01), None)
+    if kind == "q6":
+        return Q6Tiles(Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8),
+                                (torch.rand(n, k // 32) * 1e-3).half().float(),
+                                torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)), None)
+    return Q8Linear(Q8Blocks(*quantize_q8_blocks(torch.randn(n, k))), None)
+
+
+def streamed(rows_list: list[int], repeats: int) -> None:
+    """Per row count: ms for one pass over NUM_LAYERS distinct copies of every layer shape, per native format."""
+    kinds = ("q4", "q5", "q6", "q8")
+    layers = {kind: [random_native(kind, n, k) for _ in range(NUM_LAYERS) for n, k in LAYERS] for kind in kinds}
+    print("| rows | " + " | ".join(f"{kind} ({sum(l.nbytes for l in layers[kind]) / 1e6:.1f} MB)" for kind in kinds) +
+          " |\n|---|" + "---|" * len(kinds))
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for _, k in LAYERS}
+        times = {kind: [] for kind in kinds}
+        for r in range(repeats + 1):
+            for kind in kinds[:: 1 if r % 2 else -1]:
+                start = time.perf_counter()
+                for layer in layers[kind]:
+                    layer(xs[layer.in_features])
+                if r:  # the first round warms up
+                    times[kind].append((time.perf_counter() - start) * 1e3)
+        print(f"| {rows} | " + " | ".join(f"{statistics.median(times[kind]):.2f}" for kind in kinds) + " |",
+              flush=True)
 
 
 def main() -> int:
@@ -77,11 +112,16 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,16,32,64,256")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--streamed", action="store_true",
+                    help="the native formats over 30 distinct copies of each layer (weights from memory)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     isa = native.module().qmatmul_isa if native.module() is not None else "no native module"
     print(f"# {cpu_summary()}; torch {torch.__version__} (kernels: {torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads; native products: {isa}; ms, median of {args.repeats}\n")
+    if args.streamed:
+        streamed([int(r) for r in args.rows.split(",")], args.repeats)
+        return 0
     names = list(kernels(16, 64, 1))
     print("| rows | part | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for rows in (int(r) for r in args.rows.split(",")):
