@@ -40,7 +40,7 @@ CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
 }
 
 // A decode step's products of at most SMALL_MAX rows read each weight byte once and wait on memory: their kernels
-// ask for the tile bytes `Ahead` bytes past the block they are at (20 Q4 blocks, 12 Q8 blocks), every line of it,
+// ask for the tile bytes `Ahead` bytes past the block they are at (20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks), every line,
 // as each block of a tile's first half starts in the first pass (the second half and later passes find the tile
 // in the cache), as the AVX-512 kernels do (corral/csrc/qmatmul_avx512.cpp). With these kernels forced
 // (CORRAL_QMATMUL_ISA=avx2) on the 2-core Ice Lake Xeon, the two builds' calls interleaved in one process: the 30
@@ -71,8 +71,8 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 // Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first; Bits 6:
 // Q6 tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum,
 // times the half's scale, goes into the block's integer sum, which then takes d s. A Q4 block's 16 products a lane sum in 16 bits (at most 16 x 15 x 127);
-// a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a chunk at a time (a chunk's 4 pair sums are
-// at most 4 x 2 x 63 x 127). Integer sums either way: the same values.
+// a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a chunk at a time (a chunk's 16-bit lane,
+// two pair sums, is at most 4 x 63 x 127 = 32,004). Integer sums either way: the same values.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {

@@ -34,7 +34,7 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // A decode step's products (at most SMALL_MAX rows, below) read each weight byte once and wait on memory: the
 // hardware's prefetchers alone left one core reading about 10 GB/s of tiles here, where a dense fp32 product of the
 // same step reads 20+. Those kernels ask for the tile bytes `Ahead` bytes past the block they are at, every line of
-// it, as each block starts (20 Q4 blocks, 12 Q8 blocks). On the 2-core Ice Lake Xeon, the two builds' calls
+// it, as each block starts (20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks). On the 2-core Ice Lake Xeon, the two builds' calls
 // interleaved in one process: the 30 layers' Q4 products of SmolLM2 21-25% faster at 1-4 rows (with tile pairs,
 // below, as that Intel CPU runs them), 14% at 8, 6% at 16; the Q8 LM head 17-23% at 1-8 rows, 12% at 16. On the
 // 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products,
@@ -247,7 +247,7 @@ void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* 
     static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
                                    nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
                                    nibble_rows<Bits, 6, 1, A>, nibble_rows<Bits, 7, 1, A>, nibble_rows<Bits, 8, 1, A>};
-    if constexpr (Bits == 6)  // a block's integer sums take a third set of registers: one tile at a time
+    if constexpr (Bits == 6)  // a block's integer sums take a third set of registers: one tile at a time, always
         matmul<nibble_rows<6, 1, 1>, nibble_rows<6, 2, 1>, nibble_rows<6, 4, 1>, nibble_rows<6, 1, 1>,
                nibble_rows<6, 2, 1>, nibble_rows<6, 4, 1>, nibble_rows<6, 6, 1>, Bytes, 1>(x, tiles, n, y, ldy, threads,
                                                                                           single, nullptr);
@@ -259,7 +259,8 @@ void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* 
 
 template <int Bits>
 const Rows* pairs() {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
+    static_assert(Bits != 6, "Q6 tiles go one at a time");
+    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
     static const Rows pair[5] = {nullptr, nibble_rows<Bits, 1, 2, A>, nibble_rows<Bits, 2, 2, A>,
                                  nibble_rows<Bits, 3, 2, A>, nibble_rows<Bits, 4, 2, A>};
     return pair;
@@ -283,10 +284,6 @@ void q5_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, i
 
 void q6(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     nibbles_over<6>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q6_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<6>(x, tiles, n, y, ldy, threads, pairs<6>());
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -322,7 +319,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 }
 
 const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6};
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6_pairs};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6};  // Q6: one tile at a time
 
 }  // namespace
 }  // namespace avx512

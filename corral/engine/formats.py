@@ -56,15 +56,15 @@ def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = 
             ) -> Formats:
     """The formats ``config`` runs in on a CPU with ``flags`` (default: this one's), for a model whose linears are
     (``gguf_q4``) or are not GGUF Q4_0/Q4_1/Q4_K blocks, and are (``gguf_q8``) or are not Q5, Q6_K or Q8_0 blocks
-    (which the native module runs as Q5 or Q8 blocks)."""
+    (which the native module runs as Q5, Q6 or Q8 blocks)."""
     flags = native.cpu_flags() if flags is None else flags
     reasons = []
     quantization = config.quantization
     if quantization == "auto":
         quantization = "w4a8" if native.module() is not None and (gguf_q4 or gguf_q8) else \
             "gguf" if gguf_q4 else "none"
-        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (4 and 5 bits as shipped, Q6_K and "
-                                "Q8_0 in Q8 blocks) and its head in Q8 blocks, native kernels",
+        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (4, 5 and 6 bits as shipped, Q8_0 "
+                                "in Q8 blocks) and its head in Q8 blocks, native kernels",
                         "gguf": "quantization gguf: the GGUF's Q4 linears as shipped (no native module: torch's "
                                 "int4 kernel)",
                         "none": "quantization none: the model has no Q4 blocks"}[quantization])

@@ -215,7 +215,7 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
 
 
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
-               keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
+               keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks]:
     from gguf.quants import dequantize
 
     from corral.models.gguf_file import gguf_tensors
@@ -302,7 +302,7 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 
 
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
-                 keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q8Blocks]:
+                 keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
     ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks` and its Q8_0 ones as
     :class:`Q8Blocks`). GGUF

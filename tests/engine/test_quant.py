@@ -125,13 +125,27 @@ def test_bias_is_added_after_the_kernel():
     torch.testing.assert_close(with_bias, Int4Groups(blocks, None, torch.bfloat16)(x) + bias.bfloat16())
 
 
-def test_q4_blocks_round_trip_the_weight_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8"])
+def test_blocks_round_trip_the_weight_cache_file(tmp_path, kind):
+    """Each kind of blocks through the converted-weights cache (a safetensors file) and back: the same type, fields
+    and dtypes (Q6's int8 scales included)."""
+    from safetensors.torch import load_file, save_file
+
+    from corral.engine.quant import Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
     from corral.engine.weights import _flatten, _unflatten
 
-    blocks = quantize_int4(torch.randn(4, 64), 32)
-    back = _unflatten(_flatten({"a.weight": blocks, "b": torch.ones(3)}))
-    assert isinstance(back["a.weight"], Q4Blocks) and torch.equal(back["b"], torch.ones(3))
-    assert all(torch.equal(x, y) for x, y in zip(back["a.weight"][:3], blocks[:3]))
+    q4 = quantize_int4(torch.randn(4, 64), 32)
+    blocks = {"q4": q4, "q5": Q5Blocks(*q4[:3]),
+              "q6": Q6Blocks(torch.randint(0, 64, (4, 64), dtype=torch.uint8), torch.rand(4, 2).half().float(),
+                             torch.randint(-128, 128, (4, 4), dtype=torch.int8)),
+              "q8": Q8Blocks(*quantize_q8_blocks(torch.randn(4, 64)))}[kind]
+    save_file(_flatten({"a.weight": blocks, "b": torch.ones(3)}), str(tmp_path / "cache.safetensors"))
+    back = _unflatten(load_file(str(tmp_path / "cache.safetensors")))
+    assert type(back["a.weight"]) is type(blocks) and torch.equal(back["b"], torch.ones(3))
+    fields = [f for f in type(blocks)._fields if f != "group"]
+    for field in fields:
+        got, want = getattr(back["a.weight"], field), getattr(blocks, field)
+        assert got.dtype == want.dtype and torch.equal(got, want), field
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])

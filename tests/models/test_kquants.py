@@ -118,6 +118,14 @@ def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files, cap
             assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
         else:
             assert torch.equal(got, want), name
+    # a query or key projection's blocks are un-permuted field by field (codes, d, scales: all by row): for the
+    # Q6_K tensor, as its values are
+    from corral.engine.weights import unpermute_rotary
+    six = kept[p + "self_attn.v_proj.weight"]
+    moved = Q6Blocks(*(torch.from_numpy(unpermute_rotary(f.numpy(), config.num_kv_heads)) for f in six))
+    assert torch.equal(moved.dequantize(),
+                       torch.from_numpy(unpermute_rotary(six.dequantize().numpy(), config.num_kv_heads)))
+    assert not torch.equal(moved.codes, six.codes)
     # a Q6_K part of a fused layer whose other parts are not Q6 goes to Q8 blocks, rounded: half a code at most
     v, want = kept[p + "self_attn.v_proj.weight"].as_q8().dequantize(), reference[p + "self_attn.v_proj.weight"]
     rows, cols = want.shape
