@@ -179,6 +179,23 @@ def pack_q4_tiles(blocks: Q4Blocks) -> torch.Tensor:
     return torch.cat((packed, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)), -1).contiguous()
 
 
+def _nibbles_and_masks(codes: torch.Tensor, bits: int) -> tuple[int, int, list[torch.Tensor]]:
+    """Codes [N, K] of ``bits`` (4-6) as a tile block's parts: their low 4 bits in 4 chunks (a Q4 tile block's 256
+    bytes), then for each bit from the fifth on, 4 x 16 bytes of masks (chunk c's: bit j = 4 r + i of mask h is that
+    bit of q[r][8 c + 4 h + i]). Returns (tiles, blocks, parts), each part [tiles, blocks, bytes]."""
+    rows, cols = codes.shape
+    codes = _tile_rows(codes.to(torch.uint8))
+    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
+    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
+    nibbles = q & 0x0F
+    parts = [(nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)]
+    for bit in range(4, bits):
+        plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
+        parts.append((plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks,
+                                                                                                  64))
+    return num_tiles, num_blocks, parts
+
+
 def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
     """Q5 blocks of 32 as the native kernel's tiles [ceil(N / 16), K / 32, 384] uint8 (layout in
     ``corral/csrc/qmatmul.h``): a Q4 tile block of the codes' low 4 bits, their fifth bits as two 64-bit masks per
@@ -187,19 +204,10 @@ def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
         raise ValueError(f"the W5A8 kernel takes blocks of 32 along K, not {blocks.group}")
     if blocks.codes.numel() and int(blocks.codes.max()) > 31:  # a sixth bit would land in the next code's fifth
         raise ValueError("Q5 codes must be 0..31")
-    rows, cols = blocks.codes.shape
-    codes = _tile_rows(blocks.codes.to(torch.uint8))
-    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
-    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
-    nibbles = q & 0x0F
-    packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)
-    # chunk c's masks: bit j = 4 r + i of mask h is the fifth bit of q[r][8 c + 4 h + i]
-    fifth = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
-    masks = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks, 64)
+    num_tiles, num_blocks, parts = _nibbles_and_masks(blocks.codes, 5)
     d = _tile_rows(blocks.scale.float())
     m = _tile_rows((blocks.zero.float() - 8 * blocks.scale.float()))
-    return torch.cat((packed, masks, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)),
-                     -1).contiguous()
+    return torch.cat((*parts, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)), -1).contiguous()
 
 
 def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
@@ -208,19 +216,9 @@ def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
     alike, ``d`` as float16, then each row's int8 scale of the block's first 16 columns, and of its last 16."""
     if blocks.codes.numel() and int(blocks.codes.max()) > 63:
         raise ValueError("Q6 codes must be 0..63")
-    rows, cols = blocks.codes.shape
-    codes = _tile_rows(blocks.codes.to(torch.uint8))
-    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
-    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
-    nibbles = q & 0x0F
-    packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)
-    masks = []
-    for bit in (4, 5):  # chunk c's masks: bit j = 4 r + i of mask h is that bit of q[r][8 c + 4 h + i]
-        plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
-        masks.append((plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks,
-                                                                                                  64))
+    num_tiles, num_blocks, parts = _nibbles_and_masks(blocks.codes, 6)
     sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
-    return torch.cat((packed, *masks, _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
+    return torch.cat((*parts, _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
 
 

@@ -775,6 +775,40 @@ def test_no_burst_holds_back_a_waiting_request():
     assert engine.stats().num_burst_steps > 0  # the second one, alone
 
 
+def assert_native_step_is_the_forward(model, config, cases, seed: int, blocks: int = 256,
+                                      max_len: int = 1024) -> None:
+    """Each case (decodes, prompts, cached: token counts) as one step of random sequences, each decode with all but
+    its last token computed, each prompt after ``cached`` computed tokens: ``model``'s native step and its torch
+    forward on one runner give the same hidden states, bit for bit."""
+    import itertools
+
+    from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
+    from corral.engine.sampling_params import SamplingParams
+    from corral.engine.sequence import Sequence
+
+    runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
+                                      num_kv_blocks=blocks, num_threads=2, max_model_len=max_len), config, None,
+                         model=model)
+    numbers, generator = itertools.count(1), torch.Generator().manual_seed(seed)
+
+    def sequence(tokens, computed):
+        seq = Sequence("r", torch.randint(1, config.vocab_size, (tokens,), generator=generator).tolist(),
+                       SamplingParams())
+        seq.block_table = [next(numbers) for _ in range(-(-(tokens + 1) // runner.block_size))]
+        seq.num_computed_tokens = computed
+        return seq
+
+    with torch.inference_mode():
+        for decodes, prompts, cached in cases:
+            seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
+            ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
+            expected = model.forward(ids, positions, meta, runner.kv_caches)
+            group = meta.decodes[0] if meta.decodes else None
+            got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
+                                    group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
+            assert torch.equal(got, expected), (decodes, prompts, cached)
+
+
 def q6_blocks_of(weight: torch.Tensor):
     """``weight`` [N, K] as Q6 blocks the way llama.cpp's Q6_K rounds (an int8 scale per 16 under a float16 d per 32
     here): codes 0..63."""
@@ -834,12 +868,7 @@ def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, h
     with 4 queries per KV head (Llama 3.2's), 8 heads of 64 over 2, 6 of 128 over 3, an untied head and Llama 3.1's
     RoPE factors. Their W4A8 layers stepped natively give the torch forward's hidden states bit for bit: decodes at
     contexts that take one, two and three attention chunks, prompts beside them, and a chunk over cached context."""
-    import itertools
-
     from corral.engine.model import LlamaModel
-    from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
-    from corral.engine.sampling_params import SamplingParams
-    from corral.engine.sequence import Sequence
     from corral.models import ModelConfig
 
     hidden, ffn, vocab, layers = heads * head_dim, 768, 320, 2
@@ -865,23 +894,6 @@ def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, h
                         p + "mlp.down_proj.weight": dense(hidden, ffn)})
     model = LlamaModel(config, weights, torch.float32, "w4a8")
     assert model.native_step is not None
-    runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
-                                      num_kv_blocks=256, num_threads=2, max_model_len=1024), config, None, model=model)
-    blocks = itertools.count(1)
-
-    def sequence(tokens, computed):
-        seq = Sequence("r", torch.randint(1, vocab, (tokens,), generator=generator).tolist(), SamplingParams())
-        seq.block_table = [next(blocks) for _ in range(-(-(tokens + 1) // runner.block_size))]
-        seq.num_computed_tokens = computed
-        return seq
-
-    with torch.inference_mode():
-        for decodes, prompts, cached in (([200], [], 0), ([300, 700, 41], [], 0), ([90, 520], [20, 33], 0),
-                                         ([50], [40], 300), ([], [130], 0)):
-            seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
-            ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
-            expected = model.forward(ids, positions, meta, runner.kv_caches)
-            group = meta.decodes[0] if meta.decodes else None
-            got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
-                                    group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
-            assert torch.equal(got, expected), (decodes, prompts, cached)
+    assert_native_step_is_the_forward(model, config, (([200], [], 0), ([300, 700, 41], [], 0),
+                                                      ([90, 520], [20, 33], 0), ([50], [40], 300), ([], [130], 0)),
+                                      seed=heads)

@@ -109,56 +109,17 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarra
 
 
 def write_gguf(hf_model, path, rope_factors=None) -> None:
-    """``hf_model``'s weights in a float32 GGUF laid out as llama.cpp's converter writes a Llama (Q and K rows in
-    its rotary order), with ``rope_factors`` as its ``rope_freqs.weight`` where given."""
-    gguf = pytest.importorskip("gguf")
+    """``hf_model``'s weights in a float32 GGUF laid out as llama.cpp's converter writes a Llama, with
+    ``rope_factors`` as its ``rope_freqs.weight`` where given."""
+    pytest.importorskip("gguf")
+    from tests.models.kquant_fixture import write_llama_gguf
+
     cfg = hf_model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(cfg.hidden_size // heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([bytes([b]).hex() for b in range(cfg.vocab_size)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    writer.add_token_merges([])
-    writer.add_eos_token_id(cfg.eos_token_id)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
-
-    def permute(w, n):  # llama.cpp's converter: per head, the two rotary halves interleaved
-        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    for name, value in hf_model.state_dict().items():
-        value = value.float().numpy()
-        if name.startswith("model.layers."):
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            if rest.endswith("q_proj.weight"):
-                value = permute(value, heads)
-            elif rest.endswith("k_proj.weight"):
-                value = permute(value, kv_heads)
-            name = f"blk.{layer}.{per_layer[rest]}"
-        else:
-            name = names[name]
-        writer.add_tensor(name, np.ascontiguousarray(value))
-    if rope_factors is not None:
-        writer.add_tensor("rope_freqs.weight", rope_factors)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_llama_gguf(str(path), {name: t.float().numpy() for name, t in hf_model.state_dict().items()},
+                     layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
+                     heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size,
+                     context=cfg.max_position_embeddings, eos=cfg.eos_token_id, eps=cfg.rms_norm_eps,
+                     extra=None if rope_factors is None else {"rope_freqs.weight": rope_factors})
 
 
 def test_a_gguf_with_llama3_scaling_as_its_rope_freqs_matches_transformers(tmp_path):

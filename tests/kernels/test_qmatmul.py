@@ -116,58 +116,76 @@ def test_q4_error_against_the_dequantized_weights_is_within_the_stated_bound(m, 
     assert torch.allclose(got, quantized, rtol=1e-5, atol=1e-4 * float(exact.abs().max()))
 
 
-@pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_equals_its_stated_numerics(m, n, k):
-    """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31."""
-    torch.manual_seed(m * 31 + n + k)
-    blocks = random_q5(n, k)
-    x = torch.randn(m, k) * torch.rand(m, 1) * 4
-    x[0, :32] = 0
-    got = q5_product(x, pack_q5_tiles(blocks), n)
-    bound = summation_bound(q4_terms(x, blocks), k // 32).float()
-    assert ((got - w4a8_reference(x, blocks)).abs() <= bound + 1e-30).all()
-
-
-@pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q6_equals_its_stated_numerics(m, n, k):
-    """Q6 tiles: ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale."""
-    torch.manual_seed(m * 61 + n + k)
-    blocks = random_q6(n, k)
-    x = torch.randn(m, k) * torch.rand(m, 1) * 4
-    x[0, :32] = 0
-    got = q6_product(x, pack_q6_tiles(blocks), n)
+def q6_terms(x, blocks: Q6Blocks) -> torch.Tensor:
+    """sum_b sum_h |d sc_h s_b (q - 32) . xq|: the magnitude a Q6 product's float32 rounding scales with."""
     xq, scale, _ = (t.double() for t in quantize_activations(x))
+    (m, k), n = x.shape, blocks.codes.shape[0]
     halves = (blocks.codes.double() - 32).view(n, k // 16, 16)
     sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
-    terms = torch.einsum("anh,nh,ah->an", torch.einsum("ahk,nhk->anh", xq.view(m, k // 16, 16), halves).abs(),
-                         sc.abs(), scale.repeat_interleave(2, dim=1))
-    assert ((got - w6a8_reference(x, blocks)).abs() <= summation_bound(terms, k // 16).float() + 1e-30).all()
+    return torch.einsum("anh,nh,ah->an", torch.einsum("ahk,nhk->anh", xq.view(m, k // 16, 16), halves).abs(),
+                        sc.abs(), scale.repeat_interleave(2, dim=1))
+
+
+@pytest.mark.parametrize("kind", ["q5", "q6"])
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_q5_and_q6_equal_their_stated_numerics(kind, m, n, k):
+    """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
+    ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale."""
+    torch.manual_seed(m * 31 + n + k + (kind == "q6"))
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    x[0, :32] = 0
+    if kind == "q5":
+        blocks = random_q5(n, k)
+        got, want = q5_product(x, pack_q5_tiles(blocks), n), w4a8_reference(x, blocks)
+        bound = summation_bound(q4_terms(x, blocks), k // 32)
+    else:
+        blocks = random_q6(n, k)
+        got, want = q6_product(x, pack_q6_tiles(blocks), n), w6a8_reference(x, blocks)
+        bound = summation_bound(q6_terms(x, blocks), k // 16)
+    assert ((got - want).abs() <= bound.float() + 1e-30).all()
+
+
+def code_in_tile(w: torch.Tensor, r: int, col: int, bits: int) -> int:
+    """The code of row r, column col of a tile block ``w`` with ``bits`` (5 or 6), read as the kernels read it
+    (qmatmul.h): its low 4 bits from its nibble, its fifth (and sixth) from its chunk's masks."""
+    c, within = divmod(col, 8)
+    half, i = divmod(within, 4)
+    j = 4 * r + i
+    code = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
+    for bit, masks in ((4, 256), (5, 320))[: bits - 4]:
+        code |= ((int(w[masks + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1) << bit
+    return code
+
+
+def tile_blocks(tiles: torch.Tensor, n: int, k: int):
+    """(row, its place r in its tile, block b, that tile's block b) for every row and block of ``tiles``."""
+    for row in range(n):
+        t, r = divmod(row, 16)
+        for b in range(k // 32):
+            yield row, r, b, tiles[t, b]
+
+
+def packed_with_every_code(bits: int, seed: int, n: int = 20, k: int = 64):
+    """Random Q5 or Q6 blocks [n, k] and their tiles, each code checked to read back from the tiles."""
+    torch.manual_seed(seed)
+    blocks = random_q5(n, k) if bits == 5 else random_q6(n, k)
+    tiles = (pack_q5_tiles if bits == 5 else pack_q6_tiles)(blocks)
+    assert tiles.shape == (-(-n // 16), k // 32, 384 if bits == 5 else 448) and tiles.dtype == torch.uint8
+    for row, r, b, w in tile_blocks(tiles, n, k):
+        assert [code_in_tile(w, r, col, bits) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+    return blocks, tiles
 
 
 def test_q6_tiles_hold_every_code_and_scale_and_give_each_weight_back():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
     fifth and sixth bits from its chunk's masks, d as float16 and each half block's int8 scale; and one activation
     picks out a column's weight, d sc (q - 32), in either half of a block."""
-    torch.manual_seed(6)
     n, k = 20, 64
-    blocks = random_q6(n, k)
-    tiles = pack_q6_tiles(blocks)
-    assert tiles.shape == (2, 2, 448) and tiles.dtype == torch.uint8
-    for row in range(n):
-        t, r = divmod(row, 16)
-        for b in range(k // 32):
-            w = tiles[t, b]
-            for col in range(32):
-                c, within = divmod(col, 8)
-                half, i = divmod(within, 4)
-                j = 4 * r + i
-                nibble = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
-                fifth = (int(w[256 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
-                sixth = (int(w[320 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
-                assert nibble | (fifth << 4) | (sixth << 5) == int(blocks.codes[row, 32 * b + col])
-            assert float(w[384 + 2 * r: 386 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
-            for h in range(2):
-                assert int(w[416 + 16 * h + r: 417 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
+    blocks, tiles = packed_with_every_code(6, seed=6, n=n, k=k)
+    for row, r, b, w in tile_blocks(tiles, n, k):
+        assert float(w[384 + 2 * r: 386 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
+        for h in range(2):
+            assert int(w[416 + 16 * h + r: 417 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
     dense = blocks.dequantize()
     for col in (3, 20, 45):  # first half, second half, the next block
         x = torch.zeros(1, k)
@@ -181,26 +199,12 @@ def test_q6_tiles_hold_every_code_and_scale_and_give_each_weight_back():
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
     fifth bit from its chunk's masks, and d and m as float16."""
-    torch.manual_seed(4)
-    n, k = 20, 64
-    blocks = random_q5(n, k)
-    tiles = pack_q5_tiles(blocks)
-    assert tiles.shape == (2, 2, 384) and tiles.dtype == torch.uint8
-    for row in range(n):
-        t, r = divmod(row, 16)
-        for b in range(k // 32):
-            w = tiles[t, b]
-            for col in range(32):
-                c, within = divmod(col, 8)
-                half, i = divmod(within, 4)
-                j = 4 * r + i
-                nibble = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
-                fifth = (int(w[256 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1
-                assert nibble | (fifth << 4) == int(blocks.codes[row, 32 * b + col])
-            d = w[320 + 2 * r: 322 + 2 * r].view(torch.float16).float()
-            m_ = w[352 + 2 * r: 354 + 2 * r].view(torch.float16).float()
-            assert float(d) == float(blocks.scale[row, b])
-            assert float(m_) == float(blocks.zero[row, b] - 8 * blocks.scale[row, b])
+    blocks, tiles = packed_with_every_code(5, seed=4)
+    for row, r, b, w in tile_blocks(tiles, 20, 64):
+        d = w[320 + 2 * r: 322 + 2 * r].view(torch.float16).float()
+        m_ = w[352 + 2 * r: 354 + 2 * r].view(torch.float16).float()
+        assert float(d) == float(blocks.scale[row, b])
+        assert float(m_) == float(blocks.zero[row, b] - 8 * blocks.scale[row, b])
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)

@@ -56,7 +56,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_f32(path: str) -> None:
+def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                     vocab: int, context: int, eos: int, eps: float = 1e-5, name: str | None = None,
+                     extra: dict | None = None) -> None:
+    """HF-named float32 ``weights`` (numpy) as a Llama GGUF laid out as llama.cpp's converter writes one (Q and K
+    rows in its rotary order), with a byte-per-token vocabulary, and the ``extra`` tensors (GGUF names) as they
+    are."""
     import gguf
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
@@ -67,38 +72,46 @@ def write_f32(path: str) -> None:
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                  "mlp.down_proj.weight": "ffn_down.weight"}
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("corral-tiny-kquant")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_layer_norm_rms_eps(1e-5)
+    if name:
+        writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(eps)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(VOCAB)
+    writer.add_vocab_size(vocab)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([bytes([b]).hex() for b in range(VOCAB)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    writer.add_token_list([bytes([b]).hex() for b in range(vocab)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
     writer.add_token_merges([])
-    writer.add_eos_token_id(0)
-    for name, value in weights().items():
-        if name.startswith("model.layers."):
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    writer.add_eos_token_id(eos)
+    for hf_name, value in weights.items():
+        if hf_name.startswith("model.layers."):
+            layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{per_layer[rest]}"
         else:
-            gname = names[name]
-        if ".self_attn.q_proj." in name:
-            value = _permute(value, HEADS)
-        elif ".self_attn.k_proj." in name:
-            value = _permute(value, KV_HEADS)
+            gname = names[hf_name]
+        if ".self_attn.q_proj." in hf_name:
+            value = _permute(value, heads)
+        elif ".self_attn.k_proj." in hf_name:
+            value = _permute(value, kv_heads)
         writer.add_tensor(gname, np.ascontiguousarray(value))
+    for gname, value in (extra or {}).items():
+        writer.add_tensor(gname, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_f32(path: str) -> None:
+    write_llama_gguf(path, weights(), layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS,
+                     vocab=VOCAB, context=256, eos=0, name="corral-tiny-kquant")
 
 
 def main(quantize: str) -> None:

@@ -153,13 +153,8 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     Q5_0 key projection goes to Q8 exactly), the output projection in Q4, the down projection (Q5_K) in Q5: the
     native step runs each at its kind, and its hidden states equal the torch forward's bit for bit, for a fresh
     prompt alone, prompts beside decodes, and a chunk over cached context."""
-    import itertools
-
-    from corral.engine import EngineConfig
-    from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
     from corral.engine.quant import Q4Tiles, Q5Tiles, Q8Linear
-    from corral.engine.sampling_params import SamplingParams
-    from corral.engine.sequence import Sequence
+    from tests.engine.test_native_step import assert_native_step_is_the_forward
 
     files, config = fixture_files
     model = LlamaModel(config, load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True),
@@ -169,22 +164,5 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     if model.native_step is None:
         pytest.skip("the native module is off or missing")
     assert model.native_step.kinds.tolist() == [[8, 4, 8, 5]]
-    runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
-                                      num_kv_blocks=64, num_threads=2, max_model_len=256), config, None, model=model)
-    blocks, generator = itertools.count(1), torch.Generator().manual_seed(0)
-
-    def sequence(tokens, computed):
-        seq = Sequence("r", torch.randint(1, 256, (tokens,), generator=generator).tolist(), SamplingParams())
-        seq.block_table = [next(blocks) for _ in range(-(-(tokens + 1) // runner.block_size))]
-        seq.num_computed_tokens = computed
-        return seq
-
-    with torch.inference_mode():
-        for decodes, prompts, cached in (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60)):
-            seqs = [sequence(n, n - 1) for n in decodes] + [sequence(n + cached, cached) for n in prompts]
-            ids, positions, meta = runner.prepare(seqs, [1] * len(decodes) + prompts)
-            expected = model.forward(ids, positions, meta, runner.kv_caches)
-            group = meta.decodes[0] if meta.decodes else None
-            got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
-                                    group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
-            assert torch.equal(got, expected), (decodes, prompts, cached)
+    assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60)),
+                                      seed=0, blocks=64, max_len=256)
