@@ -14,7 +14,9 @@ shares are then per step, and the engine loop is also given per generated token.
 pick inside that call, so its time is in "native: LM head" and the sampler's row is near 0. No HTTP: compare with
 ``bench/engine.py`` for what the server adds. ``--stub-forward`` (greedy, drafts off) makes every decode step
 return at once with a fixed token, so the engine loop runs with warm caches: its own cost, without what the
-forward's weight stream costs it. The engine loop's line also gives the median time of a Python call that does
+forward's weight stream costs it; ``--evict-mb 96`` has each stubbed step first read 96 MB, as a step of the
+shipped model streams its weights, so the loop meets the caches a forward leaves (the cold cost alone). The
+engine loop's line also gives the median time of a Python call that does
 nothing, made as the first code after each forward: what resuming the interpreter costs there on this machine
 (a floor under any loop written in Python), before any of the loop's own work. ``--schema FILE`` constrains every
 timed request to that JSON Schema (compact whitespace, as a server compiles it by default): the guided step, whose
@@ -28,7 +30,7 @@ GGUF (a K-quant file's Q5 and Q8 linears among its Q4 ones).
     .venv/bin/python bench/step_profile.py --formats bfloat16/gguf/auto --batches 1,16
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --top-p 0.9 --seed 1
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --tokens 512 --drafts off \\
-        --decode-burst 1 --stub-forward
+        --decode-burst 1 --stub-forward [--evict-mb 96]
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --temperature 0.7 --frequency-penalty 0.5 \\
         --repetition-penalty 1.1 --logit-bias 20
     .venv/bin/python bench/step_profile.py --formats float32/w4a8/bfloat16 --schema bench/data/story_schema.json
@@ -128,15 +130,21 @@ def long_prompt(tokenizer, number: int, tokens: int) -> list[int]:
     return (head + body)[:tokens]
 
 
-def stub_decode_steps(engine: LLMEngine, token: int = 42) -> None:
+def stub_decode_steps(engine: LLMEngine, token: int = 42, evict_mb: int = 0) -> None:
     """Decode steps that return at once (``--stub-forward``): every sequence's tokens are ``token``, its logits a
-    zero buffer, and the pass decided them, as a native greedy call reports it; prefills still run."""
+    zero buffer, and the pass decided them, as a native greedy call reports it; prefills still run. With
+    ``evict_mb``, each first reads that many MB of memory (``--evict-mb``: the caches left as a forward's weight
+    stream leaves them, with no weights)."""
     runner = engine.runner
     if not runner.max_burst_rows:
         raise SystemExit("--stub-forward needs the native decode step (--formats float32/w4a8/bfloat16)")
     logits = torch.zeros(runner.max_burst_rows, engine.sampler.vocab_size or engine.vocabulary.size)
 
+    stream = torch.ones(evict_mb << 18) if evict_mb else None  # float32: 4 bytes each
+
     def stub(batch, steps, *args, **kwargs):  # timed as "forward" by instrument()
+        if stream is not None:
+            stream.sum()
         rows = len(batch.seqs)
         return (list(batch.seqs), logits[:rows * steps], [[token] * steps for _ in range(rows)],
                 [[0.0] * steps for _ in range(rows)], True)
@@ -169,11 +177,16 @@ def main() -> int:
     ap.add_argument("--stub-forward", action="store_true",
                     help="decode steps return at once with a fixed token and no forward, so the engine loop runs "
                          "with warm caches: its own cost, apart from the weight stream's (greedy, the native step)")
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="with --stub-forward: each step first reads this many MB (96: what a step of the shipped "
+                         "model streams), so the loop meets the caches a real forward leaves")
     ap.add_argument("--schema", default=None, help="a JSON Schema file: every timed request is constrained to it")
     ap.add_argument("--context", type=int, default=0,
                     help="prompts of this many tokens, prefilled into the prefix cache before the clock (0: short)")
     ap.add_argument("--model", default=None, help="a GGUF file or HF folder instead of the shipped model")
     args = ap.parse_args()
+    if args.evict_mb and not args.stub_forward:
+        ap.error("--evict-mb reads memory in place of a stubbed forward: it needs --stub-forward")
     if args.stub_forward and (args.drafts == "on" or args.temperature > 0 or args.schema):
         ap.error("--stub-forward takes unconstrained greedy steps with --drafts off (drafted steps would run the "
                  "real forward, and a fixed token would break a schema)")
@@ -200,7 +213,7 @@ def main() -> int:
                                         max_model_len=args.context + args.tokens + 64 if args.context else None))
         spent = collections.defaultdict(float)
         if args.stub_forward:
-            stub_decode_steps(engine)
+            stub_decode_steps(engine, evict_mb=args.evict_mb)
         resumes = []  # per forward: the no-op call right after it
         instrument(engine, spent, resumes)
         grammar = GrammarCompiler(engine.vocabulary).compile(Constraint("json_schema", schema)) if schema else None
