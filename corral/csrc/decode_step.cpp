@@ -200,9 +200,9 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             int8, out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part:
 //             embedding, norms, matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32
 //             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
-//             [ceil(n / 16), hidden / 32, 544] and logits float32 [B, n], or both None; steps: how many tokens
-//             each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
-//             columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token
+//             [ceil(n / 16), hidden / 32, 544] (or Q6 tiles, 448) and logits float32 [B, n], or both None; steps:
+//             how many tokens each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]),
+//             pick_columns: the columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token
 //             ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1]
 //             that ends a burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one
 //             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
@@ -331,14 +331,17 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     if (has_head == logits_in.is_none()) fail(PyExc_TypeError, "decode_step: head and logits go together");
     const Array head(has_head ? head_in : spec_in, "head", false), logits(has_head ? logits_in : spec_in, "logits",
                                                                             has_head);
-    int64_t head_rows = 0;
+    int64_t head_rows = 0, head_bits = 8;
     if (has_head) {
         logits.expect_float32();
         logits.expect_ndim(2);
         if (logits.dim(0) != B * steps) fail(PyExc_ValueError, "logits: one row per sequence and step");
         head_rows = logits.dim(1);
         head.expect_uint8();
-        head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
+        head.expect_ndim(3);  // Q8 tiles, or Q6 tiles (an untied Q6_K head as shipped)
+        head_bits = head.dim(2) == corral_qmatmul::Q6_TILE_BYTES ? 6 : 8;
+        head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32),
+                           head_bits == 6 ? corral_qmatmul::Q6_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
     }
     const bool burst = steps > 1, picking = burst || pick_columns != 0;
     if (picking && !has_head) fail(PyExc_TypeError, "decode_step: a burst or a pick needs the LM head");
@@ -492,8 +495,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             clock.mark(NORM);
             if (has_head) {
                 float* step_logits = logits.data<float>() + step * head_rows;
-                q8_product(out.data<const float>(), B, H, head.data<const uint8_t>(), head_rows, step_logits, threads,
-                           steps * head_rows);
+                (head_bits == 6 ? q6_product : q8_product)(out.data<const float>(), B, H, head.data<const uint8_t>(),
+                                                           head_rows, step_logits, threads, steps * head_rows);
                 clock.mark(LM_HEAD);
             }
             if (!picking) break;

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q5Blocks, Q5Tiles,
-                                 Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, concat_blocks, quantize_int4,
+                                 Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, concat_blocks, quantize_int4,
                                  quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
@@ -146,7 +146,7 @@ class NativeStep:
                                   cfg.intermediate_size, model.embed.table.out_features, 0], dtype=torch.int64)
         self.embed_tiles = model.embed.table.tiles
         self.model = model
-        self.head_tiles = model.lm_head.tiles if isinstance(model.lm_head, Q8Tiles) else None
+        self.head_tiles = model.lm_head.tiles if isinstance(model.lm_head, (Q8Tiles, Q6Head)) else None
         # set to float64 [8] to have each step add its seconds per part (bench/step_profile.py)
         self.profile: torch.Tensor | None = None
         self._views: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (tensor, its buffer), for the long-lived
@@ -352,7 +352,9 @@ class LlamaModel:
                 raise ValueError("w4a8 runs float32 activations")
             table = Q8Tiles(self._dense(weights["model.embed_tokens.weight"]))
             self.embed = _Rows(table)
-            self.lm_head = table if config.tie_word_embeddings else Q8Tiles(self._dense(weights["lm_head.weight"]))
+            head = None if config.tie_word_embeddings else weights["lm_head.weight"]  # Q6_K as shipped, else Q8
+            self.lm_head = table if head is None else Q6Head(head) if isinstance(head, Q6Blocks) else \
+                Q8Tiles(self._dense(head))
         elif quantization == "none":
             self.embed = _Embedding(get("model.embed_tokens.weight"))
             head = self.embed.weight if config.tie_word_embeddings else get("lm_head.weight")

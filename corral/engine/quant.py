@@ -431,27 +431,46 @@ class Q8Linear(_TileLinear):
         return pack_q8_tiles(blocks.codes, blocks.d)
 
 
-class Q8Tiles:
+class _HeadTiles:
+    """An LM head on a native kernel: its tiles on huge pages where granted (streamed whole each step)."""
+
+    _kernel: str
+
+    def __init__(self, tiles: torch.Tensor, out_features: int, in_features: int):
+        self.out_features, self.in_features = out_features, in_features
+        self.tiles = hugepages.copy(tiles)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native_matmul(self._kernel, x, self.tiles, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+class Q6Head(_HeadTiles):
+    """An untied LM head of GGUF Q6_K blocks as shipped (:class:`Q6Blocks` in Q6 tiles, the W6A8 kernel), where
+    Q8 rows would round it and take 1.06 bytes a weight against 0.875."""
+
+    kind, _kernel = "w6a8", "q6_matmul"
+
+    def __init__(self, blocks: Q6Blocks):
+        super().__init__(pack_q6_tiles(blocks), *blocks.codes.shape)
+
+
+class Q8Tiles(_HeadTiles):
     """W8A8 rows in blocks of 32 (GGUF Q8_0 as shipped: :func:`quantize_q8_blocks` gives its codes back) through
     the native kernel; also the embedding (``rows(ids)``: the dequantized rows) when tied."""
 
-    kind = "w8a8"
+    kind, _kernel = "w8a8", "q8_matmul"
 
     def __init__(self, weight: torch.Tensor):
-        self.out_features, self.in_features = weight.shape
-        self.tiles = hugepages.copy(pack_q8_tiles(*quantize_q8_blocks(weight)))  # streamed whole each step
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return native_matmul("q8_matmul", x, self.tiles, self.out_features)
+        super().__init__(pack_q8_tiles(*quantize_q8_blocks(weight)), *weight.shape)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(len(ids), self.in_features)
         native.module().q8_rows(buffer(self.tiles), self.out_features, buffer(ids.contiguous()), buffer(out))
         return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.nbytes
 
 
 def native_matmul(name: str, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:

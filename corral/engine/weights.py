@@ -204,7 +204,8 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # a layer's linears only
 
     def kept(name: str, kind: str) -> bool:
-        return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds)
+        return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds) or \
+            (keep_q8 and name == "lm_head.weight" and kind in _Q6_KINDS)  # an untied Q6_K head runs as shipped
 
     kinds = sorted({t.tensor_type.name for t in gguf_tensors(path)
                     if (name := _gguf_name(t.name)) and not kept(name, t.tensor_type.name)})
@@ -239,7 +240,7 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
             kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
-        elif keep_q8 and linear and kind in _Q6_KINDS:
+        elif keep_q8 and (linear or name == "lm_head.weight") and kind in _Q6_KINDS:  # the head: untied Q6_K
             kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         if kept is not None:  # codes and scales, in the rotary order the values take below
             tensors[name] = type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))

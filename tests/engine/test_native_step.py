@@ -779,7 +779,8 @@ def assert_native_step_is_the_forward(model, config, cases, seed: int, blocks: i
                                       max_len: int = 1024) -> None:
     """Each case (decodes, prompts, cached: token counts) as one step of random sequences, each decode with all but
     its last token computed, each prompt after ``cached`` computed tokens: ``model``'s native step and its torch
-    forward on one runner give the same hidden states, bit for bit."""
+    forward on one runner give the same hidden states, bit for bit; and for a step of decodes alone, the engine's
+    call (the scheduler's lists, the LM head in the same call) the same logits as the torch head."""
     import itertools
 
     from corral.engine.model_runner import _NO_LENS, _NO_TABLES, ModelRunner
@@ -807,6 +808,11 @@ def assert_native_step_is_the_forward(model, config, cases, seed: int, blocks: i
             got = model.native_step(ids, positions, meta.slot_mapping, group.block_tables if group else _NO_TABLES,
                                     group.context_lens if group else _NO_LENS, *runner.whole_kv, spans=meta.prefills)
             assert torch.equal(got, expected), (decodes, prompts, cached)
+            if not prompts and model.native_step.head_tiles is not None:
+                logits = model.native_step.decode(ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(),
+                                                  [seq.block_table for seq in seqs],
+                                                  [p + 1 for p in positions.tolist()], 2, *runner.whole_kv)
+                assert torch.equal(logits, model.lm_head(expected)), decodes
 
 
 def q6_blocks_of(weight: torch.Tensor):

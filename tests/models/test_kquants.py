@@ -107,10 +107,12 @@ def test_w4a8_keeps_each_linear_at_the_bits_its_file_gives_it(fixture_files, cap
     with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
         kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
     (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert "at load: Q4_K, Q6_K (" in line  # the embedding and the LM head: every linear is kept
+    assert "at load: Q4_K (" in line  # the embedding: every linear and the (untied, Q6_K) LM head are kept
     reference = load_weights(files, config, torch.float32)
     p = "model.layers.0."
     assert {name: type(kept[p + name]) for name in LINEAR_KINDS} == LINEAR_KINDS
+    assert isinstance(kept["lm_head.weight"], Q6Blocks)
+    assert torch.equal(kept["lm_head.weight"].dequantize(), reference["lm_head.weight"])
     for name in LINEAR_KINDS:
         got, want = kept[p + name].dequantize(), reference[p + name]
         kind = {"k_proj": "Q5_0", "gate_proj": "Q8_0", "v_proj": "Q6_K"}.get(name.split(".")[1])
@@ -153,7 +155,7 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     Q5_0 key projection goes to Q8 exactly), the output projection in Q4, the down projection (Q5_K) in Q5: the
     native step runs each at its kind, and its hidden states equal the torch forward's bit for bit, for a fresh
     prompt alone, prompts beside decodes, and a chunk over cached context."""
-    from corral.engine.quant import Q4Tiles, Q5Tiles, Q8Linear
+    from corral.engine.quant import Q4Tiles, Q5Tiles, Q6Head, Q8Linear
     from tests.engine.test_native_step import assert_native_step_is_the_forward
 
     files, config = fixture_files
@@ -164,5 +166,6 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     if model.native_step is None:
         pytest.skip("the native module is off or missing")
     assert model.native_step.kinds.tolist() == [[8, 4, 8, 5]]
-    assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60)),
-                                      seed=0, blocks=64, max_len=256)
+    assert isinstance(model.lm_head, Q6Head) and model.native_step.head_tiles is model.lm_head.tiles
+    assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
+                                                      ([90, 120, 7], [], 0)), seed=0, blocks=64, max_len=256)
