@@ -4,8 +4,8 @@
 // and the final norm, in one call with the GIL released. Python schedules once per step; the block tables, the
 // prefix cache and the guides stay in Python.
 //
-// It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles, Q5Tiles
-// and Q8Linear linears and the fused ops, float32 activations), in the same order on the same buffers, so its
+// It runs exactly the kernels the torch path of the same model runs (corral/engine/model.py with Q4Tiles, Q5Tiles,
+// Q6Tiles and Q8Linear linears and the fused ops, float32 activations), in the same order on the same buffers, so its
 // hidden states equal that path's bit for bit; tests/engine/test_native_step.py holds it to that.
 #include "arrays.h"
 #include "common.h"
@@ -27,20 +27,7 @@ constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermedi
 
 // One linear's tiles: Q4, Q5, Q6 or Q8 (bits 4, 5, 6, 8), n rows of k.
 int64_t tile_bytes(int64_t bits, int64_t n, int64_t k) {
-    const int64_t block = bits == 8   ? corral_qmatmul::Q8_TILE_BYTES
-                          : bits == 6 ? corral_qmatmul::Q6_TILE_BYTES
-                          : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES
-                                      : corral_qmatmul::Q4_TILE_BYTES;
-    return (n + 15) / 16 * (k / 32) * block;
-}
-
-// One linear's product on its tiles (bits 4, 5, 6 or 8), x [rows, cols] into y [rows, n].
-void product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* w, int64_t n, float* y,
-             int threads) {
-    if (bits == 8) q8_product(x, rows, cols, w, n, y, threads);
-    else if (bits == 6) q6_product(x, rows, cols, w, n, y, threads);
-    else if (bits == 5) q5_product(x, rows, cols, w, n, y, threads);
-    else q4_product(x, rows, cols, w, n, y, threads);
+    return (n + 15) / 16 * (k / 32) * corral_qmatmul::tile_block_bytes(bits);
 }
 
 // The parts a profile splits a step into (seconds added to timings[part] when a timings buffer is given).
@@ -202,14 +189,15 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
 //             [ceil(n / 16), hidden / 32, 544] (or Q6 tiles, 448) and logits float32 [B, n], or both None; steps:
 //             how many tokens each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]),
-//             pick_columns: the columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token
-//             ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1]
-//             that ends a burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one
-//             number per row, uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a
-//             pick, else (picks: B lists of the steps done's token ids, their logprobs: B lists of floats,
-//             decided: whether the native pass decided every pick); spans: None or a list of (start, end, table
-//             or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64 [layers, 4]: each of a
-//             layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one after another in layer_tiles
+//             pick_columns: the columns each step's greedy pick reads (0: no pick, for a single step only),
+//             end_ids: None or token ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or
+//             an int64 buffer [1] that ends a burst once nonzero, draws: None (greedy picks) or (temperature,
+//             top_k, top_p, min_p: one number per row, uniform: B * steps numbers, step-major) for sample_pick's
+//             draws) -> None without a pick, else (picks: B lists of the steps done's token ids, their logprobs: B
+//             lists of floats, decided: whether the native pass decided every pick); spans: None or a list of (start,
+//             end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64 [layers, 4]:
+//             each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one after another
+//             in layer_tiles
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -341,7 +329,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         head.expect_ndim(3);  // Q8 tiles, or Q6 tiles (an untied Q6_K head as shipped)
         head_bits = head.dim(2) == corral_qmatmul::Q6_TILE_BYTES ? 6 : 8;
         head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32),
-                           head_bits == 6 ? corral_qmatmul::Q6_TILE_BYTES : corral_qmatmul::Q8_TILE_BYTES});
+                           corral_qmatmul::tile_block_bytes(head_bits)});
     }
     const bool burst = steps > 1, picking = burst || pick_columns != 0;
     if (picking && !has_head) fail(PyExc_TypeError, "decode_step: a burst or a pick needs the LM head");
@@ -414,7 +402,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
                                     H, eps, threads);
                 clock.mark(NORM);
-                product(bit[0], normed.data(), B, H, tiles + start[0], QKV, qkv.data(), threads);
+                tiles_product(bit[0], normed.data(), B, H, tiles + start[0], QKV, qkv.data(), threads);
                 clock.mark(MATMUL);
                 k->rope_f32(qkv.data(), QKV, pos.data(), cos.data<const float>(), sin.data<const float>(), B,
                             heads + kv_heads, D, threads);
@@ -479,15 +467,15 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                         span.num_context, o, tokens, heads, kv_heads, D, block_size, scale, threads);
                 }
                 clock.mark(ATTENTION);
-                product(bit[1], attn.data(), B, Q, tiles + start[1], H, delta.data(), threads);
+                tiles_product(bit[1], attn.data(), B, Q, tiles + start[1], H, delta.data(), threads);
                 clock.mark(MATMUL);
                 k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
                 clock.mark(NORM);
-                product(bit[2], normed.data(), B, H, tiles + start[2], 2 * I, gate_up.data(), threads);
+                tiles_product(bit[2], normed.data(), B, H, tiles + start[2], 2 * I, gate_up.data(), threads);
                 clock.mark(MATMUL);
                 k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
                 clock.mark(SILU);
-                product(bit[3], act.data(), B, I, tiles + start[3], H, delta.data(), threads);
+                tiles_product(bit[3], act.data(), B, I, tiles + start[3], H, delta.data(), threads);
                 clock.mark(MATMUL);
                 has_delta = true;
             }
@@ -495,8 +483,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             clock.mark(NORM);
             if (has_head) {
                 float* step_logits = logits.data<float>() + step * head_rows;
-                (head_bits == 6 ? q6_product : q8_product)(out.data<const float>(), B, H, head.data<const uint8_t>(),
-                                                           head_rows, step_logits, threads, steps * head_rows);
+                tiles_product(head_bits, out.data<const float>(), B, H, head.data<const uint8_t>(), head_rows,
+                              step_logits, threads, steps * head_rows);
                 clock.mark(LM_HEAD);
             }
             if (!picking) break;

@@ -118,6 +118,12 @@ void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
+void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
+                   float* y, int threads, int64_t ldy) {
+    (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : q4_product)(x, rows, cols, tiles, n, y,
+                                                                                            threads, ldy);
+}
+
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
     const int64_t t = id / 16, r = id % 16;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -129,8 +135,8 @@ void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
 
 namespace {
 
-// q4_matmul / q5_matmul / q6_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N]
-// float32, threads): out = x W^T.
+// q4_matmul / q5_matmul / q6_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8,
+// N, out [M, N] float32, threads): out = x W^T.
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -141,17 +147,13 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     if (n < 1) fail(PyExc_ValueError, "N must be positive");
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
-    tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32,
-                        bits == 4   ? corral_qmatmul::Q4_TILE_BYTES
-                        : bits == 5 ? corral_qmatmul::Q5_TILE_BYTES
-                        : bits == 6 ? corral_qmatmul::Q6_TILE_BYTES
-                                    : corral_qmatmul::Q8_TILE_BYTES});
+    tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32, corral_qmatmul::tile_block_bytes(bits)});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);
     if (rows > 0) {
         NoGil nogil;
-        (bits == 4 ? q4_product : bits == 5 ? q5_product : bits == 6 ? q6_product : q8_product)(
-            x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n, out.data<float>(), threads, n);
+        tiles_product(bits, x.data<const float>(), rows, cols, tiles.data<const uint8_t>(), n, out.data<float>(),
+                      threads, n);
     }
 }
 

@@ -43,6 +43,11 @@ namespace corral_qmatmul {
 constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448,
                   Q8_TILE_BYTES = 544;
 
+// A tile block's bytes for codes of `bits` (4, 5, 6 or 8).
+constexpr int64_t tile_block_bytes(int64_t bits) {
+    return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+}
+
 struct Activations {
     const int8_t* xq;    // [M, K]
     const float* scale;  // [M, K / 32]
@@ -125,6 +130,9 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
                 int64_t ldy = 0);
 void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
+// The product on tiles of `bits` (4, 5, 6 or 8): the one of the four above.
+void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
+                   float* y, int threads, int64_t ldy = 0);
 // Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
 void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);
 

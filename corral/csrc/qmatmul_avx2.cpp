@@ -70,14 +70,14 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 
 // Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first; Bits 6:
 // Q6 tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum,
-// times the half's scale, goes into the block's integer sum, which then takes d s. A Q4 block's 16 products a lane sum in 16 bits (at most 16 x 15 x 127);
-// a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a chunk at a time (a chunk's 16-bit lane,
-// two pair sums, is at most 4 x 63 x 127 = 32,004). Integer sums either way: the same values.
+// times the half's scale, goes into the block's integer sum, which then takes d s. A Q4 block's 16 products a lane
+// sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a
+// chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004). Integer sums either
+// way: the same values.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
-    constexpr int64_t Bytes = Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
-    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -200,8 +200,7 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                                   nibble_rows<Bits, 4>};
     static const Rows ahead[5] = {nullptr, nibble_rows<Bits, 1, A>, nibble_rows<Bits, 2, A>, nibble_rows<Bits, 3, A>,
                                   nibble_rows<Bits, 4, A>};
-    matmul<Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES>(x, tiles, n, y, ldy, threads, plain,
-                                                                                  ahead);
+    matmul<tile_block_bytes(Bits)>(x, tiles, n, y, ldy, threads, plain, ahead);
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {

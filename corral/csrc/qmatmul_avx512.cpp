@@ -57,11 +57,6 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // Bits 5: Q5 tiles, each code's fifth bit added from its chunk's masks (qmatmul.h) before the same products. Bits
 // 6: Q6 tiles, a sixth bit too; once a half block's two chunks are in, its dot less 32 times the half's activation
 // sum, times the half's scale, goes into the block's integer sum (`scaled`), which then takes d s as Q8's does.
-template <int Bits>
-constexpr int64_t tile_bytes() {
-    return Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
-}
-
 CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
     uint64_t bits;
     std::memcpy(&bits, mask, 8);
@@ -71,7 +66,7 @@ CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
 template <int Bits, int R, int T, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
                                float* y, int64_t ldy, __mmask16 keep) {
-    constexpr int64_t Bytes = tile_bytes<Bits>(), Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
@@ -243,7 +238,7 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 template <int Bits>
 void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
                   const Rows* pair) {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD, Bytes = tile_bytes<Bits>();
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Q4_AHEAD, Bytes = tile_block_bytes(Bits);
     static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
                                    nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
                                    nibble_rows<Bits, 6, 1, A>, nibble_rows<Bits, 7, 1, A>, nibble_rows<Bits, 8, 1, A>};
@@ -253,8 +248,8 @@ void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* 
                                                                                           single, nullptr);
     else
         matmul<nibble_rows<Bits, 1, 1>, nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 1, 2>,
-               nibble_rows<Bits, 2, 2>, nibble_rows<Bits, 4, 2>, nibble_rows<Bits, 6, 2>, Bytes, 2>(x, tiles, n, y, ldy,
-                                                                                                  threads, single, pair);
+               nibble_rows<Bits, 2, 2>, nibble_rows<Bits, 4, 2>, nibble_rows<Bits, 6, 2>, Bytes, 2>(
+            x, tiles, n, y, ldy, threads, single, pair);
 }
 
 template <int Bits>

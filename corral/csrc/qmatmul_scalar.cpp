@@ -94,8 +94,7 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
 // 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t Bytes = Bits == 6 ? Q6_TILE_BYTES : Bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
-    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     each_tile<Bytes>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const int8_t* xq, float s, float sum,
                                                       float* acc) {
         int32_t half_sum[2] = {0, 0};

@@ -340,8 +340,8 @@ class LlamaModel:
 
     ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K),
     ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense) or
-    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5 and Q8 blocks as shipped, and Q8 embedding/head, through
-    the native kernels with float32 activations)."""
+    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5, Q6 and Q8 blocks as shipped, and Q8 embedding/head or
+    an untied Q6 head, through the native kernels with float32 activations)."""
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",
                  group_size: int = 32):

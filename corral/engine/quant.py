@@ -188,7 +188,8 @@ def _nibbles_and_masks(codes: torch.Tensor, bits: int) -> tuple[int, int, list[t
     num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
     q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
     nibbles = q & 0x0F
-    parts = [(nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)]
+    packed = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+    parts = [packed.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)]
     for bit in range(4, bits):
         plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
         parts.append((plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks,

@@ -275,8 +275,7 @@ def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: b
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks}  # safetensors prefix -> the blocks' type
-_FIELDS = {"q4": ("codes", "scale", "zero"), "q5": ("codes", "scale", "zero"), "q6": ("codes", "d", "sc"),
-           "q8": ("codes", "d")}
+_FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
