@@ -180,24 +180,23 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
     return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables, lens [B], embed Q8 tiles
-//             [ceil(vocab / 16), hidden / 32, 544], layer Q4 tiles (uint8, every layer's qkv, o, gate_up, down, one
-//             after another), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
-//             k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32, bfloat16 (as int16) or
-//             int8, out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part:
-//             embedding, norms, matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32
-//             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles
-//             [ceil(n / 16), hidden / 32, 544] (or Q6 tiles, 448) and logits float32 [B, n], or both None; steps:
-//             how many tokens each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]),
-//             pick_columns: the columns each step's greedy pick reads (0: no pick, for a single step only),
-//             end_ids: None or token ids (a list of ints or an int64 buffer) that end a burst, interrupt: None or
-//             an int64 buffer [1] that ends a burst once nonzero, draws: None (greedy picks) or (temperature,
-//             top_k, top_p, min_p: one number per row, uniform: B * steps numbers, step-major) for sample_pick's
-//             draws) -> None without a pick, else (picks: B lists of the steps done's token ids, their logprobs: B
-//             lists of floats, decided: whether the native pass decided every pick); spans: None or a list of (start,
-//             end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64 [layers, 4]:
-//             each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one after another
-//             in layer_tiles
+// decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables, lens [B], embed Q8 tiles [ceil(vocab /
+//             16), hidden / 32, 544] (or Q6 tiles, 448), layer Q4 tiles (uint8, every layer's qkv, o, gate_up, down,
+//             one after another), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
+//             k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32, bfloat16 (as int16) or int8,
+//             out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part: embedding, norms,
+//             matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32 [layers, blocks, block_size,
+//             kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles [ceil(n / 16), hidden / 32, 544] (or
+//             Q6 tiles, 448) and logits float32 [B, n], or both None; steps: how many tokens each sequence decodes (a
+//             burst, > 1: with a head, logits [B * steps, n]), pick_columns: the columns each step's greedy pick reads
+//             (0: no pick, for a single step only), end_ids: None or token ids (a list of ints or an int64 buffer) that
+//             end a burst, interrupt: None or an int64 buffer [1] that ends a burst once nonzero, draws: None (greedy
+//             picks) or (temperature, top_k, top_p, min_p: one number per row, uniform: B * steps numbers, step-major)
+//             for sample_pick's draws) -> None without a pick, else (picks: B lists of the steps done's token ids,
+//             their logprobs: B lists of floats, decided: whether the native pass decided every pick); spans: None or a
+//             list of (start, end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64
+//             [layers, 4]: each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one
+//             after another in layer_tiles
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -251,7 +250,11 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         norms(norms_in, "norms", false), cos(cos_in, "cos", false), sin(sin_in, "sin", false),
         k_cache(k_cache_in, "k_cache", true), v_cache(v_cache_in, "v_cache", true), out(out_in, "out", true);
     embed.expect_uint8();
-    embed.expect_shape({Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::Q8_TILE_BYTES});
+    embed.expect_ndim(3);  // Q8 tiles, or Q6 tiles (a Q6_K embedding as shipped)
+    const int64_t embed_bits = row_tile_bits(embed.dim(2));
+    if (embed_bits == 0) fail(PyExc_ValueError, "decode_step: embed must be Q8 tiles (544 bytes a block) or Q6 (448)");
+    embed.expect_shape(
+        {Py_ssize_t((vocab + 15) / 16), Py_ssize_t(H / 32), corral_qmatmul::tile_block_bytes(embed_bits)});
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
     norms.expect_float32();  // (first: its rows bound the layer count the tables below are sized by)
     norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
@@ -326,8 +329,10 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         if (logits.dim(0) != B * steps) fail(PyExc_ValueError, "logits: one row per sequence and step");
         head_rows = logits.dim(1);
         head.expect_uint8();
-        head.expect_ndim(3);  // Q8 tiles, or Q6 tiles (an untied Q6_K head as shipped)
-        head_bits = head.dim(2) == corral_qmatmul::Q6_TILE_BYTES ? 6 : 8;
+        head.expect_ndim(3);  // Q8 tiles, or Q6 tiles (a Q6_K head as shipped)
+        head_bits = row_tile_bits(head.dim(2));
+        if (head_bits == 0)
+            fail(PyExc_ValueError, "decode_step: head must be Q8 tiles (544 bytes a block) or Q6 (448)");
         head.expect_shape({Py_ssize_t((head_rows + 15) / 16), Py_ssize_t(H / 32),
                            corral_qmatmul::tile_block_bytes(head_bits)});
     }
@@ -392,7 +397,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         std::vector<int64_t> top_ids(sampled ? B * corral_kernels::TOP_LOGPROBS : 0);
         std::vector<float> top_logprobs(sampled ? B * corral_kernels::TOP_LOGPROBS : 0);
         for (int64_t step = 0; step < steps; ++step) {
-            for (Py_ssize_t b = 0; b < B; ++b) q8_row(embed_tiles, H / 32, id[b], h.data() + b * H);
+            for (Py_ssize_t b = 0; b < B; ++b) tile_row(embed_bits, embed_tiles, H / 32, id[b], h.data() + b * H);
             clock.mark(EMBED);
             bool has_delta = false;
             for (int64_t l = 0; l < L; ++l) {

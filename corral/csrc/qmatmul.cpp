@@ -124,12 +124,28 @@ void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, con
                                                                                             threads, ldy);
 }
 
-void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
-    const int64_t t = id / 16, r = id % 16;
+void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
+    const int64_t t = id / 16, r = id % 16, bytes = corral_qmatmul::tile_block_bytes(bits);
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* w = tiles + (t * blocks + b) * corral_qmatmul::Q8_TILE_BYTES;
-        const float d = corral_qmatmul::half_to_float(w + 512 + 2 * r);
-        for (int k = 0; k < 32; ++k) out[b * 32 + k] = d * float(int32_t(w[64 * (k / 4) + 4 * r + k % 4]) - 128);
+        const uint8_t* w = tiles + (t * blocks + b) * bytes;
+        float* row = out + b * 32;
+        if (bits == 8) {
+            const float d = corral_qmatmul::half_to_float(w + 512 + 2 * r);
+            for (int k = 0; k < 32; ++k) row[k] = d * float(int32_t(w[64 * (k / 4) + 4 * r + k % 4]) - 128);
+            continue;
+        }
+        // Q6: column 8 c + i (i < 4) is the low nibble of chunk c's byte 4 r + i, 8 c + 4 + i its high one; the
+        // fifth and sixth bits sit at that byte's bit in the chunk's low-nibble or high-nibble mask
+        const float d = corral_qmatmul::half_to_float(w + 384 + 2 * r);
+        for (int k = 0; k < 32; ++k) {
+            const int c = k / 8, high = (k % 8) / 4, byte = 4 * int(r) + k % 4;
+            const uint8_t nibble = high ? w[64 * c + byte] >> 4 : w[64 * c + byte] & 0x0F;
+            const int fifth = (w[256 + 16 * c + 8 * high + byte / 8] >> (byte % 8)) & 1;
+            const int sixth = (w[320 + 16 * c + 8 * high + byte / 8] >> (byte % 8)) & 1;
+            const int code = nibble + 16 * fifth + 32 * sixth;
+            const float scale = d * float(int8_t(w[416 + 16 * (k / 16) + r]));  // exact: 11 by 8 bits
+            row[k] = float(code - 32) * scale;  // as Q6Blocks.dequantize: one rounding
+        }
     }
 }
 
@@ -157,9 +173,9 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     }
 }
 
-// q8_rows(tiles [ceil(N / 16), K / 32, 544] uint8, N, ids [T] int64, out [T, K] float32): the rows ids of W,
-// dequantized (an embedding lookup from the LM head's tiles).
-void q8_rows(nb::handle tiles_in, int64_t n, nb::handle ids_in, nb::handle out_in) {
+// tile_rows(tiles [ceil(N / 16), K / 32, 544 or 448] uint8, N, ids [T] int64, out [T, K] float32): the rows ids of
+// W, dequantized from Q8 tiles or Q6 tiles (by the tile block's bytes): an embedding lookup in the LM head's tiles.
+void tile_rows(nb::handle tiles_in, int64_t n, nb::handle ids_in, nb::handle out_in) {
     const Array tiles(tiles_in, "tiles", false), ids(ids_in, "ids", false), out(out_in, "out", true);
     tiles.expect_ndim(3);
     tiles.expect_uint8();
@@ -167,13 +183,15 @@ void q8_rows(nb::handle tiles_in, int64_t n, nb::handle ids_in, nb::handle out_i
     ids.expect_int64();
     out.expect_float32();
     const Py_ssize_t blocks = tiles.dim(1);
-    tiles.expect_shape({Py_ssize_t((n + 15) / 16), blocks, corral_qmatmul::Q8_TILE_BYTES});
+    const int64_t bits = row_tile_bits(tiles.dim(2));
+    if (bits == 0) fail(PyExc_ValueError, "tile_rows: tiles must be Q8 (544 bytes a block) or Q6 (448)");
+    tiles.expect_shape({Py_ssize_t((n + 15) / 16), blocks, corral_qmatmul::tile_block_bytes(bits)});
     out.expect_shape({ids.dim(0), blocks * 32});
     const int64_t* id = ids.data<const int64_t>();
     for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
-        if (id[i] < 0 || id[i] >= n) fail(PyExc_IndexError, "q8_rows: an id outside the rows");
+        if (id[i] < 0 || id[i] >= n) fail(PyExc_IndexError, "tile_rows: an id outside the rows");
     for (Py_ssize_t i = 0; i < ids.dim(0); ++i)
-        q8_row(tiles.data<const uint8_t>(), blocks, id[i], out.data<float>() + i * blocks * 32);
+        tile_row(bits, tiles.data<const uint8_t>(), blocks, id[i], out.data<float>() + i * blocks * 32);
 }
 
 
@@ -195,7 +213,7 @@ void add_qmatmul(nb::module_& m) {
     m.def("q5_matmul", &matmul<5>);
     m.def("q6_matmul", &matmul<6>);
     m.def("q8_matmul", &matmul<8>);
-    m.def("q8_rows", &q8_rows);
+    m.def("tile_rows", &tile_rows);
 }
 
 }  // namespace corral_native

@@ -133,7 +133,12 @@ void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
 // The product on tiles of `bits` (4, 5, 6 or 8): the one of the four above.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
-// Row id of Q8 tiles with `blocks` blocks, dequantized into out [blocks * 32].
-void q8_row(const uint8_t* tiles, int64_t blocks, int64_t id, float* out);
+// Row id of Q8 or Q6 tiles (bits 8 or 6) with `blocks` blocks, dequantized into out [blocks * 32] (for Q6, as
+// Q6Blocks.dequantize computes it: (q - 32) (d sc), one rounding).
+void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out);
+// The bits of row tiles (an embedding's or LM head's) whose blocks take `bytes`: 8 (Q8) or 6 (Q6); 0 for neither.
+constexpr int64_t row_tile_bits(int64_t bytes) {
+    return bytes == corral_qmatmul::Q8_TILE_BYTES ? 8 : bytes == corral_qmatmul::Q6_TILE_BYTES ? 6 : 0;
+}
 
 }  // namespace corral_native

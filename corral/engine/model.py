@@ -104,9 +104,9 @@ class _Embedding:
 
 
 class _Rows:
-    """An embedding looked up in the LM head's Q8 tiles (the dequantized rows, float32)."""
+    """An embedding looked up in Q8 or Q6 tiles, the LM head's when tied (the dequantized rows, float32)."""
 
-    def __init__(self, table: Q8Tiles):
+    def __init__(self, table: Q8Tiles | Q6Head):
         self.table, self.nbytes = table, table.nbytes
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -340,8 +340,8 @@ class LlamaModel:
 
     ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K),
     ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense) or
-    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5, Q6 and Q8 blocks as shipped, and Q8 embedding/head or
-    an untied Q6 head, through the native kernels with float32 activations)."""
+    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5, Q6 and Q8 blocks as shipped, and the embedding and LM
+    head in Q8 tiles or, Q6_K as shipped, Q6 tiles, through the native kernels with float32 activations)."""
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",
                  group_size: int = 32):
@@ -350,11 +350,9 @@ class LlamaModel:
         if quantization == "w4a8":  # Q8 blocks of 32 (GGUF Q8_0 as shipped): lookups and logits from one copy
             if dtype != torch.float32:
                 raise ValueError("w4a8 runs float32 activations")
-            table = Q8Tiles(self._dense(weights["model.embed_tokens.weight"]))
+            table = self._row_tiles(weights["model.embed_tokens.weight"])
             self.embed = _Rows(table)
-            head = None if config.tie_word_embeddings else weights["lm_head.weight"]  # Q6_K as shipped, else Q8
-            self.lm_head = table if head is None else Q6Head(head) if isinstance(head, Q6Blocks) else \
-                Q8Tiles(self._dense(head))
+            self.lm_head = table if config.tie_word_embeddings else self._row_tiles(weights["lm_head.weight"])
         elif quantization == "none":
             self.embed = _Embedding(get("model.embed_tokens.weight"))
             head = self.embed.weight if config.tie_word_embeddings else get("lm_head.weight")
@@ -385,6 +383,12 @@ class LlamaModel:
         model.layers = self.layers[:num_layers]
         model.native_step = None if self.native_step is None else self.native_step.truncated(model)
         return model
+
+    @classmethod
+    def _row_tiles(cls, value) -> Q6Head | Q8Tiles:
+        """An embedding's or LM head's tiles under w4a8: Q6_K blocks as shipped, any other weight as Q8 rows
+        (GGUF Q8_0 exactly)."""
+        return Q6Head(value) if isinstance(value, Q6Blocks) else Q8Tiles(cls._dense(value))
 
     @staticmethod
     def _dense(value) -> torch.Tensor:

@@ -433,7 +433,8 @@ class Q8Linear(_TileLinear):
 
 
 class _HeadTiles:
-    """An LM head on a native kernel: its tiles on huge pages where granted (streamed whole each step)."""
+    """An LM head on a native kernel: its tiles on huge pages where granted (streamed whole each step); also the
+    embedding (``rows(ids)``: the dequantized rows), from the same tiles when tied."""
 
     _kernel: str
 
@@ -444,14 +445,20 @@ class _HeadTiles:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return native_matmul(self._kernel, x, self.tiles, self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(ids), self.in_features)
+        native.module().tile_rows(buffer(self.tiles), self.out_features, buffer(ids.contiguous()), buffer(out))
+        return out
+
     @property
     def nbytes(self) -> int:
         return self.tiles.nbytes
 
 
 class Q6Head(_HeadTiles):
-    """An untied LM head of GGUF Q6_K blocks as shipped (:class:`Q6Blocks` in Q6 tiles, the W6A8 kernel), where
-    Q8 rows would round it and take 1.06 bytes a weight against 0.875."""
+    """An LM head or embedding of GGUF Q6_K blocks as shipped (:class:`Q6Blocks` in Q6 tiles, the W6A8 kernel;
+    ``rows(ids)`` as ``blocks.dequantize()[ids]``, bit for bit), where Q8 rows would round it and take 1.06 bytes a
+    weight against 0.875."""
 
     kind, _kernel = "w6a8", "q6_matmul"
 
@@ -461,17 +468,12 @@ class Q6Head(_HeadTiles):
 
 class Q8Tiles(_HeadTiles):
     """W8A8 rows in blocks of 32 (GGUF Q8_0 as shipped: :func:`quantize_q8_blocks` gives its codes back) through
-    the native kernel; also the embedding (``rows(ids)``: the dequantized rows) when tied."""
+    the native kernel."""
 
     kind, _kernel = "w8a8", "q8_matmul"
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(pack_q8_tiles(*quantize_q8_blocks(weight)), *weight.shape)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(len(ids), self.in_features)
-        native.module().q8_rows(buffer(self.tiles), self.out_features, buffer(ids.contiguous()), buffer(out))
-        return out
 
 
 def native_matmul(name: str, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,8 +4,8 @@ GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1
 except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
-(:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones as 6-bit codes with their scales
-(:class:`~corral.engine.quant.Q6Blocks`) and its Q8_0 ones as int8 codes with one float16 scale per 32 weights
+(:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
+their scales (:class:`~corral.engine.quant.Q6Blocks`) and its Q8_0 ones as int8 codes with one float16 scale per 32 weights
 (:class:`~corral.engine.quant.Q8Blocks`). The Q/K projections are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves.
@@ -172,6 +172,9 @@ def q6_blocks(raw: np.ndarray, values: torch.Tensor) -> Q6Blocks | None:
     return Q6Blocks(codes.to(torch.uint8).view(rows, cols), d.repeat_interleave(8, dim=1), sc.reshape(rows, -1))
 
 
+_ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by row or run as the head: w4a8 keeps Q6_K
+
+
 def _is_layer_linear(name: str) -> bool:
     """Whether HF-named ``name`` is a layer's linear weight (a projection: what the native kernels run)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
@@ -205,7 +208,7 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
 
     def kept(name: str, kind: str) -> bool:
         return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds) or \
-            (keep_q8 and name == "lm_head.weight" and kind in _Q6_KINDS)  # an untied Q6_K head runs as shipped
+            (keep_q8 and name in _ROW_TABLES and kind in _Q6_KINDS)  # a Q6_K embedding or head runs as shipped
 
     kinds = sorted({t.tensor_type.name for t in gguf_tensors(path)
                     if (name := _gguf_name(t.name)) and not kept(name, t.tensor_type.name)})
@@ -240,7 +243,7 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
             kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
-        elif keep_q8 and (linear or name == "lm_head.weight") and kind in _Q6_KINDS:  # the head: untied Q6_K
+        elif keep_q8 and (linear or name in _ROW_TABLES) and kind in _Q6_KINDS:
             kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         if kept is not None:  # codes and scales, in the rotary order the values take below
             tensors[name] = type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
@@ -268,7 +271,7 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v5"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v6"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")

@@ -259,8 +259,23 @@ def test_q8_blocks_give_q8_0_back_exactly_and_the_rows_dequantize_exactly():
     tiles = pack_q8_tiles(codes, d)
     ids = torch.tensor([0, 39, 17, 17])
     rows = torch.empty(4, 64)
-    native.module().q8_rows(buffer(tiles), 40, buffer(ids), buffer(rows))
+    native.module().tile_rows(buffer(tiles), 40, buffer(ids), buffer(rows))
     assert torch.equal(rows, dense[ids])
+
+
+def test_q6_rows_dequantize_as_the_blocks_do_bit_for_bit():
+    """An embedding looked up in Q6 tiles (a Q6_K token embedding kept as shipped): each row is the blocks'
+    dequantized row, every code 0..63 and scale -128..127 among them, from rows in every place of a tile and a
+    last short tile."""
+    n, k = 40, 96
+    blocks, tiles = packed_with_every_code(6, seed=9, n=n, k=k)
+    ids = torch.tensor([0, 39, 17, 17, 15, 16, 31, 32])
+    rows = torch.empty(len(ids), k)
+    native.module().tile_rows(buffer(tiles), n, buffer(ids), buffer(rows))
+    assert torch.equal(rows, blocks.dequantize()[ids])
+    every = torch.empty(n, k)
+    native.module().tile_rows(buffer(tiles), n, buffer(torch.arange(n)), buffer(every))
+    assert torch.equal(every, blocks.dequantize())
 
 
 def test_q4_tiles_keep_a_q4_1_blocks_own_d_and_m():
@@ -421,4 +436,6 @@ def test_buffers_are_checked():
         mod.q8_matmul(buffer(x), buffer(tiles), 32, buffer(out), 2)  # Q4 tiles handed to the Q8 product
     q8 = pack_q8_tiles(*quantize_q8_blocks(torch.randn(32, 64)))
     with pytest.raises(IndexError, match="outside the rows"):
-        mod.q8_rows(buffer(q8), 32, buffer(torch.tensor([0, 32])), buffer(torch.empty(2, 64)))
+        mod.tile_rows(buffer(q8), 32, buffer(torch.tensor([0, 32])), buffer(torch.empty(2, 64)))
+    with pytest.raises(ValueError, match="Q8 .* or Q6"):  # Q4 tiles hold no rows to look up
+        mod.tile_rows(buffer(tiles), 32, buffer(torch.tensor([0])), buffer(torch.empty(1, 64)))

@@ -8,7 +8,7 @@ the ``llama-quantize`` that ``bench/build_llama.sh`` builds from the pinned llam
     .venv/bin/python tests/models/kquant_fixture.py .venv/llama.cpp/build/bin/llama-quantize
 
 Shapes: hidden 256 (a K-quant super-block is 256 weights along a row), 4 heads of 64 with 2 KV heads, an MLP of
-512, one layer, a vocabulary of 256 single-byte tokens, an untied LM head.
+512, one layer, a vocabulary of 256 single-byte tokens, an untied LM head (tied in ``tiny-kquants-tied.gguf``).
 """
 
 import os
@@ -21,11 +21,13 @@ import numpy as np
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SEED = 20261204
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256, 1
-# file -> (llama-quantize's base type, per-tensor overrides): Q4_K, Q5_K and Q6_K (the K-quants users' GGUFs
+# file -> (llama-quantize's base type, per-tensor overrides, tied): Q4_K, Q5_K and Q6_K (the K-quants users' GGUFs
 # carry), with a Q4_0, a Q5_0 (llama.cpp's fallback for a K-quant whose rows are not whole super-blocks: most
-# tensors of a small model's Q4_K_M file) and a Q8_0 tensor beside them
+# tensors of a small model's Q4_K_M file) and a Q8_0 tensor beside them; and the same weights with a tied head (no
+# output tensor) in Q4_K_M, which gives the token embedding Q6_K, as llama.cpp does the output tensor it serves as
 FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
-                                             "ffn_gate=q8_0", "attn_k=q5_0"])}
+                                             "ffn_gate=q8_0", "attn_k=q5_0"], False),
+            "tiny-kquants-tied.gguf": ("Q4_K_M", [], True)}
 
 
 def weights() -> dict[str, np.ndarray]:
@@ -109,17 +111,19 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
     writer.close()
 
 
-def write_f32(path: str) -> None:
-    write_llama_gguf(path, weights(), layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS,
+def write_f32(path: str, tied: bool = False) -> None:
+    """The float32 file; ``tied``: without the LM head (the embedding serves as one)."""
+    tensors = {name: w for name, w in weights().items() if not (tied and name == "lm_head.weight")}
+    write_llama_gguf(path, tensors, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS,
                      vocab=VOCAB, context=256, eos=0, name="corral-tiny-kquant")
 
 
 def main(quantize: str) -> None:
     os.makedirs(DATA, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        source = os.path.join(tmp, "tiny-f32.gguf")
-        write_f32(source)
-        for file, (base, overrides) in FIXTURES.items():
+        for file, (base, overrides, tied) in FIXTURES.items():
+            source = os.path.join(tmp, "tiny-f32-tied.gguf" if tied else "tiny-f32.gguf")
+            write_f32(source, tied)
             args = [quantize]
             for override in overrides:
                 args += ["--tensor-type", override]

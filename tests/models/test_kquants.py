@@ -169,3 +169,42 @@ def test_a_layer_of_q4_and_q8_linears_steps_natively_as_its_torch_path(fixture_f
     assert isinstance(model.lm_head, Q6Head) and model.native_step.head_tiles is model.lm_head.tiles
     assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
                                                       ([90, 120, 7], [], 0)), seed=0, blocks=64, max_len=256)
+
+
+TIED = os.path.join(kquant_fixture.DATA, "tiny-kquants-tied.gguf")
+
+
+def test_a_tied_q6_k_embedding_serves_lookups_and_logits_as_shipped(tmp_path, monkeypatch, caplog):
+    """The same weights with a tied head in Q4_K_M, whose token embedding llama.cpp makes Q6_K (the output tensor's
+    type): under w4a8 it is kept as Q6 blocks equal to llama.cpp's dequantization, also after the weight cache,
+    and one copy of Q6 tiles serves the embedding's lookups (each row its blocks' row, bit for bit) and the LM
+    head (the Q6 product). The native step, its embedding lookups in those tiles, equals the torch forward bit
+    for bit, the LM head in the same call included."""
+    from corral.engine.quant import Q6Head, native_matmul
+    from tests.engine.test_native_step import assert_native_step_is_the_forward
+
+    monkeypatch.setenv("CORRAL_CACHE_DIR", str(tmp_path))
+    files = resolve_model(TIED)
+    config = load_model_config(files)
+    kinds = {t.name: t.tensor_type.name for t in gguf_tensors(TIED)}
+    assert config.tie_word_embeddings and "output.weight" not in kinds and kinds["token_embd.weight"] == "Q6_K"
+    with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
+        kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    assert not [r for r in caplog.records if "dequantized at load" in r.getMessage()]  # every tensor as shipped
+    reference = load_weights(files, config, torch.float32)["model.embed_tokens.weight"]
+    embed = kept["model.embed_tokens.weight"]
+    assert isinstance(embed, Q6Blocks) and torch.equal(embed.dequantize(), reference)
+    cached = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)["model.embed_tokens.weight"]
+    assert isinstance(cached, Q6Blocks) and all(torch.equal(a, b) for a, b in zip(cached, embed))
+    model = LlamaModel(config, kept, torch.float32, "w4a8")
+    assert isinstance(model.lm_head, Q6Head) and model.embed.table is model.lm_head
+    ids = torch.tensor([0, 255, 17, 16, 15, 31, 32])
+    assert torch.equal(model.embed(ids), reference[ids])
+    x = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.lm_head(x), native_matmul("q6_matmul", x, model.lm_head.tiles, config.vocab_size))
+    if model.native_step is None:
+        pytest.skip("the native module is off or missing")
+    assert model.native_step.embed_tiles is model.lm_head.tiles is model.native_step.head_tiles
+    assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
+                                                      ([90, 120, 7], [], 0), ([3], [], 0)),
+                                      seed=1, blocks=64, max_len=256)
