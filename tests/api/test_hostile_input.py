@@ -338,7 +338,9 @@ def test_sigterm_during_a_hostile_compile_exits_within_the_grace_period():
         with pytest.raises(httpx.TransportError):  # new requests are refused at once
             httpx.get(url + "/health", timeout=1)
         assert proc.wait(timeout=10) == 0  # a clean exit, not the watchdog's
-        assert time.monotonic() - start < 1 + 2
+        # the grace period, then the interpreter's exit: 1.7-2.1 s idle, 3.27 once on a loaded 2-core machine (the 503
+        # below, not this bound, is what shows the compile was cancelled rather than waited for)
+        assert time.monotonic() - start < 1 + 3
         compiling.join(timeout=5)
         # the compile (seconds more to go) was cancelled at the end of the grace period, and its client told so
         assert answers and answers[0].status_code == 503, answers and answers[0].text
