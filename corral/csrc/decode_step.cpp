@@ -196,7 +196,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             their logprobs: B lists of floats, decided: whether the native pass decided every pick); spans: None or a
 //             list of (start, end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64
 //             [layers, 4]: each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one
-//             after another in layer_tiles
+//             after another in layer_tiles; qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
+//             layer's QKV bias (Qwen2's), added to the QKV product's rows before RoPE
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
 //
@@ -226,7 +227,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                  nb::handle v_cache_in, nb::handle out_in, int threads_in, nb::handle timings_in,
                  nb::handle k_scale_in, nb::handle v_scale_in, nb::handle head_in, nb::handle logits_in,
                  int64_t steps, int64_t pick_columns, nb::handle end_ids_in, nb::handle interrupt_in,
-                 nb::handle draws_in, nb::handle spans_in, nb::handle kinds_in) {
+                 nb::handle draws_in, nb::handle spans_in, nb::handle kinds_in, nb::handle qkv_bias_in) {
     const Array spec_array(spec_in, "spec", false);
     spec_array.expect_shape({SPEC});
     spec_array.expect_int64();
@@ -269,6 +270,12 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             if (bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8)
                 fail(PyExc_ValueError, "decode_step: kinds must be 4, 5, 6 or 8");
         }
+    }
+    const bool has_qkv_bias = !qkv_bias_in.is_none();
+    const Array qkv_bias(has_qkv_bias ? qkv_bias_in : spec_in, "qkv_bias", false);
+    if (has_qkv_bias) {
+        qkv_bias.expect_float32();
+        qkv_bias.expect_shape({Py_ssize_t(L), Py_ssize_t(QKV)});
     }
     const int64_t shapes[4][2] = {{QKV, H}, {H, Q}, {2 * I, H}, {H, I}};  // (n, k) of qkv, o, gate_up, down
     for (int64_t i = 0; i < L * 4; ++i)
@@ -408,6 +415,11 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                                     H, eps, threads);
                 clock.mark(NORM);
                 tiles_product(bit[0], normed.data(), B, H, tiles + start[0], QKV, qkv.data(), threads);
+                if (has_qkv_bias) {  // each row plus the layer's bias: the torch path's y + bias, the same adds
+                    const float* bias = qkv_bias.data<const float>() + l * QKV;
+                    for (Py_ssize_t b = 0; b < B; ++b)
+                        for (int64_t i = 0; i < QKV; ++i) qkv[b * QKV + i] += bias[i];
+                }
                 clock.mark(MATMUL);
                 k->rope_f32(qkv.data(), QKV, pos.data(), cos.data<const float>(), sin.data<const float>(), B,
                             heads + kv_heads, D, threads);
@@ -547,7 +559,8 @@ void add_decode_step(nb::module_& m) {
           nb::arg("head").none() = nb::none(), nb::arg("logits").none() = nb::none(), nb::arg("steps") = 1,
           nb::arg("pick_columns") = 0, nb::arg("end_ids").none() = nb::none(),
           nb::arg("interrupt").none() = nb::none(), nb::arg("draws").none() = nb::none(),
-          nb::arg("spans").none() = nb::none(), nb::arg("kinds").none() = nb::none());
+          nb::arg("spans").none() = nb::none(), nb::arg("kinds").none() = nb::none(),
+          nb::arg("qkv_bias").none() = nb::none());
 }
 
 }  // namespace corral_native

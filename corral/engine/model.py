@@ -128,8 +128,10 @@ class NativeStep:
     @staticmethod
     def serves(model: "LlamaModel") -> bool:
         return (model.quantization == "w4a8" and model.fused and bool(model.layers)
-                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear)) and layer[name].bias is None
+                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear))
+                        and (layer[name].bias is None or name == "qkv")  # a QKV bias (Qwen2's) is added inside
                         for layer in model.layers for name in NativeStep.LINEARS)
+                and len({layer["qkv"].bias is None for layer in model.layers}) == 1  # in every layer, or none
                 and hasattr(native.module(), "decode_step"))
 
     def __init__(self, model: "LlamaModel"):
@@ -142,6 +144,9 @@ class NativeStep:
         self.layer_tiles = self._gather_tiles(model)
         self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +
                                  [model.final_norm]).float().contiguous()
+        # each layer's QKV bias (Qwen2's; float32 as the torch path adds it), or None where the model has none
+        biases = [layer["qkv"].bias for layer in model.layers]
+        self.qkv_bias = None if biases[0] is None else torch.stack(biases).float().contiguous()
         self.spec = torch.tensor([cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   cfg.intermediate_size, model.embed.table.out_features, 0], dtype=torch.int64)
         self.embed_tiles = model.embed.table.tiles
@@ -193,6 +198,7 @@ class NativeStep:
         step.layer_tiles = self.layer_tiles[: sum(self.layer_bytes[:num_layers])]
         step.layer_bytes = self.layer_bytes[:num_layers]
         step.kinds = None if self.kinds is None else self.kinds[:num_layers].contiguous()
+        step.qkv_bias = None if self.qkv_bias is None else self.qkv_bias[:num_layers].contiguous()
         step.norms = torch.cat((self.norms[: 2 * num_layers], self.norms[-1:])).contiguous()
         step.spec = self.spec.clone()
         step.spec[0] = num_layers
@@ -224,7 +230,8 @@ class NativeStep:
             *(None if s is None else view(s) for s in (k_scale, v_scale)),
             spans=[(span.start, span.end, None if span.context_blocks is None else cpu_ops.buffer(span.context_blocks),
                     span.num_context) for span in spans] or None,
-            kinds=None if self.kinds is None else view(self.kinds))
+            kinds=None if self.kinds is None else view(self.kinds),
+            qkv_bias=None if self.qkv_bias is None else view(self.qkv_bias))
         return out
 
     def decode(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -280,11 +287,12 @@ class NativeStep:
                 (view(self.embed_tiles), view(self.layer_tiles), view(self.norms), view(model.cos), view(model.sin),
                  view(k_cache), view(v_cache)),
                 (None if k_scale is None else view(k_scale), None if v_scale is None else view(v_scale),
-                 view(self.head_tiles)), None if self.kinds is None else view(self.kinds))
+                 view(self.head_tiles)), None if self.kinds is None else view(self.kinds),
+                None if self.qkv_bias is None else view(self.qkv_bias))
         return native.module().decode_step(*args[4], *rows, *args[5], hidden_buffer, threads,
                                            None if self.profile is None else self.profile.numpy(), *args[6],
                                            logits_buffer, steps, pick_columns, end_ids, interrupt, draws, None,
-                                           args[7])
+                                           args[7], args[8])
 
     def _set_block_size(self, block_size: int) -> None:
         if block_size != self._block_size:  # known once the cache is

@@ -868,19 +868,22 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
     assert outputs["native"] != run(target, prompts)  # the cut model: 12 layers, not 30
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 128), (8, 2, 64), (6, 3, 128)])
-def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,qkv_bias", [(4, 1, 128, False), (8, 2, 64, False),
+                                                                (6, 3, 128, False), (7, 1, 64, True)])
+def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, head_dim, qkv_bias):
     """Random Llamas of other shapes than the shipped model's (9 heads of 64 over 3 KV heads): a head size of 128
     with 4 queries per KV head (Llama 3.2's), 8 heads of 64 over 2, 6 of 128 over 3, an untied head and Llama 3.1's
-    RoPE factors. Their W4A8 layers stepped natively give the torch forward's hidden states bit for bit: decodes at
+    RoPE factors; and a Qwen2 (7 heads of 64 over one, as Qwen2.5-0.5B's 14 over 2, with a Q/K/V bias and no RoPE
+    factors). Their W4A8 layers stepped natively give the torch forward's hidden states bit for bit: decodes at
     contexts that take one, two and three attention chunks, prompts beside them, and a chunk over cached context."""
     from corral.engine.model import LlamaModel
     from corral.models import ModelConfig
 
     hidden, ffn, vocab, layers = heads * head_dim, 768, 320, 2
     factors = tuple(1.0 if i < head_dim // 8 else 8.0 for i in range(head_dim // 2))
-    config = ModelConfig("llama", layers, hidden, ffn, heads, kv_heads, head_dim, vocab, 1024, 500000.0, 1e-5,
-                         False, 1, (2,), rope_scaling={"freq_factors": factors})
+    config = ModelConfig("Qwen2ForCausalLM" if qkv_bias else "llama", layers, hidden, ffn, heads, kv_heads, head_dim,
+                         vocab, 1024, 1000000.0 if qkv_bias else 500000.0, 1e-6 if qkv_bias else 1e-5, False, 1, (2,),
+                         rope_scaling=None if qkv_bias else {"freq_factors": factors}, attention_bias=qkv_bias)
     generator = torch.Generator().manual_seed(heads * 1000 + head_dim)
 
     def dense(rows, cols):
@@ -898,8 +901,12 @@ def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, h
                         p + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
                         p + "mlp.gate_proj.weight": dense(ffn, hidden), p + "mlp.up_proj.weight": dense(ffn, hidden),
                         p + "mlp.down_proj.weight": dense(hidden, ffn)})
+        if qkv_bias:  # Qwen2's biases are large beside the products: 0.5 here
+            weights.update({p + f"self_attn.{x}_proj.bias": 0.5 * torch.randn(rows, generator=generator)
+                            for x, rows in (("q", hidden), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim))})
     model = LlamaModel(config, weights, torch.float32, "w4a8")
     assert model.native_step is not None
+    assert (model.native_step.qkv_bias is not None) == qkv_bias
     assert_native_step_is_the_forward(model, config, (([200], [], 0), ([300, 700, 41], [], 0),
                                                       ([90, 520], [20, 33], 0), ([50], [40], 300), ([], [130], 0)),
                                       seed=heads)
