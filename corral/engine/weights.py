@@ -6,9 +6,9 @@ and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
 their scales (:class:`~corral.engine.quant.Q6Blocks`) and its Q8_0 ones as int8 codes with one float16 scale per 32 weights
-(:class:`~corral.engine.quant.Q8Blocks`). The Q/K projections are
+(:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
-:mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves.
+:mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves. A Qwen2's are as HF has them.
 
 Converting the shipped GGUF takes a few seconds, so the converted tensors are cached as one safetensors file
 per (source file, size, mtime, dtype, blocks kept) under ``$CORRAL_CACHE_DIR`` (default ``~/.cache/corral``).
@@ -231,7 +231,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
         kind = tensor.tensor_type.name
-        heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else None
+        heads = None if config.architecture != "llama" else \
+            config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else None
         if keep_q4 and kind in _Q4_KINDS and name.startswith("model.layers."):
             blocks = q4_blocks(tensor.data, kind, *shape)
             if heads:

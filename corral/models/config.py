@@ -11,6 +11,9 @@ from corral.models.files import ModelFiles, resolve_model
 from corral.models.gguf_file import gguf_metadata, gguf_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# GGUF architectures read here: their keys are named for them ("qwen2.block_count"), and llama.cpp's converter
+# permutes a Llama's Q and K rows for its rotary layout, not a Qwen2's (llama.cpp runs those rotate-half, as HF)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -49,41 +52,57 @@ class ModelConfig:
 def _from_gguf(path: str) -> ModelConfig:
     meta = gguf_metadata(path)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelNotFoundError(f"{path}: architecture {arch!r} is not supported (Llama family only)")
-    num_heads = meta["llama.attention.head_count"]
-    hidden = meta["llama.embedding_length"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelNotFoundError(f"{path}: architecture {arch!r} is not supported (GGUF: "
+                                 f"{', '.join(GGUF_ARCHITECTURES)})")
+    num_heads = meta[f"{arch}.attention.head_count"]
+    hidden = meta[f"{arch}.embedding_length"]
     tokens = meta["tokenizer.ggml.tokens"]
-    head_dim = meta.get("llama.rope.dimension_count", hidden // num_heads)
+    head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // num_heads)
     reader_names = _gguf_tensor_names(path)
-    scaling = _gguf_rope_scaling(path, meta, head_dim)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    scaling = _gguf_rope_scaling(path, meta, head_dim, arch)
+    biases = {f"blk.0.attn_{x}.bias" for x in "qkv"} & reader_names
+    if biases and len(biases) < 3:
+        raise ModelNotFoundError(f"{path}: {', '.join(sorted(biases))} without the other Q/K/V biases")
     return ModelConfig(
-        architecture="llama",
-        num_layers=meta["llama.block_count"],
+        architecture=GGUF_ARCHITECTURES[arch],
+        num_layers=meta[f"{arch}.block_count"],
         hidden_size=hidden,
-        intermediate_size=meta["llama.feed_forward_length"],
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_heads=num_heads,
-        num_kv_heads=meta.get("llama.attention.head_count_kv", num_heads),
+        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        vocab_size=meta.get("llama.vocab_size", len(tokens)),
-        max_position=meta.get("llama.context_length", 2048),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=meta.get(f"{arch}.vocab_size", len(tokens)),
+        max_position=meta.get(f"{arch}.context_length", 2048),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in reader_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
+        eos_token_ids=gguf_end_ids(meta),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         rope_scaling=scaling,
+        attention_bias=bool(biases),
     )
 
 
-def _gguf_rope_scaling(path: str, meta: dict, head_dim: int) -> dict | None:
-    """A GGUF's RoPE scaling: ``llama.rope.scaling.type`` (linear, or one that loading refuses), and the per-pair
+def gguf_end_ids(meta: dict) -> tuple[int, ...]:
+    """The token ids that end a GGUF model's turn: its EOS, then its end-of-turn and end-of-message tokens where
+    it names them (llama.cpp ends generation at each)."""
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = meta.get(key)
+        if value is not None and value not in ids:
+            ids.append(value)
+    return tuple(ids)
+
+
+def _gguf_rope_scaling(path: str, meta: dict, head_dim: int, arch: str = "llama") -> dict | None:
+    """A GGUF's RoPE scaling: ``<arch>.rope.scaling.type`` (linear, or one that loading refuses), and the per-pair
     frequency divisors of ``rope_freqs.weight``, where llama.cpp's converter puts Llama 3.1's ``llama3`` scaling
     (no metadata key says it): each pair's angle is divided by its factor, as in llama.cpp's RoPE."""
-    kind = meta.get("llama.rope.scaling.type")
-    scaling = {} if kind in (None, "none") else {"type": kind, "factor": meta.get("llama.rope.scaling.factor", 1.0)}
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    scaling = {} if kind in (None, "none") else {"type": kind,
+                                                 "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
     factors = [t for t in gguf_tensors(path) if t.name == "rope_freqs.weight"]
     if factors:
         values = np.asarray(factors[0].data, dtype=np.float64).ravel()

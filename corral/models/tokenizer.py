@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from corral.errors import ModelNotFoundError
+from corral.models.config import gguf_end_ids
 from corral.models.files import ModelFiles, resolve_model
 from corral.models.gguf_file import gguf_metadata
 
@@ -82,8 +83,10 @@ def _byte_level_backend(pieces: list[str], merges: list[str], pre: str | None) -
     if pre == "smollm":  # SmolLM splits digits one by one before the GPT-2 split, as its tokenizer.json does
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in ("llama-bpe", "llama3", "qwen2"):
-        split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        # Llama 3 splits numbers into runs of up to three digits, Qwen2 digit by digit (as llama.cpp's "qwen2")
+        digits = r"\p{N}" if pre == "qwen2" else r"\p{N}{1,3}"
+        split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits +
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -103,8 +106,7 @@ def _from_gguf(path: str) -> Tokenizer:
     special = {i for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)} if types is not None else set()
     backend = _byte_level_backend(pieces, meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre"))
     backend.add_special_tokens([AddedToken(pieces[i], special=True, normalized=False) for i in sorted(special)])
-    eos = meta["tokenizer.ggml.eos_token_id"]
-    return Tokenizer(backend, tuple(pieces), "byte_level", frozenset(special), (eos,),
+    return Tokenizer(backend, tuple(pieces), "byte_level", frozenset(special), gguf_end_ids(meta),
                      meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.chat_template"))
 
 

@@ -1,6 +1,7 @@
 """Weight loading from a local HF folder (safetensors), checked against HF transformers on tiny random Llamas:
 untied LM head, GQA, Q/K/V biases off and on, RoPE theta and llama3 / linear scaling; fp32 and bf16. Also the
-GGUF rotary un-permute as a round trip of llama.cpp's permutation."""
+GGUF rotary un-permute as a round trip of llama.cpp's permutation, and GGUFs written as llama.cpp's converter
+writes them: a Llama with llama3 RoPE factors, a Qwen2."""
 
 import json
 
@@ -108,18 +109,95 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarra
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(hf_model, path, rope_factors=None) -> None:
-    """``hf_model``'s weights in a float32 GGUF laid out as llama.cpp's converter writes a Llama, with
-    ``rope_factors`` as its ``rope_freqs.weight`` where given."""
+def write_gguf(hf_model, path, rope_factors=None, **options) -> None:
+    """``hf_model``'s weights in a float32 GGUF laid out as llama.cpp's converter writes a Llama (``arch="qwen2"``:
+    a Qwen2), with ``rope_factors`` as its ``rope_freqs.weight`` where given; a tied model without its LM head."""
     pytest.importorskip("gguf")
     from tests.models.kquant_fixture import write_llama_gguf
 
     cfg = hf_model.config
-    write_llama_gguf(str(path), {name: t.float().numpy() for name, t in hf_model.state_dict().items()},
+    tied = cfg.tie_word_embeddings
+    write_llama_gguf(str(path), {name: t.float().numpy() for name, t in hf_model.state_dict().items()
+                                 if not (tied and name == "lm_head.weight")},
                      layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
                      heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size,
                      context=cfg.max_position_embeddings, eos=cfg.eos_token_id, eps=cfg.rms_norm_eps,
-                     extra=None if rope_factors is None else {"rope_freqs.weight": rope_factors})
+                     extra=None if rope_factors is None else {"rope_freqs.weight": rope_factors}, **options)
+
+
+def tiny_qwen2():
+    """A random Qwen2 (tied embedding, Q/K/V biases drawn large, RoPE theta 1e6, head size 64 over one KV head)."""
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, rms_norm_eps=1e-6,
+                                      rope_theta=1000000.0)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers starts them at zero, which would test nothing
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return model
+
+
+def test_a_qwen2_gguf_runs_as_transformers_runs_the_checkpoint(tmp_path):
+    """A Qwen2 GGUF as llama.cpp's converter writes one: its keys named ``qwen2.*``, its Q and K rows as HF has
+    them (no rotary permutation), Q/K/V biases, a tied embedding. Read dense, its logits are transformers' own;
+    under w4a8 (the float weights quantized at load), the native step with the biases is its torch forward."""
+    from tests.engine.test_native_step import assert_native_step_is_the_forward
+
+    hf = tiny_qwen2()
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(hf, path, arch="qwen2", theta=1000000.0)
+    files = resolve_model(str(path))
+    config = load_model_config(files)
+    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == ("Qwen2ForCausalLM", True,
+                                                                                         True)
+    assert (config.rope_theta, config.head_dim, config.num_kv_heads) == (1e6, 64, 1)
+    assert config.rms_norm_eps == pytest.approx(1e-6, rel=1e-6)  # a float32 in the file
+    ids = [3 + (7 * i) % 250 for i in range(300)]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = corral_logits(path, torch.float32, ids)
+    assert float((got - expected).abs().max()) < 1e-4
+    # a Qwen2 read in a Llama's layout (its Q and K rows un-permuted) is far off: the test tells them apart
+    swapped = dict(load_weights(files, config, torch.float32))
+    for layer in range(config.num_layers):
+        for name, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            for part in ("weight", "bias"):
+                key = f"model.layers.{layer}.self_attn.{name}.{part}"
+                swapped[key] = torch.from_numpy(unpermute_rotary(swapped[key].numpy(), heads).copy())
+    # (measured 1.2e-2 off, against 4.5e-7 as written)
+    assert float((corral_logits_of(config, swapped, ids) - expected).abs().max()) > 5e-3
+    model = LlamaModel(config, load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True),
+                       torch.float32, "w4a8")
+    if model.native_step is None:
+        pytest.skip("the native module is off or missing")
+    assert model.native_step.qkv_bias is not None
+    assert_native_step_is_the_forward(model, config, (([200], [], 0), ([90, 300], [20, 33], 0), ([50], [40], 60)),
+                                      seed=5, blocks=64, max_len=512)
+
+
+def test_a_qwen2_gguf_splits_numbers_digit_by_digit():
+    """llama.cpp's "qwen2" pre-tokenizer takes one digit at a time where Llama 3's ("llama-bpe") takes up to three:
+    with a merge of "1" and "2", "12" is one token under Llama 3's split and two under Qwen2's."""
+    import tempfile
+
+    from corral.models.tokenizer import load_tokenizer
+    from tests.models.kquant_fixture import write_llama_gguf
+
+    pytest.importorskip("gguf")
+    hf = tiny_qwen2()
+    weights = {name: t.float().numpy() for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    with tempfile.TemporaryDirectory() as tmp:
+        encoded = {}
+        for pre in ("qwen2", "llama-bpe"):
+            path = f"{tmp}/{pre}.gguf"
+            write_llama_gguf(path, weights, layers=2, hidden=128, ffn=96, heads=2, kv_heads=1, vocab=256,
+                             context=512, eos=2, arch="qwen2", pre=pre, merges=("1 2",))
+            encoded[pre] = load_tokenizer(path).encode("a 12")
+    assert encoded == {"qwen2": [ord("a"), ord(" "), ord("1"), ord("2")],
+                       "llama-bpe": [ord("a"), ord(" "), 255]}
 
 
 def test_a_gguf_with_llama3_scaling_as_its_rope_freqs_matches_transformers(tmp_path):

@@ -60,10 +60,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
                      vocab: int, context: int, eos: int, eps: float = 1e-5, name: str | None = None,
-                     extra: dict | None = None) -> None:
+                     extra: dict | None = None, arch: str = "llama", theta: float = 10000.0,
+                     pre: str | None = None, merges: tuple[str, ...] = ()) -> None:
     """HF-named float32 ``weights`` (numpy) as a Llama GGUF laid out as llama.cpp's converter writes one (Q and K
-    rows in its rotary order), with a byte-per-token vocabulary, and the ``extra`` tensors (GGUF names) as they
-    are."""
+    rows, and their biases, in its rotary order), with a byte-per-token vocabulary, and the ``extra`` tensors (GGUF
+    names) as they are. ``arch`` "qwen2": a Qwen2 GGUF, its keys so named and its Q and K rows as HF has them (the
+    converter leaves a Qwen2's alone); ``pre`` and ``merges``: the BPE pre-tokenizer's name and merges (pairs of
+    pieces, ``"a b"``; each adds the merged piece to the vocabulary after the bytes)."""
     import gguf
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
@@ -72,8 +75,9 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
                  "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                  "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
-    writer = gguf.GGUFWriter(path, "llama")
+                 "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+                 "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
+    writer = gguf.GGUFWriter(path, arch)
     if name:
         writer.add_name(name)
     writer.add_block_count(layers)
@@ -84,13 +88,20 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_layer_norm_rms_eps(eps)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(theta)
     writer.add_vocab_size(vocab)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([bytes([b]).hex() for b in range(vocab)])
+    bytes_as = [bytes([b]).hex() for b in range(256)]  # pieces of no tokenizer: the models take token ids
+    if pre is not None:  # a byte-level BPE's: each byte as GPT-2's printable character for it
+        writer.add_tokenizer_pre(pre)
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        extra_chars = iter(range(256, 512))
+        bytes_as = [chr(b) if b in printable else chr(next(extra_chars)) for b in range(256)]
+    pieces = bytes_as[: vocab - len(merges)] + [m.replace(" ", "") for m in merges]
+    writer.add_token_list(pieces)
     writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    writer.add_token_merges([])
+    writer.add_token_merges(list(merges))
     writer.add_eos_token_id(eos)
     for hf_name, value in weights.items():
         if hf_name.startswith("model.layers."):
@@ -98,9 +109,9 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
             gname = f"blk.{layer}.{per_layer[rest]}"
         else:
             gname = names[hf_name]
-        if ".self_attn.q_proj." in hf_name:
+        if ".self_attn.q_proj." in hf_name and arch == "llama":
             value = _permute(value, heads)
-        elif ".self_attn.k_proj." in hf_name:
+        elif ".self_attn.k_proj." in hf_name and arch == "llama":
             value = _permute(value, kv_heads)
         writer.add_tensor(gname, np.ascontiguousarray(value))
     for gname, value in (extra or {}).items():
