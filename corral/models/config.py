@@ -86,13 +86,17 @@ def _from_gguf(path: str) -> ModelConfig:
 
 
 def gguf_end_ids(meta: dict) -> tuple[int, ...]:
-    """The token ids that end a GGUF model's turn: its EOS, then its end-of-turn and end-of-message tokens where
-    it names them (llama.cpp ends generation at each)."""
-    ids = []
+    """The token ids that end a GGUF model's turn: its EOS, then the end-of-turn and end-of-message tokens its
+    metadata names (llama.cpp also ends at those; it further takes tokens by their text, such as
+    ``<|endoftext|>``, which this does not). An id outside the vocabulary is refused."""
+    ids, size = [], len(meta.get("tokenizer.ggml.tokens", ()))
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = meta.get(key)
-        if value is not None and value not in ids:
-            ids.append(value)
+        if value is None or value in ids:
+            continue
+        if not 0 <= int(value) < size:
+            raise ModelNotFoundError(f"{key} {value} is outside the vocabulary of {size} tokens")
+        ids.append(int(value))
     return tuple(ids)
 
 

@@ -75,16 +75,21 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# llama.cpp's names for the pre-tokenizers that split as Llama 3's (numbers in runs of up to three digits; a word
+# that is a whole vocabulary entry taken as it is, merges or not) and as Qwen2's (digit by digit)
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2", "stablelm2")
+
+
 def _byte_level_backend(pieces: list[str], merges: list[str], pre: str | None) -> Backend:
     vocab = {piece: i for i, piece in enumerate(pieces)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # SmolLM splits digits one by one before the GPT-2 split, as its tokenizer.json does
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("llama-bpe", "llama3", "qwen2"):
-        # Llama 3 splits numbers into runs of up to three digits, Qwen2 digit by digit (as llama.cpp's "qwen2")
-        digits = r"\p{N}" if pre == "qwen2" else r"\p{N}{1,3}"
+    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        digits = r"\p{N}" if pre in _QWEN2_PRE else r"\p{N}{1,3}"
         split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits +
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
         backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -140,12 +140,13 @@ def tiny_qwen2():
     return model
 
 
-def test_a_qwen2_gguf_runs_as_transformers_runs_the_checkpoint(tmp_path):
+def test_a_qwen2_gguf_runs_as_transformers_runs_the_checkpoint(tmp_path, monkeypatch):
     """A Qwen2 GGUF as llama.cpp's converter writes one: its keys named ``qwen2.*``, its Q and K rows as HF has
     them (no rotary permutation), Q/K/V biases, a tied embedding. Read dense, its logits are transformers' own;
     under w4a8 (the float weights quantized at load), the native step with the biases is its torch forward."""
     from tests.engine.test_native_step import assert_native_step_is_the_forward
 
+    monkeypatch.setenv("CORRAL_CACHE_DIR", str(tmp_path))  # converted weights are cached: not in the user's cache
     hf = tiny_qwen2()
     path = tmp_path / "qwen2.gguf"
     write_gguf(hf, path, arch="qwen2", theta=1000000.0)
@@ -179,8 +180,10 @@ def test_a_qwen2_gguf_runs_as_transformers_runs_the_checkpoint(tmp_path):
 
 
 def test_a_qwen2_gguf_splits_numbers_digit_by_digit():
-    """llama.cpp's "qwen2" pre-tokenizer takes one digit at a time where Llama 3's ("llama-bpe") takes up to three:
-    with a merge of "1" and "2", "12" is one token under Llama 3's split and two under Qwen2's."""
+    """llama.cpp's "qwen2" pre-tokenizer (also its "deepseek-r1-qwen") takes one digit at a time where Llama 3's
+    ("llama-bpe") takes up to three: with a merge of "1" and "2", "12" is one token under Llama 3's split and two
+    under Qwen2's. Llama 3's also takes a word that is a whole vocabulary entry as that entry, without the merges
+    that would make it ("ab" here has none); Qwen2's applies the merges."""
     import tempfile
 
     from corral.models.tokenizer import load_tokenizer
@@ -191,13 +194,14 @@ def test_a_qwen2_gguf_splits_numbers_digit_by_digit():
     weights = {name: t.float().numpy() for name, t in hf.state_dict().items() if name != "lm_head.weight"}
     with tempfile.TemporaryDirectory() as tmp:
         encoded = {}
-        for pre in ("qwen2", "llama-bpe"):
+        for pre in ("qwen2", "deepseek-r1-qwen", "llama-bpe"):
             path = f"{tmp}/{pre}.gguf"
             write_llama_gguf(path, weights, layers=2, hidden=128, ffn=96, heads=2, kv_heads=1, vocab=256,
-                             context=512, eos=2, arch="qwen2", pre=pre, merges=("1 2",))
-            encoded[pre] = load_tokenizer(path).encode("a 12")
-    assert encoded == {"qwen2": [ord("a"), ord(" "), ord("1"), ord("2")],
-                       "llama-bpe": [ord("a"), ord(" "), 255]}
+                             context=512, eos=2, arch="qwen2", pre=pre, merges=("1 2",), pieces=("ab",))
+            encoded[pre] = load_tokenizer(path).encode("a 12\nab")  # "12": id 254, "ab": id 255, a byte: itself
+    split = [ord("a"), ord(" "), ord("1"), ord("2"), ord("\n"), ord("a"), ord("b")]
+    assert encoded == {"qwen2": split, "deepseek-r1-qwen": split,
+                       "llama-bpe": [ord("a"), ord(" "), 254, ord("\n"), 255]}
 
 
 def test_a_gguf_with_llama3_scaling_as_its_rope_freqs_matches_transformers(tmp_path):

@@ -61,12 +61,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
                      vocab: int, context: int, eos: int, eps: float = 1e-5, name: str | None = None,
                      extra: dict | None = None, arch: str = "llama", theta: float = 10000.0,
-                     pre: str | None = None, merges: tuple[str, ...] = ()) -> None:
+                     pre: str | None = None, merges: tuple[str, ...] = (), pieces: tuple[str, ...] = ()) -> None:
     """HF-named float32 ``weights`` (numpy) as a Llama GGUF laid out as llama.cpp's converter writes one (Q and K
     rows, and their biases, in its rotary order), with a byte-per-token vocabulary, and the ``extra`` tensors (GGUF
     names) as they are. ``arch`` "qwen2": a Qwen2 GGUF, its keys so named and its Q and K rows as HF has them (the
-    converter leaves a Qwen2's alone); ``pre`` and ``merges``: the BPE pre-tokenizer's name and merges (pairs of
-    pieces, ``"a b"``; each adds the merged piece to the vocabulary after the bytes)."""
+    converter leaves a Qwen2's alone, and no rotary dimension count, as Qwen2 files have none); ``pre`` and ``merges``:
+    the BPE pre-tokenizer's name and merges (pairs of pieces, ``"a b"``; each adds the merged piece to the
+    vocabulary after the bytes), ``pieces``: more vocabulary entries after those, with no merge that makes them."""
     import gguf
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
@@ -86,7 +87,8 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(hidden // heads)
+    if arch == "llama":  # a Qwen2 file has none: hidden // heads
+        writer.add_rope_dimension_count(hidden // heads)
     writer.add_layer_norm_rms_eps(eps)
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(vocab)
@@ -98,8 +100,8 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
         printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
         extra_chars = iter(range(256, 512))
         bytes_as = [chr(b) if b in printable else chr(next(extra_chars)) for b in range(256)]
-    pieces = bytes_as[: vocab - len(merges)] + [m.replace(" ", "") for m in merges]
-    writer.add_token_list(pieces)
+    added = [m.replace(" ", "") for m in merges] + list(pieces)
+    writer.add_token_list(bytes_as[: vocab - len(added)] + added)
     writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
     writer.add_token_merges(list(merges))
     writer.add_eos_token_id(eos)

@@ -99,3 +99,15 @@ def test_a_gguf_is_parsed_once_and_its_reader_is_not_kept():
     alive = gc.get_objects()
     assert not any(isinstance(o, GGUFReader) for o in alive)
     assert sum(isinstance(o, np.memmap) for o in alive) < 10_000
+
+
+def test_a_gguf_ends_at_its_eos_and_the_end_of_turn_ids_it_names():
+    from corral.models.config import gguf_end_ids
+
+    tokens = ["t"] * 10
+    assert gguf_end_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2}) == (2,)
+    assert gguf_end_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2,
+                         "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2}) == (2, 7)
+    with pytest.raises(ModelNotFoundError, match="eot_token_id 10 is outside the vocabulary of 10 tokens"):
+        gguf_end_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2,
+                      "tokenizer.ggml.eot_token_id": 10})
