@@ -195,8 +195,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             for sample_pick's draws) -> None without a pick, else (picks: B lists of the steps done's token ids,
 //             their logprobs: B lists of floats, decided: whether the native pass decided every pick); spans: None or a
 //             list of (start, end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64
-//             [layers, 4]: each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6) or Q8 tiles (8), one
-//             after another in layer_tiles; qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
+//             [layers, 4]: each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6), Q8 (8) or IQ4
+//             tiles (40), one after another in layer_tiles; qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
 //             layer's QKV bias (Qwen2's), added to the QKV product's rows before RoPE
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
@@ -267,8 +267,8 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         kinds.expect_int64();
         for (int64_t i = 0; i < L * 4; ++i) {
             bits[i] = kinds.data<const int64_t>()[i];
-            if (bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8)
-                fail(PyExc_ValueError, "decode_step: kinds must be 4, 5, 6 or 8");
+            if (bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8 && bits[i] != corral_qmatmul::IQ4)
+                fail(PyExc_ValueError, "decode_step: kinds must be 4, 5, 6, 8 or 40 (IQ4)");
         }
     }
     const bool has_qkv_bias = !qkv_bias_in.is_none();

@@ -118,10 +118,15 @@ void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
+void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                 int64_t ldy) {
+    chosen_q->iq4(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy) {
-    (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : q4_product)(x, rows, cols, tiles, n, y,
-                                                                                            threads, ldy);
+    (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : bits == corral_qmatmul::IQ4
+     ? iq4_product : q4_product)(x, rows, cols, tiles, n, y, threads, ldy);
 }
 
 void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
@@ -151,8 +156,8 @@ void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, fl
 
 namespace {
 
-// q4_matmul / q5_matmul / q6_matmul / q8_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8,
-// N, out [M, N] float32, threads): out = x W^T.
+// q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile
+// bytes] uint8, N, out [M, N] float32, threads): out = x W^T.
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -213,6 +218,7 @@ void add_qmatmul(nb::module_& m) {
     m.def("q5_matmul", &matmul<5>);
     m.def("q6_matmul", &matmul<6>);
     m.def("q8_matmul", &matmul<8>);
+    m.def("iq4_matmul", &matmul<corral_qmatmul::IQ4>);
     m.def("tile_rows", &tile_rows);
 }
 

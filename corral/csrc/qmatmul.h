@@ -19,6 +19,9 @@
 //     w = d sc (q - 32), q 0..63, llama.cpp's Q6_K exactly (its d per 256 columns and scale per 16).
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
+//   IQ4 tile block (320 bytes, kind IQ4 = 40): a Q4 tile block's 4 chunks of 4-bit indices, then 16 float32 d
+//     (256): w = d IQ4_VALUES[q], llama.cpp's IQ4_NL and IQ4_XS exactly (its non-linear grid of 16 int8 values;
+//     an IQ4_XS block's d is its super-block's float16 d times its 6-bit scale less 32, exact in float32).
 //
 // Rows past N in the last tile are zero codes; their outputs are not stored.
 //
@@ -26,6 +29,7 @@
 // zero when max|x| = 0), also isum = the sum of its xq and sum = s * isum. Then
 //   Q4, Q5: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
+//   IQ4: y[n] = sum_b d[n,b] s_b (sum_k IQ4_VALUES[q] xq), the block's sum an exact integer (at most 32 x 127^2)
 //   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
 //       block's xq over that half (halves32, below, holds 32 isum_h); a block's sum over h in integers (at most
 //       2 x 128 x 16 x 32 x 127 < 2^24)
@@ -41,11 +45,16 @@
 namespace corral_qmatmul {
 
 constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448,
-                  Q8_TILE_BYTES = 544;
+                  Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
+// The kind of IQ4 tiles, beside the Q tiles' bits (4, 5, 6, 8) that name theirs.
+constexpr int64_t IQ4 = 40;
+// llama.cpp's IQ4_NL / IQ4_XS grid: the weight of index q is d IQ4_VALUES[q].
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// A tile block's bytes for codes of `bits` (4, 5, 6 or 8).
+// A tile block's bytes for tiles of kind `bits` (4, 5, 6 or 8 bits, or IQ4).
 constexpr int64_t tile_block_bytes(int64_t bits) {
-    return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES : Q4_TILE_BYTES;
+    return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES
+         : bits == IQ4 ? IQ4_TILE_BYTES : Q4_TILE_BYTES;
 }
 
 struct Activations {
@@ -93,6 +102,7 @@ struct QTable {
     Quantize quantize;
     Matmul q5;
     Matmul q6;
+    Matmul iq4;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -130,7 +140,9 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
                 int64_t ldy = 0);
 void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
-// The product on tiles of `bits` (4, 5, 6 or 8): the one of the four above.
+void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                 int64_t ldy = 0);
+// The product on tiles of kind `bits` (4, 5, 6 or 8 bits, or IQ4): the one of the five above.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
 // Row id of Q8 or Q6 tiles (bits 8 or 6) with `blocks` blocks, dequantized into out [blocks * 32] (for Q6, as

@@ -205,8 +205,10 @@ namespace {
 QTable with_quantize(const QTable& table) {
     QTable out = table;
     out.quantize = avx512_table()->quantize;  // the same bytes as every variant's
-    out.q5 = avx512_table()->q5;  // Q5 and Q6 tiles: no tile kernel of their own, the VNNI one at any row count
+    // Q5, Q6 and IQ4 tiles: no tile kernel of their own, the VNNI one at any row count
+    out.q5 = avx512_table()->q5;
     out.q6 = avx512_table()->q6;
+    out.iq4 = avx512_table()->iq4;
     return out;
 }
 

@@ -72,13 +72,18 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 // Q6 tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum,
 // times the half's scale, goes into the block's integer sum, which then takes d s. A Q4 block's 16 products a lane
 // sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a
-// chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004). Integer sums either
-// way: the same values.
+// chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's
+// (Bits IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
     constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    // IQ4: the grid's values and their magnitudes, looked up in each 128-bit lane
+    const __m256i grid = Bits == IQ4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                           reinterpret_cast<const __m128i*>(IQ4_VALUES)))
+                                     : _mm256_setzero_si256();
+    const __m256i magnitudes = _mm256_abs_epi8(grid);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
@@ -88,7 +93,20 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         for (int c = 0; c < 4; ++c) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * half));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (Bits >= 5) {
+            if constexpr (Bits == IQ4) {  // |grid value| times the activation with the value's sign: vpmaddubsw
+                // takes unsigned by signed bytes, and a pair of such products (at most 2 x 127 x 127) fits 16 bits
+                const __m256i lo_abs = _mm256_shuffle_epi8(magnitudes, lo), lo_sign = _mm256_shuffle_epi8(grid, lo);
+                const __m256i hi_abs = _mm256_shuffle_epi8(magnitudes, hi), hi_sign = _mm256_shuffle_epi8(grid, hi);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
+                    const __m256i first = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(broadcast4(xq), lo_sign));
+                    const __m256i second = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(broadcast4(xq + 4), hi_sign));
+                    wide[r] = _mm256_add_epi32(wide[r], _mm256_add_epi32(_mm256_madd_epi16(first, ones),
+                                                                         _mm256_madd_epi16(second, ones)));
+                }
+                continue;
+            }
+            if constexpr (Bits == 5 || Bits == 6) {
                 lo = _mm256_or_si256(lo, bit_values(w + 256 + 16 * c + 4 * half, 16));
                 hi = _mm256_or_si256(hi, bit_values(w + 256 + 16 * c + 8 + 4 * half, 16));
             }
@@ -100,7 +118,8 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 const int8_t* xq = x.xq + (m + r) * x.cols + b * BLOCK + 8 * c;
                 const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
                                                       _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
-                if constexpr (Bits >= 5) wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(both, ones));
+                if constexpr (Bits == 5 || Bits == 6)
+                    wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(both, ones));
                 else pairs[r] = _mm256_add_epi16(pairs[r], both);
             }
             if constexpr (Bits == 6) {
@@ -125,10 +144,18 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
             continue;
         }
+        if constexpr (Bits == IQ4) {
+            const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + 256 + 32 * half));
+            for (int r = 0; r < R; ++r) {
+                const float s = x.scale[(m + r) * blocks + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+            }
+            continue;
+        }
         const __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
         for (int r = 0; r < R; ++r) {
             const int64_t at = (m + r) * blocks + b;
-            const __m256 dot = _mm256_cvtepi32_ps(Bits >= 5 ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
+            const __m256 dot = _mm256_cvtepi32_ps(Bits == 5 || Bits == 6 ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[at])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r]);
         }
@@ -247,7 +274,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>};
+const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>};
 
 }  // namespace
 }  // namespace avx2

@@ -63,11 +63,19 @@ CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
     return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, value);
 }
 
+CORRAL_INLINE __m512i iq4_grid() {
+    alignas(16) uint8_t grid[16];
+    for (int i = 0; i < 16; ++i) grid[i] = uint8_t(IQ4_VALUES[i] + 128);
+    return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(grid)));
+}
+
 template <int Bits, int R, int T, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
                                float* y, int64_t ldy, __mmask16 keep) {
     constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    // IQ4: each index's grid value plus 128 (an unsigned byte for vpdpbusd), looked up in every 128-bit lane
+    const __m512i grid = Bits == IQ4 ? iq4_grid() : _mm512_setzero_si512();
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -84,7 +92,9 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             for (int t = 0; t < T; ++t) {
                 const __m512i v = _mm512_loadu_si512(w + t * stride + 64 * c);
                 lo[t] = _mm512_and_si512(v, low), hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if constexpr (Bits >= 5) {
+                if constexpr (Bits == IQ4)
+                    lo[t] = _mm512_shuffle_epi8(grid, lo[t]), hi[t] = _mm512_shuffle_epi8(grid, hi[t]);
+                if constexpr (Bits == 5 || Bits == 6) {
                     const uint8_t* fifth = w + t * stride + 256 + 16 * c;
                     const __m512i sixteen = _mm512_set1_epi8(16);
                     lo[t] = add_where(lo[t], fifth, sixteen), hi[t] = add_where(hi[t], fifth + 8, sixteen);
@@ -126,6 +136,18 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                     const int64_t at = (m + r) * blocks + b;
                     acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled[t][r]),
                                                 _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[t][r]);
+                }
+            }
+            continue;
+        }
+        if constexpr (Bits == IQ4) {  // the grid values carry +128: take 128 times the activations' sum back off
+            for (int t = 0; t < T; ++t) {
+                const __m512 d = _mm512_loadu_ps(w + t * stride + 256);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t at = (m + r) * blocks + b;
+                    const __m512i exact = _mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(128 * x.isum[at]));
+                    const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at]));
+                    acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), step, acc[t][r]);
                 }
             }
             continue;
@@ -281,6 +303,14 @@ void q6(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t
     nibbles_over<6>(x, tiles, n, y, ldy, threads, nullptr);
 }
 
+void iq4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<IQ4>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void iq4_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<IQ4>(x, tiles, n, y, ldy, threads, pairs<IQ4>());
+}
+
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     constexpr int64_t A = Q8_AHEAD;
     static const Rows single[9] = {nullptr, q8_rows<1, 1, A>, q8_rows<2, 1, A>, q8_rows<3, 1, A>, q8_rows<4, 1, A>,
@@ -313,8 +343,8 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6};
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6};  // Q6: one tile at a time
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6, iq4_pairs};  // Q6: one at a time
 
 }  // namespace
 }  // namespace avx512

@@ -90,8 +90,9 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
     }
 }
 
-// Q4 tiles (Bits 4), Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h) or Q6 tiles (Bits
-// 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot).
+// Q4 tiles (Bits 4), Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h), Q6 tiles (Bits
+// 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot) or
+// IQ4 tiles (each index's grid value, and a float32 d).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
@@ -107,7 +108,8 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                     const int j = 4 * r + i;  // the byte in the chunk, and the bit in each of its masks
                     const uint8_t byte = w[64 * c + j];
                     int32_t low = byte & 0x0F, high = byte >> 4;
-                    if constexpr (Bits >= 5) {
+                    if constexpr (Bits == IQ4) low = IQ4_VALUES[low], high = IQ4_VALUES[high];
+                    if constexpr (Bits == 5 || Bits == 6) {
                         const uint8_t* fifth = w + 256 + 16 * c + j / 8;
                         low |= (fifth[0] >> (j % 8) & 1) << 4;
                         high |= (fifth[8] >> (j % 8) & 1) << 4;
@@ -123,6 +125,10 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                 int32_t total = 0;
                 for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[416 + 16 * h + r])) * (dot[h] - 32 * half_sum[h]);
                 acc[r] += float(total) * (half_to_float(w + 384 + 2 * r) * s);
+            } else if constexpr (Bits == IQ4) {
+                float d;
+                std::memcpy(&d, w + 256 + 4 * r, 4);
+                acc[r] += float(dot[0]) * (d * s);
             } else {
                 const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
                 acc[r] += float(dot[0]) * (d * s) + m * sum;
@@ -163,7 +169,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>};
+const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>};
 
 }  // namespace
 

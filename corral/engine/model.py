@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
-from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, Q4Blocks, Q4Tiles, Q5Blocks, Q5Tiles,
-                                 Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, concat_blocks, quantize_int4,
-                                 quantize_q8_blocks)
+from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, IQ4Blocks, IQ4Tiles, Q4Blocks, Q4Tiles,
+                                 Q5Blocks, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles,
+                                 concat_blocks, quantize_int4, quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -113,6 +113,7 @@ class _Rows:
         return self.table.rows(ids)
 
 
+IQ4_KIND = 40  # IQ4 tiles in the native step's kinds table, beside the Q tiles' bits (qmatmul.h: IQ4)
 _MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weights, tables, caches: about 10)
 
 
@@ -120,7 +121,8 @@ class NativeStep:
     """The whole forward of a W4A8 model's step in one native call (``corral/csrc/decode_step.cpp``), for decodes,
     drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
     the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
-    file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`). The
+    file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`), or
+    IQ4 tiles (:class:`IQ4Tiles`: llama.cpp's non-linear 4-bit grid). The
     layers' tiles are moved into one buffer that the layers' linears then view (one copy of the weights)."""
 
     LINEARS = ("qkv", "o", "gate_up", "down")
@@ -128,7 +130,7 @@ class NativeStep:
     @staticmethod
     def serves(model: "LlamaModel") -> bool:
         return (model.quantization == "w4a8" and model.fused and bool(model.layers)
-                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear))
+                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear, IQ4Tiles))
                         and (layer[name].bias is None or name == "qkv")  # a QKV bias (Qwen2's) is added inside
                         for layer in model.layers for name in NativeStep.LINEARS)
                 and len({layer["qkv"].bias is None for layer in model.layers}) == 1  # in every layer, or none
@@ -136,9 +138,9 @@ class NativeStep:
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
-        bits = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8}
+        bits = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8, IQ4Tiles: IQ4_KIND}
         kinds = [[bits[type(layer[name])] for name in self.LINEARS] for layer in model.layers]
-        # each linear's tiles: Q4, Q5, Q6 or Q8; None where all are Q4 (the call then skips the table)
+        # each linear's tiles: Q4, Q5, Q6, Q8 or IQ4; None where all are Q4 (the call then skips the table)
         self.kinds = torch.tensor(kinds, dtype=torch.int64) if any(b != 4 for row in kinds for b in row) else None
         self.layer_bytes = [sum(layer[name].tiles.numel() for name in self.LINEARS) for layer in model.layers]
         self.layer_tiles = self._gather_tiles(model)
@@ -400,19 +402,23 @@ class LlamaModel:
 
     @staticmethod
     def _dense(value) -> torch.Tensor:
-        return value.dequantize() if isinstance(value, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks)) else value.float()
+        return value.dequantize() if isinstance(value, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, IQ4Blocks)) \
+            else value.float()
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
         six = [isinstance(p, Q6Blocks) for p in parts]
+        grid = [isinstance(p, IQ4Blocks) for p in parts]
         if self.quantization == "w4a8" and all(six):  # Q6_K parts alone: as shipped
             return Q6Tiles(concat_blocks(parts), bias)
-        if self.quantization == "w4a8" and (any(isinstance(p, Q8Blocks) for p in parts) or any(six)):
-            # a part the file keeps in 8 bits, or in 6 beside parts of other kinds: the whole fused layer in Q8
-            # blocks (a Q5_0 part exactly, a Q4, other Q5 or Q6 part's values rounded to 8 bits), where fewer bits
-            # would round that part
-            blocks = [p if isinstance(p, Q8Blocks) else p.as_q8() if isinstance(p, (Q5Blocks, Q6Blocks)) else
-                      Q8Blocks(*quantize_q8_blocks(self._dense(p))) for p in parts]
+        if self.quantization == "w4a8" and all(grid):  # IQ4_NL / IQ4_XS parts alone: as shipped
+            return IQ4Tiles(concat_blocks(parts), bias)
+        if self.quantization == "w4a8" and (any(isinstance(p, Q8Blocks) for p in parts) or any(six) or any(grid)):
+            # a part the file keeps in 8 bits, or in 6 or on the IQ4 grid beside parts of other kinds: the whole
+            # fused layer in Q8 blocks (a Q5_0 or IQ4_NL part exactly, an IQ4_XS part's d to float16, a Q4, other Q5
+            # or Q6 part's values rounded to 8 bits), where fewer bits would round that part
+            blocks = [p if isinstance(p, Q8Blocks) else p.as_q8() if isinstance(p, (Q5Blocks, Q6Blocks, IQ4Blocks))
+                      else Q8Blocks(*quantize_q8_blocks(self._dense(p))) for p in parts]
             return Q8Linear(Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks])), bias)
         if self.quantization == "w4a8":  # Q4 blocks as shipped, or quantized at group 32; Q5 where a part has 5 bits
             blocks = [p if isinstance(p, (Q4Blocks, Q5Blocks)) else quantize_int4(self._dense(p), 32) for p in parts]

@@ -95,6 +95,27 @@ class Q6Blocks(NamedTuple):
         return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
+
+
+class IQ4Blocks(NamedTuple):
+    """4-bit indices into llama.cpp's non-linear grid (:data:`IQ4_VALUES`) with a float32 ``d`` per 32 weights
+    along K: ``W = d IQ4_VALUES[codes]``, GGUF IQ4_NL (d float16) and IQ4_XS (its super-block's float16 d times
+    each block's 6-bit scale less 32) exactly: what the native IQ4 kernel runs (:class:`IQ4Tiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    d: torch.Tensor  # [N, K // 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.codes.long()]
+        return (values.view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
+
+    def as_q8(self) -> "Q8Blocks":
+        """These weights as Q8 blocks: the grid values are int8 codes, each block's d rounded to float16 (exact for
+        IQ4_NL, a relative 2^-11 at most for IQ4_XS)."""
+        return Q8Blocks(torch.tensor(IQ4_VALUES, dtype=torch.int8)[self.codes.long()], self.d.to(torch.float16))
+
+
 class Q8Blocks(NamedTuple):
     """Int8 codes with one float16 scale per 32 weights along K, as GGUF Q8_0: ``W = codes * d``. What the native
     W8A8 kernel runs (:class:`Q8Linear`); a GGUF's Q8_0 linears load as these under ``w4a8``."""
@@ -107,8 +128,8 @@ class Q8Blocks(NamedTuple):
 
 
 def concat_blocks(parts: list):
-    """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks` or :class:`Q6Blocks`),
-    stacked along N (the fused QKV and gate/up projections)."""
+    """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks`, :class:`Q6Blocks` or
+    :class:`IQ4Blocks`), stacked along N (the fused QKV and gate/up projections)."""
     kind = type(parts[0])
     assert all(type(p) is kind for p in parts) and len({getattr(p, "group", 32) for p in parts}) == 1
     return kind(**{f: parts[0].group if f == "group" else torch.cat([getattr(p, f) for p in parts])
@@ -223,6 +244,16 @@ def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
 
 
+def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
+    """IQ4 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 320] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): a Q4 tile block of the indices, then each row's ``d`` as float32."""
+    if blocks.codes.numel() and int(blocks.codes.max()) > 15:
+        raise ValueError("IQ4 indices must be 0..15")
+    num_tiles, num_blocks, parts = _nibbles_and_masks(blocks.codes, 4)
+    d = _tile_rows(blocks.d.float()).view(num_tiles, 16, num_blocks).permute(0, 2, 1).contiguous()
+    return torch.cat((*parts, d.view(torch.uint8).view(num_tiles, num_blocks, 64)), -1).contiguous()
+
+
 def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32 along K, as GGUF Q8_0 (``w = d q``, d float16): ``(codes [N, K] int8,
     d [N, K / 32] float16)``. Exact on a dequantized Q8_0 tensor: a block's largest code is 127, so
@@ -268,6 +299,15 @@ def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     m = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).double()
     dots = torch.einsum("abk,nbk->anb", codes, q)
     return (torch.einsum("anb,nb,ab->an", dots, d, scale) + sums @ m.T).float()
+
+
+def iq4_reference(x: torch.Tensor, blocks: IQ4Blocks) -> torch.Tensor:
+    """What the IQ4 kernel computes, in float64: ``sum_b d s_b (IQ4_VALUES[q] . xq)`` (float32 [M, N])."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    rows, cols = blocks.codes.shape
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float64)[blocks.codes.long()].view(rows, cols // 32, 32)
+    dots = torch.einsum("abk,nbk->anb", xq.view(xq.shape[0], cols // 32, 32), values)
+    return torch.einsum("anb,nb,ab->an", dots, blocks.d.double(), scale).float()
 
 
 def w6a8_reference(x: torch.Tensor, blocks: Q6Blocks) -> torch.Tensor:
@@ -418,6 +458,13 @@ class Q6Tiles(_TileLinear):
     """W6A8: :class:`Q6Blocks` (GGUF Q6_K as shipped): 0.875 bytes a weight where Q8 blocks take 1.06 and round it."""
 
     kind, _kernel, _pack = "w6a8", "q6_matmul", staticmethod(pack_q6_tiles)
+
+
+class IQ4Tiles(_TileLinear):
+    """W4A8 on llama.cpp's non-linear 4-bit grid: :class:`IQ4Blocks` (GGUF IQ4_NL and IQ4_XS as shipped), 0.625 bytes
+    a weight as Q4 tiles, where rounding them to Q4 blocks' even steps would move every weight."""
+
+    kind, _kernel, _pack = "w4a8", "iq4_matmul", staticmethod(pack_iq4_tiles)
 
 
 class Q8Linear(_TileLinear):

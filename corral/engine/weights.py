@@ -5,8 +5,9 @@ except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers sta
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
-their scales (:class:`~corral.engine.quant.Q6Blocks`) and its Q8_0 ones as int8 codes with one float16 scale per 32 weights
-(:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
+their scales (:class:`~corral.engine.quant.Q6Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
+grid with a float32 scale per 32 (:class:`~corral.engine.quant.IQ4Blocks`) and its Q8_0 ones as int8 codes with one
+float16 scale per 32 weights (:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves. A Qwen2's are as HF has them.
 
@@ -25,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
+from corral.engine.quant import IQ4Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -71,6 +72,8 @@ _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 # 32), where Q4 blocks would lose bits
 _Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
 _Q6_KINDS = ("Q6_K",)
+_IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 blocks under w4a8
+Blocks = Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
 _Q8_KINDS = ("Q8_0",)
 
 
@@ -175,6 +178,37 @@ def q6_blocks(raw: np.ndarray, values: torch.Tensor) -> Q6Blocks | None:
 _ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by row or run as the head: w4a8 keeps Q6_K
 
 
+IQ4_NL_BYTES, IQ4_XS_BYTES = 18, 136  # a block of 32 (float16 d, 16 bytes of indices); a super-block of 256
+
+
+def iq4_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> IQ4Blocks | None:
+    """GGUF IQ4_NL or IQ4_XS rows as IQ4 blocks, in the file's row order, from ``raw`` (its bytes [rows, ...]): each
+    block's 16 bytes of indices (byte j: index j in its low nibble, j + 16 in its high one) and its d, IQ4_NL's
+    float16 or IQ4_XS's super-block float16 d times the block's 6-bit scale less 32 (the scale's low 4 bits in
+    ``scales_l``, its high 2 in ``scales_h``), exact in float32; checked to give llama.cpp's dequantized ``values``
+    [rows, cols] back exactly. None where they do not: the caller then rounds the tensor to Q8 blocks."""
+    rows, cols = values.shape
+    raw = np.ascontiguousarray(raw).view(np.uint8)
+    if kind == "IQ4_NL":
+        blocks = raw.reshape(rows, cols // 32, IQ4_NL_BYTES)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        indices = blocks[..., 2:]
+    else:
+        if cols % 256:
+            return None
+        supers = raw.reshape(rows, cols // 256, IQ4_XS_BYTES)
+        d = supers[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, S]
+        high = supers[..., 2:4].copy().view(np.uint16)[..., 0]  # [rows, S]: 2 bits a block
+        low = supers[..., 4:8]  # [rows, S, 4]: 4 bits a block
+        block = np.arange(8)
+        scale = ((low[..., block // 2] >> (4 * (block % 2))) & 0x0F) | (((high[..., None] >> (2 * block)) & 3) << 4)
+        d = (d[..., None] * (scale.astype(np.float32) - 32)).reshape(rows, cols // 32)
+        indices = supers[..., 8:].reshape(rows, cols // 32, 16)
+    codes = np.concatenate((indices & 0x0F, indices >> 4), axis=-1).reshape(rows, cols)
+    kept = IQ4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)))
+    return kept if torch.equal(kept.dequantize(), values) else None
+
+
 def _is_layer_linear(name: str) -> bool:
     """Whether HF-named ``name`` is a layer's linear weight (a projection: what the native kernels run)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
@@ -195,16 +229,16 @@ def gguf_has_q4(files: ModelFiles) -> bool:
 
 
 def gguf_has_q8(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6_K or Q8_0 blocks (Q5, Q6 or Q8 blocks
-    under w4a8)."""
-    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS})
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6_K, Q8_0, IQ4_NL or IQ4_XS blocks (Q5, Q6,
+    Q8 or IQ4 blocks under w4a8)."""
+    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS})
 
 
 def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS) if keep_q8 else ())}  # a layer's linears only
+    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS) if keep_q8 else ())}  # linears
 
     def kept(name: str, kind: str) -> bool:
         return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds) or \
@@ -215,11 +249,12 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q5 and Q6_K ones as Q5 and Q6 blocks, Q8_0 ones as Q8 blocks" if keep_q8 else "")
+                 ", Q5 and Q6_K ones as Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and IQ4_XS ones as IQ4 blocks"
+                 if keep_q8 else "")
 
 
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
-               keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks]:
+               keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     from gguf.quants import dequantize
 
     from corral.models.gguf_file import gguf_tensors
@@ -244,6 +279,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
             kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
+        elif keep_q8 and linear and kind in _IQ4_KINDS:
+            kept = iq4_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and (linear or name in _ROW_TABLES) and kind in _Q6_KINDS:
             kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         if kept is not None:  # codes and scales, in the rotary order the values take below
@@ -253,8 +290,9 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         if heads:
             values = unpermute_rotary(values, heads)
         values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
-        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS):  # Q8_0 exactly; a Q5 or Q6 that
-            values = Q8Blocks(*quantize_q8_blocks(values))  # failed its check, rounded
+        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS):
+            # Q8_0 exactly; a Q5, Q6 or IQ4 tensor that failed its check, rounded
+            values = Q8Blocks(*quantize_q8_blocks(values))
         tensors[name] = values
     return tensors
 
@@ -272,13 +310,14 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v6"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v7"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
-_BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks}  # safetensors prefix -> the blocks' type
+_BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
+           "iq4": IQ4Blocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
@@ -306,7 +345,7 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 
 
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
-                 keep_q8: bool = False) -> dict[str, torch.Tensor | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks]:
+                 keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
     ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks` and its Q8_0 ones as
     :class:`Q8Blocks`). GGUF
@@ -321,7 +360,8 @@ def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, kee
             return _unflatten(load_file(path))
         except Exception as exc:  # a truncated cache file is rebuilt, never trusted
             log.warning("ignoring unreadable weight cache %s: %s", path, exc)
-    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks)) else t.to(dtype).contiguous()
+    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, IQ4Blocks)) else
+               t.to(dtype).contiguous()
                for name, t in _read_gguf(files.path, config, keep_q4, keep_q8).items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

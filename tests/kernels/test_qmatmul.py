@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (Q4Blocks, Q5Blocks, Q6Blocks, pack_q4_tiles, pack_q5_tiles, pack_q6_tiles,
-                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks,
-                                 w4a8_reference, w6a8_reference, w8a8_reference)
+from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q4Blocks, Q5Blocks, Q6Blocks, iq4_reference, pack_iq4_tiles,
+                                 pack_q4_tiles, pack_q5_tiles, pack_q6_tiles, pack_q8_tiles, quantize_activations,
+                                 quantize_int4, quantize_q8_blocks, w4a8_reference, w6a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -47,6 +47,28 @@ def random_q5(n: int, k: int) -> Q5Blocks:
     d = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
     m = (-16 * d * (0.5 + torch.rand(n, k // 32))).half().float()
     return Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), d, m + 8 * d)
+
+
+def iq4_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().iq4_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def random_iq4(n: int, k: int) -> IQ4Blocks:
+    """Indices over the whole grid, each block's d as an IQ4_XS block's: a float16 d per 256 times a 6-bit scale
+    less 32 (exact in float32, not in float16)."""
+    d = (torch.rand(n, -(-k // 256)) * 0.002 + 1e-4).half().float().repeat_interleave(8, dim=1)[:, : k // 32]
+    scales = torch.randint(0, 64, (n, k // 32)).float() - 32
+    return IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), (d * scales).contiguous())
+
+
+def w8_terms(x, values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """sum_b |d s_b (v . xq)| for weights ``values`` (float64 [N, K]) with a ``d`` per block of 32."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    (m, k), n = x.shape, values.shape[0]
+    dots = torch.einsum("abk,nbk->anb", xq.view(m, k // 32, 32), values.view(n, k // 32, 32)).abs()
+    return torch.einsum("anb,nb,ab->an", dots, d.double().abs(), scale)
 
 
 def q6_product(x, tiles, n):
@@ -126,15 +148,21 @@ def q6_terms(x, blocks: Q6Blocks) -> torch.Tensor:
                         sc.abs(), scale.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("kind", ["q5", "q6"])
+@pytest.mark.parametrize("kind", ["q5", "q6", "iq4"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_and_q6_equal_their_stated_numerics(kind, m, n, k):
+def test_q5_q6_and_iq4_equal_their_stated_numerics(kind, m, n, k):
     """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
-    ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale."""
-    torch.manual_seed(m * 31 + n + k + (kind == "q6"))
+    ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
+    ``sum_b d s_b (IQ4_VALUES[q] . xq)``."""
+    torch.manual_seed(m * 31 + n + k + (kind == "q6") + 2 * (kind == "iq4"))
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
-    if kind == "q5":
+    if kind == "iq4":
+        blocks = random_iq4(n, k)
+        got, want = iq4_product(x, pack_iq4_tiles(blocks), n), iq4_reference(x, blocks)
+        values = torch.tensor(IQ4_VALUES, dtype=torch.float64)[blocks.codes.long()]
+        bound = summation_bound(w8_terms(x, values, blocks.d), k // 32)
+    elif kind == "q5":
         blocks = random_q5(n, k)
         got, want = q5_product(x, pack_q5_tiles(blocks), n), w4a8_reference(x, blocks)
         bound = summation_bound(q4_terms(x, blocks), k // 32)
@@ -146,7 +174,7 @@ def test_q5_and_q6_equal_their_stated_numerics(kind, m, n, k):
 
 
 def code_in_tile(w: torch.Tensor, r: int, col: int, bits: int) -> int:
-    """The code of row r, column col of a tile block ``w`` with ``bits`` (5 or 6), read as the kernels read it
+    """The code of row r, column col of a tile block ``w`` with ``bits`` (4, 5 or 6), read as the kernels read it
     (qmatmul.h): its low 4 bits from its nibble, its fifth (and sixth) from its chunk's masks."""
     c, within = divmod(col, 8)
     half, i = divmod(within, 4)
@@ -194,6 +222,27 @@ def test_q6_tiles_hold_every_code_and_scale_and_give_each_weight_back():
     with pytest.raises(ValueError, match="0..63"):
         pack_q6_tiles(Q6Blocks(torch.full((16, 32), 64, dtype=torch.uint8), torch.ones(16, 1),
                                torch.ones(16, 2, dtype=torch.int8)))
+
+
+def test_iq4_tiles_hold_every_index_and_d_and_give_each_weight_back():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each index from its nibble, each row's d as
+    float32; and one activation picks out a column's weight, d IQ4_VALUES[q], the whole grid among them."""
+    torch.manual_seed(12)
+    n, k = 20, 64
+    blocks = random_iq4(n, k)
+    tiles = pack_iq4_tiles(blocks)
+    assert tiles.shape == (2, 2, 320) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(16))
+    for row, r, b, w in tile_blocks(tiles, n, k):
+        assert [code_in_tile(w, r, col, 4) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+        assert float(w[256 + 4 * r: 260 + 4 * r].view(torch.float32)) == float(blocks.d[row, b])
+    dense = blocks.dequantize()
+    for col in (3, 20, 45):
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0  # code 127 at scale 1/127
+        assert torch.allclose(iq4_product(x, tiles, n)[0], dense[:, col], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_iq4_tiles(IQ4Blocks(torch.full((16, 32), 16, dtype=torch.uint8), torch.ones(16, 1)))
 
 
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
@@ -324,6 +373,10 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     mod.q6_matmul(buffer(x), buffer(pack_q6_tiles(six)), n, buffer(out), 2)
     ref = w6a8_reference(x, six)
     worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    grid = IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.02 + 1e-3)
+    mod.iq4_matmul(buffer(x), buffer(pack_iq4_tiles(grid)), n, buffer(out), 2)
+    ref = iq4_reference(x, grid)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -334,6 +387,7 @@ q5_tiles = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (100, 576), dtype=torch.u
 q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.uint8),
                                   (torch.rand(100, 18) * 0.002).half().float(),
                                   torch.randint(-128, 128, (100, 36), dtype=torch.int8)))
+iq4_tiles = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
@@ -341,7 +395,7 @@ def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     return out
 independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
-                  (mod.q6_matmul, q6_tiles)]:
+                  (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles)]:
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
@@ -357,7 +411,7 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
 _PAIRS_CHECK = """
 import hashlib, json, torch
 from corral import native
-from corral.engine.quant import Q5Blocks, pack_q4_tiles, pack_q5_tiles, quantize_int4
+from corral.engine.quant import IQ4Blocks, Q5Blocks, pack_iq4_tiles, pack_q4_tiles, pack_q5_tiles, quantize_int4
 from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(5)
@@ -366,9 +420,10 @@ for n in (100, 90, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (the l
     tiles = pack_q4_tiles(quantize_int4(torch.randn(n, 576), 32))
     five = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (n, 576), dtype=torch.uint8), torch.rand(n, 18) * 0.02,
                                   torch.randn(n, 18) * 0.1))
+    grid = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (n, 576), dtype=torch.uint8), torch.rand(n, 18) * 0.02))
     for rows in (1, 2, 3, 4, 5, 8):
         x = torch.randn(rows, 576)
-        for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five)):
+        for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five), (mod.iq4_matmul, grid)):
             out = torch.empty(rows, n)
             matmul(buffer(x), buffer(w), n, buffer(out), 2)
             digest.update(out.numpy().tobytes())

@@ -211,3 +211,44 @@ def test_a_tied_q6_k_embedding_serves_lookups_and_logits_as_shipped(tmp_path, mo
                                                       ([90, 120, 7], [], 0), ([3], [], 0)),
                                       seed=1, blocks=64, max_len=256)
 
+
+IQ4 = os.path.join(kquant_fixture.DATA, "tiny-iq4.gguf")
+
+
+def test_iq4_linears_run_as_shipped_in_iq4_tiles(tmp_path, monkeypatch, caplog):
+    """The same weights in llama.cpp's IQ4_XS, with IQ4_NL tensors beside (its non-linear 4-bit grid): under w4a8
+    every linear is kept as IQ4 blocks equal to llama.cpp's dequantization bit for bit (rotary rows included, also
+    after the weight cache), each fused layer runs in IQ4 tiles (an IQ4_NL part beside IQ4_XS ones too), the
+    native step equals the torch forward bit for bit, and the logits are the dense dequantized model's but for
+    the activations' rounding to 8 bits."""
+    from corral.engine.model import IQ4_KIND
+    from corral.engine.quant import IQ4Blocks, IQ4Tiles
+    from tests.engine.test_native_step import assert_native_step_is_the_forward
+
+    monkeypatch.setenv("CORRAL_CACHE_DIR", str(tmp_path))
+    files = resolve_model(IQ4)
+    config = load_model_config(files)
+    kinds = {t.name: t.tensor_type.name for t in gguf_tensors(IQ4)}
+    assert kinds["blk.0.attn_k.weight"] == "IQ4_NL" and kinds["blk.0.attn_q.weight"] == "IQ4_XS"
+    with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
+        kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert "at load: IQ4_XS (" in line  # the embedding alone: every linear is kept, the head is Q6_K
+    reference = load_weights(files, config, torch.float32)
+    cached = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
+    p = "model.layers.0."
+    for name in LINEAR_KINDS:
+        assert isinstance(kept[p + name], IQ4Blocks), name
+        assert torch.equal(kept[p + name].dequantize(), reference[p + name]), name
+        assert all(torch.equal(a, b) for a, b in zip(cached[p + name], kept[p + name])), name
+    model = LlamaModel(config, kept, torch.float32, "w4a8")
+    assert all(type(model.layers[0][n]) is IQ4Tiles for n in ("qkv", "o", "gate_up", "down"))
+    token_ids = list(range(5, 60, 3))
+    dense = corral_logits_of(config, reference, token_ids)
+    off = float((model_logits(config, kept, "w4a8", token_ids) - dense).norm() / dense.norm())
+    assert off < 0.03, off  # 8-bit activations (measured 0.015); a misread grid or scale is far off
+    if model.native_step is None:
+        pytest.skip("the native module is off or missing")
+    assert model.native_step.kinds.tolist() == [[IQ4_KIND] * 4]
+    assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
+                                                      ([90, 120, 7], [], 0)), seed=3, blocks=64, max_len=256)
