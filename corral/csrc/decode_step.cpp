@@ -25,10 +25,34 @@ namespace {
 
 constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size
 
-// One linear's tiles: Q4, Q5, Q6 or Q8 (bits 4, 5, 6, 8), n rows of k.
+// One linear's tiles: Q4, Q5, Q6, Q8 (bits 4, 5, 6, 8) or IQ4 tiles, n rows of k.
 int64_t tile_bytes(int64_t bits, int64_t n, int64_t k) {
     return (n + 15) / 16 * (k / 32) * corral_qmatmul::tile_block_bytes(bits);
 }
+
+// A layer's linear (qkv, o, gate_up or down) as its parts run: one product over all its rows where its parts (Q,
+// K and V; gate and up) share a kind, their tiles fused; else a product per part, each into its columns of the
+// output, in one thread team (a file that keeps them in different kinds: each runs as shipped). Column for column
+// the same products.
+struct Linear {
+    struct Part {
+        int64_t kind, rows, column, start;  // start: its tiles' offset in layer_tiles
+    };
+    Part parts[3];
+    int parts_count = 0;
+    int64_t n = 0, k = 0;
+
+    void run(const float* x, int64_t rows, const uint8_t* tiles, float* y, int threads) const {
+        if (parts_count == 1) {
+            tiles_product(parts[0].kind, x, rows, k, tiles + parts[0].start, n, y, threads);
+            return;
+        }
+        ProductPart each[3];
+        for (int i = 0; i < parts_count; ++i)
+            each[i] = {parts[i].kind, tiles + parts[i].start, parts[i].rows, y + parts[i].column};
+        tiles_products(x, rows, k, each, parts_count, n, threads);
+    }
+};
 
 // The parts a profile splits a step into (seconds added to timings[part] when a timings buffer is given).
 enum Part { EMBED, NORM, MATMUL, ROPE, KV_WRITE, ATTENTION, SILU, LM_HEAD, PARTS };
@@ -195,8 +219,9 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             for sample_pick's draws) -> None without a pick, else (picks: B lists of the steps done's token ids,
 //             their logprobs: B lists of floats, decided: whether the native pass decided every pick); spans: None or a
 //             list of (start, end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64
-//             [layers, 4]: each of a layer's qkv, o, gate_up and down as Q4 (4), Q5 (5), Q6 (6), Q8 (8) or IQ4
-//             tiles (40), one after another in layer_tiles; qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
+//             [layers, 7]: each of a layer's q, k, v, o, gate, up and down projections as Q4 (4), Q5 (5), Q6 (6), Q8
+//             (8) or IQ4 tiles (40), in layer_tiles one linear after another (qkv, o, gate_up, down), a linear's
+//             parts fused into one tiles buffer where they share a kind, else each its own, in order (see Linear); qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
 //             layer's QKV bias (Qwen2's), added to the QKV product's rows before RoPE
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.
@@ -259,13 +284,13 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
     norms.expect_float32();  // (first: its rows bound the layer count the tables below are sized by)
     norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
-    // each layer's linears: their bits (4, 5, 6 or 8) and where each starts in layer_tiles
-    std::vector<int64_t> bits(L * 4, 4), starts(L * 4 + 1, 0);
+    // each layer's parts' kinds (q, k, v, o, gate, up, down: 4, 5, 6 or 8 bits, or IQ4)
+    std::vector<int64_t> bits(L * 7, 4);
     if (!kinds_in.is_none()) {
         const Array kinds(kinds_in, "kinds", false);
-        kinds.expect_shape({Py_ssize_t(L), 4});
+        kinds.expect_shape({Py_ssize_t(L), 7});
         kinds.expect_int64();
-        for (int64_t i = 0; i < L * 4; ++i) {
+        for (int64_t i = 0; i < L * 7; ++i) {
             bits[i] = kinds.data<const int64_t>()[i];
             if (bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8 && bits[i] != corral_qmatmul::IQ4)
                 fail(PyExc_ValueError, "decode_step: kinds must be 4, 5, 6, 8 or 40 (IQ4)");
@@ -277,11 +302,32 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
         qkv_bias.expect_float32();
         qkv_bias.expect_shape({Py_ssize_t(L), Py_ssize_t(QKV)});
     }
-    const int64_t shapes[4][2] = {{QKV, H}, {H, Q}, {2 * I, H}, {H, I}};  // (n, k) of qkv, o, gate_up, down
-    for (int64_t i = 0; i < L * 4; ++i)
-        starts[i + 1] = starts[i] + tile_bytes(bits[i], shapes[i % 4][0], shapes[i % 4][1]);
+    // each layer's qkv, o, gate_up and down, their tiles one after another in layer_tiles
+    const int64_t part_rows[7] = {Q, KVW, KVW, H, I, I, H}, part_k[4] = {H, Q, H, I}, first_part[5] = {0, 3, 4, 6, 7};
+    std::vector<Linear> linears(L * 4);
+    int64_t offset = 0;
+    for (int64_t l = 0; l < L; ++l)
+        for (int j = 0; j < 4; ++j) {
+            Linear& lin = linears[l * 4 + j];
+            const int64_t* kind = bits.data() + l * 7;
+            lin.k = part_k[j];
+            bool fused = true;
+            for (int64_t p = first_part[j]; p < first_part[j + 1]; ++p) {
+                lin.n += part_rows[p];
+                fused = fused && kind[p] == kind[first_part[j]];
+            }
+            if (fused) {
+                lin.parts[lin.parts_count++] = {kind[first_part[j]], lin.n, 0, offset};
+                offset += tile_bytes(kind[first_part[j]], lin.n, lin.k);
+                continue;
+            }
+            for (int64_t p = first_part[j], column = 0; p < first_part[j + 1]; column += part_rows[p++]) {
+                lin.parts[lin.parts_count++] = {kind[p], part_rows[p], column, offset};
+                offset += tile_bytes(kind[p], part_rows[p], lin.k);
+            }
+        }
     layer_tiles.expect_uint8();
-    layer_tiles.expect_shape({Py_ssize_t(starts[L * 4])});
+    layer_tiles.expect_shape({Py_ssize_t(offset)});
     cos.expect_float32();
     cos.expect_ndim(2);
     if (cos.dim(1) != D) fail(PyExc_ValueError, "cos: head_dim columns expected");
@@ -409,12 +455,11 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             bool has_delta = false;
             for (int64_t l = 0; l < L; ++l) {
                 const uint8_t* tiles = layer_tiles.data<const uint8_t>();
-                const int64_t* start = starts.data() + 4 * l;  // this layer's qkv, o, gate_up, down
-                const int64_t* bit = bits.data() + 4 * l;
+                const Linear* lin = linears.data() + 4 * l;  // this layer's qkv, o, gate_up, down
                 k->add_rms_norm_f32(h.data(), has_delta ? delta.data() : nullptr, norm + 2 * l * H, normed.data(), B,
                                     H, eps, threads);
                 clock.mark(NORM);
-                tiles_product(bit[0], normed.data(), B, H, tiles + start[0], QKV, qkv.data(), threads);
+                lin[0].run(normed.data(), B, tiles, qkv.data(), threads);
                 if (has_qkv_bias) {  // each row plus the layer's bias: the torch path's y + bias, the same adds
                     const float* bias = qkv_bias.data<const float>() + l * QKV;
                     for (Py_ssize_t b = 0; b < B; ++b)
@@ -484,15 +529,15 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                         span.num_context, o, tokens, heads, kv_heads, D, block_size, scale, threads);
                 }
                 clock.mark(ATTENTION);
-                tiles_product(bit[1], attn.data(), B, Q, tiles + start[1], H, delta.data(), threads);
+                lin[1].run(attn.data(), B, tiles, delta.data(), threads);
                 clock.mark(MATMUL);
                 k->add_rms_norm_f32(h.data(), delta.data(), norm + (2 * l + 1) * H, normed.data(), B, H, eps, threads);
                 clock.mark(NORM);
-                tiles_product(bit[2], normed.data(), B, H, tiles + start[2], 2 * I, gate_up.data(), threads);
+                lin[2].run(normed.data(), B, tiles, gate_up.data(), threads);
                 clock.mark(MATMUL);
                 k->silu_mul_f32(gate_up.data(), act.data(), B, I, threads);
                 clock.mark(SILU);
-                tiles_product(bit[3], act.data(), B, I, tiles + start[3], H, delta.data(), threads);
+                lin[3].run(act.data(), B, tiles, delta.data(), threads);
                 clock.mark(MATMUL);
                 has_delta = true;
             }

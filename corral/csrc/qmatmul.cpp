@@ -6,6 +6,9 @@
 #include "common.h"
 #include "qmatmul.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -101,21 +104,59 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q5(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
-void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    Activations a = scratch.of(x, rows, cols, threads);
-    // 32 times each block's halves' codes summed, for the Q6 tiles' scale per half block (its codes less 32)
+namespace {
+
+// 32 times each block's halves' codes summed, for the Q6 tiles' scale per half block (its codes less 32), into a
+// buffer kept per thread
+void add_halves(Activations& a) {
     static thread_local std::vector<int32_t> halves;
-    const int64_t blocks = cols / corral_qmatmul::BLOCK;
-    halves.resize(size_t(2 * rows * blocks));
-    for (int64_t i = 0; i < rows * blocks; ++i) {
+    const int64_t blocks = a.cols / corral_qmatmul::BLOCK;
+    halves.resize(size_t(2 * a.rows * blocks));
+    for (int64_t i = 0; i < a.rows * blocks; ++i) {
         const int8_t* codes = a.xq + i * corral_qmatmul::BLOCK;
         int32_t first = 0;
         for (int k = 0; k < 16; ++k) first += codes[k];
         halves[size_t(2 * i)] = 32 * first, halves[size_t(2 * i + 1)] = 32 * (a.isum[i] - first);
     }
     a.halves32 = halves.data();
+}
+
+corral_qmatmul::Matmul kernel_of(int64_t kind) {
+    return kind == 8 ? chosen_q->q8 : kind == 6 ? chosen_q->q6 : kind == 5 ? chosen_q->q5
+         : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : chosen_q->q4;
+}
+
+}  // namespace
+
+void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    Activations a = scratch.of(x, rows, cols, threads);
+    add_halves(a);
     chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
+void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPart* parts, int count, int64_t ldy,
+                    int threads) {
+    Activations a = scratch.of(x, rows, cols, threads);
+    int64_t total = 0;  // every part's tiles, one list the threads share
+    bool six = false;
+    for (int i = 0; i < count; ++i) total += (parts[i].n + 15) / 16, six = six || parts[i].kind == 6;
+    if (six) add_halves(a);
+    const int64_t blocks = cols / corral_qmatmul::BLOCK;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = total * me / team, last = total * (me + 1) / team;  // this thread's tiles
+        int64_t start = 0;  // the part's first tile in the list
+        for (int i = 0; i < count; start += (parts[i].n + 15) / 16, ++i) {
+            const int64_t tiles = (parts[i].n + 15) / 16, from = std::max(first, start) - start,
+                          to = std::min(last, start + tiles) - start;
+            if (from >= to) continue;
+            const int64_t bytes = corral_qmatmul::tile_block_bytes(parts[i].kind);
+            const int64_t n = std::min(parts[i].n, 16 * to) - 16 * from;  // the last tile may be short
+            kernel_of(parts[i].kind)(a, parts[i].tiles + from * blocks * bytes, n, parts[i].y + 16 * from, ldy, 1);
+        }
+    }
 }
 
 void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,

@@ -145,6 +145,17 @@ void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tile
 // The product on tiles of kind `bits` (4, 5, 6 or 8 bits, or IQ4): the one of the five above.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
+// Several products of the same x, each on its own tiles (of any kind) into its columns of y [rows, ldy], in one
+// thread team (a team per product costs each one a wake-up of the threads): the products tiles_product gives,
+// bit for bit (a tile's outputs do not depend on which tiles share its call).
+struct ProductPart {
+    int64_t kind;          // 4, 5, 6 or 8 bits, or IQ4
+    const uint8_t* tiles;  // [ceil(n / 16), cols / 32, tile bytes]
+    int64_t n;
+    float* y;              // its first column
+};
+void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPart* parts, int count, int64_t ldy,
+                    int threads);
 // Row id of Q8 or Q6 tiles (bits 8 or 6) with `blocks` blocks, dequantized into out [blocks * 32] (for Q6, as
 // Q6Blocks.dequantize computes it: (q - 32) (d sc), one rounding).
 void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out);

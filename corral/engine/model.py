@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, IQ4Blocks, IQ4Tiles, Q4Blocks, Q4Tiles,
-                                 Q5Blocks, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles,
-                                 concat_blocks, quantize_int4, quantize_q8_blocks)
+                                 Q5Blocks, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, SplitLinear,
+                                 concat_blocks, quantize_int4)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -114,6 +114,15 @@ class _Rows:
 
 
 IQ4_KIND = 40  # IQ4 tiles in the native step's kinds table, beside the Q tiles' bits (qmatmul.h: IQ4)
+# the native layer of each kind of blocks under w4a8
+_TILES = {Q4Blocks: Q4Tiles, Q5Blocks: Q5Tiles, Q6Blocks: Q6Tiles, Q8Blocks: Q8Linear, IQ4Blocks: IQ4Tiles}
+
+
+def _fused(blocks: list):
+    """Blocks of one kind stacked along N, as one fused layer's (Q8 blocks: their codes and scales)."""
+    if isinstance(blocks[0], Q8Blocks):
+        return Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks]))
+    return concat_blocks(blocks)
 _MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weights, tables, caches: about 10)
 
 
@@ -126,11 +135,18 @@ class NativeStep:
     layers' tiles are moved into one buffer that the layers' linears then view (one copy of the weights)."""
 
     LINEARS = ("qkv", "o", "gate_up", "down")
+    PROJECTIONS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # the projections each fuses (q, k, v; gate, up)
+    KINDS = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8, IQ4Tiles: IQ4_KIND}  # each layer's kind in the call
+
+    @staticmethod
+    def _parts(linear) -> list:
+        """The native layers a linear runs as: its parts where they differ in kind (:class:`SplitLinear`), else it."""
+        return linear.parts if isinstance(linear, SplitLinear) else [linear]
 
     @staticmethod
     def serves(model: "LlamaModel") -> bool:
         return (model.quantization == "w4a8" and model.fused and bool(model.layers)
-                and all(isinstance(layer[name], (Q4Tiles, Q5Tiles, Q6Tiles, Q8Linear, IQ4Tiles))
+                and all(all(type(part) in NativeStep.KINDS for part in NativeStep._parts(layer[name]))
                         and (layer[name].bias is None or name == "qkv")  # a QKV bias (Qwen2's) is added inside
                         for layer in model.layers for name in NativeStep.LINEARS)
                 and len({layer["qkv"].bias is None for layer in model.layers}) == 1  # in every layer, or none
@@ -138,11 +154,13 @@ class NativeStep:
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
-        bits = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8, IQ4Tiles: IQ4_KIND}
-        kinds = [[bits[type(layer[name])] for name in self.LINEARS] for layer in model.layers]
-        # each linear's tiles: Q4, Q5, Q6, Q8 or IQ4; None where all are Q4 (the call then skips the table)
+        # each layer's projections' kinds (q, k, v, o, gate, up, down: Q4, Q5, Q6, Q8 or IQ4 tiles), a fused
+        # linear's kind repeated for its parts; None where all are Q4 (the call then skips the table)
+        kinds = [[kind for name in self.LINEARS for kind in self._kinds(layer[name], self.PROJECTIONS[name])]
+                 for layer in model.layers]
         self.kinds = torch.tensor(kinds, dtype=torch.int64) if any(b != 4 for row in kinds for b in row) else None
-        self.layer_bytes = [sum(layer[name].tiles.numel() for name in self.LINEARS) for layer in model.layers]
+        self.layer_bytes = [sum(part.tiles.numel() for name in self.LINEARS for part in self._parts(layer[name]))
+                            for layer in model.layers]
         self.layer_tiles = self._gather_tiles(model)
         self.norms = torch.stack([w for layer in model.layers for w in (layer["attn_norm"], layer["mlp_norm"])] +
                                  [model.final_norm]).float().contiguous()
@@ -162,10 +180,19 @@ class NativeStep:
         self._outputs = _StepOutputs(cfg.hidden_size, model.lm_head.out_features if self.head_tiles is not None else 0)
 
     @staticmethod
+    def _kinds(linear, parts: int) -> list[int]:
+        """The kinds of ``linear``'s ``parts`` projections: each part's where they differ, else its own ``parts``
+        times."""
+        if isinstance(linear, SplitLinear):
+            return [NativeStep.KINDS[type(part)] for part in linear.parts]
+        return [NativeStep.KINDS[type(linear)]] * parts
+
+    @staticmethod
     def _gather_tiles(model: "LlamaModel") -> torch.Tensor:
         """Every layer's tiles in one buffer (on huge pages where granted: the step streams it whole), in layer
-        order, each layer's linears then a view of its part."""
-        layers = [layer[name] for layer in model.layers for name in NativeStep.LINEARS]
+        order (a split linear's parts one after another), each layer's linears then a view of its part."""
+        layers = [part for layer in model.layers for name in NativeStep.LINEARS
+                  for part in NativeStep._parts(layer[name])]
         gathered = hugepages.zeros((sum(layer.tiles.numel() for layer in layers),), torch.uint8)
         offset = 0
         for layer in layers:
@@ -350,8 +377,9 @@ class LlamaModel:
 
     ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K),
     ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense) or
-    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5, Q6 and Q8 blocks as shipped, and the embedding and LM
-    head in Q8 tiles or, Q6_K as shipped, Q6 tiles, through the native kernels with float32 activations)."""
+    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q5, Q6, IQ4 and Q8 blocks as shipped, a fused layer's parts
+    of different kinds each at its own, and the embedding and LM head in Q8 tiles or, Q6_K as shipped, Q6 tiles,
+    through the native kernels with float32 activations)."""
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",
                  group_size: int = 32):
@@ -407,24 +435,16 @@ class LlamaModel:
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
-        six = [isinstance(p, Q6Blocks) for p in parts]
-        grid = [isinstance(p, IQ4Blocks) for p in parts]
-        if self.quantization == "w4a8" and all(six):  # Q6_K parts alone: as shipped
-            return Q6Tiles(concat_blocks(parts), bias)
-        if self.quantization == "w4a8" and all(grid):  # IQ4_NL / IQ4_XS parts alone: as shipped
-            return IQ4Tiles(concat_blocks(parts), bias)
-        if self.quantization == "w4a8" and (any(isinstance(p, Q8Blocks) for p in parts) or any(six) or any(grid)):
-            # a part the file keeps in 8 bits, or in 6 or on the IQ4 grid beside parts of other kinds: the whole
-            # fused layer in Q8 blocks (a Q5_0 or IQ4_NL part exactly, an IQ4_XS part's d to float16, a Q4, other Q5
-            # or Q6 part's values rounded to 8 bits), where fewer bits would round that part
-            blocks = [p if isinstance(p, Q8Blocks) else p.as_q8() if isinstance(p, (Q5Blocks, Q6Blocks, IQ4Blocks))
-                      else Q8Blocks(*quantize_q8_blocks(self._dense(p))) for p in parts]
-            return Q8Linear(Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks])), bias)
-        if self.quantization == "w4a8":  # Q4 blocks as shipped, or quantized at group 32; Q5 where a part has 5 bits
-            blocks = [p if isinstance(p, (Q4Blocks, Q5Blocks)) else quantize_int4(self._dense(p), 32) for p in parts]
-            if any(isinstance(b, Q5Blocks) for b in blocks):  # a Q4 block is a Q5 block with the same d and m
-                return Q5Tiles(concat_blocks([Q5Blocks(*b[:3]) for b in blocks]), bias)
-            return Q4Tiles(concat_blocks(blocks), bias)
+        if self.quantization == "w4a8":  # each part as shipped (a dense one quantized to Q4 blocks of 32)
+            blocks = [p if isinstance(p, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, IQ4Blocks)) else
+                      quantize_int4(self._dense(p), 32) for p in parts]
+            kinds = {type(b) for b in blocks}
+            if kinds == {Q4Blocks, Q5Blocks}:  # a Q4 block is a Q5 block with the same d and m: one Q5 layer
+                blocks, kinds = [Q5Blocks(*b[:3]) for b in blocks], {Q5Blocks}
+            if len(kinds) == 1:  # one kind: the parts fused into one layer's tiles
+                return _TILES[type(blocks[0])](_fused(blocks), bias)
+            # parts the file keeps in different kinds: each on its own kernel, none rounded to another's
+            return SplitLinear([_TILES[type(b)](b, None) for b in blocks], bias)
         if self.quantization == "gguf" and all(isinstance(p, Q4Blocks) for p in parts):
             layer = Int4Groups(concat_blocks(parts), bias, torch.bfloat16)
         else:

@@ -67,14 +67,6 @@ class Q5Blocks(NamedTuple):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return Q4Blocks.dequantize(self, dtype)  # the same form; codes up to 31
 
-    def as_q8(self) -> "Q8Blocks":
-        """These weights as Q8 blocks: exactly where every block is symmetric with a float16 scale (Q5_0's
-        ``d (q - 16)``: codes ``q - 16``, scale ``d``), else rounded to 8 bits (:func:`quantize_q8_blocks`)."""
-        d = self.scale.to(torch.float16)
-        if torch.equal(self.zero, -8 * self.scale) and torch.equal(d.float(), self.scale):
-            return Q8Blocks((self.codes.to(torch.int16) - 16).to(torch.int8), d)
-        return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
-
 
 class Q6Blocks(NamedTuple):
     """6-bit codes with a float16 ``d`` per 32 weights along K and an int8 scale ``sc`` per 16: ``W = d sc (codes -
@@ -88,11 +80,6 @@ class Q6Blocks(NamedTuple):
         rows, cols = self.codes.shape
         scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
         return (self.codes.float() - 32) * scale
-
-    def as_q8(self) -> "Q8Blocks":
-        """These weights rounded to Q8 blocks (:func:`quantize_q8_blocks`): a fused layer whose other parts are not
-        Q6 blocks."""
-        return Q8Blocks(*quantize_q8_blocks(self.dequantize()))
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
@@ -109,11 +96,6 @@ class IQ4Blocks(NamedTuple):
         rows, cols = self.codes.shape
         values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.codes.long()]
         return (values.view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
-
-    def as_q8(self) -> "Q8Blocks":
-        """These weights as Q8 blocks: the grid values are int8 codes, each block's d rounded to float16 (exact for
-        IQ4_NL, a relative 2^-11 at most for IQ4_XS)."""
-        return Q8Blocks(torch.tensor(IQ4_VALUES, dtype=torch.int8)[self.codes.long()], self.d.to(torch.float16))
 
 
 class Q8Blocks(NamedTuple):
@@ -467,10 +449,30 @@ class IQ4Tiles(_TileLinear):
     kind, _kernel, _pack = "w4a8", "iq4_matmul", staticmethod(pack_iq4_tiles)
 
 
+class SplitLinear(_Biased):
+    """A fused linear (QKV, gate/up) whose parts a file keeps in different kinds (a Q4_K_M file's Q6_K value
+    projection beside Q4_K query and key, an IQ4_XS file's Q5_K one beside IQ4 ones): each part on its own native
+    kernel as shipped, their outputs side by side, then the bias; column for column the products a fused layer of
+    that kind would give."""
+
+    kind = "w4a8"
+
+    def __init__(self, parts: list[_TileLinear], bias: torch.Tensor | None):
+        super().__init__(bias, torch.float32)
+        self.parts = parts
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(torch.cat([part(x) for part in self.parts], dim=1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
 class Q8Linear(_TileLinear):
     """W8A8: Q8 blocks of 32 (:class:`Q8Blocks`): a linear layer under ``w4a8`` whose weights have 8 bits (a GGUF's
-    Q8_0 tensors), or a fused layer with such a part or with a Q6_K part beside parts of other kinds, where fewer
-    bits would lose what the file kept."""
+    Q8_0 tensors)."""
 
     kind, _kernel = "w8a8", "q8_matmul"
 

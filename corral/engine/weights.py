@@ -323,8 +323,8 @@ _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, ki
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
-    ``.q4_zero``, the same with ``q5_``), Q6 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``), Q8 blocks as
-    two (``<name>.q8_codes`` / ``.q8_d``)."""
+    ``.q4_zero``, the same with ``q5_``), Q6 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``), Q8 and IQ4
+    blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
         prefix = next((p for p, kind in _BLOCKS.items() if type(value) is kind), None)
@@ -347,9 +347,9 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks` and its Q8_0 ones as
-    :class:`Q8Blocks`). GGUF
-    conversions are cached on disk; HF folders are read directly."""
+    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its IQ4_NL and IQ4_XS ones
+    as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
+    are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:

@@ -832,9 +832,9 @@ def q6_blocks_of(weight: torch.Tensor):
 
 def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_path(engines):
     """A model whose layers mix Q4, Q5, Q6 and Q8 linears (as a GGUF with Q5/Q6_K/Q8_0 tensors beside its Q4 ones
-    loads under w4a8) in different layers and places, a fused gate/up of Q6 parts among them: the native step runs
-    each at its kind, whole and cut to its first 12 layers (self-speculation's slice of the weight buffer), with the
-    same tokens and logprobs as the torch path."""
+    loads under w4a8) in different layers and places, a fused gate/up of Q6 parts and fused layers split into parts
+    of different kinds among them: the native step runs each at its kind, whole and cut to its first 12 layers
+    (self-speculation's slice of the weight buffer), with the same tokens and logprobs as the torch path."""
     from corral.engine.model import LlamaModel
     from corral.engine.quant import Q5Blocks, Q8Blocks, quantize_q8_blocks
     from corral.engine.weights import load_weights
@@ -858,9 +858,12 @@ def test_a_model_with_q8_linears_among_its_q4_ones_steps_natively_as_its_torch_p
         weights[key] = q6_blocks_of(weights[key].dequantize())
     model = LlamaModel(config, weights, torch.float32, "w4a8")
     kinds = model.native_step.kinds.tolist()
+    # q, k, v, o, gate, up, down: a Q8 value or up projection beside Q4 parts runs split, each part at its kind; a
+    # Q5 part makes its Q4 siblings Q5 (the same weights)
     assert (kinds[2], kinds[3], kinds[5], kinds[7], kinds[9], kinds[11], kinds[20], kinds[0]) == (
-        [8, 4, 4, 4], [5, 4, 4, 4], [4, 4, 4, 8], [4, 4, 4, 5], [4, 4, 5, 4], [4, 8, 4, 4], [4, 4, 8, 4], [4, 4, 4, 4])
-    assert (kinds[4], kinds[8], kinds[10]) == ([4, 4, 4, 6], [4, 6, 4, 4], [4, 4, 6, 4])
+        [4, 4, 8, 4, 4, 4, 4], [5, 5, 5, 4, 4, 4, 4], [4, 4, 4, 4, 4, 4, 8], [4, 4, 4, 4, 4, 4, 5],
+        [4, 4, 4, 4, 5, 5, 4], [4, 4, 4, 8, 4, 4, 4], [4, 4, 4, 4, 4, 8, 4], [4] * 7)
+    assert (kinds[4], kinds[8], kinds[10]) == ([4, 4, 4, 4, 4, 4, 6], [4, 4, 4, 6, 4, 4, 4], [4, 4, 4, 4, 6, 6, 4])
     prompts = [chat(target, q) for q in QUESTIONS[:6]]
     for cut in (model, model.truncated(12)):
         outputs = native_and_torch(target, cut, prompts)

@@ -25,11 +25,12 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256,
 # carry), with a Q4_0, a Q5_0 (llama.cpp's fallback for a K-quant whose rows are not whole super-blocks: most
 # tensors of a small model's Q4_K_M file) and a Q8_0 tensor beside them; and the same weights with a tied head (no
 # output tensor) in Q4_K_M, which gives the token embedding Q6_K, as llama.cpp does the output tensor it serves as;
-# and in IQ4_XS, with IQ4_NL tensors beside (llama.cpp's non-linear 4-bit grid)
+# and in IQ4_XS, with IQ4_NL tensors beside (llama.cpp's non-linear 4-bit grid) and the value projection in Q5_K,
+# as llama-quantize makes it in an IQ4_XS file of a model with 4 or more query heads per KV head
 FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
                                              "ffn_gate=q8_0", "attn_k=q5_0"], False),
             "tiny-kquants-tied.gguf": ("Q4_K_M", [], True),
-            "tiny-iq4.gguf": ("IQ4_XS", ["attn_k=iq4_nl", "ffn_up=iq4_nl", "attn_v=iq4_xs", "ffn_down=iq4_xs"],
+            "tiny-iq4.gguf": ("IQ4_XS", ["attn_k=iq4_nl", "ffn_up=iq4_nl", "attn_v=q5_k", "ffn_down=iq4_xs"],
                               False)}
 
 
