@@ -205,8 +205,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 }
 
 // decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables, lens [B], embed Q8 tiles [ceil(vocab /
-//             16), hidden / 32, 544] (or Q6 tiles, 448), layer Q4 tiles (uint8, every layer's qkv, o, gate_up, down,
-//             one after another), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
+//             16), hidden / 32, 544] (or Q6 tiles, 448), layer tiles (uint8, every layer's qkv, o, gate_up, down,
+//             one after another, of the kinds `kinds` gives), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
 //             k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32, bfloat16 (as int16) or int8,
 //             out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part: embedding, norms,
 //             matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32 [layers, blocks, block_size,

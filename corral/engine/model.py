@@ -22,7 +22,7 @@ from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
 from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, IQ4Blocks, IQ4Tiles, Q4Blocks, Q4Tiles,
                                  Q5Blocks, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, SplitLinear,
-                                 concat_blocks, quantize_int4)
+                                 concat_blocks, quantize_int4, quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -123,6 +123,8 @@ def _fused(blocks: list):
     if isinstance(blocks[0], Q8Blocks):
         return Q8Blocks(torch.cat([b.codes for b in blocks]), torch.cat([b.d for b in blocks]))
     return concat_blocks(blocks)
+
+
 _MAX_VIEWS = 64  # long-lived tensors whose buffers one NativeStep keeps (weights, tables, caches: about 10)
 
 
@@ -131,7 +133,8 @@ class NativeStep:
     drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
     the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
     file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`), or
-    IQ4 tiles (:class:`IQ4Tiles`: llama.cpp's non-linear 4-bit grid). The
+    IQ4 tiles (:class:`IQ4Tiles`: llama.cpp's non-linear 4-bit grid); a fused one whose parts differ in kind, each
+    part at its own (:class:`SplitLinear`). The
     layers' tiles are moved into one buffer that the layers' linears then view (one copy of the weights)."""
 
     LINEARS = ("qkv", "o", "gate_up", "down")
@@ -435,9 +438,12 @@ class LlamaModel:
 
     def _linear(self, parts: list, bias: torch.Tensor | None):
         """One (fused) linear layer from the weights of ``parts`` stacked along the output dimension."""
-        if self.quantization == "w4a8":  # each part as shipped (a dense one quantized to Q4 blocks of 32)
+        if self.quantization == "w4a8":  # each part as shipped; a dense one (dequantized at load) to Q4 blocks of 32,
+            # or to Q8 blocks beside a part the file keeps in 6 or 8 bits
+            wide = any(isinstance(p, (Q6Blocks, Q8Blocks)) for p in parts)
             blocks = [p if isinstance(p, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, IQ4Blocks)) else
-                      quantize_int4(self._dense(p), 32) for p in parts]
+                      Q8Blocks(*quantize_q8_blocks(self._dense(p))) if wide else quantize_int4(self._dense(p), 32)
+                      for p in parts]
             kinds = {type(b) for b in blocks}
             if kinds == {Q4Blocks, Q5Blocks}:  # a Q4 block is a Q5 block with the same d and m: one Q5 layer
                 blocks, kinds = [Q5Blocks(*b[:3]) for b in blocks], {Q5Blocks}

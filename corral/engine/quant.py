@@ -20,8 +20,9 @@ activation dtype):
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
-Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF
-Q8_0 exactly, and a fused layer's Q6_K part beside parts of other kinds, rounded to 8 bits) on the native kernels.
+Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and
+:class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose parts
+are of different kinds is a :class:`SplitLinear` of them.
 What this leaves out: 2- and 3-bit kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.

@@ -776,7 +776,7 @@ def test_no_burst_holds_back_a_waiting_request():
 
 
 def assert_native_step_is_the_forward(model, config, cases, seed: int, blocks: int = 256,
-                                      max_len: int = 1024) -> None:
+                                      max_len: int = 1024, threads: int = 2) -> None:
     """Each case (decodes, prompts, cached: token counts) as one step of random sequences, each decode with all but
     its last token computed, each prompt after ``cached`` computed tokens: ``model``'s native step and its torch
     forward on one runner give the same hidden states, bit for bit; and for a step of decodes alone, the engine's
@@ -788,7 +788,7 @@ def assert_native_step_is_the_forward(model, config, cases, seed: int, blocks: i
     from corral.engine.sequence import Sequence
 
     runner = ModelRunner(EngineConfig(quantization="w4a8", dtype="float32", kv_cache_dtype="float32",
-                                      num_kv_blocks=blocks, num_threads=2, max_model_len=max_len), config, None,
+                                      num_kv_blocks=blocks, num_threads=threads, max_model_len=max_len), config, None,
                          model=model)
     numbers, generator = itertools.count(1), torch.Generator().manual_seed(seed)
 
