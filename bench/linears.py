@@ -7,7 +7,8 @@ activations; the fp32-activation kernels only up to 4 rows, past which one call 
 native W4A8 (Q4 tiles; on the LM head row, W8A8 Q8 tiles: what ``w4a8`` runs), fp32 activations quantized
 inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K linears), W6A8 (Q6 tiles: its Q6_K
 ones), W8A8 (Q8 tiles: its Q8_0 ones) and IQ4 tiles (an IQ4_NL/IQ4_XS file's). Random weights of the real
-shapes; each figure is the median of ``--repeats`` calls after a warm-up. This is what the ``auto`` format rule and the README's kernel figures rest on.
+shapes; each figure is the median of ``--repeats`` calls after a warm-up. This is what the ``auto`` format rule
+and the README's kernel figures rest on.
 
 Timed alone, a layer's tiles stay in the cache: those figures are arithmetic. ``--streamed`` times instead, per
 row count, one pass over 30 distinct copies of each layer shape in each native format (W4A8, W5A8, W6A8, W8A8, IQ4),

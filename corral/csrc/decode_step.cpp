@@ -205,23 +205,24 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 }
 
 // decode_step(spec int64 [8], eps, ids [B], positions [B], slots [B], tables, lens [B], embed Q8 tiles [ceil(vocab /
-//             16), hidden / 32, 544] (or Q6 tiles, 448), layer tiles (uint8, every layer's qkv, o, gate_up, down,
-//             one after another, of the kinds `kinds` gives), norms float32 [2 layers + 1, hidden], cos, sin float32 [max_position, head_dim],
-//             k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32, bfloat16 (as int16) or int8,
-//             out float32 [B, hidden], threads, timings float64 [8] or None: seconds added per part: embedding, norms,
-//             matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32 [layers, blocks, block_size,
-//             kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles [ceil(n / 16), hidden / 32, 544] (or
-//             Q6 tiles, 448) and logits float32 [B, n], or both None; steps: how many tokens each sequence decodes (a
-//             burst, > 1: with a head, logits [B * steps, n]), pick_columns: the columns each step's greedy pick reads
-//             (0: no pick, for a single step only), end_ids: None or token ids (a list of ints or an int64 buffer) that
-//             end a burst, interrupt: None or an int64 buffer [1] that ends a burst once nonzero, draws: None (greedy
-//             picks) or (temperature, top_k, top_p, min_p: one number per row, uniform: B * steps numbers, step-major)
-//             for sample_pick's draws) -> None without a pick, else (picks: B lists of the steps done's token ids,
-//             their logprobs: B lists of floats, decided: whether the native pass decided every pick); spans: None or a
-//             list of (start, end, table or None, num_context), see Span; kinds: None (every linear Q4 tiles) or int64
-//             [layers, 7]: each of a layer's q, k, v, o, gate, up and down projections as Q4 (4), Q5 (5), Q6 (6), Q8
-//             (8) or IQ4 tiles (40), in layer_tiles one linear after another (qkv, o, gate_up, down), a linear's
-//             parts fused into one tiles buffer where they share a kind, else each its own, in order (see Linear); qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
+//             16), hidden / 32, 544] (or Q6 tiles, 448), layer tiles (uint8, every layer's qkv, o, gate_up, down, one
+//             after another, of the kinds `kinds` gives), norms float32 [2 layers + 1, hidden], cos, sin float32
+//             [max_position, head_dim], k_cache, v_cache [layers, blocks, block_size, kv_heads, head_dim] float32,
+//             bfloat16 (as int16) or int8, out float32 [B, hidden], threads, timings float64 [8] or None: seconds added
+//             per part: embedding, norms, matmuls, RoPE, KV write, attention, SiLU, LM head; k_scale, v_scale float32
+//             [layers, blocks, block_size, kv_heads] for an int8 cache, else None; head: the LM head's Q8 tiles [ceil(n
+//             / 16), hidden / 32, 544] (or Q6 tiles, 448) and logits float32 [B, n], or both None; steps: how many
+//             tokens each sequence decodes (a burst, > 1: with a head, logits [B * steps, n]), pick_columns: the
+//             columns each step's greedy pick reads (0: no pick, for a single step only), end_ids: None or token ids (a
+//             list of ints or an int64 buffer) that end a burst, interrupt: None or an int64 buffer [1] that ends a
+//             burst once nonzero, draws: None (greedy picks) or (temperature, top_k, top_p, min_p: one number per row,
+//             uniform: B * steps numbers, step-major) for sample_pick's draws) -> None without a pick, else (picks: B
+//             lists of the steps done's token ids, their logprobs: B lists of floats, decided: whether the native pass
+//             decided every pick); spans: None or a list of (start, end, table or None, num_context), see Span; kinds:
+//             None (every linear Q4 tiles) or int64 [layers, 7]: each of a layer's q, k, v, o, gate, up and down
+//             projections as Q4 (4), Q5 (5), Q6 (6), Q8 (8) or IQ4 tiles (40), in layer_tiles one linear after another
+//             (qkv, o, gate_up, down), a linear's parts fused into one tiles buffer where they share a kind, else each
+//             its own, in order (see Linear); qkv_bias: None or float32 [layers, (heads + 2 kv_heads) head_dim], each
 //             layer's QKV bias (Qwen2's), added to the QKV product's rows before RoPE
 // ids, positions, slots and lens are int64 buffers or lists of ints; tables an int64 buffer [B, W] or a list of B
 // block tables (lists of ints). out gets the final norm's output; with a head, logits get out times the head.

@@ -8,10 +8,10 @@ the same numerics (the format changes greedy outputs, which is why it is reporte
 
 - ``quantization``: a GGUF whose linears are quantized runs them as shipped. With the native module that is
   ``w4a8``: the Q4 (Q4_0, Q4_1, Q4_K), Q5 (Q5_0, Q5_1, Q5_K), Q6_K, IQ4 (IQ4_NL, IQ4_XS) and Q8_0 blocks, and a
-  Q6_K or Q8_0 embedding/LM head (tied or not) through Corral's integer kernels (AVX-512 VNNI, AVX2 or scalar, chosen by the CPU),
-  activations float32, quantized to int8 per block of 32 inside each product, as llama.cpp runs the same file.
-  Without the native module a file with Q4 linears runs ``gguf`` (W4A16 through torch's int4 kernel). Any other
-  model runs ``none``.
+  Q6_K or Q8_0 embedding/LM head (tied or not) through Corral's integer kernels (AVX-512 VNNI, AVX2 or scalar,
+  chosen by the CPU), activations float32, quantized to int8 per block of 32 inside each product, as llama.cpp
+  runs the same file. Without the native module a file with Q4 linears runs ``gguf`` (W4A16 through torch's int4
+  kernel). Any other model runs ``none``.
 - ``dtype``: float32 under ``w4a8`` (its activations); otherwise bfloat16 where the CPU has fast bf16 (AMX or
   AVX-512 bf16), else float32.
 - ``kv_cache_dtype``: bfloat16 under ``w4a8`` (storage only: it is read by shifts, no bf16 arithmetic, and halves
@@ -63,8 +63,8 @@ def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = 
     if quantization == "auto":
         quantization = "w4a8" if native.module() is not None and (gguf_q4 or gguf_q8) else \
             "gguf" if gguf_q4 else "none"
-        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (4, 5 and 6 bits and IQ4 as shipped, Q8_0 "
-                                "in Q8 blocks) and its embedding and head (Q6_K as shipped, else in Q8 blocks), "
+        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (4, 5 and 6 bits and IQ4 as shipped, "
+                                "Q8_0 in Q8 blocks) and its embedding and head (Q6_K as shipped, else in Q8 blocks), "
                                 "native kernels",
                         "gguf": "quantization gguf: the GGUF's Q4 linears as shipped (no native module: torch's "
                                 "int4 kernel)",

@@ -73,8 +73,8 @@ _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 _Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
 _Q6_KINDS = ("Q6_K",)
 _IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 blocks under w4a8
-Blocks = Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
 _Q8_KINDS = ("Q8_0",)
+Blocks = Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -176,8 +176,6 @@ def q6_blocks(raw: np.ndarray, values: torch.Tensor) -> Q6Blocks | None:
 
 
 _ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by row or run as the head: w4a8 keeps Q6_K
-
-
 IQ4_NL_BYTES, IQ4_XS_BYTES = 18, 136  # a block of 32 (float16 d, 16 bytes of indices); a super-block of 256
 
 
@@ -360,8 +358,7 @@ def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, kee
             return _unflatten(load_file(path))
         except Exception as exc:  # a truncated cache file is rebuilt, never trusted
             log.warning("ignoring unreadable weight cache %s: %s", path, exc)
-    tensors = {name: t if isinstance(t, (Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, IQ4Blocks)) else
-               t.to(dtype).contiguous()
+    tensors = {name: t if isinstance(t, Blocks) else t.to(dtype).contiguous()
                for name, t in _read_gguf(files.path, config, keep_q4, keep_q8).items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
