@@ -106,8 +106,8 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
 
 namespace {
 
-// 32 times each block's halves' codes summed, for the Q6 tiles' scale per half block (its codes less 32), into a
-// buffer kept per thread
+// 32 times each block's halves' codes summed, for the Q6 and Q3 tiles' scale per half block (their codes less 32
+// or 4), into a buffer kept per thread
 void add_halves(Activations& a) {
     static thread_local std::vector<int32_t> halves;
     const int64_t blocks = a.cols / corral_qmatmul::BLOCK;
@@ -123,7 +123,7 @@ void add_halves(Activations& a) {
 
 corral_qmatmul::Matmul kernel_of(int64_t kind) {
     return kind == 8 ? chosen_q->q8 : kind == 6 ? chosen_q->q6 : kind == 5 ? chosen_q->q5
-         : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : chosen_q->q4;
+         : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : kind == 3 ? chosen_q->q3 : chosen_q->q4;
 }
 
 }  // namespace
@@ -135,13 +135,21 @@ void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
+void q3_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    Activations a = scratch.of(x, rows, cols, threads);
+    add_halves(a);
+    chosen_q->q3(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
 void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPart* parts, int count, int64_t ldy,
                     int threads) {
     Activations a = scratch.of(x, rows, cols, threads);
     int64_t total = 0;  // every part's tiles, one list the threads share
-    bool six = false;
-    for (int i = 0; i < count; ++i) total += (parts[i].n + 15) / 16, six = six || parts[i].kind == 6;
-    if (six) add_halves(a);
+    bool halves = false;
+    for (int i = 0; i < count; ++i)
+        total += (parts[i].n + 15) / 16, halves = halves || corral_qmatmul::reads_halves(parts[i].kind);
+    if (halves) add_halves(a);
     const int64_t blocks = cols / corral_qmatmul::BLOCK;
     #pragma omp parallel num_threads(threads)
     {
@@ -167,7 +175,7 @@ void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tile
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy) {
     (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : bits == corral_qmatmul::IQ4
-     ? iq4_product : q4_product)(x, rows, cols, tiles, n, y, threads, ldy);
+     ? iq4_product : bits == 3 ? q3_product : q4_product)(x, rows, cols, tiles, n, y, threads, ldy);
 }
 
 void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
@@ -197,8 +205,8 @@ void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, fl
 
 namespace {
 
-// q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile
-// bytes] uint8, N, out [M, N] float32, threads): out = x W^T.
+// q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul(x [M, K] float32, tiles [ceil(N / 16),
+// K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T.
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -255,6 +263,7 @@ void add_qmatmul(nb::module_& m) {
         if (PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw nb::python_error();
     }
     m.def("qmatmul_amx_model_agrees", &corral_qmatmul::amx_model_agrees);
+    m.def("q3_matmul", &matmul<3>);
     m.def("q4_matmul", &matmul<4>);
     m.def("q5_matmul", &matmul<5>);
     m.def("q6_matmul", &matmul<6>);

@@ -20,10 +20,10 @@ activation dtype):
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
-Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and
-:class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose parts
-are of different kinds is a :class:`SplitLinear` of them.
-What this leaves out: 2- and 3-bit kernels (such GGUF blocks are dequantized at load, with a log line, by
+Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles` Q3 blocks (GGUF Q3_K), :class:`IQ4Tiles`
+IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the
+native kernels; a fused layer whose parts are of different kinds is a :class:`SplitLinear` of them.
+What this leaves out: 2-bit and IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
@@ -83,6 +83,19 @@ class Q6Blocks(NamedTuple):
         return (self.codes.float() - 32) * scale
 
 
+class Q3Blocks(NamedTuple):
+    """3-bit codes with a float16 ``d`` per 32 weights along K and an int8 scale ``sc`` per 16: ``W = d sc (codes -
+    4)``, codes 0..7, GGUF Q3_K exactly (its d per super-block of 256 repeated over its 8 blocks, its 6-bit scales
+    less 32): what the native Q3 kernel runs (:class:`Q3Tiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..7
+    d: torch.Tensor  # [N, K // 32] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 16] int8, -32..31
+
+    def dequantize(self) -> torch.Tensor:
+        scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
+        return (self.codes.float() - 4) * scale
+
+
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
 
 
@@ -111,8 +124,8 @@ class Q8Blocks(NamedTuple):
 
 
 def concat_blocks(parts: list):
-    """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks`, :class:`Q6Blocks` or
-    :class:`IQ4Blocks`), stacked along N (the fused QKV and gate/up projections)."""
+    """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks`, :class:`Q6Blocks`,
+    :class:`Q3Blocks` or :class:`IQ4Blocks`), stacked along N (the fused QKV and gate/up projections)."""
     kind = type(parts[0])
     assert all(type(p) is kind for p in parts) and len({getattr(p, "group", 32) for p in parts}) == 1
     return kind(**{f: parts[0].group if f == "group" else torch.cat([getattr(p, f) for p in parts])
@@ -227,6 +240,28 @@ def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
 
 
+def pack_q3_tiles(blocks: Q3Blocks) -> torch.Tensor:
+    """Q3 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 256] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): the codes' low 2 bits in two chunks (a Q4 tile block's chunks 2p and 2p + 1 in
+    chunk p, each code 4 (c % 2) bits up from where a Q4 tile block's nibbles put it), their third bits as masks laid
+    out as a Q5 tile block's fifth bits, ``d`` as float16, then each row's int8 scale of the block's first 16
+    columns, and of its last 16."""
+    if blocks.codes.numel() and int(blocks.codes.max()) > 7:
+        raise ValueError("Q3 codes must be 0..7")
+    rows, cols = blocks.codes.shape
+    codes = _tile_rows(blocks.codes.to(torch.uint8))
+    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
+    # [tile, row, block, chunk pair, chunk of the pair, low/high nibble, byte]
+    q = (codes & 3).view(num_tiles, 16, num_blocks, 2, 2, 2, 4)
+    pairs = (q[..., 0, 0, :] | (q[..., 0, 1, :] << 2) | (q[..., 1, 0, :] << 4) | (q[..., 1, 1, :] << 6))
+    low = pairs.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 128)
+    # the third bits as the fifth bits' masks: a Q5 tile block's mask plane of codes 4 bits up
+    _, _, parts = _nibbles_and_masks((blocks.codes.to(torch.uint8) >> 2) << 4, 5)
+    sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
+    return torch.cat((low, parts[1], _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
+                      sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
+
+
 def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
     """IQ4 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 320] uint8 (layout in
     ``corral/csrc/qmatmul.h``): a Q4 tile block of the indices, then each row's ``d`` as float32."""
@@ -302,6 +337,12 @@ def w6a8_reference(x: torch.Tensor, blocks: Q6Blocks) -> torch.Tensor:
     sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
     dots = torch.einsum("ahk,nhk->anh", xq.view(xq.shape[0], cols // 16, 16), halves)
     return torch.einsum("anh,nh,ah->an", dots, sc, scale.repeat_interleave(2, dim=1)).float()
+
+
+def w3a8_reference(x: torch.Tensor, blocks: Q3Blocks) -> torch.Tensor:
+    """What the Q3 kernel computes, in float64: ``sum_b sum_h d sc_h s_b (q . xq - 4 isum_h)`` over each block's
+    halves of 16, that is the quantized activations times the weights (float32 [M, N])."""
+    return w6a8_reference(x, Q6Blocks(blocks.codes.to(torch.int16) + 28, blocks.d, blocks.sc))
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -441,6 +482,13 @@ class Q6Tiles(_TileLinear):
     """W6A8: :class:`Q6Blocks` (GGUF Q6_K as shipped): 0.875 bytes a weight where Q8 blocks take 1.06 and round it."""
 
     kind, _kernel, _pack = "w6a8", "q6_matmul", staticmethod(pack_q6_tiles)
+
+
+class Q3Tiles(_TileLinear):
+    """W3A8: :class:`Q3Blocks` (GGUF Q3_K as shipped): 0.5 bytes a weight where Q4 tiles take 0.625 and would round
+    each weight to their even steps."""
+
+    kind, _kernel, _pack = "w3a8", "q3_matmul", staticmethod(pack_q3_tiles)
 
 
 class IQ4Tiles(_TileLinear):

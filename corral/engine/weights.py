@@ -5,7 +5,8 @@ except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers sta
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
-their scales (:class:`~corral.engine.quant.Q6Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
+their scales (:class:`~corral.engine.quant.Q6Blocks`), its Q3_K ones as 3-bit codes with their scales
+(:class:`~corral.engine.quant.Q3Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
 grid with a float32 scale per 32 (:class:`~corral.engine.quant.IQ4Blocks`) and its Q8_0 ones as int8 codes with one
 float16 scale per 32 weights (:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import IQ4Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
+from corral.engine.quant import IQ4Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -73,8 +74,10 @@ _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 _Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
 _Q6_KINDS = ("Q6_K",)
 _IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 blocks under w4a8
+_Q3_KINDS = ("Q3_K",)  # 3 bits a weight: Q3 blocks under w4a8, where Q4 blocks' even steps would move every weight
 _Q8_KINDS = ("Q8_0",)
-Blocks = Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
+_KEPT_KINDS = (*_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # linears w4a8 keeps beside Q4 ones
+Blocks = Q3Blocks | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -175,6 +178,36 @@ def q6_blocks(raw: np.ndarray, values: torch.Tensor) -> Q6Blocks | None:
     return Q6Blocks(codes.to(torch.uint8).view(rows, cols), d.repeat_interleave(8, dim=1), sc.reshape(rows, -1))
 
 
+Q3K_BYTES = 110  # 32 bytes of third bits, 64 of low 2 bits, 12 of 6-bit scales, float16 d
+
+
+def q3_blocks(raw: np.ndarray, values: torch.Tensor) -> Q3Blocks | None:
+    """GGUF Q3_K rows as Q3 blocks, in the file's row order, from ``raw`` (its bytes [rows, ...]). Weight k = 128 h
+    + 32 j + 16 s + l of a super-block of 256 (h, s 0..1, j 0..3, l 0..15) has its low 2 bits at bit 2 j of byte 32 h
+    + 16 s + l of ``qs``, its third bit at bit 4 h + j of byte 16 s + l of ``hmask``, and scale k // 16: 6 bits, the
+    low 4 in the low (scales 0-7) or high (8-15) nibble of byte k // 16 % 8, the high 2 at bits 2 (k // 64) of byte
+    8 + k // 16 % 4 of the 12; ``w = d (scale - 32) (q - 4)``. Checked to give llama.cpp's dequantized ``values``
+    [rows, cols] back exactly. None where they do not: the caller then rounds the tensor to Q8 blocks."""
+    rows, cols = values.shape
+    if cols % 256:
+        return None
+    supers = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // 256, Q3K_BYTES)
+    hmask = supers[..., :32].reshape(rows, -1, 1, 1, 2, 16)  # [rows, S, h, j, s, l]
+    qs = supers[..., 32:96].reshape(rows, -1, 2, 1, 2, 16)
+    j = np.arange(4).reshape(1, 1, 1, 4, 1, 1)
+    h = np.arange(2).reshape(1, 1, 2, 1, 1, 1)
+    codes = ((qs >> (2 * j)) & 3) | (((hmask >> (4 * h + j)) & 1) << 2)
+    b = supers[..., 96:108].astype(np.int16)
+    sub = np.arange(16)
+    low = np.where(sub < 8, b[..., sub % 8] & 0x0F, b[..., sub % 8] >> 4)
+    sc = (low | (((b[..., 8 + sub % 4] >> (2 * (sub // 4))) & 3) << 4)) - 32  # [rows, S, 16]
+    d = supers[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, S]
+    kept = Q3Blocks(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols).astype(np.uint8))),
+                    torch.from_numpy(np.ascontiguousarray(d)).repeat_interleave(8, dim=1),
+                    torch.from_numpy(np.ascontiguousarray(sc.reshape(rows, -1).astype(np.int8))))
+    return kept if torch.equal(kept.dequantize(), values) else None
+
+
 _ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by row or run as the head: w4a8 keeps Q6_K
 IQ4_NL_BYTES, IQ4_XS_BYTES = 18, 136  # a block of 32 (float16 d, 16 bytes of indices); a super-block of 256
 
@@ -227,16 +260,16 @@ def gguf_has_q4(files: ModelFiles) -> bool:
 
 
 def gguf_has_q8(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q5, Q6_K, Q8_0, IQ4_NL or IQ4_XS blocks (Q5, Q6,
-    Q8 or IQ4 blocks under w4a8)."""
-    return bool(gguf_linear_kinds(files) & {*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS})
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q3_K, Q5, Q6_K, Q8_0, IQ4_NL or IQ4_XS blocks
+    (Q3, Q5, Q6, Q8 or IQ4 blocks under w4a8)."""
+    return bool(gguf_linear_kinds(files) & set(_KEPT_KINDS))
 
 
 def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     """With Q4 blocks kept: say which GGUF types have no kernel here and were dequantized (on every load)."""
     from corral.models.gguf_file import gguf_tensors
 
-    linear_kinds = {*_Q4_KINDS, *((*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS) if keep_q8 else ())}  # linears
+    linear_kinds = {*_Q4_KINDS, *(_KEPT_KINDS if keep_q8 else ())}  # linears
 
     def kept(name: str, kind: str) -> bool:
         return kind in ("F32", "F16", "BF16") or (_is_layer_linear(name) and kind in linear_kinds) or \
@@ -247,7 +280,8 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q5 and Q6_K ones as Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and IQ4_XS ones as IQ4 blocks"
+                 ", Q3_K, Q5 and Q6_K ones as Q3, Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and IQ4_XS ones as "
+                 "IQ4 blocks"
                  if keep_q8 else "")
 
 
@@ -277,6 +311,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
             kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
+        elif keep_q8 and linear and kind in _Q3_KINDS:
+            kept = q3_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and linear and kind in _IQ4_KINDS:
             kept = iq4_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and (linear or name in _ROW_TABLES) and kind in _Q6_KINDS:
@@ -288,8 +324,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         if heads:
             values = unpermute_rotary(values, heads)
         values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
-        if keep_q8 and linear and kind in (*_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS):
-            # Q8_0 exactly; a Q5, Q6 or IQ4 tensor that failed its check, rounded
+        if keep_q8 and linear and kind in _KEPT_KINDS:
+            # Q8_0 exactly; a Q3, Q5, Q6 or IQ4 tensor that failed its check, rounded
             values = Q8Blocks(*quantize_q8_blocks(values))
         tensors[name] = values
     return tensors
@@ -308,20 +344,21 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v7"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v8"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
-           "iq4": IQ4Blocks}
+           "iq4": IQ4Blocks, "q3": Q3Blocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
-    ``.q4_zero``, the same with ``q5_``), Q6 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``), Q8 and IQ4
+    ``.q4_zero``, the same with ``q5_``), Q6 and Q3 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``, the same
+    with ``q3_``), Q8 and IQ4
     blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
@@ -345,9 +382,9 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its IQ4_NL and IQ4_XS ones
-    as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
-    are read directly."""
+    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its Q3_K ones as
+    :class:`Q3Blocks`, its IQ4_NL and IQ4_XS ones as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF
+    conversions are cached on disk; HF folders are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:

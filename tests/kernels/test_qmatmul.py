@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q4Blocks, Q5Blocks, Q6Blocks, iq4_reference, pack_iq4_tiles,
-                                 pack_q4_tiles, pack_q5_tiles, pack_q6_tiles, pack_q8_tiles, quantize_activations,
-                                 quantize_int4, quantize_q8_blocks, w4a8_reference, w6a8_reference, w8a8_reference)
+from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, iq4_reference,
+                                 pack_iq4_tiles, pack_q3_tiles, pack_q4_tiles, pack_q5_tiles, pack_q6_tiles,
+                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks,
+                                 w3a8_reference, w4a8_reference, w6a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -85,6 +86,21 @@ def random_q6(n: int, k: int) -> Q6Blocks:
                     torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
 
 
+def q3_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q3_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def random_q3(n: int, k: int) -> Q3Blocks:
+    """3-bit codes over every value 0..7 with scales over a Q3_K's whole range (6 bits less 32) per 16 and a
+    float16 d per block of 32 (a GGUF Q3_K tensor repeats its d over a super-block's 8 blocks; the tiles hold one a
+    block, and distinct ones show a block read with another's)."""
+    d = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
+    return Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), d.contiguous(),
+                    torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
+
+
 def q8_product(x, tiles, n):
     out = torch.empty(x.shape[0], n)
     native.module().q8_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
@@ -138,23 +154,24 @@ def test_q4_error_against_the_dequantized_weights_is_within_the_stated_bound(m, 
     assert torch.allclose(got, quantized, rtol=1e-5, atol=1e-4 * float(exact.abs().max()))
 
 
-def q6_terms(x, blocks: Q6Blocks) -> torch.Tensor:
-    """sum_b sum_h |d sc_h s_b (q - 32) . xq|: the magnitude a Q6 product's float32 rounding scales with."""
+def q6_terms(x, blocks: Q6Blocks, offset: int = 32) -> torch.Tensor:
+    """sum_b sum_h |d sc_h s_b (q - 32) . xq|: the magnitude a Q6 product's float32 rounding scales with (a Q3
+    product's with ``offset`` 4)."""
     xq, scale, _ = (t.double() for t in quantize_activations(x))
     (m, k), n = x.shape, blocks.codes.shape[0]
-    halves = (blocks.codes.double() - 32).view(n, k // 16, 16)
+    halves = (blocks.codes.double() - offset).view(n, k // 16, 16)
     sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
     return torch.einsum("anh,nh,ah->an", torch.einsum("ahk,nhk->anh", xq.view(m, k // 16, 16), halves).abs(),
                         sc.abs(), scale.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("kind", ["q5", "q6", "iq4"])
+@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_q6_and_iq4_equal_their_stated_numerics(kind, m, n, k):
+def test_q5_q6_iq4_and_q3_equal_their_stated_numerics(kind, m, n, k):
     """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
     ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
-    ``sum_b d s_b (IQ4_VALUES[q] . xq)``."""
-    torch.manual_seed(m * 31 + n + k + (kind == "q6") + 2 * (kind == "iq4"))
+    ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4."""
+    torch.manual_seed(m * 31 + n + k + (kind == "q6") + 2 * (kind == "iq4") + 3 * (kind == "q3"))
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
     if kind == "iq4":
@@ -162,6 +179,10 @@ def test_q5_q6_and_iq4_equal_their_stated_numerics(kind, m, n, k):
         got, want = iq4_product(x, pack_iq4_tiles(blocks), n), iq4_reference(x, blocks)
         values = torch.tensor(IQ4_VALUES, dtype=torch.float64)[blocks.codes.long()]
         bound = summation_bound(w8_terms(x, values, blocks.d), k // 32)
+    elif kind == "q3":
+        blocks = random_q3(n, k)
+        got, want = q3_product(x, pack_q3_tiles(blocks), n), w3a8_reference(x, blocks)
+        bound = summation_bound(q6_terms(x, blocks, offset=4), k // 16)
     elif kind == "q5":
         blocks = random_q5(n, k)
         got, want = q5_product(x, pack_q5_tiles(blocks), n), w4a8_reference(x, blocks)
@@ -245,6 +266,39 @@ def test_iq4_tiles_hold_every_index_and_d_and_give_each_weight_back():
         pack_iq4_tiles(IQ4Blocks(torch.full((16, 32), 16, dtype=torch.uint8), torch.ones(16, 1)))
 
 
+def test_q3_tiles_hold_every_code_and_scale_and_give_each_weight_back():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 2 bits from its 2-bit chunk
+    (the Q4 tile block's chunk c in chunk c // 2, 4 (c % 2) bits up), its third bit from its chunk's masks, d as
+    float16 and each half block's int8 scale; and one activation picks out a column's weight, d sc (q - 4), in
+    either half of a block, every code among them."""
+    torch.manual_seed(13)
+    n, k = 20, 64
+    blocks = random_q3(n, k)
+    tiles = pack_q3_tiles(blocks)
+    assert tiles.shape == (2, 2, 256) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(8))
+    for row, r, b, w in tile_blocks(tiles, n, k):
+        codes = []
+        for col in range(32):
+            c, within = divmod(col, 8)
+            high, i = divmod(within, 4)
+            j = 4 * r + i
+            low = (int(w[64 * (c // 2) + j]) >> (4 * (c % 2) + 2 * high)) & 3
+            codes.append(low | ((int(w[128 + 16 * c + 8 * high + j // 8]) >> (j % 8)) & 1) << 2)
+        assert codes == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+        assert float(w[192 + 2 * r: 194 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
+        for h in range(2):
+            assert int(w[224 + 16 * h + r: 225 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
+    dense = blocks.dequantize()
+    for col in range(k):
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0  # code 127 at scale 1/127
+        assert torch.allclose(q3_product(x, tiles, n)[0], dense[:, col], rtol=1e-6, atol=0), col
+    with pytest.raises(ValueError, match="0..7"):
+        pack_q3_tiles(Q3Blocks(torch.full((16, 32), 8, dtype=torch.uint8), torch.ones(16, 1),
+                               torch.ones(16, 2, dtype=torch.int8)))
+
+
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
     fifth bit from its chunk's masks, and d and m as float16."""
@@ -268,7 +322,7 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
@@ -282,6 +336,8 @@ def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
         tiles, matmul = pack_q5_tiles(random_q5(n, k)), native.module().q5_matmul
     elif kind == "q6":
         tiles, matmul = pack_q6_tiles(random_q6(n, k)), native.module().q6_matmul
+    elif kind == "q3":
+        tiles, matmul = pack_q3_tiles(random_q3(n, k)), native.module().q3_matmul
     else:
         tiles, matmul = pack_q8_tiles(*quantize_q8_blocks(weights)), native.module().q8_matmul
 
@@ -377,6 +433,11 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     mod.iq4_matmul(buffer(x), buffer(pack_iq4_tiles(grid)), n, buffer(out), 2)
     ref = iq4_reference(x, grid)
     worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    three = Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
+                     torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
+    mod.q3_matmul(buffer(x), buffer(pack_q3_tiles(three)), n, buffer(out), 2)
+    ref = w3a8_reference(x, three)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -388,6 +449,9 @@ q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.u
                                   (torch.rand(100, 18) * 0.002).half().float(),
                                   torch.randint(-128, 128, (100, 36), dtype=torch.int8)))
 iq4_tiles = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02))
+q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 576), dtype=torch.uint8),
+                                  (torch.rand(100, 18) * 0.002).half().float(),
+                                  torch.randint(-32, 32, (100, 36), dtype=torch.int8)))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
@@ -395,7 +459,7 @@ def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     return out
 independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
-                  (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles)]:
+                  (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles)]:
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))

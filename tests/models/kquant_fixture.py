@@ -5,7 +5,9 @@ The float32 weights are a function of the seed alone (:func:`weights`), so the t
 keeping the float32 file. The quantized files under ``tests/models/data`` were made by running this module with
 the ``llama-quantize`` that ``bench/build_llama.sh`` builds from the pinned llama.cpp sources:
 
-    .venv/bin/python tests/models/kquant_fixture.py .venv/llama.cpp/build/bin/llama-quantize
+    .venv/bin/python tests/models/kquant_fixture.py .venv/llama.cpp/build/bin/llama-quantize [FILE ...]
+
+(naming files makes only those.)
 
 Shapes: hidden 256 (a K-quant super-block is 256 weights along a row), 4 heads of 64 with 2 KV heads, an MLP of
 512, one layer, a vocabulary of 256 single-byte tokens, an untied LM head (tied in ``tiny-kquants-tied.gguf``).
@@ -26,12 +28,15 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256,
 # tensors of a small model's Q4_K_M file) and a Q8_0 tensor beside them; and the same weights with a tied head (no
 # output tensor) in Q4_K_M, which gives the token embedding Q6_K, as llama.cpp does the output tensor it serves as;
 # and in IQ4_XS, with IQ4_NL tensors beside (llama.cpp's non-linear 4-bit grid) and the value projection in Q5_K,
-# as llama-quantize makes it in an IQ4_XS file of a model with 4 or more query heads per KV head
+# as llama-quantize makes it in an IQ4_XS file of a model with 4 or more query heads per KV head; and in Q3_K_M,
+# where llama-quantize makes the query, key, gate and up projections and the embedding Q3_K, the value projection
+# Q5_K, the output and down projections Q4_K and the LM head Q6_K
 FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
                                              "ffn_gate=q8_0", "attn_k=q5_0"], False),
             "tiny-kquants-tied.gguf": ("Q4_K_M", [], True),
             "tiny-iq4.gguf": ("IQ4_XS", ["attn_k=iq4_nl", "ffn_up=iq4_nl", "attn_v=q5_k", "ffn_down=iq4_xs"],
-                              False)}
+                              False),
+            "tiny-q3k.gguf": ("Q3_K_M", [], False)}
 
 
 def weights() -> dict[str, np.ndarray]:
@@ -135,10 +140,12 @@ def write_f32(path: str, tied: bool = False) -> None:
                      vocab=VOCAB, context=256, eos=0, name="corral-tiny-kquant")
 
 
-def main(quantize: str) -> None:
+def main(quantize: str, only: list[str]) -> None:
     os.makedirs(DATA, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for file, (base, overrides, tied) in FIXTURES.items():
+            if only and file not in only:
+                continue
             source = os.path.join(tmp, "tiny-f32-tied.gguf" if tied else "tiny-f32.gguf")
             write_f32(source, tied)
             args = [quantize]
@@ -148,4 +155,4 @@ def main(quantize: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
