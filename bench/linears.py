@@ -6,13 +6,14 @@ bf16 and fp32 activations) and W4A16 (``_weight_int4pack_mm_for_cpu`` at group 3
 activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds), and Corral's
 native W4A8 (Q4 tiles; on the LM head row, W8A8 Q8 tiles: what ``w4a8`` runs), fp32 activations quantized
 inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K linears), W6A8 (Q6 tiles: its Q6_K
-ones), W8A8 (Q8 tiles: its Q8_0 ones), IQ4 tiles (an IQ4_NL/IQ4_XS file's) and W3A8 (Q3 tiles: a Q3_K file's).
+ones), W8A8 (Q8 tiles: its Q8_0 ones), IQ4 tiles (an IQ4_NL/IQ4_XS file's), W3A8 (Q3 tiles: a Q3_K file's) and
+W2A8 (Q2 tiles: a Q2_K file's).
 Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a warm-up. This is what
 the ``auto`` format rule and the README's kernel figures rest on.
 
 Timed alone, a layer's tiles stay in the cache: those figures are arithmetic. ``--streamed`` times instead, per
 row count, one pass over 30 distinct copies of each layer shape in each native format (W4A8, W5A8, W6A8, W8A8, IQ4,
-W3A8),
+W3A8, W2A8),
 as a decode step streams its weights from memory, the formats taking turns for ``--repeats`` rounds (the median).
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
@@ -32,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from servers import cpu_summary  # noqa: E402
 
 from corral import native  # noqa: E402
-from corral.engine.quant import (IQ4Blocks, IQ4Tiles, Q3Blocks, Q3Tiles, Q4Tiles, Q5Blocks, Q5Tiles,  # noqa: E402
-                                 Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, quantize_int4, quantize_q8_blocks)
+from corral.engine.quant import (IQ4Blocks, IQ4Tiles, Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4Tiles,  # noqa: E402
+                                 Q5Blocks, Q5Tiles, Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, quantize_int4,
+                                 quantize_q8_blocks)
 
 LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
 HEAD = (49152, 576)
@@ -67,18 +69,18 @@ def kernels(n: int, k: int, rows: int) -> dict:
     if native.module() is not None:
         native_layer = (Q8Tiles(w) if (n, k) == HEAD else Q4Tiles(quantize_int4(w, 32), None))
         out["w4a8 native"] = lambda: native_layer(x)
-        if (n, k) != HEAD:  # a K-quant file's 3-, 5-, 6- and 8-bit linears (Q3_K; Q5_0/Q5_1/Q5_K; Q6_K; Q8_0), IQ4
+        if (n, k) != HEAD:  # a K-quant file's 2-, 3-, 5-, 6- and 8-bit linears (Q2_K; Q3_K; Q5_*; Q6_K; Q8_0), IQ4
             five, six, grid = random_native("q5", n, k), random_native("q6", n, k), random_native("iq4", n, k)
             eight = Q8Linear(Q8Blocks(*quantize_q8_blocks(w)), None)
             out["w5a8 native"], out["w6a8 native"] = (lambda: five(x)), (lambda: six(x))
             out["w8a8 native"], out["iq4 native"] = (lambda: eight(x)), (lambda: grid(x))
-            three = random_native("q3", n, k)
-            out["w3a8 native"] = lambda: three(x)
+            three, two = random_native("q3", n, k), random_native("q2", n, k)
+            out["w3a8 native"], out["w2a8 native"] = (lambda: three(x)), (lambda: two(x))
     return out
 
 
 def random_native(kind: str, n: int, k: int):
-    """A random layer [n, k] in native ``kind`` (q3, q4, q5, q6, q8, iq4)."""
+    """A random layer [n, k] in native ``kind`` (q2, q3, q4, q5, q6, q8, iq4)."""
     if kind == "q4":
         return Q4Tiles(quantize_int4(torch.randn(n, k), 32), None)
     if kind == "q5":
@@ -88,6 +90,12 @@ def random_native(kind: str, n: int, k: int):
         return Q6Tiles(Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8),
                                 (torch.rand(n, k // 32) * 1e-3).half().float(),
                                 torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)), None)
+    if kind == "q2":
+        return Q2Tiles(Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8),
+                                (torch.rand(n, k // 32) * 1e-3).half().float(),
+                                (torch.rand(n, k // 32) * 1e-3).half().float(),
+                                torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
+                                torch.randint(0, 16, (n, k // 16), dtype=torch.uint8)), None)
     if kind == "q3":
         return Q3Tiles(Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8),
                                 (torch.rand(n, k // 32) * 1e-3).half().float(),
@@ -100,7 +108,7 @@ def random_native(kind: str, n: int, k: int):
 
 def streamed(rows_list: list[int], repeats: int) -> None:
     """Per row count: ms for one pass over NUM_LAYERS distinct copies of every layer shape, per native format."""
-    kinds = ("q4", "q5", "q6", "q8", "iq4", "q3")
+    kinds = ("q4", "q5", "q6", "q8", "iq4", "q3", "q2")
     layers = {kind: [random_native(kind, n, k) for _ in range(NUM_LAYERS) for n, k in LAYERS] for kind in kinds}
     print("| rows | " + " | ".join(f"{kind} ({sum(l.nbytes for l in layers[kind]) / 1e6:.1f} MB)" for kind in kinds) +
           " |\n|---|" + "---|" * len(kinds))

@@ -107,7 +107,7 @@ void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
 namespace {
 
 // 32 times each block's halves' codes summed, for the Q6 and Q3 tiles' scale per half block (their codes less 32
-// or 4), into a buffer kept per thread
+// or 4) and the Q2 tiles' min per half block, into a buffer kept per thread
 void add_halves(Activations& a) {
     static thread_local std::vector<int32_t> halves;
     const int64_t blocks = a.cols / corral_qmatmul::BLOCK;
@@ -123,7 +123,8 @@ void add_halves(Activations& a) {
 
 corral_qmatmul::Matmul kernel_of(int64_t kind) {
     return kind == 8 ? chosen_q->q8 : kind == 6 ? chosen_q->q6 : kind == 5 ? chosen_q->q5
-         : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : kind == 3 ? chosen_q->q3 : chosen_q->q4;
+         : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : kind == 3 ? chosen_q->q3 : kind == 2 ? chosen_q->q2
+         : chosen_q->q4;
 }
 
 }  // namespace
@@ -140,6 +141,13 @@ void q3_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles
     Activations a = scratch.of(x, rows, cols, threads);
     add_halves(a);
     chosen_q->q3(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
+}
+
+void q2_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy) {
+    Activations a = scratch.of(x, rows, cols, threads);
+    add_halves(a);
+    chosen_q->q2(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
 void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPart* parts, int count, int64_t ldy,
@@ -175,7 +183,8 @@ void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tile
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy) {
     (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : bits == corral_qmatmul::IQ4
-     ? iq4_product : bits == 3 ? q3_product : q4_product)(x, rows, cols, tiles, n, y, threads, ldy);
+     ? iq4_product : bits == 3 ? q3_product : bits == 2 ? q2_product : q4_product)(x, rows, cols, tiles, n, y,
+                                                                                   threads, ldy);
 }
 
 void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {
@@ -205,8 +214,8 @@ void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, fl
 
 namespace {
 
-// q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul(x [M, K] float32, tiles [ceil(N / 16),
-// K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T.
+// q2_matmul / q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul(x [M, K] float32, tiles
+// [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T.
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -263,6 +272,7 @@ void add_qmatmul(nb::module_& m) {
         if (PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw nb::python_error();
     }
     m.def("qmatmul_amx_model_agrees", &corral_qmatmul::amx_model_agrees);
+    m.def("q2_matmul", &matmul<2>);
     m.def("q3_matmul", &matmul<3>);
     m.def("q4_matmul", &matmul<4>);
     m.def("q5_matmul", &matmul<5>);

@@ -23,6 +23,10 @@
 //     w = d sc (q - 4), q 0..7, llama.cpp's Q3_K exactly (its d per 256 columns, and its 6-bit scale per 16 less
 //     32). Byte 4 r + i of 2-bit chunk p holds, from its low bits up, the codes a Q4 tile block keeps in the low
 //     and high nibbles of chunk 2 p's byte 4 r + i, then those of chunk 2 p + 1's: chunk c's are 4 (c % 2) bits up.
+//   Q2 tile block (224 bytes, kind 2): a Q3 tile block's 2 chunks of 2-bit codes, then 16 float16 d (128), then 16
+//     float16 dmin (160), then for each row a byte of the block's first 16 columns' 4-bit scale sc (low nibble)
+//     and 4-bit min mn (high nibble) (192), then 16 of its last 16 columns' (208): w = d sc q - dmin mn, q 0..3,
+//     llama.cpp's Q2_K (its d and dmin per 256 columns, a scale and a min per 16).
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //   IQ4 tile block (320 bytes, kind IQ4 = 40): a Q4 tile block's 4 chunks of 4-bit indices, then 16 float32 d
@@ -40,6 +44,8 @@
 //       block's xq over that half (halves32, below, holds 32 isum_h); a block's sum over h in integers (at most
 //       2 x 128 x 16 x 32 x 127 < 2^24)
 //   Q3: the same with q - 4 (4 isum_h: halves32 / 8), a block's sum at most 2 x 32 x 16 x 4 x 127 < 2^20
+//   Q2: y[n] = sum_b s_b (d[n,b] sum_h sc[n,b,h] (sum_{k in half h} q xq) - dmin[n,b] sum_h mn[n,b,h] isum_h),
+//       both sums over h in integers (at most 2 x 15 x 16 x 3 x 127 and 2 x 15 x 16 x 127)
 // that is W times the quantized x (s xq), exactly (float32 summation order aside). The only error against the
 // product with the dequantized weights is x's rounding: at most s_b / 2 per element, so
 // |y - y_ref| <= sum_b (s_b / 2) sum_k |W[n, k]|. (Taking the m term over the exact x instead, as this once did,
@@ -51,20 +57,20 @@
 
 namespace corral_qmatmul {
 
-constexpr int64_t TILE = 16, BLOCK = 32, Q3_TILE_BYTES = 256, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384,
-                  Q6_TILE_BYTES = 448, Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
-// The kind of IQ4 tiles, beside the Q tiles' bits (3, 4, 5, 6, 8) that name theirs.
+constexpr int64_t TILE = 16, BLOCK = 32, Q2_TILE_BYTES = 224, Q3_TILE_BYTES = 256, Q4_TILE_BYTES = 320,
+                  Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448, Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
+// The kind of IQ4 tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
 constexpr int64_t IQ4 = 40;
 // llama.cpp's IQ4_NL / IQ4_XS grid: the weight of index q is d IQ4_VALUES[q].
 constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// A tile block's bytes for tiles of kind `bits` (3, 4, 5, 6 or 8 bits, or IQ4).
+// A tile block's bytes for tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, or IQ4).
 constexpr int64_t tile_block_bytes(int64_t bits) {
     return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES
-         : bits == IQ4 ? IQ4_TILE_BYTES : bits == 3 ? Q3_TILE_BYTES : Q4_TILE_BYTES;
+         : bits == IQ4 ? IQ4_TILE_BYTES : bits == 3 ? Q3_TILE_BYTES : bits == 2 ? Q2_TILE_BYTES : Q4_TILE_BYTES;
 }
 // Whether products on tiles of kind `bits` read each block's halves' activation sums (Activations::halves32).
-constexpr bool reads_halves(int64_t bits) { return bits == 6 || bits == 3; }
+constexpr bool reads_halves(int64_t bits) { return bits == 6 || bits == 3 || bits == 2; }
 
 struct Activations {
     const int8_t* xq;    // [M, K]
@@ -72,7 +78,7 @@ struct Activations {
     const float* sum;    // [M, K / 32]
     const int32_t* isum; // [M, K / 32]
     int64_t rows, cols;
-    const int32_t* halves32 = nullptr;  // [M, K / 32, 2]: 32 times each block's halves' xq sums (Q6, Q3 only)
+    const int32_t* halves32 = nullptr;  // [M, K / 32, 2]: 32 times each block's halves' xq sums (Q6, Q3, Q2 only)
 };
 
 // Where the quantized activations go: the arrays an Activations then reads.
@@ -113,6 +119,7 @@ struct QTable {
     Matmul q6;
     Matmul iq4;
     Matmul q3;
+    Matmul q2;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -154,14 +161,16 @@ void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tile
                  int64_t ldy = 0);
 void q3_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
                 int64_t ldy = 0);
-// The product on tiles of kind `bits` (3, 4, 5, 6 or 8 bits, or IQ4): the one of the six above.
+void q2_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
+                int64_t ldy = 0);
+// The product on tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, or IQ4): the one of the seven above.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
 // Several products of the same x, each on its own tiles (of any kind) into its columns of y [rows, ldy], in one
 // thread team (a team per product costs each one a wake-up of the threads): the products tiles_product gives,
 // bit for bit (a tile's outputs do not depend on which tiles share its call).
 struct ProductPart {
-    int64_t kind;          // 3, 4, 5, 6 or 8 bits, or IQ4
+    int64_t kind;          // 2, 3, 4, 5, 6 or 8 bits, or IQ4
     const uint8_t* tiles;  // [ceil(n / 16), cols / 32, tile bytes]
     int64_t n;
     float* y;              // its first column

@@ -40,14 +40,15 @@ CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
 }
 
 // A decode step's products of at most SMALL_MAX rows read each weight byte once and wait on memory: their kernels ask
-// for the tile bytes `Ahead` bytes past the block they are at (25 Q3, 20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks), every line,
-// as each block of a tile's first half starts in the first pass (the second half and later passes find the tile in the
-// cache), as the AVX-512 kernels do (corral/csrc/qmatmul_avx512.cpp). With these kernels forced
+// for the tile bytes `Ahead` bytes past the block they are at (28 Q2, 25 Q3, 20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks),
+// every line, as each block of a tile's first half starts in the first pass (the second half and later passes find the
+// tile in the cache), as the AVX-512 kernels do (corral/csrc/qmatmul_avx512.cpp). With these kernels forced
 // (CORRAL_QMATMUL_ISA=avx2) on the 2-core Ice Lake Xeon, the two builds' calls interleaved in one process: the 30
 // layers' Q4 products of SmolLM2 6-12% faster at 1-4 rows, the Q8 LM head 14-23%; 3-4% at 8 rows; at 16 rows (four
 // passes, whose arithmetic hides the memory) 1-5% slower, so those go without. It changes no arithmetic.
-constexpr int64_t Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES,
-                  Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES, SMALL_MAX = 8;
+constexpr int64_t Q2_AHEAD = 28 * Q2_TILE_BYTES, Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES,
+                  Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES,
+                  SMALL_MAX = 8;
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block, int64_t m, int half) {
@@ -68,13 +69,14 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(value));
 }
 
-// Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first; Bits 6:
-// Q6 tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum,
-// times the half's scale, goes into the block's integer sum, which then takes d s. Bits 3: Q3 tiles, each code's
-// low 2 bits and third bit, then as Q6 with 4 times the half's sum. A Q4 block's 16 products a lane
-// sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32 bits a
-// chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's
-// (Bits IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values.
+// Rows m..m+R of one half (8 output rows) of a tile; Bits 5: Q5 tiles, each code's fifth bit added first; Bits 6: Q6
+// tiles, its sixth too; once a half block's two chunks are in, its dot less 32 times the half's activation sum, times
+// the half's scale, goes into the block's integer sum, which then takes d s. Bits 3: Q3 tiles, each code's low 2 bits
+// and third bit, then as Q6 with 4 times the half's sum. Bits 2: Q2 tiles, the 2-bit codes alone, each half's dot times
+// its 4-bit scale; then each half's 4-bit min times its activation sum, times dmin s, taken off. A Q4 block's 16
+// products a lane sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32
+// bits a chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's (Bits
+// IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
@@ -91,16 +93,19 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         read_ahead<Ahead, Bytes>(w, m, half);
         __m256i pairs[R], wide[R], scaled[R];
         for (int r = 0; r < R; ++r) pairs[r] = wide[r] = scaled[r] = _mm256_setzero_si256();
-        constexpr bool by_halves = Bits == 6 || Bits == 3, wide_sums = Bits == 5 || by_halves;
+        constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2, wide_sums = Bits == 5 || by_halves;
+        constexpr bool pairs_of_bits = Bits == 3 || Bits == 2;
         for (int c = 0; c < 4; ++c) {
             const __m256i v = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(w + (Bits == 3 ? 64 * (c / 2) : 64 * c) + 32 * half));
+                reinterpret_cast<const __m256i*>(w + (pairs_of_bits ? 64 * (c / 2) : 64 * c) + 32 * half));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (Bits == 3) {  // chunk c's codes 4 (c % 2) bits up in its 2-bit chunk, then the third bits
+            if constexpr (pairs_of_bits) {  // chunk c's codes 4 (c % 2) bits up in its 2-bit chunk
                 const __m256i two = _mm256_set1_epi8(3), shifted = _mm256_srli_epi16(v, 4 * (c % 2));
-                lo = _mm256_or_si256(_mm256_and_si256(shifted, two), bit_values(w + 128 + 16 * c + 4 * half, 4));
-                hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(shifted, 2), two),
-                                     bit_values(w + 128 + 16 * c + 8 + 4 * half, 4));
+                lo = _mm256_and_si256(shifted, two), hi = _mm256_and_si256(_mm256_srli_epi16(shifted, 2), two);
+            }
+            if constexpr (Bits == 3) {  // and the third bits
+                lo = _mm256_or_si256(lo, bit_values(w + 128 + 16 * c + 4 * half, 4));
+                hi = _mm256_or_si256(hi, bit_values(w + 128 + 16 * c + 8 + 4 * half, 4));
             }
             if constexpr (Bits == IQ4) {  // |grid value| times the activation with the value's sign: vpmaddubsw
                 // takes unsigned by signed bytes, and a pair of such products (at most 2 x 127 x 127) fits 16 bits
@@ -134,11 +139,14 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             if constexpr (by_halves) {
                 if (c % 2 == 0) continue;
                 const int h = c / 2;  // the half block whose two chunks are in
-                const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    reinterpret_cast<const __m128i*>(w + (Bits == 3 ? 224 : 416) + 16 * h + 8 * half)));
+                const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                    w + (Bits == 2 ? 192 : Bits == 3 ? 224 : 416) + 16 * h + 8 * half));
+                const __m256i sc = Bits == 2 ? _mm256_and_si256(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(15))
+                                             : _mm256_cvtepi8_epi32(bytes);
                 for (int r = 0; r < R; ++r) {
                     const int64_t at = (m + r) * blocks + b;
-                    const int32_t offset = Bits == 3 ? x.halves32[2 * at + h] / 8 : x.halves32[2 * at + h];
+                    const int32_t offset = Bits == 2 ? 0 : Bits == 3 ? x.halves32[2 * at + h] / 8
+                                                                     : x.halves32[2 * at + h];
                     const __m256i part = _mm256_mullo_epi32(_mm256_sub_epi32(wide[r], _mm256_set1_epi32(offset)), sc);
                     scaled[r] = _mm256_add_epi32(scaled[r], part);
                     wide[r] = _mm256_setzero_si256();
@@ -146,10 +154,26 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
         }
         if constexpr (by_halves) {
-            const __m256 d = halves(w + (Bits == 3 ? 192 : 384) + 16 * half);
+            const __m256 d = halves(w + (Bits == 2 ? 128 : Bits == 3 ? 192 : 384) + 16 * half);
             for (int r = 0; r < R; ++r) {
                 const float s = x.scale[(m + r) * blocks + b];
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+            }
+            if constexpr (Bits == 2) {  // less dmin s (mn_0 isum_0 + mn_1 isum_1)
+                const __m256 dmin = halves(w + 160 + 16 * half);
+                const uint8_t* mins = w + 192 + 8 * half;
+                const __m256i first = _mm256_srli_epi32(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins))), 4);
+                const __m256i second = _mm256_srli_epi32(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + 16))), 4);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t at = (m + r) * blocks + b;
+                    const __m256i total = _mm256_add_epi32(
+                        _mm256_mullo_epi32(first, _mm256_set1_epi32(x.halves32[2 * at] / 32)),
+                        _mm256_mullo_epi32(second, _mm256_set1_epi32(x.halves32[2 * at + 1] / 32)));
+                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(total),
+                                              _mm256_mul_ps(dmin, _mm256_set1_ps(x.scale[at])), acc[r]);
+                }
             }
             continue;
         }
@@ -231,7 +255,8 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Q4_AHEAD;
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Bits == 2 ? Q2_AHEAD
+                        : Q4_AHEAD;
     static const Rows plain[5] = {nullptr, nibble_rows<Bits, 1>, nibble_rows<Bits, 2>, nibble_rows<Bits, 3>,
                                   nibble_rows<Bits, 4>};
     static const Rows ahead[5] = {nullptr, nibble_rows<Bits, 1, A>, nibble_rows<Bits, 2, A>, nibble_rows<Bits, 3, A>,
@@ -283,7 +308,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>};
+const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>};
 
 }  // namespace
 }  // namespace avx2

@@ -34,13 +34,14 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // A decode step's products (at most SMALL_MAX rows, below) read each weight byte once and wait on memory: the
 // hardware's prefetchers alone left one core reading about 10 GB/s of tiles here, where a dense fp32 product of the
 // same step reads 20+. Those kernels ask for the tile bytes `Ahead` bytes past the block they are at, every line of it,
-// as each block starts (25 Q3, 20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks). On the 2-core Ice Lake Xeon, the two builds' calls
-// interleaved in one process: the 30 layers' Q4 products of SmolLM2 21-25% faster at 1-4 rows (with tile pairs, below,
-// as that Intel CPU runs them), 14% at 8, 6% at 16; the Q8 LM head 17-23% at 1-8 rows, 12% at 16. On the 2-core Zen 4
-// EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products, whose arithmetic hides
-// the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic, so no product.
-constexpr int64_t Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES, Q5_AHEAD = 16 * Q5_TILE_BYTES,
-                  Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
+// as each block starts (28 Q2, 25 Q3, 20 Q4, 16 Q5, 14 Q6 or 12 Q8 blocks). On the 2-core Ice Lake Xeon, the two
+// builds' calls interleaved in one process: the 30 layers' Q4 products of SmolLM2 21-25% faster at 1-4 rows (with tile
+// pairs, below, as that Intel CPU runs them), 14% at 8, 6% at 16; the Q8 LM head 17-23% at 1-8 rows, 12% at 16. On the
+// 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products, whose
+// arithmetic hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic, so no
+// product.
+constexpr int64_t Q2_AHEAD = 28 * Q2_TILE_BYTES, Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES,
+                  Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block) {
@@ -57,7 +58,9 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // 6: Q6 tiles, a sixth bit too; once a half block's two chunks are in, its dot less 32 times the half's activation
 // sum, times the half's scale, goes into the block's integer sum (`scaled`), which then takes d s as Q8's does. Bits
 // 3: Q3 tiles, each code's low 2 bits from its 2-bit chunk and its third bit from its chunk's masks, then as Q6 with
-// 4 times the half's activation sum.
+// 4 times the half's activation sum. Bits 2: Q2 tiles, the 2-bit codes alone, each half's dot times its 4-bit scale
+// into the block's integer sum, which takes d s; then each half's 4-bit min times its activation sum, summed in
+// integers, times dmin s, taken off.
 CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
     uint64_t bits;
     std::memcpy(&bits, mask, 8);
@@ -82,7 +85,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         for (int t = 0; t < T; ++t) read_ahead<Ahead, Bytes>(w + t * stride);
-        constexpr bool by_halves = Bits == 6 || Bits == 3;
+        constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2, pairs_of_bits = Bits == 3 || Bits == 2;
         __m512i dot[T][R], scaled[by_halves ? T : 1][by_halves ? R : 1];
         for (int t = 0; t < T; ++t)
             for (int r = 0; r < R; ++r) dot[t][r] = _mm512_setzero_si512();
@@ -92,14 +95,17 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         for (int c = 0; c < 4; ++c) {
             __m512i lo[T], hi[T];
             for (int t = 0; t < T; ++t) {
-                const __m512i v = _mm512_loadu_si512(w + t * stride + (Bits == 3 ? 64 * (c / 2) : 64 * c));
+                const __m512i v = _mm512_loadu_si512(w + t * stride + (pairs_of_bits ? 64 * (c / 2) : 64 * c));
                 lo[t] = _mm512_and_si512(v, low), hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if constexpr (Bits == 3) {  // chunk c's codes 4 (c % 2) bits up in its 2-bit chunk
+                if constexpr (pairs_of_bits) {  // chunk c's codes 4 (c % 2) bits up in its 2-bit chunk
                     const __m512i two = _mm512_set1_epi8(3), shifted = _mm512_srli_epi16(v, 4 * (c % 2));
+                    lo[t] = _mm512_and_si512(shifted, two);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(shifted, 2), two);
+                }
+                if constexpr (Bits == 3) {  // and the third bits
                     const uint8_t* third = w + t * stride + 128 + 16 * c;
                     const __m512i four = _mm512_set1_epi8(4);
-                    lo[t] = add_where(_mm512_and_si512(shifted, two), third, four);
-                    hi[t] = add_where(_mm512_and_si512(_mm512_srli_epi16(shifted, 2), two), third + 8, four);
+                    lo[t] = add_where(lo[t], third, four), hi[t] = add_where(hi[t], third + 8, four);
                 }
                 if constexpr (Bits == IQ4)
                     lo[t] = _mm512_shuffle_epi8(grid, lo[t]), hi[t] = _mm512_shuffle_epi8(grid, hi[t]);
@@ -126,11 +132,14 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 if (c % 2 == 0) continue;
                 const int h = c / 2;  // the half block whose two chunks are in
                 for (int t = 0; t < T; ++t) {
-                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        reinterpret_cast<const __m128i*>(w + t * stride + (Bits == 3 ? 224 : 416) + 16 * h)));
+                    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                        w + t * stride + (Bits == 2 ? 192 : Bits == 3 ? 224 : 416) + 16 * h));
+                    const __m512i sc = Bits == 2 ? _mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(15))
+                                                 : _mm512_cvtepi8_epi32(bytes);
                     for (int r = 0; r < R; ++r) {
                         const int64_t at = (m + r) * blocks + b;
-                        const int32_t offset = Bits == 3 ? x.halves32[2 * at + h] / 8 : x.halves32[2 * at + h];
+                        const int32_t offset = Bits == 2 ? 0 : Bits == 3 ? x.halves32[2 * at + h] / 8
+                                                                         : x.halves32[2 * at + h];
                         const __m512i part =
                             _mm512_mullo_epi32(_mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(offset)), sc);
                         scaled[t][r] = _mm512_add_epi32(scaled[t][r], part);
@@ -141,11 +150,27 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         }
         if constexpr (by_halves) {
             for (int t = 0; t < T; ++t) {
-                const __m512 d = halves(w + t * stride + (Bits == 3 ? 192 : 384));
+                const __m512 d = halves(w + t * stride + (Bits == 2 ? 128 : Bits == 3 ? 192 : 384));
                 for (int r = 0; r < R; ++r) {
                     const int64_t at = (m + r) * blocks + b;
                     acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled[t][r]),
                                                 _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[t][r]);
+                }
+                if constexpr (Bits == 2) {  // less dmin s (mn_0 isum_0 + mn_1 isum_1)
+                    const __m512 dmin = halves(w + t * stride + 160);
+                    const uint8_t* mins = w + t * stride + 192;
+                    const __m512i first = _mm512_srli_epi32(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins))), 4);
+                    const __m512i second = _mm512_srli_epi32(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 16))), 4);
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t at = (m + r) * blocks + b;
+                        const __m512i total = _mm512_add_epi32(
+                            _mm512_mullo_epi32(first, _mm512_set1_epi32(x.halves32[2 * at] / 32)),
+                            _mm512_mullo_epi32(second, _mm512_set1_epi32(x.halves32[2 * at + 1] / 32)));
+                        acc[t][r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(total),
+                                                     _mm512_mul_ps(dmin, _mm512_set1_ps(x.scale[at])), acc[t][r]);
+                    }
                 }
             }
             continue;
@@ -270,13 +295,14 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 template <int Bits>
 void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
                   const Rows* pair) {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Q4_AHEAD,
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Bits == 2 ? Q2_AHEAD
+                        : Q4_AHEAD,
                       Bytes = tile_block_bytes(Bits);
     static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
                                    nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
                                    nibble_rows<Bits, 6, 1, A>, nibble_rows<Bits, 7, 1, A>, nibble_rows<Bits, 8, 1, A>};
-    if constexpr (Bits == 6 || Bits == 3)  // a block's integer sums take a third set of registers: one tile at a
-        // time, always
+    if constexpr (Bits == 6 || Bits == 3 || Bits == 2)  // a block's integer sums take a third set of registers:
+        // one tile at a time, always
         matmul<nibble_rows<Bits, 1, 1>, nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 1, 1>,
                nibble_rows<Bits, 2, 1>, nibble_rows<Bits, 4, 1>, nibble_rows<Bits, 6, 1>, Bytes, 1>(
             x, tiles, n, y, ldy, threads, single, nullptr);
@@ -288,7 +314,7 @@ void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* 
 
 template <int Bits>
 const Rows* pairs() {
-    static_assert(Bits != 6 && Bits != 3, "Q6 and Q3 tiles go one at a time");
+    static_assert(Bits != 6 && Bits != 3 && Bits != 2, "Q6, Q3 and Q2 tiles go one at a time");
     constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;
     static const Rows pair[5] = {nullptr, nibble_rows<Bits, 1, 2, A>, nibble_rows<Bits, 2, 2, A>,
                                  nibble_rows<Bits, 3, 2, A>, nibble_rows<Bits, 4, 2, A>};
@@ -313,6 +339,10 @@ void q5_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, i
 
 void q6(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     nibbles_over<6>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void q2(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<2>(x, tiles, n, y, ldy, threads, nullptr);
 }
 
 void q3(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -359,9 +389,9 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3};
-// Q6 and Q3: one at a time
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6, iq4_pairs, q3};
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2};
+// Q6, Q3 and Q2: one at a time
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6, iq4_pairs, q3, q2};
 
 }  // namespace
 }  // namespace avx512

@@ -92,29 +92,33 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
 
 // Q4 tiles (Bits 4), Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h), Q6 tiles (Bits
 // 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot),
-// IQ4 tiles (each index's grid value, and a float32 d) or Q3 tiles (Bits 3: 2-bit codes and a third bit, a scale
-// per half block as Q6's, with 4 times the half's sum taken off).
+// IQ4 tiles (each index's grid value, and a float32 d), Q3 tiles (Bits 3: 2-bit codes and a third bit, a scale
+// per half block as Q6's, with 4 times the half's sum taken off) or Q2 tiles (Bits 2: 2-bit codes, a scale per
+// half block, and a min per half block times the half's sum taken off at dmin).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     each_tile<Bytes>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const int8_t* xq, float s, float sum,
                                                       float* acc) {
-        constexpr bool by_halves = Bits == 6 || Bits == 3;
+        constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2;
         int32_t half_sum[2] = {0, 0};
         if constexpr (by_halves)
             for (int k = 0; k < BLOCK; ++k) half_sum[k / 16] += xq[k];
         for (int r = 0; r < TILE; ++r) {
-            int32_t dot[2] = {0, 0};  // Q6, Q3: the block's two halves (chunks 0-1, 2-3); else all in the first
+            int32_t dot[2] = {0, 0};  // Q6, Q3, Q2: the block's two halves (chunks 0-1, 2-3); else all in the first
             for (int c = 0; c < 4; ++c)
                 for (int i = 0; i < 4; ++i) {
                     const int j = 4 * r + i;  // the byte in the chunk, and the bit in each of its masks
                     const uint8_t byte = w[64 * c + j];
                     int32_t low = byte & 0x0F, high = byte >> 4;
-                    if constexpr (Bits == 3) {
+                    if constexpr (Bits == 3 || Bits == 2) {
                         const uint8_t pair = uint8_t(w[64 * (c / 2) + j] >> (4 * (c % 2)));
+                        low = pair & 3, high = pair >> 2 & 3;
+                    }
+                    if constexpr (Bits == 3) {
                         const uint8_t* third = w + 128 + 16 * c + j / 8;
-                        low = (pair & 3) | (third[0] >> (j % 8) & 1) << 2;
-                        high = (pair >> 2 & 3) | (third[8] >> (j % 8) & 1) << 2;
+                        low |= (third[0] >> (j % 8) & 1) << 2;
+                        high |= (third[8] >> (j % 8) & 1) << 2;
                     }
                     if constexpr (Bits == IQ4) low = IQ4_VALUES[low], high = IQ4_VALUES[high];
                     if constexpr (Bits == 5 || Bits == 6) {
@@ -129,7 +133,15 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                     }
                     dot[by_halves ? c / 2 : 0] += low * xq[8 * c + i] + high * xq[8 * c + 4 + i];
                 }
-            if constexpr (Bits == 3) {
+            if constexpr (Bits == 2) {
+                int32_t total = 0, mins = 0;
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t both = w[192 + 16 * h + r];
+                    total += int32_t(both & 15) * dot[h], mins += int32_t(both >> 4) * half_sum[h];
+                }
+                acc[r] += float(total) * (half_to_float(w + 128 + 2 * r) * s);
+                acc[r] -= float(mins) * (half_to_float(w + 160 + 2 * r) * s);
+            } else if constexpr (Bits == 3) {
                 int32_t total = 0;
                 for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[224 + 16 * h + r])) * (dot[h] - 4 * half_sum[h]);
                 acc[r] += float(total) * (half_to_float(w + 192 + 2 * r) * s);
@@ -181,7 +193,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>};
+const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>};
 
 }  // namespace
 

@@ -7,7 +7,7 @@ the same numerics (the format changes greedy outputs, which is why it is reporte
 ``/v1/models``):
 
 - ``quantization``: a GGUF whose linears are quantized runs them as shipped. With the native module that is
-  ``w4a8``: the Q3_K, Q4 (Q4_0, Q4_1, Q4_K), Q5 (Q5_0, Q5_1, Q5_K), Q6_K, IQ4 (IQ4_NL, IQ4_XS) and Q8_0 blocks,
+  ``w4a8``: the Q2_K, Q3_K, Q4 (Q4_0, Q4_1, Q4_K), Q5 (Q5_0, Q5_1, Q5_K), Q6_K, IQ4 (IQ4_NL, IQ4_XS) and Q8_0 blocks,
   and a Q6_K or Q8_0 embedding/LM head (tied or not) through Corral's integer kernels (AVX-512 VNNI, AVX2 or scalar,
   chosen by the CPU), activations float32, quantized to int8 per block of 32 inside each product, as llama.cpp
   runs the same file. Without the native module a file with Q4 linears runs ``gguf`` (W4A16 through torch's int4
@@ -55,15 +55,15 @@ def has_fast_bf16(flags: frozenset[str]) -> bool:
 def resolve(config: EngineConfig, gguf_q4: bool, flags: frozenset[str] | None = None, gguf_q8: bool = False
             ) -> Formats:
     """The formats ``config`` runs in on a CPU with ``flags`` (default: this one's), for a model whose linears are
-    (``gguf_q4``) or are not GGUF Q4_0/Q4_1/Q4_K blocks, and are (``gguf_q8``) or are not Q3_K, Q5, Q6_K, IQ4 or
-    Q8_0 blocks (which the native module runs as Q3, Q5, Q6, IQ4 or Q8 blocks)."""
+    (``gguf_q4``) or are not GGUF Q4_0/Q4_1/Q4_K blocks, and are (``gguf_q8``) or are not Q2_K, Q3_K, Q5, Q6_K, IQ4
+    or Q8_0 blocks (which the native module runs as Q2, Q3, Q5, Q6, IQ4 or Q8 blocks)."""
     flags = native.cpu_flags() if flags is None else flags
     reasons = []
     quantization = config.quantization
     if quantization == "auto":
         quantization = "w4a8" if native.module() is not None and (gguf_q4 or gguf_q8) else \
             "gguf" if gguf_q4 else "none"
-        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (3, 4, 5 and 6 bits and IQ4 as "
+        reasons.append({"w4a8": "quantization w4a8: the GGUF's quantized linears (2 to 6 bits and IQ4 as "
                                 "shipped, Q8_0 in Q8 blocks) and its embedding and head (Q6_K as shipped, else in Q8 "
                                 "blocks), native kernels",
                         "gguf": "quantization gguf: the GGUF's Q4 linears as shipped (no native module: torch's "

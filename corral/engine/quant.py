@@ -20,10 +20,11 @@ activation dtype):
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
-Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles` Q3 blocks (GGUF Q3_K), :class:`IQ4Tiles`
-IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the
-native kernels; a fused layer whose parts are of different kinds is a :class:`SplitLinear` of them.
-What this leaves out: 2-bit and IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
+Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles` and :class:`Q2Tiles` Q3 and Q2 blocks
+(GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks
+(:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose parts are of different kinds is a
+:class:`SplitLinear` of them.
+What this leaves out: IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
 """
@@ -96,6 +97,23 @@ class Q3Blocks(NamedTuple):
         return (self.codes.float() - 4) * scale
 
 
+class Q2Blocks(NamedTuple):
+    """2-bit codes with float16 ``d`` and ``dmin`` per 32 weights along K and a 4-bit scale ``sc`` and min ``mn`` per
+    16: ``W = d sc codes - dmin mn``, codes 0..3, GGUF Q2_K exactly (its d and dmin per super-block of 256 repeated
+    over its 8 blocks): what the native Q2 kernel runs (:class:`Q2Tiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..3
+    d: torch.Tensor  # [N, K // 32] float32, each a float16 value
+    dmin: torch.Tensor  # [N, K // 32] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 16] uint8, 0..15
+    mn: torch.Tensor  # [N, K // 16] uint8, 0..15
+
+    def dequantize(self) -> torch.Tensor:
+        """``(d sc) q - dmin mn`` in float32, llama.cpp's operations (its values bit for bit)."""
+        scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
+        low = (self.dmin.float().repeat_interleave(2, dim=1) * self.mn.float()).repeat_interleave(16, dim=1)
+        return scale * self.codes.float() - low
+
+
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
 
 
@@ -125,7 +143,8 @@ class Q8Blocks(NamedTuple):
 
 def concat_blocks(parts: list):
     """Blocks of several layers, all of one type (:class:`Q4Blocks`, :class:`Q5Blocks`, :class:`Q6Blocks`,
-    :class:`Q3Blocks` or :class:`IQ4Blocks`), stacked along N (the fused QKV and gate/up projections)."""
+    :class:`Q3Blocks`, :class:`Q2Blocks` or :class:`IQ4Blocks`), stacked along N (the fused QKV and gate/up
+    projections)."""
     kind = type(parts[0])
     assert all(type(p) is kind for p in parts) and len({getattr(p, "group", 32) for p in parts}) == 1
     return kind(**{f: parts[0].group if f == "group" else torch.cat([getattr(p, f) for p in parts])
@@ -240,6 +259,18 @@ def pack_q6_tiles(blocks: Q6Blocks) -> torch.Tensor:
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
 
 
+def _two_bit_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K]'s low 2 bits as a tile block's two 2-bit chunks [tiles, blocks, 128] (``corral/csrc/qmatmul.h``:
+    a Q4 tile block's chunks 2p and 2p + 1 in chunk p, each code 4 (c % 2) bits up from where its nibble sits)."""
+    rows, cols = codes.shape
+    padded = _tile_rows(codes.to(torch.uint8))
+    num_tiles, num_blocks = padded.shape[0] // 16, cols // 32
+    # [tile, row, block, chunk pair, chunk of the pair, low/high nibble, byte]
+    q = (padded & 3).view(num_tiles, 16, num_blocks, 2, 2, 2, 4)
+    pairs = (q[..., 0, 0, :] | (q[..., 0, 1, :] << 2) | (q[..., 1, 0, :] << 4) | (q[..., 1, 1, :] << 6))
+    return pairs.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 128)
+
+
 def pack_q3_tiles(blocks: Q3Blocks) -> torch.Tensor:
     """Q3 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 256] uint8 (layout in
     ``corral/csrc/qmatmul.h``): the codes' low 2 bits in two chunks (a Q4 tile block's chunks 2p and 2p + 1 in
@@ -248,18 +279,29 @@ def pack_q3_tiles(blocks: Q3Blocks) -> torch.Tensor:
     columns, and of its last 16."""
     if blocks.codes.numel() and int(blocks.codes.max()) > 7:
         raise ValueError("Q3 codes must be 0..7")
-    rows, cols = blocks.codes.shape
-    codes = _tile_rows(blocks.codes.to(torch.uint8))
-    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
-    # [tile, row, block, chunk pair, chunk of the pair, low/high nibble, byte]
-    q = (codes & 3).view(num_tiles, 16, num_blocks, 2, 2, 2, 4)
-    pairs = (q[..., 0, 0, :] | (q[..., 0, 1, :] << 2) | (q[..., 1, 0, :] << 4) | (q[..., 1, 1, :] << 6))
-    low = pairs.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 128)
+    low = _two_bit_chunks(blocks.codes)
+    num_tiles, num_blocks = low.shape[:2]
     # the third bits as the fifth bits' masks: a Q5 tile block's mask plane of codes 4 bits up
     _, _, parts = _nibbles_and_masks((blocks.codes.to(torch.uint8) >> 2) << 4, 5)
     sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
     return torch.cat((low, parts[1], _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
+
+
+def pack_q2_tiles(blocks: Q2Blocks) -> torch.Tensor:
+    """Q2 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 224] uint8 (layout in
+    ``corral/csrc/qmatmul.h``): a Q3 tile block's two 2-bit chunks, ``d`` and ``dmin`` as float16, then for each row
+    a byte of the block's first 16 columns' scale (low nibble) and min (high nibble), and of its last 16's."""
+    if blocks.codes.numel() and int(blocks.codes.max()) > 3:
+        raise ValueError("Q2 codes must be 0..3")
+    if blocks.sc.numel() and max(int(blocks.sc.max()), int(blocks.mn.max())) > 15:
+        raise ValueError("Q2 scales and mins must be 0..15")
+    low = _two_bit_chunks(blocks.codes)
+    num_tiles, num_blocks = low.shape[:2]
+    both = _tile_rows((blocks.sc.to(torch.uint8) | (blocks.mn.to(torch.uint8) << 4)))
+    both = both.view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1).reshape(num_tiles, num_blocks, 32)
+    return torch.cat((low, _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
+                      _halves(_tile_rows(blocks.dmin.float()), num_tiles, num_blocks), both), -1).contiguous()
 
 
 def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
@@ -343,6 +385,20 @@ def w3a8_reference(x: torch.Tensor, blocks: Q3Blocks) -> torch.Tensor:
     """What the Q3 kernel computes, in float64: ``sum_b sum_h d sc_h s_b (q . xq - 4 isum_h)`` over each block's
     halves of 16, that is the quantized activations times the weights (float32 [M, N])."""
     return w6a8_reference(x, Q6Blocks(blocks.codes.to(torch.int16) + 28, blocks.d, blocks.sc))
+
+
+def w2a8_reference(x: torch.Tensor, blocks: Q2Blocks) -> torch.Tensor:
+    """What the Q2 kernel computes, in float64: ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``
+    over each block's halves of 16, that is the quantized activations times the weights (float32 [M, N])."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    rows, cols = blocks.codes.shape
+    halves = blocks.codes.double().view(rows, cols // 16, 16)
+    xh = xq.view(xq.shape[0], cols // 16, 16)
+    sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
+    mn = blocks.dmin.double().repeat_interleave(2, dim=1) * blocks.mn.double()
+    s = scale.repeat_interleave(2, dim=1)
+    return (torch.einsum("anh,nh,ah->an", torch.einsum("ahk,nhk->anh", xh, halves), sc, s)
+            - torch.einsum("ah,nh,ah->an", xh.sum(-1), mn, s)).float()
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -489,6 +545,13 @@ class Q3Tiles(_TileLinear):
     each weight to their even steps."""
 
     kind, _kernel, _pack = "w3a8", "q3_matmul", staticmethod(pack_q3_tiles)
+
+
+class Q2Tiles(_TileLinear):
+    """W2A8: :class:`Q2Blocks` (GGUF Q2_K as shipped): 0.44 bytes a weight where Q4 tiles take 0.625 and would round
+    each weight to their even steps."""
+
+    kind, _kernel, _pack = "w2a8", "q2_matmul", staticmethod(pack_q2_tiles)
 
 
 class IQ4Tiles(_TileLinear):

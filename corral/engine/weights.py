@@ -6,7 +6,8 @@ and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4
 ``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
 their scales (:class:`~corral.engine.quant.Q6Blocks`), its Q3_K ones as 3-bit codes with their scales
-(:class:`~corral.engine.quant.Q3Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
+(:class:`~corral.engine.quant.Q3Blocks`), its Q2_K ones as 2-bit codes with their scales and mins
+(:class:`~corral.engine.quant.Q2Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
 grid with a float32 scale per 32 (:class:`~corral.engine.quant.IQ4Blocks`) and its Q8_0 ones as int8 codes with one
 float16 scale per 32 weights (:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
@@ -27,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import IQ4Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks, quantize_q8_blocks
+from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks,
+                                 quantize_q8_blocks)
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
 
@@ -74,10 +76,11 @@ _Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 _Q5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
 _Q6_KINDS = ("Q6_K",)
 _IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 blocks under w4a8
-_Q3_KINDS = ("Q3_K",)  # 3 bits a weight: Q3 blocks under w4a8, where Q4 blocks' even steps would move every weight
+# 2 and 3 bits a weight: Q2 and Q3 blocks under w4a8, where Q4 blocks' even steps would move every weight
+_Q2_KINDS, _Q3_KINDS = ("Q2_K",), ("Q3_K",)
 _Q8_KINDS = ("Q8_0",)
-_KEPT_KINDS = (*_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # linears w4a8 keeps beside Q4 ones
-Blocks = Q3Blocks | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # what a tensor kept as shipped is
+_KEPT_KINDS = (*_Q2_KINDS, *_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # w4a8's beside Q4 ones
+Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # a tensor kept as shipped
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -208,6 +211,31 @@ def q3_blocks(raw: np.ndarray, values: torch.Tensor) -> Q3Blocks | None:
     return kept if torch.equal(kept.dequantize(), values) else None
 
 
+Q2K_BYTES = 84  # 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, float16 d and dmin
+
+
+def q2_blocks(raw: np.ndarray, values: torch.Tensor) -> Q2Blocks | None:
+    """GGUF Q2_K rows as Q2 blocks, in the file's row order, from ``raw`` (its bytes [rows, ...]). Weight k = 128 h
+    + 32 j + 16 s + l of a super-block of 256 (h, s 0..1, j 0..3, l 0..15) has its code at bit 2 j of byte 32 h +
+    16 s + l of ``qs`` (as Q3_K's), and byte k // 16 of ``scales`` holds its scale (low nibble) and min (high);
+    ``w = (d sc) q - dmin mn``. Checked to give llama.cpp's dequantized ``values`` [rows, cols] back exactly. None
+    where they do not: the caller then rounds the tensor to Q8 blocks."""
+    rows, cols = values.shape
+    if cols % 256:
+        return None
+    supers = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // 256, Q2K_BYTES)
+    qs = supers[..., 16:80].reshape(rows, -1, 2, 1, 32)  # [rows, S, h, j, 16 s + l]
+    codes = ((qs >> (2 * np.arange(4).reshape(1, 1, 1, 4, 1))) & 3).astype(np.uint8)
+    scales = supers[..., :16]
+    d = supers[..., 80:82].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, S]
+    dmin = supers[..., 82:84].copy().view(np.float16)[..., 0].astype(np.float32)
+    per_block = lambda v: torch.from_numpy(np.ascontiguousarray(v)).repeat_interleave(8, dim=1)  # noqa: E731
+    kept = Q2Blocks(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))), per_block(d), per_block(dmin),
+                    torch.from_numpy(np.ascontiguousarray((scales & 0x0F).reshape(rows, -1))),
+                    torch.from_numpy(np.ascontiguousarray((scales >> 4).reshape(rows, -1))))
+    return kept if torch.equal(kept.dequantize(), values) else None
+
+
 _ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by row or run as the head: w4a8 keeps Q6_K
 IQ4_NL_BYTES, IQ4_XS_BYTES = 18, 136  # a block of 32 (float16 d, 16 bytes of indices); a super-block of 256
 
@@ -260,8 +288,8 @@ def gguf_has_q4(files: ModelFiles) -> bool:
 
 
 def gguf_has_q8(files: ModelFiles) -> bool:
-    """Whether ``files`` is a GGUF whose layers' linear weights are Q3_K, Q5, Q6_K, Q8_0, IQ4_NL or IQ4_XS blocks
-    (Q3, Q5, Q6, Q8 or IQ4 blocks under w4a8)."""
+    """Whether ``files`` is a GGUF whose layers' linear weights are Q2_K, Q3_K, Q5, Q6_K, Q8_0, IQ4_NL or IQ4_XS
+    blocks (Q2, Q3, Q5, Q6, Q8 or IQ4 blocks under w4a8)."""
     return bool(gguf_linear_kinds(files) & set(_KEPT_KINDS))
 
 
@@ -280,8 +308,8 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q3_K, Q5 and Q6_K ones as Q3, Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and IQ4_XS ones as "
-                 "IQ4 blocks"
+                 ", Q2_K, Q3_K, Q5 and Q6_K ones as Q2, Q3, Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and "
+                 "IQ4_XS ones as IQ4 blocks"
                  if keep_q8 else "")
 
 
@@ -311,21 +339,23 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
             kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
+        elif keep_q8 and linear and kind in _Q2_KINDS:
+            kept = q2_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and linear and kind in _Q3_KINDS:
             kept = q3_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and linear and kind in _IQ4_KINDS:
             kept = iq4_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and (linear or name in _ROW_TABLES) and kind in _Q6_KINDS:
             kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
-        if kept is not None:  # codes and scales, in the rotary order the values take below
+        if kept is not None:  # codes and scales (every tensor field), in the rotary order the values take below
             tensors[name] = type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
-                                         if heads else f for f in kept[:3]))
+                                         if heads and isinstance(f, torch.Tensor) else f for f in kept))
             continue
         if heads:
             values = unpermute_rotary(values, heads)
         values = torch.from_numpy(np.array(values, copy=True))  # writable: torch warns on read-only
         if keep_q8 and linear and kind in _KEPT_KINDS:
-            # Q8_0 exactly; a Q3, Q5, Q6 or IQ4 tensor that failed its check, rounded
+            # Q8_0 exactly; a Q2, Q3, Q5, Q6 or IQ4 tensor that failed its check, rounded
             values = Q8Blocks(*quantize_q8_blocks(values))
         tensors[name] = values
     return tensors
@@ -344,21 +374,21 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v8"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v9"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
-           "iq4": IQ4Blocks, "q3": Q3Blocks}
+           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
     ``.q4_zero``, the same with ``q5_``), Q6 and Q3 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``, the same
-    with ``q3_``), Q8 and IQ4
+    with ``q3_``), Q2 blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``), Q8 and IQ4
     blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
@@ -382,9 +412,9 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its Q3_K ones as
-    :class:`Q3Blocks`, its IQ4_NL and IQ4_XS ones as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF
-    conversions are cached on disk; HF folders are read directly."""
+    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its Q3_K and Q2_K ones as
+    :class:`Q3Blocks` and :class:`Q2Blocks`, its IQ4_NL and IQ4_XS ones as :class:`IQ4Blocks` and its Q8_0 ones as
+    :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, iq4_reference,
-                                 pack_iq4_tiles, pack_q3_tiles, pack_q4_tiles, pack_q5_tiles, pack_q6_tiles,
-                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks,
-                                 w3a8_reference, w4a8_reference, w6a8_reference, w8a8_reference)
+from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks,
+                                 iq4_reference, pack_iq4_tiles, pack_q2_tiles, pack_q3_tiles, pack_q4_tiles,
+                                 pack_q5_tiles, pack_q6_tiles, pack_q8_tiles, quantize_activations, quantize_int4,
+                                 quantize_q8_blocks, w2a8_reference, w3a8_reference, w4a8_reference, w6a8_reference,
+                                 w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -101,6 +102,36 @@ def random_q3(n: int, k: int) -> Q3Blocks:
                     torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
 
 
+def q2_product(x, tiles, n):
+    out = torch.empty(x.shape[0], n)
+    native.module().q2_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    return out
+
+
+def random_q2(n: int, k: int) -> Q2Blocks:
+    """2-bit codes over every value 0..3 with 4-bit scales and mins over their whole range per 16 and a float16 d and
+    dmin per block of 32 (a GGUF Q2_K tensor repeats them over a super-block's 8 blocks; distinct ones show a block
+    read with another's)."""
+    d = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
+    dmin = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
+    return Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), d, dmin,
+                    torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
+                    torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
+
+
+def q2_terms(x, blocks: Q2Blocks) -> torch.Tensor:
+    """sum_b sum_h (|d sc_h s_b (q . xq)_h| + |dmin mn_h s_b isum_h|): the magnitude a Q2 product's float32
+    rounding scales with."""
+    xq, scale, _ = (t.double() for t in quantize_activations(x))
+    (m, k), n = x.shape, blocks.codes.shape[0]
+    xh = xq.view(m, k // 16, 16)
+    sc = blocks.d.double().repeat_interleave(2, dim=1) * blocks.sc.double()
+    mn = blocks.dmin.double().repeat_interleave(2, dim=1) * blocks.mn.double()
+    s = scale.repeat_interleave(2, dim=1)
+    dots = torch.einsum("ahk,nhk->anh", xh, blocks.codes.double().view(n, k // 16, 16)).abs()
+    return torch.einsum("anh,nh,ah->an", dots, sc, s) + torch.einsum("ah,nh,ah->an", xh.sum(-1).abs(), mn, s)
+
+
 def q8_product(x, tiles, n):
     out = torch.empty(x.shape[0], n)
     native.module().q8_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
@@ -165,13 +196,14 @@ def q6_terms(x, blocks: Q6Blocks, offset: int = 32) -> torch.Tensor:
                         sc.abs(), scale.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3"])
+@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3", "q2"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_q6_iq4_and_q3_equal_their_stated_numerics(kind, m, n, k):
+def test_q5_q6_iq4_q3_and_q2_equal_their_stated_numerics(kind, m, n, k):
     """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
     ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
-    ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4."""
-    torch.manual_seed(m * 31 + n + k + (kind == "q6") + 2 * (kind == "iq4") + 3 * (kind == "q3"))
+    ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4. Q2 tiles:
+    ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``."""
+    torch.manual_seed(m * 31 + n + k + (kind == "q6") + 2 * (kind == "iq4") + 3 * (kind == "q3") + 4 * (kind == "q2"))
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
     if kind == "iq4":
@@ -179,6 +211,10 @@ def test_q5_q6_iq4_and_q3_equal_their_stated_numerics(kind, m, n, k):
         got, want = iq4_product(x, pack_iq4_tiles(blocks), n), iq4_reference(x, blocks)
         values = torch.tensor(IQ4_VALUES, dtype=torch.float64)[blocks.codes.long()]
         bound = summation_bound(w8_terms(x, values, blocks.d), k // 32)
+    elif kind == "q2":
+        blocks = random_q2(n, k)
+        got, want = q2_product(x, pack_q2_tiles(blocks), n), w2a8_reference(x, blocks)
+        bound = summation_bound(q2_terms(x, blocks), k // 16)
     elif kind == "q3":
         blocks = random_q3(n, k)
         got, want = q3_product(x, pack_q3_tiles(blocks), n), w3a8_reference(x, blocks)
@@ -299,6 +335,45 @@ def test_q3_tiles_hold_every_code_and_scale_and_give_each_weight_back():
                                torch.ones(16, 2, dtype=torch.int8)))
 
 
+def test_q2_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each code from its 2-bit chunk, d and dmin as
+    float16, each half block's scale and min in one byte's low and high nibbles; and one activation picks out a
+    column's weight, d sc q - dmin mn (to float32 rounding: two products where llama.cpp rounds once), in either
+    half of a block, every code among them."""
+    torch.manual_seed(14)
+    n, k = 20, 64
+    blocks = random_q2(n, k)
+    tiles = pack_q2_tiles(blocks)
+    assert tiles.shape == (2, 2, 224) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(4))
+    for row, r, b, w in tile_blocks(tiles, n, k):
+        codes = []
+        for col in range(32):
+            c, within = divmod(col, 8)
+            high, i = divmod(within, 4)
+            codes.append((int(w[64 * (c // 2) + 4 * r + i]) >> (4 * (c % 2) + 2 * high)) & 3)
+        assert codes == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+        assert float(w[128 + 2 * r: 130 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
+        assert float(w[160 + 2 * r: 162 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, b])
+        for h in range(2):
+            both = int(w[192 + 16 * h + r])
+            assert (both & 15, both >> 4) == (int(blocks.sc[row, 2 * b + h]), int(blocks.mn[row, 2 * b + h]))
+    dense = blocks.dequantize()
+    # both terms' size, which their rounding scales with (a weight may be their small difference)
+    terms = (blocks.d.repeat_interleave(2, 1) * blocks.sc + blocks.dmin.repeat_interleave(2, 1) * blocks.mn) * 3
+    for col in range(k):
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0  # code 127 at scale 1/127
+        got = q2_product(x, tiles, n)[0]
+        assert ((got - dense[:, col]).abs() <= 2.0 ** -21 * terms[:, col // 16]).all(), col
+    with pytest.raises(ValueError, match="0..3"):
+        pack_q2_tiles(Q2Blocks(torch.full((16, 32), 4, dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
+                               torch.ones(16, 2, dtype=torch.uint8), torch.ones(16, 2, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="0..15"):
+        pack_q2_tiles(Q2Blocks(torch.ones((16, 32), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
+                               torch.ones(16, 2, dtype=torch.uint8), torch.full((16, 2), 16, dtype=torch.uint8)))
+
+
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 4 bits from its nibble, its
     fifth bit from its chunk's masks, and d and m as float16."""
@@ -322,7 +397,7 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3", "q2"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
@@ -338,6 +413,8 @@ def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
         tiles, matmul = pack_q6_tiles(random_q6(n, k)), native.module().q6_matmul
     elif kind == "q3":
         tiles, matmul = pack_q3_tiles(random_q3(n, k)), native.module().q3_matmul
+    elif kind == "q2":
+        tiles, matmul = pack_q2_tiles(random_q2(n, k)), native.module().q2_matmul
     else:
         tiles, matmul = pack_q8_tiles(*quantize_q8_blocks(weights)), native.module().q8_matmul
 
@@ -438,6 +515,13 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     mod.q3_matmul(buffer(x), buffer(pack_q3_tiles(three)), n, buffer(out), 2)
     ref = w3a8_reference(x, three)
     worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    two = Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
+                   (torch.rand(n, k // 32) * 0.002).half().float(),
+                   torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
+                   torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
+    mod.q2_matmul(buffer(x), buffer(pack_q2_tiles(two)), n, buffer(out), 2)
+    ref = w2a8_reference(x, two)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -452,6 +536,11 @@ iq4_tiles = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (100, 576), dtype=torc
 q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 576), dtype=torch.uint8),
                                   (torch.rand(100, 18) * 0.002).half().float(),
                                   torch.randint(-32, 32, (100, 36), dtype=torch.int8)))
+q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 576), dtype=torch.uint8),
+                                  (torch.rand(100, 18) * 0.002).half().float(),
+                                  (torch.rand(100, 18) * 0.002).half().float(),
+                                  torch.randint(0, 16, (100, 36), dtype=torch.uint8),
+                                  torch.randint(0, 16, (100, 36), dtype=torch.uint8)))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
@@ -459,7 +548,8 @@ def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     return out
 independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
-                  (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles)]:
+                  (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles),
+                  (mod.q2_matmul, q2_tiles)]:
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))

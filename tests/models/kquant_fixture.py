@@ -30,13 +30,15 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256,
 # and in IQ4_XS, with IQ4_NL tensors beside (llama.cpp's non-linear 4-bit grid) and the value projection in Q5_K,
 # as llama-quantize makes it in an IQ4_XS file of a model with 4 or more query heads per KV head; and in Q3_K_M,
 # where llama-quantize makes the query, key, gate and up projections and the embedding Q3_K, the value projection
-# Q5_K, the output and down projections Q4_K and the LM head Q6_K
+# Q5_K, the output and down projections Q4_K and the LM head Q6_K; and in Q2_K, where it makes the query, key, gate
+# and up projections and the embedding Q2_K, the value, output and down projections Q3_K and the LM head Q6_K
 FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "attn_output=q4_0",
                                              "ffn_gate=q8_0", "attn_k=q5_0"], False),
             "tiny-kquants-tied.gguf": ("Q4_K_M", [], True),
             "tiny-iq4.gguf": ("IQ4_XS", ["attn_k=iq4_nl", "ffn_up=iq4_nl", "attn_v=q5_k", "ffn_down=iq4_xs"],
                               False),
-            "tiny-q3k.gguf": ("Q3_K_M", [], False)}
+            "tiny-q3k.gguf": ("Q3_K_M", [], False),
+            "tiny-q2k.gguf": ("Q2_K", [], False)}
 
 
 def weights() -> dict[str, np.ndarray]:

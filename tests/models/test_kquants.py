@@ -255,55 +255,63 @@ def test_iq4_linears_run_as_shipped_in_iq4_tiles(tmp_path, monkeypatch, caplog):
 
 
 Q3 = os.path.join(kquant_fixture.DATA, "tiny-q3k.gguf")
+Q2 = os.path.join(kquant_fixture.DATA, "tiny-q2k.gguf")
+# each low-bit fixture's projections as llama-quantize shipped them (q, k, v, o, gate, up, down), the native kinds
+# they run at and the embedding's type (dequantized at load)
+LOW_BITS = {"q3": (Q3, ("Q3_K", "Q3_K", "Q5_K", "Q4_K", "Q3_K", "Q3_K", "Q4_K"), [3, 3, 5, 4, 3, 3, 4], "Q3_K"),
+            "q2": (Q2, ("Q2_K", "Q2_K", "Q3_K", "Q3_K", "Q2_K", "Q2_K", "Q3_K"), [2, 2, 3, 3, 2, 2, 3], "Q2_K")}
 
 
-def test_q3_k_linears_run_as_shipped_in_q3_tiles(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("fixture", LOW_BITS)
+def test_q3_k_and_q2_k_linears_run_as_shipped(fixture, tmp_path, monkeypatch, caplog):
     """The same weights in llama.cpp's Q3_K_M (query, key, gate and up projections Q3_K, the value projection Q5_K,
-    the output and down projections Q4_K): under w4a8 every Q3_K linear is kept as Q3 blocks equal to llama.cpp's
-    dequantization bit for bit (rotary rows included, also after the weight cache), gate/up runs in Q3 tiles, the
-    QKV in Q3 tiles beside its value part's Q5 ones, the native step equals the torch forward bit for bit, and the
-    logits are the dense dequantized model's but for the activations' rounding to 8 bits (the old path, Q3_K
-    rounded again to Q4 blocks' even steps, was 0.13 off)."""
-    from corral.engine.quant import Q3Blocks, Q3Tiles, Q4Tiles, Q5Tiles, SplitLinear
+    the output and down projections Q4_K) and Q2_K (query, key, gate and up Q2_K, the rest Q3_K): under w4a8 every
+    Q3_K and Q2_K linear is kept as Q3 or Q2 blocks equal to llama.cpp's dequantization bit for bit (rotary rows
+    included, also after the weight cache), gate/up runs in one kind's tiles, the QKV in its query and key parts'
+    beside its value part's, the native step equals the torch forward bit for bit, and the logits are the dense
+    dequantized model's but for the activations' rounding to 8 bits (the old path was 0.13 and 0.18 off)."""
+    from corral.engine.quant import Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4Tiles, Q5Tiles, SplitLinear
     from tests.engine.test_native_step import assert_native_step_is_the_forward
 
+    path, shipped, native_kinds, embedding = LOW_BITS[fixture]
     monkeypatch.setenv("CORRAL_CACHE_DIR", str(tmp_path))
-    files = resolve_model(Q3)
+    files = resolve_model(path)
     config = load_model_config(files)
-    kinds = {t.name: t.tensor_type.name for t in gguf_tensors(Q3)}
-    shipped = {"self_attn.q_proj.weight": "Q3_K", "self_attn.k_proj.weight": "Q3_K",
-               "self_attn.v_proj.weight": "Q5_K", "self_attn.o_proj.weight": "Q4_K",
-               "mlp.gate_proj.weight": "Q3_K", "mlp.up_proj.weight": "Q3_K", "mlp.down_proj.weight": "Q4_K"}
+    kinds = {t.name: t.tensor_type.name for t in gguf_tensors(path)}
     p = "model.layers.0."
+    shipped = dict(zip(LINEAR_KINDS, shipped))  # HF name -> GGUF type, in q, k, v, o, gate, up, down order
     assert {name: kinds[GGUF_NAMES[p + name]] for name in shipped} == shipped
     with caplog.at_level(logging.INFO, logger="corral.engine.weights"):
         kept = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
     (line,) = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert "at load: Q3_K (" in line  # the embedding alone: every linear is kept, the head is Q6_K
+    assert f"at load: {embedding} (" in line  # the embedding alone: every linear is kept, the head is Q6_K
     reference = load_weights(files, config, torch.float32)
     cached = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
-    blocks = {"Q3_K": Q3Blocks, "Q5_K": Q5Blocks, "Q4_K": Q4Blocks}
+    blocks = {"Q2_K": Q2Blocks, "Q3_K": Q3Blocks, "Q5_K": Q5Blocks, "Q4_K": Q4Blocks}
+    tiles = {"Q2_K": Q2Tiles, "Q3_K": Q3Tiles, "Q5_K": Q5Tiles, "Q4_K": Q4Tiles}
     for name, kind in shipped.items():
         assert isinstance(kept[p + name], blocks[kind]), name
+        assert kept[p + name].codes.dtype == torch.uint8, name  # a byte a code, in memory and in the weight cache
         got, want = kept[p + name].dequantize(), reference[p + name]
-        if kind == "Q3_K":
+        if kind in ("Q2_K", "Q3_K"):
             assert torch.equal(got, want), name
         else:  # Q5_K, Q4_K: their sub-blocks' scales and mins to float32 rounding
             assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                    for a, b in zip(cached[p + name], kept[p + name])), name
     model = LlamaModel(config, kept, torch.float32, "w4a8")
-    assert type(model.layers[0]["gate_up"]) is Q3Tiles
-    assert type(model.layers[0]["o"]) is Q4Tiles and type(model.layers[0]["down"]) is Q4Tiles
+    q, k, v, o, gate, up, down = shipped.values()
+    assert gate == up and type(model.layers[0]["gate_up"]) is tiles[gate]
+    assert type(model.layers[0]["o"]) is tiles[o] and type(model.layers[0]["down"]) is tiles[down]
     qkv = model.layers[0]["qkv"]
-    assert type(qkv) is SplitLinear and [type(part) for part in qkv.parts] == [Q3Tiles, Q3Tiles, Q5Tiles]
+    assert type(qkv) is SplitLinear and [type(part) for part in qkv.parts] == [tiles[q], tiles[k], tiles[v]]
     token_ids = list(range(5, 60, 3))
     dense = corral_logits_of(config, reference, token_ids)
     off = float((model_logits(config, kept, "w4a8", token_ids) - dense).norm() / dense.norm())
-    assert off < 0.03, off  # 8-bit activations (measured 0.017); a misread code, bit or scale is far off
+    assert off < 0.03, off  # 8-bit activations (measured 0.017-0.018); a misread code, bit or scale is far off
     if model.native_step is None:
         pytest.skip("the native module is off or missing")
-    assert model.native_step.kinds.tolist() == [[3, 3, 5, 4, 3, 3, 4]]
+    assert model.native_step.kinds.tolist() == [native_kinds]
     assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
                                                       ([90, 120, 7], [], 0)), seed=5, blocks=64, max_len=256)
 
@@ -316,8 +324,8 @@ from corral.engine.model import LlamaModel
 from corral.engine.weights import load_weights
 from corral.models import load_model_config, resolve_model
 from tests.engine.test_native_step import assert_native_step_is_the_forward
-from tests.models.test_kquants import IQ4, PATH, Q3
-for path in (PATH, IQ4, Q3):
+from tests.models.test_kquants import IQ4, PATH, Q2, Q3
+for path in (PATH, IQ4, Q3, Q2):
     files = resolve_model(path)
     config = load_model_config(files)
     model = LlamaModel(config, load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True), torch.float32,
@@ -331,10 +339,10 @@ print(json.dumps({"isa": native.module().qmatmul_isa}))
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_split_layers_step_as_the_torch_path_in_every_variant(variant):
-    """The fixtures' split layers (QKV in Q4, Q5 and Q6 tiles, gate/up in Q8 and Q4; QKV in IQ4 and Q5; QKV in Q3 and
-    Q5) and IQ4 and Q3 ones in every product variant this CPU runs, on 5 threads (the parts' 32 or 64 tiles then
-    split between threads inside parts, the Q6 value projection's at its second tile among them): the native step's
-    hidden states, and its head logits in a step of decodes, are the torch forward's, bit for bit."""
+    """The fixtures' split layers (QKV in Q4, Q5 and Q6 tiles, gate/up in Q8 and Q4; QKV in IQ4 and Q5; in Q3 and Q5;
+    in Q2 and Q3) and IQ4, Q3 and Q2 ones in every product variant this CPU runs, on 5 threads (the parts' 32 or 64
+    tiles then split between threads inside parts, the Q6 value projection's at its second tile among them): the
+    native step's hidden states, and its head logits in a step of decodes, are the torch forward's, bit for bit."""
     from tests.kernels.variants import report_in_variant
 
     report = report_in_variant(_SPLIT_CHECK, CORRAL_QMATMUL_ISA=variant, HF_HUB_OFFLINE="1")
