@@ -51,7 +51,7 @@ def write_source(path: str, hidden: int, layers: int, heads: int, kv_heads: int,
     """A Llama GGUF of that shape, float16 matrices of a fixed seed (scaled as an initialization is), float32
     norms; a byte vocabulary filled up to ``vocab`` with pieces no text spells, and one merge (llama.cpp wants
     one). Written once: kept where it is."""
-    from tests.models.kquant_fixture import write_llama_gguf
+    from tests.models.kquant_fixture import layer_weights, write_llama_gguf
 
     rng = np.random.default_rng(20261207)
     head_dim = hidden // heads
@@ -64,14 +64,8 @@ def write_source(path: str, hidden: int, layers: int, heads: int, kv_heads: int,
 
     weights = {"model.embed_tokens.weight": dense(vocab, hidden), "model.norm.weight": norm()}
     for i in range(layers):
-        p = f"model.layers.{i}."
-        weights.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-                        p + "self_attn.q_proj.weight": dense(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": dense(kv_heads * head_dim, hidden),
-                        p + "self_attn.v_proj.weight": dense(kv_heads * head_dim, hidden),
-                        p + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": dense(ffn, hidden), p + "mlp.up_proj.weight": dense(ffn, hidden),
-                        p + "mlp.down_proj.weight": dense(hidden, ffn)})
+        weights.update(layer_weights(i, dense, norm, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                     head_dim=head_dim, ffn=ffn))
     pieces = tuple(f"<piece {i}>" for i in range(vocab - 257))
     write_llama_gguf(path, weights, layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads,
                      vocab=vocab, context=4096, eos=0, name="corral-scale-random", merges=("00 01",), pieces=pieces)

@@ -12,6 +12,7 @@ from corral.engine import EngineConfig, LLMEngine
 from corral.engine.attention import PrefillSpan
 from corral.kernels.cpu_ops import buffer
 from tests.engine.real_model import PROMPTS, chat, greedy
+from tests.models.kquant_fixture import layer_weights
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native module is off or missing")
 QUESTIONS = PROMPTS + [f"Name {n} animals that live in the {place}." for n, place in
@@ -892,18 +893,15 @@ def test_other_llama_shapes_step_natively_as_their_torch_path(heads, kv_heads, h
     def dense(rows, cols):
         return torch.randn(rows, cols, generator=generator) / cols ** 0.5
 
+    def norm():
+        return 1 + 0.1 * torch.randn(hidden, generator=generator)
+
     weights = {"model.embed_tokens.weight": dense(vocab, hidden), "lm_head.weight": dense(vocab, hidden),
-               "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator)}
+               "model.norm.weight": norm()}
     for i in range(layers):
         p = f"model.layers.{i}."
-        weights.update({p + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-                        p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-                        p + "self_attn.q_proj.weight": dense(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": dense(kv_heads * head_dim, hidden),
-                        p + "self_attn.v_proj.weight": dense(kv_heads * head_dim, hidden),
-                        p + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": dense(ffn, hidden), p + "mlp.up_proj.weight": dense(ffn, hidden),
-                        p + "mlp.down_proj.weight": dense(hidden, ffn)})
+        weights.update(layer_weights(i, dense, norm, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                     head_dim=head_dim, ffn=ffn))
         if qkv_bias:  # Qwen2's biases are large beside the products: 0.5 here
             weights.update({p + f"self_attn.{x}_proj.bias": 0.5 * torch.randn(rows, generator=generator)
                             for x, rows in (("q", hidden), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim))})

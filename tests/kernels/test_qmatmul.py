@@ -32,16 +32,17 @@ VARIANTS = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) +
     (["avx512", "amx-model"] if VNNI else []) + (["amx"] if VNNI and {"amx_tile", "amx_int8"} <= FLAGS else [])
 
 
-def q4_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q4_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
+def native_product(kind: str):
+    """The product x [M, K] times the ``kind`` tiles' n rows (``native.module().<kind>_matmul``, 2 threads)."""
+    def product(x, tiles, n):
+        out = torch.empty(x.shape[0], n)
+        getattr(native.module(), f"{kind}_matmul")(buffer(x), buffer(tiles), n, buffer(out), 2)
+        return out
+    return product
 
 
-def q5_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q5_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
+q2_product, q3_product, q4_product, q5_product, q6_product, q8_product, iq4_product = (
+    native_product(kind) for kind in ("q2", "q3", "q4", "q5", "q6", "q8", "iq4"))
 
 
 def random_q5(n: int, k: int) -> Q5Blocks:
@@ -49,12 +50,6 @@ def random_q5(n: int, k: int) -> Q5Blocks:
     d = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
     m = (-16 * d * (0.5 + torch.rand(n, k // 32))).half().float()
     return Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), d, m + 8 * d)
-
-
-def iq4_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().iq4_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
 
 
 def random_iq4(n: int, k: int) -> IQ4Blocks:
@@ -73,24 +68,12 @@ def w8_terms(x, values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.einsum("anb,nb,ab->an", dots, d.double().abs(), scale)
 
 
-def q6_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q6_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
-
-
 def random_q6(n: int, k: int) -> Q6Blocks:
     """6-bit codes over every value 0..63 with int8 scales over their whole range per 16 and a float16 d per 256
     (repeated per block of 32), as a GGUF Q6_K tensor's."""
     d = (torch.rand(n, -(-k // 256)) * 0.002 + 1e-4).half().float().repeat_interleave(8, dim=1)[:, : k // 32]
     return Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8), d.contiguous(),
                     torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
-
-
-def q3_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q3_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
 
 
 def random_q3(n: int, k: int) -> Q3Blocks:
@@ -100,12 +83,6 @@ def random_q3(n: int, k: int) -> Q3Blocks:
     d = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
     return Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), d.contiguous(),
                     torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
-
-
-def q2_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q2_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
 
 
 def random_q2(n: int, k: int) -> Q2Blocks:
@@ -130,12 +107,6 @@ def q2_terms(x, blocks: Q2Blocks) -> torch.Tensor:
     s = scale.repeat_interleave(2, dim=1)
     dots = torch.einsum("ahk,nhk->anh", xh, blocks.codes.double().view(n, k // 16, 16)).abs()
     return torch.einsum("anh,nh,ah->an", dots, sc, s) + torch.einsum("ah,nh,ah->an", xh.sum(-1).abs(), mn, s)
-
-
-def q8_product(x, tiles, n):
-    out = torch.empty(x.shape[0], n)
-    native.module().q8_matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
-    return out
 
 
 def summation_bound(terms: torch.Tensor, blocks: int) -> torch.Tensor:

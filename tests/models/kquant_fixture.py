@@ -41,6 +41,20 @@ FIXTURES = {"tiny-kquants.gguf": ("Q4_K_S", ["attn_v=q6_k", "ffn_down=q5_k", "at
             "tiny-q2k.gguf": ("Q2_K", [], False)}
 
 
+def layer_weights(i: int, dense, norm, *, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> dict:
+    """Layer ``i``'s HF-named weights: ``norm()`` for each RMSNorm weight and ``dense(rows, cols)`` for each
+    projection, called in this order (the two norms, then q, k, v, o, gate, up, down), so that a seeded source gives
+    the same weights wherever this builds them."""
+    p = f"model.layers.{i}."
+    return {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": dense(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": dense(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": dense(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": dense(ffn, hidden), p + "mlp.up_proj.weight": dense(ffn, hidden),
+            p + "mlp.down_proj.weight": dense(hidden, ffn)}
+
+
 def weights() -> dict[str, np.ndarray]:
     """HF-named float32 weights ([out, in], rotary rows in HF order), from :data:`SEED`."""
     rng = np.random.default_rng(SEED)
@@ -48,19 +62,14 @@ def weights() -> dict[str, np.ndarray]:
     def dense(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
+    def norm() -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+
     out = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "lm_head.weight": dense(VOCAB, HIDDEN),
-           "model.norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)}
+           "model.norm.weight": norm()}
     for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
-                    p + "post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
-                    p + "self_attn.q_proj.weight": dense(HEADS * HEAD_DIM, HIDDEN),
-                    p + "self_attn.k_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
-                    p + "self_attn.v_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
-                    p + "self_attn.o_proj.weight": dense(HIDDEN, HEADS * HEAD_DIM),
-                    p + "mlp.gate_proj.weight": dense(FFN, HIDDEN),
-                    p + "mlp.up_proj.weight": dense(FFN, HIDDEN),
-                    p + "mlp.down_proj.weight": dense(HIDDEN, FFN)})
+        out.update(layer_weights(i, dense, norm, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 ffn=FFN))
     return out
 
 
