@@ -202,11 +202,16 @@ def test_q5_q6_iq4_q3_and_q2_equal_their_stated_numerics(kind, m, n, k):
 
 
 def code_in_tile(w: torch.Tensor, r: int, col: int, bits: int) -> int:
-    """The code of row r, column col of a tile block ``w`` with ``bits`` (4, 5 or 6), read as the kernels read it
-    (qmatmul.h): its low 4 bits from its nibble, its fifth (and sixth) from its chunk's masks."""
+    """The code of row r, column col of a tile block ``w`` with ``bits`` (2 to 6), read as the kernels read it
+    (qmatmul.h): its low 4 bits from its nibble, its fifth (and sixth) from its chunk's masks; with 2 or 3 bits, its
+    low 2 bits from 2-bit chunk c // 2, 4 (c % 2) bits up from where the nibble would be, and a third bit from
+    its chunk's masks."""
     c, within = divmod(col, 8)
     half, i = divmod(within, 4)
     j = 4 * r + i
+    if bits <= 3:
+        code = (int(w[64 * (c // 2) + j]) >> (4 * (c % 2) + 2 * half)) & 3
+        return code | (((int(w[128 + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1) << 2 if bits == 3 else 0)
     code = (int(w[64 * c + j]) >> (4 * half)) & 0x0F
     for bit, masks in ((4, 256), (5, 320))[: bits - 4]:
         code |= ((int(w[masks + 16 * c + 8 * half + j // 8]) >> (j % 8)) & 1) << bit
@@ -222,11 +227,15 @@ def tile_blocks(tiles: torch.Tensor, n: int, k: int):
 
 
 def packed_with_every_code(bits: int, seed: int, n: int = 20, k: int = 64):
-    """Random Q5 or Q6 blocks [n, k] and their tiles, each code checked to read back from the tiles."""
+    """Random Q2, Q3, Q5 or Q6 blocks [n, k], every code among them, and their tiles, each code checked to read back
+    from the tiles."""
     torch.manual_seed(seed)
-    blocks = random_q5(n, k) if bits == 5 else random_q6(n, k)
-    tiles = (pack_q5_tiles if bits == 5 else pack_q6_tiles)(blocks)
-    assert tiles.shape == (-(-n // 16), k // 32, 384 if bits == 5 else 448) and tiles.dtype == torch.uint8
+    random, pack, size = {2: (random_q2, pack_q2_tiles, 224), 3: (random_q3, pack_q3_tiles, 256),
+                          5: (random_q5, pack_q5_tiles, 384), 6: (random_q6, pack_q6_tiles, 448)}[bits]
+    blocks = random(n, k)
+    tiles = pack(blocks)
+    assert tiles.shape == (-(-n // 16), k // 32, size) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(2 ** bits))
     for row, r, b, w in tile_blocks(tiles, n, k):
         assert [code_in_tile(w, r, col, bits) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
     return blocks, tiles
@@ -278,21 +287,9 @@ def test_q3_tiles_hold_every_code_and_scale_and_give_each_weight_back():
     (the Q4 tile block's chunk c in chunk c // 2, 4 (c % 2) bits up), its third bit from its chunk's masks, d as
     float16 and each half block's int8 scale; and one activation picks out a column's weight, d sc (q - 4), in
     either half of a block, every code among them."""
-    torch.manual_seed(13)
     n, k = 20, 64
-    blocks = random_q3(n, k)
-    tiles = pack_q3_tiles(blocks)
-    assert tiles.shape == (2, 2, 256) and tiles.dtype == torch.uint8
-    assert set(blocks.codes.flatten().tolist()) == set(range(8))
+    blocks, tiles = packed_with_every_code(3, seed=13, n=n, k=k)
     for row, r, b, w in tile_blocks(tiles, n, k):
-        codes = []
-        for col in range(32):
-            c, within = divmod(col, 8)
-            high, i = divmod(within, 4)
-            j = 4 * r + i
-            low = (int(w[64 * (c // 2) + j]) >> (4 * (c % 2) + 2 * high)) & 3
-            codes.append(low | ((int(w[128 + 16 * c + 8 * high + j // 8]) >> (j % 8)) & 1) << 2)
-        assert codes == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
         assert float(w[192 + 2 * r: 194 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
         for h in range(2):
             assert int(w[224 + 16 * h + r: 225 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
@@ -311,19 +308,9 @@ def test_q2_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
     float16, each half block's scale and min in one byte's low and high nibbles; and one activation picks out a
     column's weight, d sc q - dmin mn (to float32 rounding: two products where llama.cpp rounds once), in either
     half of a block, every code among them."""
-    torch.manual_seed(14)
     n, k = 20, 64
-    blocks = random_q2(n, k)
-    tiles = pack_q2_tiles(blocks)
-    assert tiles.shape == (2, 2, 224) and tiles.dtype == torch.uint8
-    assert set(blocks.codes.flatten().tolist()) == set(range(4))
+    blocks, tiles = packed_with_every_code(2, seed=14, n=n, k=k)
     for row, r, b, w in tile_blocks(tiles, n, k):
-        codes = []
-        for col in range(32):
-            c, within = divmod(col, 8)
-            high, i = divmod(within, 4)
-            codes.append((int(w[64 * (c // 2) + 4 * r + i]) >> (4 * (c % 2) + 2 * high)) & 3)
-        assert codes == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
         assert float(w[128 + 2 * r: 130 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
         assert float(w[160 + 2 * r: 162 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, b])
         for h in range(2):
