@@ -3,8 +3,9 @@
 
 The bundled model is SmolLM2-135M (hidden 576), where a token's fixed costs weigh as much as its products. This
 bench writes a Llama of a larger shape with random weights (by default Llama 3.2 1B's: hidden 2,048, 16 layers, 32
-query heads over 8 KV heads of 64, an MLP of 8,192; a vocabulary of 32,000 where Llama 3.2 has 128,256, to keep the
-file small), in float16, and has llama.cpp's own ``llama-quantize`` make each of ``--types`` from it (Q4_K_M,
+query heads over 8 KV heads of 64, an MLP of 8,192), in float16, with the bundled model's tokenizer and chat
+template (49,152 tokens, where Llama 3.2 has 128,256), so that ``bench/engine.py --model FILE --no-drafts`` serves
+the same files to both servers; and it has llama.cpp's own ``llama-quantize`` make each of ``--types`` from it (Q4_K_M,
 Q3_K_M and Q2_K by default: at hidden 2,048 every row is whole super-blocks of 256, so these are the K-quant files
 users carry, which SmolLM2's 576 columns cannot give). For each file, each engine decodes ``--tokens`` greedy tokens
 after the same ``--prompt-tokens`` random prompt ids, one sequence, taking turns for ``--rounds`` rounds:
@@ -24,6 +25,8 @@ quantized files at the default shape) and reused by the next run.
 
     .venv/bin/python bench/decode_scale.py --dir DIR      # 2-core EPYC: 7 minutes the first time, 5 after
     .venv/bin/python bench/decode_scale.py --dir DIR --types Q4_K_M --rounds 9
+    .venv/bin/python bench/engine.py --model DIR/random-2048-16-32-8-8192-49152-Q4_K_M.gguf --no-drafts \
+        --cells short-1,short-4,short-16 --no-hf --no-fp32        # the same file behind both servers
 """
 
 import argparse
@@ -47,12 +50,12 @@ from servers import cpu_summary  # noqa: E402
 QUANTIZE = os.path.join(ROOT, ".venv", "llama.cpp", "build", "bin", "llama-quantize")
 
 
-def write_source(path: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
+def write_source(path: str, tokenizer: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> None:
     """A Llama GGUF of that shape, float16 matrices of a fixed seed (scaled as an initialization is), float32
-    norms; a byte vocabulary filled up to ``vocab`` with pieces no text spells, and one merge (llama.cpp wants
-    one). Written once: kept where it is."""
+    norms, and the tokenizer (and chat template) of the GGUF ``tokenizer``. Written once: kept where it is."""
     from tests.models.kquant_fixture import layer_weights, write_llama_gguf
 
+    vocab = vocabulary_size(tokenizer)
     rng = np.random.default_rng(20261207)
     head_dim = hidden // heads
 
@@ -66,9 +69,14 @@ def write_source(path: str, hidden: int, layers: int, heads: int, kv_heads: int,
     for i in range(layers):
         weights.update(layer_weights(i, dense, norm, hidden=hidden, heads=heads, kv_heads=kv_heads,
                                      head_dim=head_dim, ffn=ffn))
-    pieces = tuple(f"<piece {i}>" for i in range(vocab - 257))
     write_llama_gguf(path, weights, layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads,
-                     vocab=vocab, context=4096, eos=0, name="corral-scale-random", merges=("00 01",), pieces=pieces)
+                     vocab=vocab, context=4096, eos=0, name="corral-scale-random", tokenizer_from=tokenizer)
+
+
+def vocabulary_size(path: str) -> int:
+    import gguf
+
+    return len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents())
 
 
 def corral_rate(path: str, prompt: list[int], tokens: int) -> tuple[float, tuple[str, str]]:
@@ -114,19 +122,22 @@ def llama_rate(path: str, prompt: list[int], tokens: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="where the float16 source and the quantized files are kept")
-    ap.add_argument("--shape", default="2048,16,32,8,8192,32000",
-                    help="hidden, layers, heads, KV heads, MLP width, vocabulary")
+    ap.add_argument("--shape", default="2048,16,32,8,8192", help="hidden, layers, heads, KV heads, MLP width")
     ap.add_argument("--types", default="Q4_K_M,Q3_K_M,Q2_K", help="llama-quantize's types, one file each")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    hidden, layers, heads, kv_heads, ffn, vocab = (int(v) for v in args.shape.split(","))
+    from corral.models import resolve_model
+
+    hidden, layers, heads, kv_heads, ffn = (int(v) for v in args.shape.split(","))
+    tokenizer = resolve_model(None).path  # the bundled model's GGUF
+    vocab = vocabulary_size(tokenizer)
     os.makedirs(args.dir, exist_ok=True)
     tag = "-".join(str(v) for v in (hidden, layers, heads, kv_heads, ffn, vocab))
     source = os.path.join(args.dir, f"random-{tag}-f16.gguf")
     if not os.path.exists(source):
-        write_source(source + ".part", hidden, layers, heads, kv_heads, ffn, vocab)
+        write_source(source + ".part", tokenizer, hidden, layers, heads, kv_heads, ffn)
         os.replace(source + ".part", source)
     files = {}
     for kind in args.types.split(","):
@@ -137,7 +148,7 @@ def main() -> int:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.replace(files[kind] + ".part", files[kind])
     prompt = [int(t) for t in np.random.default_rng(7).integers(300, vocab, args.prompt_tokens)]
-    print(f"# {cpu_summary()}; shape {args.shape} (hidden, layers, heads, KV heads, MLP, vocabulary), random "
+    print(f"# {cpu_summary()}; shape {args.shape},{vocab} (hidden, layers, heads, KV heads, MLP, vocabulary), random "
           f"weights; {args.prompt_tokens}-token prompt, {args.tokens} greedy tokens, one sequence; decode tok/s, "
           f"median of {args.rounds} rounds taking turns\n")
     print("| file | MB | Corral tok/s (range) | llama.cpp tok/s (range) | Corral / llama.cpp | Corral runs |\n"

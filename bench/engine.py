@@ -44,6 +44,7 @@ times slower in fp32); their model dtype is ``auto``'s.
         --top-k 40 --min-p 0.05                          # sampled, the same parameters sent to every server
     .venv/bin/python bench/engine.py --model smollm2-q4km.gguf --cells short-1,short-16 --no-hf --no-fp32
 
+``--no-drafts`` runs Corral without prompt lookup and jump-forward (for ``bench/decode_scale.py``'s random models).
 ``--model FILE`` runs every engine (Corral, llama-server, llama-cpp-python) on that GGUF instead of the shipped one
 (HF rows are off: they run the shipped model's dense weights); a K-quant file is made from the shipped one with
 llama.cpp's own ``llama-quantize --allow-requantize SHIPPED.gguf OUT.gguf Q4_K_M``.
@@ -451,6 +452,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-fp32", action="store_true", help="no dense float32 Corral (the reference numerics)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--no-drafts", action="store_true",
+                        help="Corral without prompt lookup and jump-forward (a model of random weights repeats "
+                             "itself, which drafts would turn into speed no real model's text gives)")
     parser.add_argument("--llama-server", default=LLAMA_SERVER,
                         help="the llama-server binary (default: make bench-extras' build for this CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -493,6 +497,8 @@ def main() -> None:
         print(f"model: {files.path}")
     tokenizer = load_tokenizer(files)
     model_args = ("--model", files.path) if args.model else ()
+    if args.no_drafts:  # every Corral server without prompt lookup and jump-forward
+        model_args = (*model_args, "--jump-forward", "off", "--speculation", "off")
     if not args.no_llama and not os.path.exists(args.llama_server):
         print(f"WARNING: {args.llama_server} is missing (make bench-extras): no llama-server rows", file=sys.stderr)
     elif not args.no_llama:

@@ -81,23 +81,18 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
                      vocab: int, context: int, eos: int, eps: float = 1e-5, name: str | None = None,
                      extra: dict | None = None, arch: str = "llama", theta: float = 10000.0,
-                     pre: str | None = None, merges: tuple[str, ...] = (), pieces: tuple[str, ...] = ()) -> None:
+                     pre: str | None = None, merges: tuple[str, ...] = (), pieces: tuple[str, ...] = (),
+                     tokenizer_from: str | None = None) -> None:
     """HF-named float32 ``weights`` (numpy) as a Llama GGUF laid out as llama.cpp's converter writes one (Q and K
     rows, and their biases, in its rotary order), with a byte-per-token vocabulary, and the ``extra`` tensors (GGUF
     names) as they are. ``arch`` "qwen2": a Qwen2 GGUF, its keys so named and its Q and K rows as HF has them (the
     converter leaves a Qwen2's alone, and no rotary dimension count, as Qwen2 files have none); ``pre`` and ``merges``:
     the BPE pre-tokenizer's name and merges (pairs of pieces, ``"a b"``; each adds the merged piece to the
-    vocabulary after the bytes), ``pieces``: more vocabulary entries after those, with no merge that makes them."""
+    vocabulary after the bytes), ``pieces``: more vocabulary entries after those, with no merge that makes them.
+    ``tokenizer_from``: a GGUF whose tokenizer (every ``tokenizer.*`` key, its chat template included) this one takes
+    instead, ``vocab`` its vocabulary's size; ``eos`` is then its own."""
     import gguf
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
-                 "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
     writer = gguf.GGUFWriter(path, arch)
     if name:
         writer.add_name(name)
@@ -113,6 +108,34 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(vocab)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, tokenizer_from, vocab)
+    else:
+        _byte_tokenizer(writer, vocab, eos, pre, merges, pieces)
+    _write_tensors(writer, weights, arch, heads, kv_heads, extra)
+
+
+def _copy_tokenizer(writer, path: str, vocab: int) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    if tokens != vocab:
+        raise ValueError(f"{path} has {tokens} tokens, not the {vocab} the embedding has")
+
+
+def _byte_tokenizer(writer, vocab: int, eos: int, pre: str | None, merges: tuple[str, ...],
+                    pieces: tuple[str, ...]) -> None:
+    import gguf
+
     writer.add_tokenizer_model("gpt2")
     bytes_as = [bytes([b]).hex() for b in range(256)]  # pieces of no tokenizer: the models take token ids
     if pre is not None:  # a byte-level BPE's: each byte as GPT-2's printable character for it
@@ -125,6 +148,17 @@ def write_llama_gguf(path: str, weights: dict, *, layers: int, hidden: int, ffn:
     writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
     writer.add_token_merges(list(merges))
     writer.add_eos_token_id(eos)
+
+
+def _write_tensors(writer, weights: dict, arch: str, heads: int, kv_heads: int, extra: dict | None) -> None:
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+                 "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
     for hf_name, value in weights.items():
         if hf_name.startswith("model.layers."):
             layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
