@@ -87,25 +87,6 @@ struct QuantizedRows {
 
 thread_local QuantizedRows scratch;
 
-}  // namespace
-
-void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    chosen_q->q4(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
-void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    chosen_q->q8(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
-void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    chosen_q->q5(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
-namespace {
-
 // 32 times each block's halves' codes summed, for the Q6 and Q3 tiles' scale per half block (their codes less 32
 // or 4) and the Q2 tiles' min per half block, into a buffer kept per thread
 void add_halves(Activations& a) {
@@ -128,27 +109,6 @@ corral_qmatmul::Matmul kernel_of(int64_t kind) {
 }
 
 }  // namespace
-
-void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    Activations a = scratch.of(x, rows, cols, threads);
-    add_halves(a);
-    chosen_q->q6(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
-void q3_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    Activations a = scratch.of(x, rows, cols, threads);
-    add_halves(a);
-    chosen_q->q3(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
-void q2_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy) {
-    Activations a = scratch.of(x, rows, cols, threads);
-    add_halves(a);
-    chosen_q->q2(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
 
 void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPart* parts, int count, int64_t ldy,
                     int threads) {
@@ -175,16 +135,11 @@ void tiles_products(const float* x, int64_t rows, int64_t cols, const ProductPar
     }
 }
 
-void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                 int64_t ldy) {
-    chosen_q->iq4(scratch.of(x, rows, cols, threads), tiles, n, y, ldy > 0 ? ldy : n, threads);
-}
-
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy) {
-    (bits == 8 ? q8_product : bits == 6 ? q6_product : bits == 5 ? q5_product : bits == corral_qmatmul::IQ4
-     ? iq4_product : bits == 3 ? q3_product : bits == 2 ? q2_product : q4_product)(x, rows, cols, tiles, n, y,
-                                                                                   threads, ldy);
+    Activations a = scratch.of(x, rows, cols, threads);
+    if (corral_qmatmul::reads_halves(bits)) add_halves(a);
+    kernel_of(bits)(a, tiles, n, y, ldy > 0 ? ldy : n, threads);
 }
 
 void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, float* out) {

@@ -147,23 +147,8 @@ bool amx_model_agrees();
 
 namespace corral_native {
 
-// With the GIL released: x [rows, cols] float32 quantized per block, times the tiles' n rows into y [rows, n] (its
-// rows ldy apart; 0: n).
-void q4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-void q8_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-void q5_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-void q6_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-void iq4_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                 int64_t ldy = 0);
-void q3_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-void q2_product(const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n, float* y, int threads,
-                int64_t ldy = 0);
-// The product on tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, or IQ4): the one of the seven above.
+// With the GIL released: x [rows, cols] float32 quantized per block, times the n rows of tiles of kind `bits` (2, 3,
+// 4, 5, 6 or 8 bits, or IQ4) into y [rows, n] (its rows ldy apart; 0: n), on the kernel this CPU's variant has.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
 // Several products of the same x, each on its own tiles (of any kind) into its columns of y [rows, ldy], in one

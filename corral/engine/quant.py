@@ -215,22 +215,28 @@ def pack_q4_tiles(blocks: Q4Blocks) -> torch.Tensor:
     return torch.cat((packed, _halves(d, num_tiles, num_blocks), _halves(m, num_tiles, num_blocks)), -1).contiguous()
 
 
+def _bit_masks(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit ``bit`` of codes [N, K] as a tile block's 4 x 16 bytes of masks [tiles, blocks, 64] (chunk c's: bit j =
+    4 r + i of mask h is that bit of q[r][8 c + 4 h + i]), as Q5 tiles keep their fifth bits."""
+    rows, cols = codes.shape
+    padded = _tile_rows(codes.to(torch.uint8))
+    num_tiles, num_blocks = padded.shape[0] // 16, cols // 32
+    q = padded.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
+    plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
+    return (plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks, 64)
+
+
 def _nibbles_and_masks(codes: torch.Tensor, bits: int) -> tuple[int, int, list[torch.Tensor]]:
     """Codes [N, K] of ``bits`` (4-6) as a tile block's parts: their low 4 bits in 4 chunks (a Q4 tile block's 256
-    bytes), then for each bit from the fifth on, 4 x 16 bytes of masks (chunk c's: bit j = 4 r + i of mask h is that
-    bit of q[r][8 c + 4 h + i]). Returns (tiles, blocks, parts), each part [tiles, blocks, bytes]."""
+    bytes), then for each bit from the fifth on, its masks (:func:`_bit_masks`). Returns (tiles, blocks, parts),
+    each part [tiles, blocks, bytes]."""
     rows, cols = codes.shape
-    codes = _tile_rows(codes.to(torch.uint8))
-    num_tiles, num_blocks = codes.shape[0] // 16, cols // 32
-    q = codes.view(num_tiles, 16, num_blocks, 4, 2, 4)  # [tile, row, block, chunk, low/high nibble, byte]
-    nibbles = q & 0x0F
+    padded = _tile_rows(codes.to(torch.uint8))
+    num_tiles, num_blocks = padded.shape[0] // 16, cols // 32
+    nibbles = padded.view(num_tiles, 16, num_blocks, 4, 2, 4) & 0x0F  # [tile, row, block, chunk, nibble, byte]
     packed = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
     parts = [packed.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 256)]
-    for bit in range(4, bits):
-        plane = ((q >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(num_tiles, num_blocks, 4, 2, 8, 8).to(torch.int32)
-        parts.append((plane << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).view(num_tiles, num_blocks,
-                                                                                                  64))
-    return num_tiles, num_blocks, parts
+    return num_tiles, num_blocks, parts + [_bit_masks(codes, bit) for bit in range(4, bits)]
 
 
 def pack_q5_tiles(blocks: Q5Blocks) -> torch.Tensor:
@@ -281,10 +287,8 @@ def pack_q3_tiles(blocks: Q3Blocks) -> torch.Tensor:
         raise ValueError("Q3 codes must be 0..7")
     low = _two_bit_chunks(blocks.codes)
     num_tiles, num_blocks = low.shape[:2]
-    # the third bits as the fifth bits' masks: a Q5 tile block's mask plane of codes 4 bits up
-    _, _, parts = _nibbles_and_masks((blocks.codes.to(torch.uint8) >> 2) << 4, 5)
     sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
-    return torch.cat((low, parts[1], _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
+    return torch.cat((low, _bit_masks(blocks.codes, 2), _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
                       sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
 
 

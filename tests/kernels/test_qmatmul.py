@@ -442,44 +442,41 @@ from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(11)
 worst = 0.0
+
+
+def check(matmul, tiles, ref):  # the variant's product on tiles against the float64 ref: the worst error so far
+    global worst
+    out = torch.empty(m, n)
+    matmul(buffer(x), buffer(tiles), n, buffer(out), 2)
+    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+
+
+def halves_of(n, k):  # float16 values per block of 32, as K-quants' d and dmin
+    return (torch.rand(n, k // 32) * 0.002).half().float()
+
+
 for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536), (16, 33, 64),
                 (48, 100, 576)]:
-    blocks = quantize_int4(torch.randn(n, k), 32)
     x = torch.randn(m, k)
-    out = torch.empty(m, n)
-    mod.q4_matmul(buffer(x), buffer(pack_q4_tiles(blocks)), n, buffer(out), 2)
-    ref = w4a8_reference(x, blocks)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    blocks = quantize_int4(torch.randn(n, k), 32)
+    check(mod.q4_matmul, pack_q4_tiles(blocks), w4a8_reference(x, blocks))
     codes, d = quantize_q8_blocks(torch.randn(n, k))
-    mod.q8_matmul(buffer(x), buffer(pack_q8_tiles(codes, d)), n, buffer(out), 2)
-    ref = w8a8_reference(x, codes, d)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    check(mod.q8_matmul, pack_q8_tiles(codes, d), w8a8_reference(x, codes, d))
     five = Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.02 + 1e-3,
                     torch.randn(n, k // 32) * 0.1)
-    mod.q5_matmul(buffer(x), buffer(pack_q5_tiles(five)), n, buffer(out), 2)
-    ref = w4a8_reference(x, five)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
-    six = Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
+    check(mod.q5_matmul, pack_q5_tiles(five), w4a8_reference(x, five))
+    six = Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8), halves_of(n, k),
                    torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
-    mod.q6_matmul(buffer(x), buffer(pack_q6_tiles(six)), n, buffer(out), 2)
-    ref = w6a8_reference(x, six)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    check(mod.q6_matmul, pack_q6_tiles(six), w6a8_reference(x, six))
     grid = IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.02 + 1e-3)
-    mod.iq4_matmul(buffer(x), buffer(pack_iq4_tiles(grid)), n, buffer(out), 2)
-    ref = iq4_reference(x, grid)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
-    three = Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
+    check(mod.iq4_matmul, pack_iq4_tiles(grid), iq4_reference(x, grid))
+    three = Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), halves_of(n, k),
                      torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
-    mod.q3_matmul(buffer(x), buffer(pack_q3_tiles(three)), n, buffer(out), 2)
-    ref = w3a8_reference(x, three)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
-    two = Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 0.002).half().float(),
-                   (torch.rand(n, k // 32) * 0.002).half().float(),
+    check(mod.q3_matmul, pack_q3_tiles(three), w3a8_reference(x, three))
+    two = Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), halves_of(n, k), halves_of(n, k),
                    torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
                    torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
-    mod.q2_matmul(buffer(x), buffer(pack_q2_tiles(two)), n, buffer(out), 2)
-    ref = w2a8_reference(x, two)
-    worst = max(worst, ((out - ref).abs() / ref.abs().max()).max().item())
+    check(mod.q2_matmul, pack_q2_tiles(two), w2a8_reference(x, two))
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -487,17 +484,13 @@ codes, d = quantize_q8_blocks(torch.randn(100, 576))
 q8_tiles = pack_q8_tiles(codes, d)
 q5_tiles = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02,
                                   torch.randn(100, 18) * 0.1))
-q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.uint8),
-                                  (torch.rand(100, 18) * 0.002).half().float(),
+q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.uint8), halves_of(100, 576),
                                   torch.randint(-128, 128, (100, 36), dtype=torch.int8)))
 iq4_tiles = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02))
-q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 576), dtype=torch.uint8),
-                                  (torch.rand(100, 18) * 0.002).half().float(),
+q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 576), dtype=torch.uint8), halves_of(100, 576),
                                   torch.randint(-32, 32, (100, 36), dtype=torch.int8)))
-q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 576), dtype=torch.uint8),
-                                  (torch.rand(100, 18) * 0.002).half().float(),
-                                  (torch.rand(100, 18) * 0.002).half().float(),
-                                  torch.randint(0, 16, (100, 36), dtype=torch.uint8),
+q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 576), dtype=torch.uint8), halves_of(100, 576),
+                                  halves_of(100, 576), torch.randint(0, 16, (100, 36), dtype=torch.uint8),
                                   torch.randint(0, 16, (100, 36), dtype=torch.uint8)))
 x = torch.randn(36, 576)
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
