@@ -13,11 +13,14 @@ the ``auto`` format rule and the README's kernel figures rest on.
 
 Timed alone, a layer's tiles stay in the cache: those figures are arithmetic. ``--streamed`` times instead, per
 row count, one pass over 30 distinct copies of each layer shape in each native format (W4A8, W5A8, W6A8, W8A8, IQ4,
-W3A8, W2A8),
-as a decode step streams its weights from memory, the formats taking turns for ``--repeats`` rounds (the median).
+W3A8, W2A8, or those ``--kinds`` names), as a decode step streams its weights from memory, the formats taking turns
+for ``--repeats`` rounds (the median). ``--shape llama-1b`` streams Llama 3.2 1B's 16 layers instead (fused QKV
+3072x2048, gate/up 16384x2048, down 2048x8192, output 2048x2048: 1.2 billion weights a pass), whose K are whole
+super-blocks of 256, as Q4K tiles (``q4k``: a Q4_K file's linears as shipped) need; SmolLM2's 576 are not.
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
     .venv/bin/python bench/linears.py --streamed --rows 1,4,16 --repeats 9
+    .venv/bin/python bench/linears.py --streamed --shape llama-1b --kinds q4,q4k --rows 1,4,16 --repeats 9
 """
 
 import argparse
@@ -33,13 +36,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from servers import cpu_summary  # noqa: E402
 
 from corral import native  # noqa: E402
-from corral.engine.quant import (IQ4Blocks, IQ4Tiles, Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4Tiles,  # noqa: E402
-                                 Q5Blocks, Q5Tiles, Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, quantize_int4,
-                                 quantize_q8_blocks)
+from corral.engine.quant import (IQ4Blocks, IQ4Tiles, Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4KBlocks,  # noqa: E402
+                                 Q4KTiles, Q4Tiles, Q5Blocks, Q5Tiles, Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles,
+                                 quantize_int4, quantize_q8_blocks)
 
 LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
 HEAD = (49152, 576)
 NUM_LAYERS = 30
+# --streamed --shape: the layer shapes (N, K) and how many layers of them
+SHAPES = {"smollm2": (LAYERS, NUM_LAYERS), "llama-1b": ([(3072, 2048), (16384, 2048), (2048, 8192), (2048, 2048)], 16)}
 
 
 def timed(fn, repeats: int) -> float:
@@ -80,9 +85,15 @@ def kernels(n: int, k: int, rows: int) -> dict:
 
 
 def random_native(kind: str, n: int, k: int):
-    """A random layer [n, k] in native ``kind`` (q2, q3, q4, q5, q6, q8, iq4)."""
+    """A random layer [n, k] in native ``kind`` (q2, q3, q4, q4k, q5, q6, q8, iq4)."""
     if kind == "q4":
         return Q4Tiles(quantize_int4(torch.randn(n, k), 32), None)
+    if kind == "q4k":
+        return Q4KTiles(Q4KBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                                  (torch.rand(n, k // 256) * 1e-3).half().float(),
+                                  (torch.rand(n, k // 256) * 1e-3).half().float(),
+                                  torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
+                                  torch.randint(0, 64, (n, k // 32), dtype=torch.uint8)), None)
     if kind == "q5":
         return Q5Tiles(Q5Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
                                 torch.randn(n, k // 32) * 0.01), None)
@@ -106,14 +117,14 @@ def random_native(kind: str, n: int, k: int):
     return Q8Linear(Q8Blocks(*quantize_q8_blocks(torch.randn(n, k))), None)
 
 
-def streamed(rows_list: list[int], repeats: int) -> None:
-    """Per row count: ms for one pass over NUM_LAYERS distinct copies of every layer shape, per native format."""
-    kinds = ("q4", "q5", "q6", "q8", "iq4", "q3", "q2")
-    layers = {kind: [random_native(kind, n, k) for _ in range(NUM_LAYERS) for n, k in LAYERS] for kind in kinds}
+def streamed(rows_list: list[int], repeats: int, kinds: tuple[str, ...], shape: str) -> None:
+    """Per row count: ms for one pass over the model's distinct copies of every layer shape, per native format."""
+    shapes, count = SHAPES[shape]
+    layers = {kind: [random_native(kind, n, k) for _ in range(count) for n, k in shapes] for kind in kinds}
     print("| rows | " + " | ".join(f"{kind} ({sum(l.nbytes for l in layers[kind]) / 1e6:.1f} MB)" for kind in kinds) +
           " |\n|---|" + "---|" * len(kinds))
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k) for _, k in LAYERS}
+        xs = {k: torch.randn(rows, k) for _, k in shapes}
         times = {kind: [] for kind in kinds}
         for r in range(repeats + 1):
             for kind in kinds[:: 1 if r % 2 else -1]:
@@ -133,13 +144,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--streamed", action="store_true",
                     help="the native formats over 30 distinct copies of each layer (weights from memory)")
+    ap.add_argument("--kinds", default="q4,q5,q6,q8,iq4,q3,q2",
+                    help="--streamed: the native formats (q2, q3, q4, q4k, q5, q6, q8, iq4)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="--streamed: whose layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     isa = native.module().qmatmul_isa if native.module() is not None else "no native module"
     print(f"# {cpu_summary()}; torch {torch.__version__} (kernels: {torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads; native products: {isa}; ms, median of {args.repeats}\n")
     if args.streamed:
-        streamed([int(r) for r in args.rows.split(",")], args.repeats)
+        kinds = tuple(args.kinds.split(","))
+        if "q4k" in kinds and args.shape == "smollm2":
+            ap.error("q4k tiles take K in whole super-blocks of 256: --shape llama-1b")
+        streamed([int(r) for r in args.rows.split(",")], args.repeats, kinds, args.shape)
         return 0
     names = list(kernels(16, 64, 1))
     print("| rows | part | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))

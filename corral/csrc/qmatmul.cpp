@@ -105,7 +105,7 @@ void add_halves(Activations& a) {
 corral_qmatmul::Matmul kernel_of(int64_t kind) {
     return kind == 8 ? chosen_q->q8 : kind == 6 ? chosen_q->q6 : kind == 5 ? chosen_q->q5
          : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : kind == 3 ? chosen_q->q3 : kind == 2 ? chosen_q->q2
-         : chosen_q->q4;
+         : kind == corral_qmatmul::Q4K ? chosen_q->q4k : chosen_q->q4;
 }
 
 }  // namespace
@@ -181,6 +181,8 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     if (n < 1) fail(PyExc_ValueError, "N must be positive");
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
+    if (corral_qmatmul::in_super_blocks(bits) && cols % 256 != 0)
+        fail(PyExc_ValueError, "x: K must be a multiple of 256 for tiles in super-blocks (Q4K)");
     tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32, corral_qmatmul::tile_block_bytes(bits)});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);
@@ -234,6 +236,7 @@ void add_qmatmul(nb::module_& m) {
     m.def("q6_matmul", &matmul<6>);
     m.def("q8_matmul", &matmul<8>);
     m.def("iq4_matmul", &matmul<corral_qmatmul::IQ4>);
+    m.def("q4k_matmul", &matmul<corral_qmatmul::Q4K>);
     m.def("tile_rows", &tile_rows);
 }
 

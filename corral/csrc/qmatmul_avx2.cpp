@@ -76,11 +76,12 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 // its 4-bit scale; then each half's 4-bit min times its activation sum, times dmin s, taken off. A Q4 block's 16
 // products a lane sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32
 // bits a chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's (Bits
-// IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values.
+// IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values. Bits Q4K: Q4K
+// tiles, as Q4 tiles with d = d sc and m = -dmin mn from the super-block's d and dmin and the block's sc and mn.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
-    constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = Bits == Q4K ? Q4K_BLOCK_BYTES : tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     // IQ4: the grid's values and their magnitudes, looked up in each 128-bit lane
     const __m256i grid = Bits == IQ4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(
@@ -89,7 +90,10 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
     const __m256i magnitudes = _mm256_abs_epi8(grid);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* head = w;  // Q4K: the super-block's header (d, dmin)
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
+        if constexpr (in_super_blocks(Bits))
+            if (b % SUPER_BLOCKS == 0) head = w, w += Q4K_HEAD_BYTES;
         read_ahead<Ahead, Bytes>(w, m, half);
         __m256i pairs[R], wide[R], scaled[R];
         for (int r = 0; r < R; ++r) pairs[r] = wide[r] = scaled[r] = _mm256_setzero_si256();
@@ -185,7 +189,15 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
             continue;
         }
-        const __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
+        __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
+        if constexpr (Bits == Q4K) {  // d sc and -dmin mn, exact in float32
+            const __m256 sc = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 256 + 8 * half))));
+            const __m256 mn = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 272 + 8 * half))));
+            d = _mm256_mul_ps(halves(head + 16 * half), sc);
+            mins = _mm256_mul_ps(halves(head + 32 + 16 * half), _mm256_sub_ps(_mm256_setzero_ps(), mn));
+        }
         for (int r = 0; r < R; ++r) {
             const int64_t at = (m + r) * blocks + b;
             const __m256 dot = _mm256_cvtepi32_ps(wide_sums ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
@@ -308,7 +320,8 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx2", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>};
+const QTable table = {"avx2",     nibbles<4>,   q8,         quantize,  nibbles<5>,
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>};
 
 }  // namespace
 }  // namespace avx2

@@ -72,19 +72,20 @@ float half_to_float(const uint8_t* p) {
 
 namespace {
 
-// Every output row of every tile, one activation row at a time; Block(w, xq, s, sum, acc) adds one block of 32
-// (tile bytes at w) to the tile's 16 accumulators.
-template <int64_t TileBytes, typename Block>
+// Every output row of every tile, one activation row at a time; Block(w, head, xq, s, sum, acc) adds one block of 32
+// (tile bytes at w; head: its super-block's header, for tiles kept in super-blocks) to the tile's 16 accumulators.
+template <int64_t Kind, typename Block>
 void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
                Block block) {
     const int64_t blocks = x.cols / BLOCK, num_tiles = (n + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < num_tiles; ++t) {
+        const uint8_t* tile = tiles + t * blocks * tile_block_bytes(Kind);
         for (int64_t m = 0; m < x.rows; ++m) {
             float acc[TILE] = {};
             for (int64_t b = 0; b < blocks; ++b)
-                block(tiles + (t * blocks + b) * TileBytes, x.xq + m * x.cols + b * BLOCK, x.scale[m * blocks + b],
-                      x.sum[m * blocks + b], acc);
+                block(tile + block_at(Kind, b), tile + b / SUPER_BLOCKS * Q4K_SUPER_BYTES,
+                      x.xq + m * x.cols + b * BLOCK, x.scale[m * blocks + b], x.sum[m * blocks + b], acc);
             for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
         }
     }
@@ -93,13 +94,14 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
 // Q4 tiles (Bits 4), Q5 tiles (Bits 5: each code's fifth bit from its chunk's masks, qmatmul.h), Q6 tiles (Bits
 // 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot),
 // IQ4 tiles (each index's grid value, and a float32 d), Q3 tiles (Bits 3: 2-bit codes and a third bit, a scale
-// per half block as Q6's, with 4 times the half's sum taken off) or Q2 tiles (Bits 2: 2-bit codes, a scale per
-// half block, and a min per half block times the half's sum taken off at dmin).
+// per half block as Q6's, with 4 times the half's sum taken off), Q2 tiles (Bits 2: 2-bit codes, a scale per
+// half block, and a min per half block times the half's sum taken off at dmin) or Q4K tiles (Bits Q4K: a Q4 tile
+// block's codes, d sc and dmin mn in place of its d and -m).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t Bytes = tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
-    each_tile<Bytes>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const int8_t* xq, float s, float sum,
-                                                      float* acc) {
+    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
+    each_tile<Bits>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const uint8_t* head, const int8_t* xq, float s,
+                                                     float sum, float* acc) {
         constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2;
         int32_t half_sum[2] = {0, 0};
         if constexpr (by_halves)
@@ -153,6 +155,10 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                 float d;
                 std::memcpy(&d, w + 256 + 4 * r, 4);
                 acc[r] += float(dot[0]) * (d * s);
+            } else if constexpr (Bits == Q4K) {  // d sc and dmin mn: exact in float32
+                const float d = half_to_float(head + 2 * r) * float(w[256 + r]);
+                const float mins = half_to_float(head + 32 + 2 * r) * float(w[272 + r]);
+                acc[r] += float(dot[0]) * (d * s) - mins * sum;
             } else {
                 const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
                 acc[r] += float(dot[0]) * (d * s) + m * sum;
@@ -162,8 +168,8 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    each_tile<Q8_TILE_BYTES>(x, tiles, n, y, ldy, threads,
-                             [](const uint8_t* w, const int8_t* xq, float s, float, float* acc) {
+    each_tile<8>(x, tiles, n, y, ldy, threads,
+                 [](const uint8_t* w, const uint8_t*, const int8_t* xq, float s, float, float* acc) {
         for (int r = 0; r < TILE; ++r) {
             int32_t dot = 0;
             for (int c = 0; c < 8; ++c)
@@ -193,7 +199,8 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"scalar", nibbles<4>, q8, quantize, nibbles<5>, nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>};
+const QTable table = {"scalar",   nibbles<4>,   q8,         quantize,  nibbles<5>,
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>};
 
 }  // namespace
 

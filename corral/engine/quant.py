@@ -19,11 +19,11 @@ activation dtype):
   16s: a layer whose N is not a multiple of 16 is padded with zero rows.
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
-kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1, Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF
-Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles` and :class:`Q2Tiles` Q3 and Q2 blocks
-(GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks
-(:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose parts are of different kinds is a
-:class:`SplitLinear` of them.
+kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1), :class:`Q4KTiles` Q4K blocks (GGUF
+Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles`
+and :class:`Q2Tiles` Q3 and Q2 blocks (GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and
+:class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose
+parts are of different kinds is a :class:`SplitLinear` of them.
 What this leaves out: IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
@@ -112,6 +112,29 @@ class Q2Blocks(NamedTuple):
         scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
         low = (self.dmin.float().repeat_interleave(2, dim=1) * self.mn.float()).repeat_interleave(16, dim=1)
         return scale * self.codes.float() - low
+
+
+class Q4KBlocks(NamedTuple):
+    """4-bit codes with float16 ``d`` and ``dmin`` per 256 weights along K and a 6-bit scale ``sc`` and min ``mn``
+    per 32: ``W = (d sc) codes - dmin mn``, codes 0..15, GGUF Q4_K exactly (K a multiple of 256): what the native
+    Q4K kernel runs (:class:`Q4KTiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    d: torch.Tensor  # [N, K // 256] float32, each a float16 value
+    dmin: torch.Tensor  # [N, K // 256] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 32] uint8, 0..63
+    mn: torch.Tensor  # [N, K // 32] uint8, 0..63
+
+    def dequantize(self) -> torch.Tensor:
+        """``(d sc) q - dmin mn`` in float32, llama.cpp's operations (its values bit for bit)."""
+        scale = (self.d.float().repeat_interleave(8, dim=1) * self.sc.float()).repeat_interleave(32, dim=1)
+        low = (self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()).repeat_interleave(32, dim=1)
+        return scale * self.codes.float() - low
+
+    def as_q4(self) -> Q4Blocks:
+        """The same weights as :class:`Q4Blocks` (scale ``d sc``, zero ``8 d sc - dmin mn``, exact in float32)."""
+        scale = self.d.float().repeat_interleave(8, dim=1) * self.sc.float()
+        low = self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()
+        return Q4Blocks(self.codes, scale, 8 * scale - low, 32)
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
@@ -308,6 +331,33 @@ def pack_q2_tiles(blocks: Q2Blocks) -> torch.Tensor:
                       _halves(_tile_rows(blocks.dmin.float()), num_tiles, num_blocks), both), -1).contiguous()
 
 
+Q4K_SUPER_BYTES = 2368  # corral/csrc/qmatmul.h: a Q4K tile super-block (8 blocks of 32 along K, 16 output rows)
+
+
+def pack_q4k_tiles(blocks: Q4KBlocks) -> torch.Tensor:
+    """Q4_K blocks as the native kernel's Q4K tiles (layout in ``corral/csrc/qmatmul.h``): per tile and super-block
+    of 256 columns, each row's ``d`` and ``dmin`` as float16, then per block of 32 a Q4 tile block's codes and each
+    row's 6-bit scale and min as a byte; returned as [ceil(N / 16), K / 32, 296] uint8 (a super-block's 2368 bytes
+    over its 8 blocks, the shape the kernels check)."""
+    rows, cols = blocks.codes.shape
+    if cols % 256:
+        raise ValueError(f"Q4K tiles take whole super-blocks of 256 along K, not {cols} columns")
+    if blocks.codes.numel() and int(blocks.codes.max()) > 15:
+        raise ValueError("Q4K codes must be 0..15")
+    if blocks.sc.numel() and max(int(blocks.sc.max()), int(blocks.mn.max())) > 63:
+        raise ValueError("Q4K scales and mins must be 0..63")
+    num_tiles, num_blocks, (codes,) = _nibbles_and_masks(blocks.codes, 4)
+    supers = num_blocks // 8
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:  # [N, B] bytes -> [T, B, 16]: a tile's rows side by side
+        return _tile_rows(values.to(torch.uint8)).view(num_tiles, 16, num_blocks).permute(0, 2, 1)
+
+    body = torch.cat((codes, per_row(blocks.sc), per_row(blocks.mn)), -1).reshape(num_tiles, supers, 8 * 288)
+    head = torch.cat((_halves(_tile_rows(blocks.d.float()), num_tiles, supers),
+                      _halves(_tile_rows(blocks.dmin.float()), num_tiles, supers)), -1)
+    return torch.cat((head, body), -1).contiguous().view(num_tiles, num_blocks, Q4K_SUPER_BYTES // 8)
+
+
 def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
     """IQ4 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 320] uint8 (layout in
     ``corral/csrc/qmatmul.h``): a Q4 tile block of the indices, then each row's ``d`` as float32."""
@@ -363,6 +413,18 @@ def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     m = (blocks.zero.float() - 8 * blocks.scale.float()).to(torch.float16).double()
     dots = torch.einsum("abk,nbk->anb", codes, q)
     return (torch.einsum("anb,nb,ab->an", dots, d, scale) + sums @ m.T).float()
+
+
+def q4k_reference(x: torch.Tensor, blocks: Q4KBlocks) -> torch.Tensor:
+    """What the Q4K kernel computes, in float64: ``sum_b (d sc_b) s_b (q . xq) - (dmin mn_b) sum_b`` (float32
+    [M, N])."""
+    codes, scale, sums = (t.double() for t in quantize_activations(x))
+    rows, cols = blocks.codes.shape
+    q = blocks.codes.double().view(rows, cols // 32, 32)
+    d = blocks.d.double().repeat_interleave(8, dim=1) * blocks.sc.double()
+    low = blocks.dmin.double().repeat_interleave(8, dim=1) * blocks.mn.double()
+    dots = torch.einsum("abk,nbk->anb", codes, q)
+    return (torch.einsum("anb,nb,ab->an", dots, d, scale) - sums @ low.T).float()
 
 
 def iq4_reference(x: torch.Tensor, blocks: IQ4Blocks) -> torch.Tensor:
@@ -556,6 +618,13 @@ class Q2Tiles(_TileLinear):
     each weight to their even steps."""
 
     kind, _kernel, _pack = "w2a8", "q2_matmul", staticmethod(pack_q2_tiles)
+
+
+class Q4KTiles(_TileLinear):
+    """W4A8 on llama.cpp's Q4_K as shipped: :class:`Q4KBlocks`, 0.578 bytes a weight where Q4 tiles take 0.625 (and
+    round each block's d sc and dmin mn to float16)."""
+
+    kind, _kernel, _pack = "w4a8", "q4k_matmul", staticmethod(pack_q4k_tiles)
 
 
 class IQ4Tiles(_TileLinear):

@@ -3,7 +3,9 @@
 GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1, Q8_0, F16, K-quants, ...),
 except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
-``keep_q8`` (``w4a8``) its Q5_0, Q5_1 and Q5_K linears stay as 5-bit codes the same way
+``keep_q8`` (``w4a8``) its Q4_K linears stay as 4-bit codes with their super-block's d and dmin and 6-bit scales
+and mins (:class:`~corral.engine.quant.Q4KBlocks`), its Q5_0, Q5_1 and Q5_K linears as 5-bit codes the same way
+as Q4 blocks
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
 their scales (:class:`~corral.engine.quant.Q6Blocks`), its Q3_K ones as 3-bit codes with their scales
 (:class:`~corral.engine.quant.Q3Blocks`), its Q2_K ones as 2-bit codes with their scales and mins
@@ -28,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q5Blocks, Q6Blocks, Q8Blocks,
+from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q6Blocks, Q8Blocks,
                                  quantize_q8_blocks)
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
@@ -80,16 +82,16 @@ _IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 bloc
 _Q2_KINDS, _Q3_KINDS = ("Q2_K",), ("Q3_K",)
 _Q8_KINDS = ("Q8_0",)
 _KEPT_KINDS = (*_Q2_KINDS, *_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # w4a8's beside Q4 ones
-Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # a tensor kept as shipped
+Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q4KBlocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # kept as shipped
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
     """The codes, scale and zero of GGUF Q4_1 (``w = d q + m``), Q4_0 (``w = d (q - 8)``) or Q4_K rows ``raw``
     (bytes [rows, blocks * block_bytes]), as ``w = (q - 8) scale + zero``: scale = d, zero = m + 8 d (Q4_1) or 0
     (Q4_0). A block is its float16 d (and m), then 16 bytes: the low nibbles are weights 0-15, the high ones 16-31.
-    Q4_K: see :func:`q4k_blocks`."""
+    Q4_K: :func:`q4k_blocks` as Q4 blocks (:meth:`Q4KBlocks.as_q4`)."""
     if kind == "Q4_K":
-        return q4k_blocks(raw, rows, cols)
+        return q4k_blocks(raw, rows, cols).as_q4()
     head = 4 if kind == "Q4_1" else 2
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, head + 16)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -104,11 +106,10 @@ Q4K_BYTES, Q5K_BYTES = 144, 176  # K-quant super-blocks of 256: float16 d and dm
 Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, float16 d
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_K or Q5_K tensor's super-blocks [rows, S, bytes] → each sub-block of 32's scale ``d sc`` and min
-    ``dmin mn`` [rows, S * 8] in float32 (exact: 11 by 6 significant bits), as llama.cpp unpacks the eight 6-bit
-    scales and mins from their 12 bytes."""
-    rows = blocks.shape[0]
+def _k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K tensor's super-blocks [rows, S, bytes] → ``(d, dmin)`` [rows, S] float32 (float16 values) and
+    each sub-block of 32's 6-bit scale and min ``(sc, mn)`` [rows, S, 8] uint8, as llama.cpp unpacks them from
+    their 12 bytes."""
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     packed = blocks[..., 4:16].astype(np.uint8)
@@ -117,23 +118,31 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc[..., :4], mn[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
     sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
     mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    return d, dmin, sc, mn
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K tensor's super-blocks [rows, S, bytes] → each sub-block of 32's scale ``d sc`` and min
+    ``dmin mn`` [rows, S * 8] in float32 (exact: 11 by 6 significant bits)."""
+    d, dmin, sc, mn = _k_fields(blocks)
+    rows = blocks.shape[0]
     return (d[..., None] * sc).reshape(rows, -1), (dmin[..., None] * mn).reshape(rows, -1)
 
 
-def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
-    """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4 blocks of 32. A super-block of 256 weights is
-    float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in 12 bytes, then 128 bytes of
-    codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles). Sub-block s's weight
-    is ``d sc[s] q - dmin mn[s]`` (llama.cpp's dequantization), so each sub-block is a Q4_1 block with
-    ``scale = d sc[s]`` and ``zero = 8 scale - dmin mn[s]``."""
+def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KBlocks:
+    """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4K blocks, in the file's row order. A
+    super-block of 256 weights is float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in
+    12 bytes, then 128 bytes of codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high
+    nibbles). Sub-block s's weight is ``(d sc[s]) q - dmin mn[s]`` (llama.cpp's dequantization)."""
     if cols % 256:
         raise ValueError(f"Q4_K rows of {cols} weights: not whole super-blocks of 256")
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES)
-    scale, low = _k_scales(blocks)
+    d, dmin, sc, mn = _k_fields(blocks)
     qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
     codes = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols)  # sub-blocks 2j, 2j + 1 from bytes 32j..
-    zero = (8 * scale - low).astype(np.float32)
-    return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(scale.astype(np.float32)), torch.from_numpy(zero), 32)
+    tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
+    return Q4KBlocks(tensor(codes.astype(np.uint8)), tensor(d), tensor(dmin), tensor(sc.reshape(rows, -1)),
+                     tensor(mn.reshape(rows, -1)))
 
 
 def q5_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> Q5Blocks | None:
@@ -313,6 +322,13 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
                  if keep_q8 else "")
 
 
+def _unpermuted(kept: Blocks, heads: int | None) -> Blocks:
+    """Blocks with every tensor field's rows in the rotary order the dense values take (GGUF Llama files permute
+    the query and key rows); as they are for other tensors (``heads`` None)."""
+    return type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
+                        if heads and isinstance(f, torch.Tensor) else f for f in kept))
+
+
 def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
                keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     from gguf.quants import dequantize
@@ -328,6 +344,9 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         kind = tensor.tensor_type.name
         heads = None if config.architecture != "llama" else \
             config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else None
+        if keep_q8 and kind == "Q4_K" and _is_layer_linear(name):  # w4a8: Q4K blocks, as shipped
+            tensors[name] = _unpermuted(q4k_blocks(tensor.data, *shape), heads)
+            continue
         if keep_q4 and kind in _Q4_KINDS and name.startswith("model.layers."):
             blocks = q4_blocks(tensor.data, kind, *shape)
             if heads:
@@ -347,9 +366,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
             kept = iq4_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and (linear or name in _ROW_TABLES) and kind in _Q6_KINDS:
             kept = q6_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
-        if kept is not None:  # codes and scales (every tensor field), in the rotary order the values take below
-            tensors[name] = type(kept)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary(f.numpy(), heads)))
-                                         if heads and isinstance(f, torch.Tensor) else f for f in kept))
+        if kept is not None:
+            tensors[name] = _unpermuted(kept, heads)
             continue
         if heads:
             values = unpermute_rotary(values, heads)
@@ -374,21 +392,22 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v9"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v10"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
-           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks}
+           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks, "q4k": Q4KBlocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
     ``.q4_zero``, the same with ``q5_``), Q6 and Q3 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``, the same
-    with ``q3_``), Q2 blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``), Q8 and IQ4
+    with ``q3_``), Q2 and Q4K blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``, the
+    same with ``q4k_``), Q8 and IQ4
     blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
@@ -412,9 +431,10 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as :class:`Q6Blocks`, its Q3_K and Q2_K ones as
-    :class:`Q3Blocks` and :class:`Q2Blocks`, its IQ4_NL and IQ4_XS ones as :class:`IQ4Blocks` and its Q8_0 ones as
-    :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders are read directly."""
+    ``keep_q8``, its Q4_K linears as :class:`Q4KBlocks`, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as
+    :class:`Q6Blocks`, its Q3_K and Q2_K ones as :class:`Q3Blocks` and :class:`Q2Blocks`, its IQ4_NL and IQ4_XS ones
+    as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
+    are read directly."""
     if files.kind == "hf":
         return {name: t.to(dtype) for name, t in _read_hf(files.path).items()}
     if keep_q4:
