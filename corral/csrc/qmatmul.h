@@ -33,6 +33,9 @@
 //     then 16 uint8 mn (272). 0.578 bytes a weight where Q4 tiles keep 0.625 (and round d sc to float16). Block b
 //     of a tile row starts at block_at(Q4K, b); its tiles are K / 256 super-blocks a tile, which tile_block_bytes
 //     counts as 296 bytes a block (rows of them take K / 256 x 2368 bytes, K a multiple of 256).
+//   Q5K tiles (kind Q5K = 51), llama.cpp's Q5_K as shipped (the same with q 0..31): a Q4K tile super-block whose
+//     blocks (352 bytes at 64 + 352 j) are a Q5 tile block's 4 chunks and fifth-bit masks, then 16 uint8 sc (320),
+//     then 16 uint8 mn (336); 2880 bytes a super-block, 0.703 bytes a weight where Q5 tiles keep 0.75.
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //   IQ4 tile block (320 bytes, kind IQ4 = 40): a Q4 tile block's 4 chunks of 4-bit indices, then 16 float32 d
@@ -44,7 +47,7 @@
 // Activations, per row and block b of 32: s = max|x| / 127, xq = round(x * (127 / max|x|)) (ties to even; all
 // zero when max|x| = 0), also isum = the sum of its xq and sum = s * isum. Then
 //   Q4, Q5: y[n] = sum_b (d[n,b] s_b (sum_k q xq) + m[n,b] sum_b)
-//   Q4K: the same with d[n,b] = d sc[n,b] and m[n,b] = -dmin mn[n,b], each exact in float32 (11 by 6 bits)
+//   Q4K, Q5K: the same with d[n,b] = d sc[n,b] and m[n,b] = -dmin mn[n,b], each exact in float32 (11 by 6 bits)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
 //   IQ4: y[n] = sum_b d[n,b] s_b (sum_k IQ4_VALUES[q] xq), the block's sum an exact integer (at most 32 x 127^2)
 //   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
@@ -66,26 +69,33 @@ namespace corral_qmatmul {
 
 constexpr int64_t TILE = 16, BLOCK = 32, Q2_TILE_BYTES = 224, Q3_TILE_BYTES = 256, Q4_TILE_BYTES = 320,
                   Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448, Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
-// The kinds of IQ4 and Q4K tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
-constexpr int64_t IQ4 = 40, Q4K = 41;
-// Q4K tiles: a super-block of 8 blocks for 16 rows, its header (d, dmin), and each block's bytes after it.
-constexpr int64_t SUPER_BLOCKS = 8, Q4K_SUPER_BYTES = 2368, Q4K_HEAD_BYTES = 64, Q4K_BLOCK_BYTES = 288;
+// The kinds of IQ4, Q4K and Q5K tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
+constexpr int64_t IQ4 = 40, Q4K = 41, Q5K = 51;
+// Q4K and Q5K tiles: a super-block of 8 blocks for 16 rows, its header (d, dmin), then each block's bytes.
+constexpr int64_t SUPER_BLOCKS = 8, SUPER_HEAD_BYTES = 64, Q4K_BLOCK_BYTES = 288, Q5K_BLOCK_BYTES = 352;
+// Whether tiles of kind `bits` keep their blocks in super-blocks of 8 (K a multiple of 256).
+constexpr bool in_super_blocks(int64_t bits) { return bits == Q4K || bits == Q5K; }
+// A super-block's block bytes (header aside), and its whole bytes, for tiles kept in super-blocks.
+constexpr int64_t super_block_body(int64_t bits) { return bits == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES; }
+constexpr int64_t super_block_bytes(int64_t bits) { return SUPER_HEAD_BYTES + SUPER_BLOCKS * super_block_body(bits); }
 // llama.cpp's IQ4_NL / IQ4_XS grid: the weight of index q is d IQ4_VALUES[q].
 constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// A tile block's bytes for tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, IQ4 or Q4K: a Q4K super-block's bytes
-// over its 8 blocks): a tile row of K / 32 blocks takes K / 32 times these.
+// A tile block's bytes for tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, IQ4, or Q4K or Q5K: a super-block's
+// bytes over its 8 blocks): a tile row of K / 32 blocks takes K / 32 times these.
 constexpr int64_t tile_block_bytes(int64_t bits) {
     return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES
          : bits == IQ4 ? IQ4_TILE_BYTES : bits == 3 ? Q3_TILE_BYTES : bits == 2 ? Q2_TILE_BYTES
-         : bits == Q4K ? Q4K_SUPER_BYTES / SUPER_BLOCKS : Q4_TILE_BYTES;
+         : in_super_blocks(bits) ? super_block_bytes(bits) / SUPER_BLOCKS : Q4_TILE_BYTES;
 }
-// Whether tiles of kind `bits` keep their blocks in super-blocks of 8 (K a multiple of 256).
-constexpr bool in_super_blocks(int64_t bits) { return bits == Q4K; }
-// Where block b of a tile row starts, from the row's start (a Q4K block: past its super-block's header).
+// Where block b of a tile row starts, from the row's start (in a super-block: past its header), and where its
+// super-block's header does.
 constexpr int64_t block_at(int64_t bits, int64_t b) {
-    return in_super_blocks(bits) ? b / SUPER_BLOCKS * Q4K_SUPER_BYTES + Q4K_HEAD_BYTES + b % SUPER_BLOCKS *
-                                   Q4K_BLOCK_BYTES : b * tile_block_bytes(bits);
+    return in_super_blocks(bits) ? b / SUPER_BLOCKS * super_block_bytes(bits) + SUPER_HEAD_BYTES +
+                                   b % SUPER_BLOCKS * super_block_body(bits) : b * tile_block_bytes(bits);
+}
+constexpr int64_t head_at(int64_t bits, int64_t b) {
+    return in_super_blocks(bits) ? b / SUPER_BLOCKS * super_block_bytes(bits) : 0;
 }
 // Whether products on tiles of kind `bits` read each block's halves' activation sums (Activations::halves32).
 constexpr bool reads_halves(int64_t bits) { return bits == 6 || bits == 3 || bits == 2; }
@@ -139,6 +149,7 @@ struct QTable {
     Matmul q3;
     Matmul q2;
     Matmul q4k;
+    Matmul q5k;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -167,14 +178,15 @@ bool amx_model_agrees();
 namespace corral_native {
 
 // With the GIL released: x [rows, cols] float32 quantized per block, times the n rows of tiles of kind `bits` (2, 3,
-// 4, 5, 6 or 8 bits, IQ4 or Q4K) into y [rows, n] (its rows ldy apart; 0: n), on the kernel this CPU's variant has.
+// 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K) into y [rows, n] (its rows ldy apart; 0: n), on the kernel this CPU's variant
+// has.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
 // Several products of the same x, each on its own tiles (of any kind) into its columns of y [rows, ldy], in one
 // thread team (a team per product costs each one a wake-up of the threads): the products tiles_product gives,
 // bit for bit (a tile's outputs do not depend on which tiles share its call).
 struct ProductPart {
-    int64_t kind;          // 2, 3, 4, 5, 6 or 8 bits, IQ4 or Q4K
+    int64_t kind;          // 2, 3, 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K
     const uint8_t* tiles;  // [ceil(n / 16), cols / 32, tile bytes]
     int64_t n;
     float* y;              // its first column

@@ -29,6 +29,13 @@ CORRAL_INLINE __m256 halves(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// v as it is: the build's -fassociative-math could otherwise fold a product into the next one (d sc times s as d
+// times sc s), rounding it differently in kernels of different row counts (a row's bits would depend on its pass).
+CORRAL_INLINE __m256 opaque(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
     if (valid >= 8) {
         _mm256_storeu_ps(y, v);
@@ -76,12 +83,14 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 // its 4-bit scale; then each half's 4-bit min times its activation sum, times dmin s, taken off. A Q4 block's 16
 // products a lane sum in 16 bits (at most 16 x 15 x 127); a Q5 or Q6 block's may not (16 x 63 x 127), so those go to 32
 // bits a chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's (Bits
-// IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values. Bits Q4K: Q4K
-// tiles, as Q4 tiles with d = d sc and m = -dmin mn from the super-block's d and dmin and the block's sc and mn.
+// IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values. Bits Q4K, Q5K:
+// Q4K and Q5K tiles, as Q4 and Q5 tiles with d = d sc and m = -dmin mn from the super-block's d and dmin and the
+// block's sc and mn.
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
-    constexpr int64_t Bytes = Bits == Q4K ? Q4K_BLOCK_BYTES : tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = in_super_blocks(Bits) ? super_block_body(Bits) : tile_block_bytes(Bits),
+                      Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     // IQ4: the grid's values and their magnitudes, looked up in each 128-bit lane
     const __m256i grid = Bits == IQ4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(
@@ -90,14 +99,15 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
     const __m256i magnitudes = _mm256_abs_epi8(grid);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* head = w;  // Q4K: the super-block's header (d, dmin)
+    const uint8_t* head = w;  // Q4K, Q5K: the super-block's header (d, dmin)
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         if constexpr (in_super_blocks(Bits))
-            if (b % SUPER_BLOCKS == 0) head = w, w += Q4K_HEAD_BYTES;
+            if (b % SUPER_BLOCKS == 0) head = w, w += SUPER_HEAD_BYTES;
         read_ahead<Ahead, Bytes>(w, m, half);
         __m256i pairs[R], wide[R], scaled[R];
         for (int r = 0; r < R; ++r) pairs[r] = wide[r] = scaled[r] = _mm256_setzero_si256();
-        constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2, wide_sums = Bits == 5 || by_halves;
+        constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2;
+        constexpr bool wide_sums = Bits == 5 || Bits == Q5K || by_halves;
         constexpr bool pairs_of_bits = Bits == 3 || Bits == 2;
         for (int c = 0; c < 4; ++c) {
             const __m256i v = _mm256_loadu_si256(
@@ -124,7 +134,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 }
                 continue;
             }
-            if constexpr (Bits == 5 || Bits == 6) {
+            if constexpr (Bits == 5 || Bits == 6 || Bits == Q5K) {
                 lo = _mm256_or_si256(lo, bit_values(w + 256 + 16 * c + 4 * half, 16));
                 hi = _mm256_or_si256(hi, bit_values(w + 256 + 16 * c + 8 + 4 * half, 16));
             }
@@ -190,13 +200,13 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             continue;
         }
         __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
-        if constexpr (Bits == Q4K) {  // d sc and -dmin mn, exact in float32
+        if constexpr (in_super_blocks(Bits)) {  // d sc and -dmin mn, exact in float32
             const __m256 sc = _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 256 + 8 * half))));
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Scales + 8 * half))));
             const __m256 mn = _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 272 + 8 * half))));
-            d = _mm256_mul_ps(halves(head + 16 * half), sc);
-            mins = _mm256_mul_ps(halves(head + 32 + 16 * half), _mm256_sub_ps(_mm256_setzero_ps(), mn));
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Scales + 16 + 8 * half))));
+            d = opaque(_mm256_mul_ps(halves(head + 16 * half), sc));
+            mins = opaque(_mm256_mul_ps(halves(head + 32 + 16 * half), _mm256_sub_ps(_mm256_setzero_ps(), mn)));
         }
         for (int r = 0; r < R; ++r) {
             const int64_t at = (m + r) * blocks + b;
@@ -267,8 +277,8 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Bits == 2 ? Q2_AHEAD
-                        : Q4_AHEAD;
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 || Bits == Q5K ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD
+                        : Bits == 2 ? Q2_AHEAD : Q4_AHEAD;
     static const Rows plain[5] = {nullptr, nibble_rows<Bits, 1>, nibble_rows<Bits, 2>, nibble_rows<Bits, 3>,
                                   nibble_rows<Bits, 4>};
     static const Rows ahead[5] = {nullptr, nibble_rows<Bits, 1, A>, nibble_rows<Bits, 2, A>, nibble_rows<Bits, 3, A>,
@@ -321,7 +331,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 }
 
 const QTable table = {"avx2",     nibbles<4>,   q8,         quantize,  nibbles<5>,
-                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>};
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>};
 
 }  // namespace
 }  // namespace avx2

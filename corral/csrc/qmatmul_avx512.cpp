@@ -27,6 +27,13 @@ CORRAL_INLINE __m512i broadcast4(const int8_t* p) {
     return _mm512_set1_epi32(v);
 }
 
+// v as it is: the build's -fassociative-math could otherwise fold a product into the next one (d sc times s as d
+// times sc s), rounding it differently in kernels of different row counts (a row's bits would depend on its pass).
+CORRAL_INLINE __m512 opaque(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 CORRAL_INLINE __m512 halves(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -42,7 +49,7 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // product.
 constexpr int64_t Q2_AHEAD = 28 * Q2_TILE_BYTES, Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES,
                   Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
-// Q4K tiles: about Q4 tiles' bytes ahead (a super-block's header read ahead as its first block's bytes are)
+// Q4K and Q5K tiles read Q4 and Q5 tiles' distance ahead
 
 template <int64_t Ahead, int64_t Bytes>
 CORRAL_INLINE void read_ahead(const uint8_t* block) {
@@ -61,8 +68,8 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // 3: Q3 tiles, each code's low 2 bits from its 2-bit chunk and its third bit from its chunk's masks, then as Q6 with
 // 4 times the half's activation sum. Bits 2: Q2 tiles, the 2-bit codes alone, each half's dot times its 4-bit scale
 // into the block's integer sum, which takes d s; then each half's 4-bit min times its activation sum, summed in
-// integers, times dmin s, taken off. Bits Q4K: Q4K tiles, as Q4 tiles with d = d sc and m = -dmin mn, each from
-// the super-block's d and dmin and the block's 6-bit sc and mn.
+// integers, times dmin s, taken off. Bits Q4K and Q5K: Q4K and Q5K tiles, as Q4 and Q5 tiles with d = d sc and
+// m = -dmin mn, each from the super-block's d and dmin and the block's 6-bit sc and mn.
 CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
     uint64_t bits;
     std::memcpy(&bits, mask, 8);
@@ -78,17 +85,18 @@ CORRAL_INLINE __m512i iq4_grid() {
 template <int Bits, int R, int T, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t stride, int64_t blocks,
                                float* y, int64_t ldy, __mmask16 keep) {
-    constexpr int64_t Bytes = Bits == Q4K ? Q4K_BLOCK_BYTES : tile_block_bytes(Bits), Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Bytes = in_super_blocks(Bits) ? super_block_body(Bits) : tile_block_bytes(Bits),
+                      Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)
     const __m512i low = _mm512_set1_epi8(0x0F);
     // IQ4: each index's grid value plus 128 (an unsigned byte for vpdpbusd), looked up in every 128-bit lane
     const __m512i grid = Bits == IQ4 ? iq4_grid() : _mm512_setzero_si512();
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    const uint8_t* head = w;  // Q4K: the super-block's header (d, dmin) in the first tile
+    const uint8_t* head = w;  // Q4K, Q5K: the super-block's header (d, dmin) in the first tile
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         if constexpr (in_super_blocks(Bits))
-            if (b % SUPER_BLOCKS == 0) head = w, w += Q4K_HEAD_BYTES;
+            if (b % SUPER_BLOCKS == 0) head = w, w += SUPER_HEAD_BYTES;
         for (int t = 0; t < T; ++t) read_ahead<Ahead, Bytes>(w + t * stride);
         constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2, pairs_of_bits = Bits == 3 || Bits == 2;
         __m512i dot[T][R], scaled[by_halves ? T : 1][by_halves ? R : 1];
@@ -114,7 +122,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 }
                 if constexpr (Bits == IQ4)
                     lo[t] = _mm512_shuffle_epi8(grid, lo[t]), hi[t] = _mm512_shuffle_epi8(grid, hi[t]);
-                if constexpr (Bits == 5 || Bits == 6) {
+                if constexpr (Bits == 5 || Bits == 6 || Bits == Q5K) {
                     const uint8_t* fifth = w + t * stride + 256 + 16 * c;
                     const __m512i sixteen = _mm512_set1_epi8(16);
                     lo[t] = add_where(lo[t], fifth, sixteen), hi[t] = add_where(hi[t], fifth + 8, sixteen);
@@ -194,13 +202,13 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         }
         for (int t = 0; t < T; ++t) {
             __m512 d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
-            if constexpr (Bits == Q4K) {  // d sc and -dmin mn, exact in float32
-                const __m512 sc = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + 256))));
-                const __m512 mn = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + 272))));
-                d = _mm512_mul_ps(halves(head + t * stride), sc);
-                mins = _mm512_mul_ps(halves(head + t * stride + 32), _mm512_sub_ps(_mm512_setzero_ps(), mn));
+            if constexpr (in_super_blocks(Bits)) {  // d sc and -dmin mn, exact in float32
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + Scales))));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + Scales + 16))));
+                d = opaque(_mm512_mul_ps(halves(head + t * stride), sc));
+                mins = opaque(_mm512_mul_ps(halves(head + t * stride + 32), _mm512_sub_ps(_mm512_setzero_ps(), mn)));
             }
             for (int r = 0; r < R; ++r) {
                 const int64_t at = (m + r) * blocks + b;
@@ -308,8 +316,8 @@ void matmul(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int
 template <int Bits>
 void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads,
                   const Rows* pair) {
-    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD : Bits == 2 ? Q2_AHEAD
-                        : Q4_AHEAD,
+    constexpr int64_t A = Bits == 6 ? Q6_AHEAD : Bits == 5 || Bits == Q5K ? Q5_AHEAD : Bits == 3 ? Q3_AHEAD
+                        : Bits == 2 ? Q2_AHEAD : Q4_AHEAD,
                       Bytes = tile_block_bytes(Bits);  // a tile row's bytes over its blocks (matmul's stride)
     static const Rows single[9] = {nullptr, nibble_rows<Bits, 1, 1, A>, nibble_rows<Bits, 2, 1, A>,
                                    nibble_rows<Bits, 3, 1, A>, nibble_rows<Bits, 4, 1, A>, nibble_rows<Bits, 5, 1, A>,
@@ -328,7 +336,7 @@ void nibbles_over(const Activations& x, const uint8_t* tiles, int64_t n, float* 
 template <int Bits>
 const Rows* pairs() {
     static_assert(Bits != 6 && Bits != 3 && Bits != 2, "Q6, Q3 and Q2 tiles go one at a time");
-    constexpr int64_t A = Bits == 5 ? Q5_AHEAD : Q4_AHEAD;  // (Q4K tiles too)
+    constexpr int64_t A = Bits == 5 || Bits == Q5K ? Q5_AHEAD : Q4_AHEAD;
     static const Rows pair[5] = {nullptr, nibble_rows<Bits, 1, 2, A>, nibble_rows<Bits, 2, 2, A>,
                                  nibble_rows<Bits, 3, 2, A>, nibble_rows<Bits, 4, 2, A>};
     return pair;
@@ -364,6 +372,14 @@ void q4k(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_
 
 void q4k_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     nibbles_over<Q4K>(x, tiles, n, y, ldy, threads, pairs<Q4K>());
+}
+
+void q5k(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<Q5K>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void q5k_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<Q5K>(x, tiles, n, y, ldy, threads, pairs<Q5K>());
 }
 
 void q3(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -410,9 +426,10 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2, q4k};
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2, q4k, q5k};
 // Q6, Q3 and Q2: one at a time
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8, quantize, q5_pairs, q6, iq4_pairs, q3, q2, q4k_pairs};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8,   quantize, q5_pairs, q6,
+                       iq4_pairs,           q3,       q2,   q4k_pairs, q5k_pairs};
 
 }  // namespace
 }  // namespace avx512

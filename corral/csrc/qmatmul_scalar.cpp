@@ -84,7 +84,7 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
         for (int64_t m = 0; m < x.rows; ++m) {
             float acc[TILE] = {};
             for (int64_t b = 0; b < blocks; ++b)
-                block(tile + block_at(Kind, b), tile + b / SUPER_BLOCKS * Q4K_SUPER_BYTES,
+                block(tile + block_at(Kind, b), tile + head_at(Kind, b),
                       x.xq + m * x.cols + b * BLOCK, x.scale[m * blocks + b], x.sum[m * blocks + b], acc);
             for (int r = 0; r < TILE && t * TILE + r < n; ++r) y[m * ldy + t * TILE + r] = acc[r];
         }
@@ -95,11 +95,11 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
 // 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot),
 // IQ4 tiles (each index's grid value, and a float32 d), Q3 tiles (Bits 3: 2-bit codes and a third bit, a scale
 // per half block as Q6's, with 4 times the half's sum taken off), Q2 tiles (Bits 2: 2-bit codes, a scale per
-// half block, and a min per half block times the half's sum taken off at dmin) or Q4K tiles (Bits Q4K: a Q4 tile
-// block's codes, d sc and dmin mn in place of its d and -m).
+// half block, and a min per half block times the half's sum taken off at dmin) or Q4K and Q5K tiles (Bits Q4K,
+// Q5K: a Q4 or Q5 tile block's codes, d sc and dmin mn in place of its d and -m).
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    constexpr int64_t Scales = Bits == 5 ? 320 : 256;
+    constexpr int64_t Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)
     each_tile<Bits>(x, tiles, n, y, ldy, threads, [](const uint8_t* w, const uint8_t* head, const int8_t* xq, float s,
                                                      float sum, float* acc) {
         constexpr bool by_halves = Bits == 6 || Bits == 3 || Bits == 2;
@@ -123,7 +123,7 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                         high |= (third[8] >> (j % 8) & 1) << 2;
                     }
                     if constexpr (Bits == IQ4) low = IQ4_VALUES[low], high = IQ4_VALUES[high];
-                    if constexpr (Bits == 5 || Bits == 6) {
+                    if constexpr (Bits == 5 || Bits == 6 || Bits == Q5K) {
                         const uint8_t* fifth = w + 256 + 16 * c + j / 8;
                         low |= (fifth[0] >> (j % 8) & 1) << 4;
                         high |= (fifth[8] >> (j % 8) & 1) << 4;
@@ -155,9 +155,9 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                 float d;
                 std::memcpy(&d, w + 256 + 4 * r, 4);
                 acc[r] += float(dot[0]) * (d * s);
-            } else if constexpr (Bits == Q4K) {  // d sc and dmin mn: exact in float32
-                const float d = half_to_float(head + 2 * r) * float(w[256 + r]);
-                const float mins = half_to_float(head + 32 + 2 * r) * float(w[272 + r]);
+            } else if constexpr (in_super_blocks(Bits)) {  // d sc and dmin mn: exact in float32
+                const float d = half_to_float(head + 2 * r) * float(w[Scales + r]);
+                const float mins = half_to_float(head + 32 + 2 * r) * float(w[Scales + 16 + r]);
                 acc[r] += float(dot[0]) * (d * s) - mins * sum;
             } else {
                 const float d = half_to_float(w + Scales + 2 * r), m = half_to_float(w + Scales + 32 + 2 * r);
@@ -200,7 +200,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 }
 
 const QTable table = {"scalar",   nibbles<4>,   q8,         quantize,  nibbles<5>,
-                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>};
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>};
 
 }  // namespace
 

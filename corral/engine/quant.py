@@ -19,11 +19,11 @@ activation dtype):
   16s: a layer whose N is not a multiple of 16 is padded with zero rows.
 
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
-kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1), :class:`Q4KTiles` Q4K blocks (GGUF
-Q4_K), :class:`Q5Tiles` Q5 blocks (GGUF Q5_0, Q5_1, Q5_K), :class:`Q6Tiles` Q6 blocks (GGUF Q6_K), :class:`Q3Tiles`
-and :class:`Q2Tiles` Q3 and Q2 blocks (GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4 blocks (GGUF IQ4_NL, IQ4_XS) and
-:class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native kernels; a fused layer whose
-parts are of different kinds is a :class:`SplitLinear` of them.
+kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1), :class:`Q4KTiles` and :class:`Q5KTiles`
+Q4K and Q5K blocks (GGUF Q4_K, Q5_K), :class:`Q5Tiles` Q5 blocks (GGUF Q5_0, Q5_1), :class:`Q6Tiles` Q6 blocks
+(GGUF Q6_K), :class:`Q3Tiles` and :class:`Q2Tiles` Q3 and Q2 blocks (GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4
+blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native
+kernels; a fused layer whose parts are of different kinds is a :class:`SplitLinear` of them.
 What this leaves out: IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
@@ -59,8 +59,9 @@ class Q4Blocks(NamedTuple):
 
 class Q5Blocks(NamedTuple):
     """5-bit codes with one (scale, zero) per 32 weights along K, as :class:`Q4Blocks` (``W = (codes - 8) * scale +
-    zero``, codes 0..31): what the native Q5 kernel runs (:class:`Q5Tiles`). GGUF Q5_0 (``d (q - 16)``), Q5_1
-    (``d q + m``) and Q5_K (per sub-block of 32, ``d sc q - dmin mn``) load as these under ``w4a8``."""
+    zero``, codes 0..31): what the native Q5 kernel runs (:class:`Q5Tiles`). GGUF Q5_0 (``d (q - 16)``) and Q5_1
+    (``d q + m``) load as these under ``w4a8`` (and Q5_K, per sub-block of 32 ``d sc q - dmin mn``, where its bytes
+    do not read back as :class:`Q5KBlocks`)."""
     codes: torch.Tensor  # [N, K] uint8, 0..31
     scale: torch.Tensor  # [N, K // 32] float32
     zero: torch.Tensor  # [N, K // 32] float32
@@ -135,6 +136,23 @@ class Q4KBlocks(NamedTuple):
         scale = self.d.float().repeat_interleave(8, dim=1) * self.sc.float()
         low = self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()
         return Q4Blocks(self.codes, scale, 8 * scale - low, 32)
+
+
+class Q5KBlocks(NamedTuple):
+    """:class:`Q4KBlocks` with 5-bit codes (0..31): GGUF Q5_K exactly, what the native Q5K kernel runs
+    (:class:`Q5KTiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..31
+    d: torch.Tensor  # [N, K // 256] float32, each a float16 value
+    dmin: torch.Tensor  # [N, K // 256] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 32] uint8, 0..63
+    mn: torch.Tensor  # [N, K // 32] uint8, 0..63
+
+    def dequantize(self) -> torch.Tensor:
+        return Q4KBlocks.dequantize(self)  # the same form; codes up to 31
+
+    def as_q4(self) -> Q4Blocks:
+        """The scale and zero of each block of 32, as :meth:`Q4KBlocks.as_q4` (codes up to 31: Q5 blocks' form)."""
+        return Q4KBlocks.as_q4(self)
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
@@ -331,31 +349,42 @@ def pack_q2_tiles(blocks: Q2Blocks) -> torch.Tensor:
                       _halves(_tile_rows(blocks.dmin.float()), num_tiles, num_blocks), both), -1).contiguous()
 
 
-Q4K_SUPER_BYTES = 2368  # corral/csrc/qmatmul.h: a Q4K tile super-block (8 blocks of 32 along K, 16 output rows)
-
-
-def pack_q4k_tiles(blocks: Q4KBlocks) -> torch.Tensor:
-    """Q4_K blocks as the native kernel's Q4K tiles (layout in ``corral/csrc/qmatmul.h``): per tile and super-block
-    of 256 columns, each row's ``d`` and ``dmin`` as float16, then per block of 32 a Q4 tile block's codes and each
-    row's 6-bit scale and min as a byte; returned as [ceil(N / 16), K / 32, 296] uint8 (a super-block's 2368 bytes
-    over its 8 blocks, the shape the kernels check)."""
-    rows, cols = blocks.codes.shape
+def _pack_super_tiles(blocks: "Q4KBlocks | Q5KBlocks", bits: int) -> torch.Tensor:
+    """Q4_K (``bits`` 4) or Q5_K (5) blocks as the native kernels' Q4K or Q5K tiles (layout in
+    ``corral/csrc/qmatmul.h``): per tile and super-block of 256 columns, each row's ``d`` and ``dmin`` as float16,
+    then per block of 32 a Q4 or Q5 tile block's codes and each row's 6-bit scale and min as a byte; returned as
+    [ceil(N / 16), K / 32, super-block bytes / 8] uint8 (a super-block's bytes over its 8 blocks, the shape the
+    kernels check)."""
+    name, rows, cols = f"Q{bits}K", *blocks.codes.shape
     if cols % 256:
-        raise ValueError(f"Q4K tiles take whole super-blocks of 256 along K, not {cols} columns")
-    if blocks.codes.numel() and int(blocks.codes.max()) > 15:
-        raise ValueError("Q4K codes must be 0..15")
+        raise ValueError(f"{name} tiles take whole super-blocks of 256 along K, not {cols} columns")
+    if blocks.codes.numel() and int(blocks.codes.max()) >= 1 << bits:
+        raise ValueError(f"{name} codes must be 0..{(1 << bits) - 1}")
     if blocks.sc.numel() and max(int(blocks.sc.max()), int(blocks.mn.max())) > 63:
-        raise ValueError("Q4K scales and mins must be 0..63")
-    num_tiles, num_blocks, (codes,) = _nibbles_and_masks(blocks.codes, 4)
+        raise ValueError(f"{name} scales and mins must be 0..63")
+    num_tiles, num_blocks, parts = _nibbles_and_masks(blocks.codes, bits)
     supers = num_blocks // 8
 
     def per_row(values: torch.Tensor) -> torch.Tensor:  # [N, B] bytes -> [T, B, 16]: a tile's rows side by side
         return _tile_rows(values.to(torch.uint8)).view(num_tiles, 16, num_blocks).permute(0, 2, 1)
 
-    body = torch.cat((codes, per_row(blocks.sc), per_row(blocks.mn)), -1).reshape(num_tiles, supers, 8 * 288)
+    body = torch.cat((*parts, per_row(blocks.sc), per_row(blocks.mn)), -1)
     head = torch.cat((_halves(_tile_rows(blocks.d.float()), num_tiles, supers),
                       _halves(_tile_rows(blocks.dmin.float()), num_tiles, supers)), -1)
-    return torch.cat((head, body), -1).contiguous().view(num_tiles, num_blocks, Q4K_SUPER_BYTES // 8)
+    tiles = torch.cat((head, body.reshape(num_tiles, supers, 8 * body.shape[-1])), -1).contiguous()
+    return tiles.view(num_tiles, num_blocks, tiles.shape[-1] // 8)
+
+
+def pack_q4k_tiles(blocks: Q4KBlocks) -> torch.Tensor:
+    """Q4_K blocks as Q4K tiles [ceil(N / 16), K / 32, 296] (2368 bytes a super-block): see
+    :func:`_pack_super_tiles`."""
+    return _pack_super_tiles(blocks, 4)
+
+
+def pack_q5k_tiles(blocks: Q5KBlocks) -> torch.Tensor:
+    """Q5_K blocks as Q5K tiles [ceil(N / 16), K / 32, 360] (2880 bytes a super-block): a Q4K tile's layout with a
+    Q5 tile block's codes and fifth-bit masks in each block (see :func:`_pack_super_tiles`)."""
+    return _pack_super_tiles(blocks, 5)
 
 
 def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
@@ -415,9 +444,9 @@ def w4a8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     return (torch.einsum("anb,nb,ab->an", dots, d, scale) + sums @ m.T).float()
 
 
-def q4k_reference(x: torch.Tensor, blocks: Q4KBlocks) -> torch.Tensor:
-    """What the Q4K kernel computes, in float64: ``sum_b (d sc_b) s_b (q . xq) - (dmin mn_b) sum_b`` (float32
-    [M, N])."""
+def k_reference(x: torch.Tensor, blocks: "Q4KBlocks | Q5KBlocks") -> torch.Tensor:
+    """What the Q4K and Q5K kernels compute, in float64: ``sum_b (d sc_b) s_b (q . xq) - (dmin mn_b) sum_b``
+    (float32 [M, N])."""
     codes, scale, sums = (t.double() for t in quantize_activations(x))
     rows, cols = blocks.codes.shape
     q = blocks.codes.double().view(rows, cols // 32, 32)
@@ -595,7 +624,7 @@ class Q4Tiles(_TileLinear):
 
 class Q5Tiles(_TileLinear):
     """W5A8: :class:`Q5Blocks`, as :class:`Q4Tiles` with codes up to 31: a ``w4a8`` linear whose file keeps 5 bits a
-    weight (GGUF Q5_0, Q5_1, Q5_K), 0.75 bytes a weight where Q8 blocks take 1.06."""
+    weight (GGUF Q5_0, Q5_1), 0.75 bytes a weight where Q8 blocks take 1.06."""
 
     kind, _kernel, _pack = "w5a8", "q5_matmul", staticmethod(pack_q5_tiles)
 
@@ -625,6 +654,13 @@ class Q4KTiles(_TileLinear):
     round each block's d sc and dmin mn to float16)."""
 
     kind, _kernel, _pack = "w4a8", "q4k_matmul", staticmethod(pack_q4k_tiles)
+
+
+class Q5KTiles(_TileLinear):
+    """W5A8 on llama.cpp's Q5_K as shipped: :class:`Q5KBlocks`, 0.703 bytes a weight where Q5 tiles take 0.75 (and
+    round each block's d sc and dmin mn to float16)."""
+
+    kind, _kernel, _pack = "w5a8", "q5k_matmul", staticmethod(pack_q5k_tiles)
 
 
 class IQ4Tiles(_TileLinear):

@@ -3,9 +3,9 @@
 GGUF tensors are dequantized with the ``gguf`` package's numpy dequantizer (Q4_1, Q8_0, F16, K-quants, ...),
 except that with ``keep_q4`` the Q4_1, Q4_0 and Q4_K blocks of linear layers stay as int4 codes with their scale
 and zero per 32 weights (:class:`~corral.engine.quant.Q4Blocks`), which the int4 kernels run as shipped, and with
-``keep_q8`` (``w4a8``) its Q4_K linears stay as 4-bit codes with their super-block's d and dmin and 6-bit scales
-and mins (:class:`~corral.engine.quant.Q4KBlocks`), its Q5_0, Q5_1 and Q5_K linears as 5-bit codes the same way
-as Q4 blocks
+``keep_q8`` (``w4a8``) its Q4_K and Q5_K linears stay as 4- and 5-bit codes with their super-block's d and dmin
+and 6-bit scales and mins (:class:`~corral.engine.quant.Q4KBlocks`, :class:`~corral.engine.quant.Q5KBlocks`), its
+Q5_0 and Q5_1 linears as 5-bit codes the same way as Q4 blocks
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
 their scales (:class:`~corral.engine.quant.Q6Blocks`), its Q3_K ones as 3-bit codes with their scales
 (:class:`~corral.engine.quant.Q3Blocks`), its Q2_K ones as 2-bit codes with their scales and mins
@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q6Blocks, Q8Blocks,
+from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks, Q6Blocks,
+                                 Q8Blocks,
                                  quantize_q8_blocks)
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
@@ -82,7 +83,8 @@ _IQ4_KINDS = ("IQ4_NL", "IQ4_XS")  # llama.cpp's non-linear 4-bit grid: IQ4 bloc
 _Q2_KINDS, _Q3_KINDS = ("Q2_K",), ("Q3_K",)
 _Q8_KINDS = ("Q8_0",)
 _KEPT_KINDS = (*_Q2_KINDS, *_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # w4a8's beside Q4 ones
-Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q4KBlocks | Q5Blocks | Q6Blocks | Q8Blocks | IQ4Blocks  # kept as shipped
+# a tensor kept as shipped
+Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q4KBlocks | Q5Blocks | Q5KBlocks | Q6Blocks | Q8Blocks | IQ4Blocks
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -143,6 +145,27 @@ def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KBlocks:
     tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
     return Q4KBlocks(tensor(codes.astype(np.uint8)), tensor(d), tensor(dmin), tensor(sc.reshape(rows, -1)),
                      tensor(mn.reshape(rows, -1)))
+
+
+def q5k_blocks(raw: np.ndarray, values: torch.Tensor) -> Q5KBlocks | None:
+    """GGUF Q5_K rows as Q5K blocks, in the file's row order, from ``raw`` (its bytes [rows, cols / 256 * 176]): a
+    super-block is Q4_K's float16 d and dmin and 12 bytes of 6-bit scales and mins, then 32 bytes ``qh`` of fifth
+    bits, then 128 bytes ``qs`` of low 4 bits as Q4_K keeps its codes: weight l of sub-block j has its fifth bit at
+    bit j of ``qh[l]``. Checked to give llama.cpp's dequantized ``values`` [rows, cols] back exactly. None where
+    they do not (the caller then reads the tensor as Q5 blocks)."""
+    rows, cols = values.shape
+    if cols % 256:
+        return None
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // 256, Q5K_BYTES)
+    d, dmin, sc, mn = _k_fields(blocks)
+    qh = blocks[..., 16:48].reshape(rows, cols // 256, 1, 32)
+    qs = blocks[..., 48:].reshape(rows, cols // 256, 4, 32)
+    low = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols // 256, 8, 32)
+    codes = low | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
+    tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
+    kept = Q5KBlocks(tensor(codes.reshape(rows, cols).astype(np.uint8)), tensor(d), tensor(dmin),
+                     tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
+    return kept if torch.equal(kept.dequantize(), values) else None
 
 
 def q5_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> Q5Blocks | None:
@@ -357,7 +380,8 @@ def _read_gguf(path: str, config: ModelConfig, keep_q4: bool = False,
         linear = _is_layer_linear(name)
         kept = None
         if keep_q8 and linear and kind in _Q5_KINDS:
-            kept = q5_blocks(tensor.data, kind, torch.from_numpy(np.array(values, copy=True)))
+            exact = torch.from_numpy(np.array(values, copy=True))
+            kept = (q5k_blocks(tensor.data, exact) if kind == "Q5_K" else None) or q5_blocks(tensor.data, kind, exact)
         elif keep_q8 and linear and kind in _Q2_KINDS:
             kept = q2_blocks(tensor.data, torch.from_numpy(np.array(values, copy=True)))
         elif keep_q8 and linear and kind in _Q3_KINDS:
@@ -399,15 +423,15 @@ def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: b
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
-           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks, "q4k": Q4KBlocks}
+           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks, "q4k": Q4KBlocks, "q5k": Q5KBlocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
 def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
     ``.q4_zero``, the same with ``q5_``), Q6 and Q3 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``, the same
-    with ``q3_``), Q2 and Q4K blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``, the
-    same with ``q4k_``), Q8 and IQ4
+    with ``q3_``), Q2, Q4K and Q5K blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``,
+    the same with ``q4k_`` and ``q5k_``), Q8 and IQ4
     blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
@@ -431,7 +455,8 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict:
 def load_weights(files: ModelFiles, config: ModelConfig, dtype: torch.dtype, keep_q4: bool = False,
                  keep_q8: bool = False) -> dict[str, torch.Tensor | Blocks]:
     """HF-named tensors of ``files`` in ``dtype`` (with ``keep_q4``, GGUF Q4 linears as :class:`Q4Blocks`; with
-    ``keep_q8``, its Q4_K linears as :class:`Q4KBlocks`, its Q5 linears as :class:`Q5Blocks`, its Q6_K ones as
+    ``keep_q8``, its Q4_K and Q5_K linears as :class:`Q4KBlocks` and :class:`Q5KBlocks`, its Q5_0 and Q5_1 ones as
+    :class:`Q5Blocks`, its Q6_K ones as
     :class:`Q6Blocks`, its Q3_K and Q2_K ones as :class:`Q3Blocks` and :class:`Q2Blocks`, its IQ4_NL and IQ4_XS ones
     as :class:`IQ4Blocks` and its Q8_0 ones as :class:`Q8Blocks`). GGUF conversions are cached on disk; HF folders
     are read directly."""

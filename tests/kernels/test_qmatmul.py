@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q6Blocks,
-                                 iq4_reference, pack_iq4_tiles, pack_q2_tiles, pack_q3_tiles, pack_q4_tiles,
-                                 pack_q4k_tiles, pack_q5_tiles, pack_q6_tiles, pack_q8_tiles, q4k_reference,
-                                 quantize_activations, quantize_int4, quantize_q8_blocks, w2a8_reference,
+from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks,
+                                 Q6Blocks, iq4_reference, k_reference, pack_iq4_tiles, pack_q2_tiles, pack_q3_tiles,
+                                 pack_q4_tiles, pack_q4k_tiles, pack_q5_tiles, pack_q5k_tiles, pack_q6_tiles,
+                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks, w2a8_reference,
                                  w3a8_reference, w4a8_reference, w6a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
@@ -41,8 +41,8 @@ def native_product(kind: str):
     return product
 
 
-q2_product, q3_product, q4_product, q5_product, q6_product, q8_product, iq4_product, q4k_product = (
-    native_product(kind) for kind in ("q2", "q3", "q4", "q5", "q6", "q8", "iq4", "q4k"))
+q2_product, q3_product, q4_product, q5_product, q6_product, q8_product, iq4_product, q4k_product, q5k_product = (
+    native_product(kind) for kind in ("q2", "q3", "q4", "q5", "q6", "q8", "iq4", "q4k", "q5k"))
 
 
 def random_q5(n: int, k: int) -> Q5Blocks:
@@ -96,19 +96,20 @@ def random_q2(n: int, k: int) -> Q2Blocks:
                     torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
 
 
-def random_q4k(n: int, k: int) -> Q4KBlocks:
-    """4-bit codes over every value 0..15 with 6-bit scales and mins over their whole range per 32 and a float16 d
-    and dmin per 256, as a GGUF Q4_K tensor's (k a multiple of 256)."""
+def random_k(n: int, k: int, bits: int = 4) -> Q4KBlocks | Q5KBlocks:
+    """``bits``-bit codes (4 or 5) over every value with 6-bit scales and mins over their whole range per 32 and a
+    float16 d and dmin per 256, as a GGUF Q4_K or Q5_K tensor's (k a multiple of 256)."""
     supers = k // 256
-    return Q4KBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8),
-                     (torch.rand(n, supers) * 0.002 + 1e-4).half().float(),
-                     (torch.rand(n, supers) * 0.002 + 1e-4).half().float(),
-                     torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
-                     torch.randint(0, 64, (n, k // 32), dtype=torch.uint8))
+    return (Q4KBlocks if bits == 4 else Q5KBlocks)(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8),
+                                                   (torch.rand(n, supers) * 0.002 + 1e-4).half().float(),
+                                                   (torch.rand(n, supers) * 0.002 + 1e-4).half().float(),
+                                                   torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
+                                                   torch.randint(0, 64, (n, k // 32), dtype=torch.uint8))
 
 
-def q4k_terms(x, blocks: Q4KBlocks) -> torch.Tensor:
-    """sum_b |d sc_b s_b (q . xq)| + |dmin mn_b sum_b|: the magnitude a Q4K product's float32 rounding scales with."""
+def k_terms(x, blocks: Q4KBlocks | Q5KBlocks) -> torch.Tensor:
+    """sum_b |d sc_b s_b (q . xq)| + |dmin mn_b sum_b|: the magnitude a Q4K or Q5K product's float32 rounding scales
+    with."""
     return q4_terms(x, blocks.as_q4())
 
 
@@ -183,23 +184,24 @@ def q6_terms(x, blocks: Q6Blocks, offset: int = 32) -> torch.Tensor:
                         sc.abs(), scale.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3", "q2", "q4k"])
+@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3", "q2", "q4k", "q5k"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_q6_iq4_q3_q2_and_q4k_equal_their_stated_numerics(kind, m, n, k):
+def test_q5_q6_iq4_q3_q2_q4k_and_q5k_equal_their_stated_numerics(kind, m, n, k):
     """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
     ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
     ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4. Q2 tiles:
-    ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``. Q4K tiles: the Q4 numerics with ``d sc`` and
-    ``-dmin mn`` (K rounded up to whole super-blocks of 256)."""
-    seed = ("q5", "q6", "iq4", "q3", "q2", "q4k").index(kind)
+    ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``. Q4K and Q5K tiles: the Q4 numerics with
+    ``d sc`` and ``-dmin mn`` (K rounded up to whole super-blocks of 256)."""
+    seed = ("q5", "q6", "iq4", "q3", "q2", "q4k", "q5k").index(kind)
     torch.manual_seed(m * 31 + n + k + seed)
-    k = -(-k // 256) * 256 if kind == "q4k" else k
+    k = -(-k // 256) * 256 if kind in ("q4k", "q5k") else k
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
-    if kind == "q4k":
-        blocks = random_q4k(n, k)
-        got, want = q4k_product(x, pack_q4k_tiles(blocks), n), q4k_reference(x, blocks)
-        bound = summation_bound(q4k_terms(x, blocks), k // 32)
+    if kind in ("q4k", "q5k"):
+        blocks = random_k(n, k, bits=int(kind[1]))
+        product, pack = (q4k_product, pack_q4k_tiles) if kind == "q4k" else (q5k_product, pack_q5k_tiles)
+        got, want = product(x, pack(blocks), n), k_reference(x, blocks)
+        bound = summation_bound(k_terms(x, blocks), k // 32)
     elif kind == "iq4":
         blocks = random_iq4(n, k)
         got, want = iq4_product(x, pack_iq4_tiles(blocks), n), iq4_reference(x, blocks)
@@ -355,20 +357,22 @@ def test_q2_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
                                torch.ones(16, 2, dtype=torch.uint8), torch.full((16, 2), 16, dtype=torch.uint8)))
 
 
-def test_q4k_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
+@pytest.mark.parametrize("bits", [4, 5])
+def test_q4k_and_q5k_tiles_hold_every_code_scale_and_min_and_give_each_weight_back(bits):
     """The tile bytes read back, as the kernels read them (qmatmul.h): per tile and super-block of 8 blocks, each
-    row's d and dmin as float16 in its 64-byte header, then each block's 4-bit codes as a Q4 tile block's and each
+    row's d and dmin as float16 in its 64-byte header, then each block's codes as a Q4 (Q5) tile block's and each
     row's 6-bit scale and min as a byte; and one activation picks out a column's weight, d sc q - dmin mn (to float32
     rounding: two products where llama.cpp rounds once), every code, scale and min among them."""
-    torch.manual_seed(15)
+    torch.manual_seed(15 + bits)
     n, k = 20, 512
-    blocks = random_q4k(n, k)
+    blocks = random_k(n, k, bits)
     blocks.sc.view(-1)[:64], blocks.mn.view(-1)[:64] = torch.arange(64), torch.randperm(64)  # every one, surely
-    tiles = pack_q4k_tiles(blocks)
-    assert tiles.shape == (2, 16, 296) and tiles.dtype == torch.uint8
-    assert set(blocks.codes.flatten().tolist()) == set(range(16))
+    pack, product, body = (pack_q4k_tiles, q4k_product, 288) if bits == 4 else (pack_q5k_tiles, q5k_product, 352)
+    tiles = pack(blocks)
+    assert tiles.shape == (2, 16, (64 + 8 * body) // 8) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(1 << bits))
     assert set(blocks.sc.flatten().tolist()) == set(blocks.mn.flatten().tolist()) == set(range(64))
-    flat = tiles.view(2, 2, 2368)  # [tile, super-block, bytes]
+    flat = tiles.view(2, 2, 64 + 8 * body)  # [tile, super-block, bytes]
     for row in range(n):
         t, r = divmod(row, 16)
         for s in range(2):
@@ -376,26 +380,28 @@ def test_q4k_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
             assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, s])
             assert float(head[32 + 2 * r: 34 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, s])
             for j in range(8):
-                w, b = head[64 + 288 * j: 64 + 288 * (j + 1)], 8 * s + j
-                assert [code_in_tile(w, r, col, 4) for col in range(32)] == \
+                w, b = head[64 + body * j: 64 + body * (j + 1)], 8 * s + j
+                assert [code_in_tile(w, r, col, bits) for col in range(32)] == \
                     blocks.codes[row, 32 * b: 32 * b + 32].tolist()
-                assert (int(w[256 + r]), int(w[272 + r])) == (int(blocks.sc[row, b]), int(blocks.mn[row, b]))
+                scales = body - 32
+                assert (int(w[scales + r]), int(w[scales + 16 + r])) == (int(blocks.sc[row, b]), int(blocks.mn[row, b]))
     dense = blocks.dequantize()
     sc = blocks.d.repeat_interleave(8, 1) * blocks.sc
-    terms = (15 * sc + blocks.dmin.repeat_interleave(8, 1) * blocks.mn).repeat_interleave(32, 1)
+    terms = (((1 << bits) - 1) * sc + blocks.dmin.repeat_interleave(8, 1) * blocks.mn).repeat_interleave(32, 1)
     x = torch.zeros(k, k)
     x[torch.arange(k), torch.arange(k)] = 1.0  # row i: code 127 at scale 1/127 in column i alone
-    got = q4k_product(x, tiles, n)
+    got = product(x, tiles, n)
     assert bool(((got - dense.T).abs() <= 2.0 ** -21 * terms.T).all())
-    with pytest.raises(ValueError, match="0..15"):
-        pack_q4k_tiles(Q4KBlocks(torch.full((16, 256), 16, dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
-                                 torch.ones(16, 8, dtype=torch.uint8), torch.ones(16, 8, dtype=torch.uint8)))
+    kind, top = type(blocks), (1 << bits) - 1
+    with pytest.raises(ValueError, match=f"0..{top}"):
+        pack(kind(torch.full((16, 256), top + 1, dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
+                  torch.ones(16, 8, dtype=torch.uint8), torch.ones(16, 8, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="0..63"):
-        pack_q4k_tiles(Q4KBlocks(torch.ones((16, 256), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
-                                 torch.ones(16, 8, dtype=torch.uint8), torch.full((16, 8), 64, dtype=torch.uint8)))
+        pack(kind(torch.ones((16, 256), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
+                  torch.ones(16, 8, dtype=torch.uint8), torch.full((16, 8), 64, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="super-blocks of 256"):
-        pack_q4k_tiles(Q4KBlocks(torch.ones((16, 96), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
-                                 torch.ones(16, 3, dtype=torch.uint8), torch.ones(16, 3, dtype=torch.uint8)))
+        pack(kind(torch.ones((16, 96), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
+                  torch.ones(16, 3, dtype=torch.uint8), torch.ones(16, 3, dtype=torch.uint8)))
 
 
 def test_q5_tiles_hold_every_code_and_their_d_and_m():
@@ -421,16 +427,18 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3", "q2", "q4k"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3", "q2", "q4k", "q5k"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
     on, and no pass may write past its rows (two NaN guard rows follow the output)."""
     torch.manual_seed(5)
-    n, k = 100, 768 if kind == "q4k" else 576  # seven tiles: groups of two and a short last group
+    n, k = 100, 768 if kind in ("q4k", "q5k") else 576  # seven tiles: groups of two and a short last group
     weights = torch.randn(n, k)
     if kind == "q4k":
-        tiles, matmul = pack_q4k_tiles(random_q4k(n, k)), native.module().q4k_matmul
+        tiles, matmul = pack_q4k_tiles(random_k(n, k)), native.module().q4k_matmul
+    elif kind == "q5k":
+        tiles, matmul = pack_q5k_tiles(random_k(n, k, 5)), native.module().q5k_matmul
     elif kind == "q4":
         tiles, matmul = pack_q4_tiles(quantize_int4(weights, 32)), native.module().q4_matmul
     elif kind == "q5":
@@ -549,7 +557,9 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
         four = Q4KBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), halves_of(n, k // 8), halves_of(n, k // 8),
                          torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
                          torch.randint(0, 64, (n, k // 32), dtype=torch.uint8))
-        check(mod.q4k_matmul, pack_q4k_tiles(four), q4k_reference(x, four))
+        check(mod.q4k_matmul, pack_q4k_tiles(four), k_reference(x, four))
+        five = Q5KBlocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), *four[1:])
+        check(mod.q5k_matmul, pack_q5k_tiles(five), k_reference(x, five))
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -568,6 +578,9 @@ q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 576), dtype=torch.ui
 q4k_tiles = pack_q4k_tiles(Q4KBlocks(torch.randint(0, 16, (100, 768), dtype=torch.uint8), halves_of(100, 96),
                                     halves_of(100, 96), torch.randint(0, 64, (100, 24), dtype=torch.uint8),
                                     torch.randint(0, 64, (100, 24), dtype=torch.uint8)))
+q5k_tiles = pack_q5k_tiles(Q5KBlocks(torch.randint(0, 32, (100, 768), dtype=torch.uint8), halves_of(100, 96),
+                                    halves_of(100, 96), torch.randint(0, 64, (100, 24), dtype=torch.uint8),
+                                    torch.randint(0, 64, (100, 24), dtype=torch.uint8)))
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
     matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
@@ -575,8 +588,8 @@ def product(rows, matmul=mod.q4_matmul, tiles=tiles):
 independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
                   (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles),
-                  (mod.q2_matmul, q2_tiles), (mod.q4k_matmul, q4k_tiles)]:
-    x = torch.randn(36, 768 if w is q4k_tiles else 576)
+                  (mod.q2_matmul, q2_tiles), (mod.q4k_matmul, q4k_tiles), (mod.q5k_matmul, q5k_tiles)]:
+    x = torch.randn(36, 768 if w is q4k_tiles or w is q5k_tiles else 576)
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
@@ -592,8 +605,8 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
 _PAIRS_CHECK = """
 import hashlib, json, torch
 from corral import native
-from corral.engine.quant import (IQ4Blocks, Q4KBlocks, Q5Blocks, pack_iq4_tiles, pack_q4_tiles, pack_q4k_tiles,
-                                 pack_q5_tiles, quantize_int4)
+from corral.engine.quant import (IQ4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks, pack_iq4_tiles, pack_q4_tiles,
+                                 pack_q4k_tiles, pack_q5_tiles, pack_q5k_tiles, quantize_int4)
 from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(5)
@@ -606,10 +619,13 @@ for n in (100, 90, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (the l
     four = pack_q4k_tiles(Q4KBlocks(torch.randint(0, 16, (n, 768), dtype=torch.uint8), torch.rand(n, 3) * 0.002,
                                     torch.rand(n, 3) * 0.002, torch.randint(0, 64, (n, 24), dtype=torch.uint8),
                                     torch.randint(0, 64, (n, 24), dtype=torch.uint8)))
+    five_k = pack_q5k_tiles(Q5KBlocks(torch.randint(0, 32, (n, 768), dtype=torch.uint8), torch.rand(n, 3) * 0.002,
+                                      torch.rand(n, 3) * 0.002, torch.randint(0, 64, (n, 24), dtype=torch.uint8),
+                                      torch.randint(0, 64, (n, 24), dtype=torch.uint8)))
     for rows in (1, 2, 3, 4, 5, 8):
         for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five), (mod.iq4_matmul, grid),
-                          (mod.q4k_matmul, four)):
-            x = torch.randn(rows, 768 if w is four else 576)
+                          (mod.q4k_matmul, four), (mod.q5k_matmul, five_k)):
+            x = torch.randn(rows, 768 if w is four or w is five_k else 576)
             out = torch.empty(rows, n)
             matmul(buffer(x), buffer(w), n, buffer(out), 2)
             digest.update(out.numpy().tobytes())
