@@ -98,6 +98,22 @@ class Q3Blocks(NamedTuple):
         return (self.codes.float() - 4) * scale
 
 
+def _scales_and_mins(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+                     per_d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each scale's ``d sc`` and ``dmin mn`` in float32 (exact: 11 by at most 6 significant bits), ``d`` and ``dmin``
+    each over ``per_d`` of the scales and mins."""
+    return (d.float().repeat_interleave(per_d, dim=1) * sc.float(),
+            dmin.float().repeat_interleave(per_d, dim=1) * mn.float())
+
+
+def _dequantize_with_mins(blocks, per_d: int) -> torch.Tensor:
+    """``(d sc) q - dmin mn`` in float32, llama.cpp's operations (its values bit for bit), for blocks whose ``d`` and
+    ``dmin`` each cover ``per_d`` scales and mins."""
+    scale, low = _scales_and_mins(blocks.d, blocks.dmin, blocks.sc, blocks.mn, per_d)
+    width = blocks.codes.shape[1] // scale.shape[1]  # columns a scale covers
+    return scale.repeat_interleave(width, dim=1) * blocks.codes.float() - low.repeat_interleave(width, dim=1)
+
+
 class Q2Blocks(NamedTuple):
     """2-bit codes with float16 ``d`` and ``dmin`` per 32 weights along K and a 4-bit scale ``sc`` and min ``mn`` per
     16: ``W = d sc codes - dmin mn``, codes 0..3, GGUF Q2_K exactly (its d and dmin per super-block of 256 repeated
@@ -110,9 +126,7 @@ class Q2Blocks(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """``(d sc) q - dmin mn`` in float32, llama.cpp's operations (its values bit for bit)."""
-        scale = (self.d.float().repeat_interleave(2, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
-        low = (self.dmin.float().repeat_interleave(2, dim=1) * self.mn.float()).repeat_interleave(16, dim=1)
-        return scale * self.codes.float() - low
+        return _dequantize_with_mins(self, 2)
 
 
 class Q4KBlocks(NamedTuple):
@@ -127,14 +141,11 @@ class Q4KBlocks(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """``(d sc) q - dmin mn`` in float32, llama.cpp's operations (its values bit for bit)."""
-        scale = (self.d.float().repeat_interleave(8, dim=1) * self.sc.float()).repeat_interleave(32, dim=1)
-        low = (self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()).repeat_interleave(32, dim=1)
-        return scale * self.codes.float() - low
+        return _dequantize_with_mins(self, 8)
 
     def as_q4(self) -> Q4Blocks:
         """The same weights as :class:`Q4Blocks` (scale ``d sc``, zero ``8 d sc - dmin mn``, exact in float32)."""
-        scale = self.d.float().repeat_interleave(8, dim=1) * self.sc.float()
-        low = self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()
+        scale, low = _scales_and_mins(self.d, self.dmin, self.sc, self.mn, 8)
         return Q4Blocks(self.codes, scale, 8 * scale - low, 32)
 
 
