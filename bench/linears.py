@@ -5,23 +5,23 @@ Per row count, the sum over SmolLM2-135M's 30 layers (fused QKV 960x576, gate/up
 bf16 and fp32 activations) and W4A16 (``_weight_int4pack_mm_for_cpu`` at group 32 and 64, bf16 and fp32
 activations; the fp32-activation kernels only up to 4 rows, past which one call takes seconds), and Corral's
 native W4A8 (Q4 tiles; on the LM head row, W8A8 Q8 tiles: what ``w4a8`` runs), fp32 activations quantized
-inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1/Q5_K linears), W6A8 (Q6 tiles: its Q6_K
-ones), W8A8 (Q8 tiles: its Q8_0 ones), IQ4 tiles (an IQ4_NL/IQ4_XS file's), W3A8 (Q3 tiles: a Q3_K file's) and
-W2A8 (Q2 tiles: a Q2_K file's).
+inside; for the layers also W5A8 (Q5 tiles: a K-quant file's Q5_0/Q5_1 linears), W6A8 (Q6 tiles: its Q6_K
+ones), W8A8 (Q8 tiles: its Q8_0 ones) and IQ4 tiles (an IQ4_NL/IQ4_XS file's).
 Random weights of the real shapes; each figure is the median of ``--repeats`` calls after a warm-up. This is what
 the ``auto`` format rule and the README's kernel figures rest on.
 
 Timed alone, a layer's tiles stay in the cache: those figures are arithmetic. ``--streamed`` times instead, per
 row count, one pass over 30 distinct copies of each layer shape in each native format (W4A8, W5A8, W6A8, W8A8, IQ4,
-W3A8, W2A8, or those ``--kinds`` names), as a decode step streams its weights from memory, the formats taking turns
-for ``--repeats`` rounds (the median). ``--shape llama-1b`` streams Llama 3.2 1B's 16 layers instead (fused QKV
-3072x2048, gate/up 16384x2048, down 2048x8192, output 2048x2048: 1.2 billion weights a pass), whose K are whole
-super-blocks of 256, as Q4K and Q5K tiles (``q4k``, ``q5k``: a Q4_K or Q5_K file's linears as shipped) need;
-SmolLM2's 576 are not.
+or those ``--kinds`` names), as a decode step streams its weights from memory, the formats taking turns for
+``--repeats`` rounds (the median). ``--shape llama-1b`` streams Llama 3.2 1B's 16 layers instead (fused QKV
+3072x2048, gate/up 16384x2048, down 2048x8192, output 2048x2048: 0.97 billion weights a pass), whose K are whole
+super-blocks of 256, as tiles in super-blocks need (``q4k``, ``q5k``, ``q3``, ``q2``: a Q4_K, Q5_K, Q3_K or Q2_K
+file's linears as shipped); SmolLM2's 576 are not.
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
     .venv/bin/python bench/linears.py --streamed --rows 1,4,16 --repeats 9
-    .venv/bin/python bench/linears.py --streamed --shape llama-1b --kinds q4,q4k --rows 1,4,16 --repeats 9
+    .venv/bin/python bench/linears.py --streamed --shape llama-1b --kinds q4,q4k,q5,q5k --rows 1,4,16 --repeats 9
+    .venv/bin/python bench/linears.py --streamed --shape llama-1b --kinds q4k,q3,q2 --rows 1,4,16,64 --repeats 9
 """
 
 import argparse
@@ -75,13 +75,11 @@ def kernels(n: int, k: int, rows: int) -> dict:
     if native.module() is not None:
         native_layer = (Q8Tiles(w) if (n, k) == HEAD else Q4Tiles(quantize_int4(w, 32), None))
         out["w4a8 native"] = lambda: native_layer(x)
-        if (n, k) != HEAD:  # a K-quant file's 2-, 3-, 5-, 6- and 8-bit linears (Q2_K; Q3_K; Q5_*; Q6_K; Q8_0), IQ4
+        if (n, k) != HEAD:  # a K-quant file's 5-, 6- and 8-bit linears (Q5_0/Q5_1; Q6_K; Q8_0), IQ4
             five, six, grid = random_native("q5", n, k), random_native("q6", n, k), random_native("iq4", n, k)
             eight = Q8Linear(Q8Blocks(*quantize_q8_blocks(w)), None)
             out["w5a8 native"], out["w6a8 native"] = (lambda: five(x)), (lambda: six(x))
             out["w8a8 native"], out["iq4 native"] = (lambda: eight(x)), (lambda: grid(x))
-            three, two = random_native("q3", n, k), random_native("q2", n, k)
-            out["w3a8 native"], out["w2a8 native"] = (lambda: three(x)), (lambda: two(x))
     return out
 
 
@@ -104,15 +102,14 @@ def random_native(kind: str, n: int, k: int):
         return Q6Tiles(Q6Blocks(torch.randint(0, 64, (n, k), dtype=torch.uint8),
                                 (torch.rand(n, k // 32) * 1e-3).half().float(),
                                 torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)), None)
+    # Q2 and Q3 blocks: a d (and dmin) per super-block of 256, repeated over its blocks of 32
+    per_super = lambda: (torch.rand(n, k // 256) * 1e-3).half().float().repeat_interleave(8, dim=1)  # noqa: E731
     if kind == "q2":
-        return Q2Tiles(Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8),
-                                (torch.rand(n, k // 32) * 1e-3).half().float(),
-                                (torch.rand(n, k // 32) * 1e-3).half().float(),
+        return Q2Tiles(Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), per_super(), per_super(),
                                 torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
                                 torch.randint(0, 16, (n, k // 16), dtype=torch.uint8)), None)
     if kind == "q3":
-        return Q3Tiles(Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8),
-                                (torch.rand(n, k // 32) * 1e-3).half().float(),
+        return Q3Tiles(Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), per_super(),
                                 torch.randint(-32, 32, (n, k // 16), dtype=torch.int8)), None)
     if kind == "iq4":
         return IQ4Tiles(IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 1e-3),
@@ -149,7 +146,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--streamed", action="store_true",
                     help="the native formats over 30 distinct copies of each layer (weights from memory)")
-    ap.add_argument("--kinds", default="q4,q5,q6,q8,iq4,q3,q2",
+    ap.add_argument("--kinds", default="q4,q5,q6,q8,iq4",
                     help="--streamed: the native formats (q2, q3, q4, q4k, q5, q5k, q6, q8, iq4)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="--streamed: whose layers")
     args = ap.parse_args()
@@ -159,8 +156,8 @@ def main() -> int:
           f"{args.threads} threads; native products: {isa}; ms, median of {args.repeats}\n")
     if args.streamed:
         kinds = tuple(args.kinds.split(","))
-        if {"q4k", "q5k"} & set(kinds) and args.shape == "smollm2":
-            ap.error("q4k and q5k tiles take K in whole super-blocks of 256: --shape llama-1b")
+        if {"q4k", "q5k", "q3", "q2"} & set(kinds) and args.shape == "smollm2":
+            ap.error("q4k, q5k, q3 and q2 tiles take K in whole super-blocks of 256: --shape llama-1b")
         streamed([int(r) for r in args.rows.split(",")], args.repeats, kinds, args.shape)
         return 0
     names = list(kernels(16, 64, 1))

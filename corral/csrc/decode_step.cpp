@@ -299,7 +299,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
                 bits[i] != corral_qmatmul::IQ4 && !corral_qmatmul::in_super_blocks(bits[i]))
                 fail(PyExc_ValueError, "decode_step: kinds must be 2, 3, 4, 5, 6, 8, 40 (IQ4), 41 (Q4K) or 51 (Q5K)");
             if (corral_qmatmul::in_super_blocks(bits[i]) && (i % 7 == 3 ? heads * D : i % 7 == 6 ? I : H) % 256 != 0)
-                fail(PyExc_ValueError, "decode_step: Q4K and Q5K tiles need a K that is a multiple of 256");
+                fail(PyExc_ValueError, "decode_step: Q2, Q3, Q4K and Q5K tiles need a K that is a multiple of 256");
         }
     }
     const bool has_qkv_bias = !qkv_bias_in.is_none();

@@ -170,8 +170,9 @@ void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, fl
 namespace {
 
 // q2_matmul / q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul / q4k_matmul / q5k_matmul(x
-// [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T (Q4K
-// and Q5K tiles: K a multiple of 256, each tile's super-blocks viewed as K / 32 blocks of 296 or 360 bytes).
+// [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T (Q4K,
+// Q5K, Q3 and Q2 tiles: K a multiple of 256, each tile's super-blocks viewed as K / 32 blocks of 296, 360, 232 or 168
+// bytes).
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -183,7 +184,7 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
     if (corral_qmatmul::in_super_blocks(bits) && cols % 256 != 0)
-        fail(PyExc_ValueError, "x: K must be a multiple of 256 for tiles in super-blocks (Q4K, Q5K)");
+        fail(PyExc_ValueError, "x: K must be a multiple of 256 for tiles in super-blocks (Q2, Q3, Q4K, Q5K)");
     tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32, corral_qmatmul::tile_block_bytes(bits)});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);

@@ -17,25 +17,28 @@
 //     bytes of their sixth bits (bytes 320 + 16 c .., laid out as the fifth bits), then 16 float16 d (384), then
 //     16 int8 scales of the block's first 16 columns (416: chunks 0 and 1), then 16 of its last 16 (432):
 //     w = d sc (q - 32), q 0..63, llama.cpp's Q6_K exactly (its d per 256 columns and scale per 16).
-//   Q3 tile block (256 bytes, kind 3): 2 chunks of 64 bytes of the codes' low 2 bits, then 4 x 16 bytes of their
-//     third bits (128 + 16 c .., laid out as a Q5 tile block's fifth bits, for the Q4 tile block's chunk c), then 16
-//     float16 d (192), then 16 int8 scales of the block's first 16 columns (224), then 16 of its last 16 (240):
-//     w = d sc (q - 4), q 0..7, llama.cpp's Q3_K exactly (its d per 256 columns, and its 6-bit scale per 16 less
-//     32). Byte 4 r + i of 2-bit chunk p holds, from its low bits up, the codes a Q4 tile block keeps in the low
-//     and high nibbles of chunk 2 p's byte 4 r + i, then those of chunk 2 p + 1's: chunk c's are 4 (c % 2) bits up.
-//   Q2 tile block (224 bytes, kind 2): a Q3 tile block's 2 chunks of 2-bit codes, then 16 float16 d (128), then 16
-//     float16 dmin (160), then for each row a byte of the block's first 16 columns' 4-bit scale sc (low nibble)
-//     and 4-bit min mn (high nibble) (192), then 16 of its last 16 columns' (208): w = d sc q - dmin mn, q 0..3,
-//     llama.cpp's Q2_K (its d and dmin per 256 columns, a scale and a min per 16).
-//   Q4K tiles (kind Q4K = 41), llama.cpp's Q4_K as shipped (w = d sc q - dmin mn, q 0..15, d and dmin per 256
-//     columns, a 6-bit scale sc and min mn per 32): a super-block of 8 blocks (2368 bytes) is 16 float16 d, then 16
-//     float16 dmin (32), then at 64 + 288 j each block j's: a Q4 tile block's 4 chunks, then 16 uint8 sc (256),
-//     then 16 uint8 mn (272). 0.578 bytes a weight where Q4 tiles keep 0.625 (and round d sc to float16). Block b
-//     of a tile row starts at block_at(Q4K, b); its tiles are K / 256 super-blocks a tile, which tile_block_bytes
-//     counts as 296 bytes a block (rows of them take K / 256 x 2368 bytes, K a multiple of 256).
-//   Q5K tiles (kind Q5K = 51), llama.cpp's Q5_K as shipped (the same with q 0..31): a Q4K tile super-block whose
-//     blocks (352 bytes at 64 + 352 j) are a Q5 tile block's 4 chunks and fifth-bit masks, then 16 uint8 sc (320),
-//     then 16 uint8 mn (336); 2880 bytes a super-block, 0.703 bytes a weight where Q5 tiles keep 0.75.
+//   Tiles in super-blocks (kinds Q4K, Q5K, 3 and 2; K a multiple of 256): per 256 columns, as llama.cpp's
+//     K-quants keep a d (and dmin) per 256, a 64-byte header of each row's float16 d, then its float16 dmin (32;
+//     unused by Q3 tiles), then the super-block's 8 blocks. Block b of a tile row starts at block_at(kind, b), its
+//     header at head_at(kind, b); tile_block_bytes counts a super-block's bytes over its 8 blocks (a tile row of
+//     K / 32 blocks takes K / 32 times them).
+//   Q4K tiles (kind Q4K = 41), llama.cpp's Q4_K as shipped (w = d sc q - dmin mn, q 0..15, a 6-bit scale sc and
+//     min mn per 32): a block (288 bytes) is a Q4 tile block's 4 chunks, then 16 uint8 sc (256), then 16 uint8 mn
+//     (272). 2368 bytes a super-block, 0.578 bytes a weight where Q4 tiles keep 0.625 (and round d sc to float16).
+//   Q5K tiles (kind Q5K = 51), llama.cpp's Q5_K as shipped (the same with q 0..31): a block (352 bytes) is a Q5
+//     tile block's 4 chunks and fifth-bit masks, then 16 uint8 sc (320), then 16 uint8 mn (336); 2880 bytes a
+//     super-block, 0.703 bytes a weight where Q5 tiles keep 0.75.
+//   Q3 tiles (kind 3): a block (224 bytes) is 2 chunks of 64 bytes of the codes' low 2 bits, then 4 x 16 bytes of
+//     their third bits (128 + 16 c .., laid out as a Q5 tile block's fifth bits, for the Q4 tile block's chunk c),
+//     then 16 int8 scales of the block's first 16 columns (192), then 16 of its last 16 (208): w = d sc (q - 4), q
+//     0..7, llama.cpp's Q3_K exactly (its 6-bit scale per 16 less 32). Byte 4 r + i of 2-bit chunk p holds, from
+//     its low bits up, the codes a Q4 tile block keeps in the low and high nibbles of chunk 2 p's byte 4 r + i,
+//     then those of chunk 2 p + 1's: chunk c's are 4 (c % 2) bits up. 1856 bytes a super-block, 0.453 bytes a
+//     weight (llama.cpp 0.430).
+//   Q2 tiles (kind 2): a block (160 bytes) is a Q3 tile block's 2 chunks of 2-bit codes, then for each row a byte
+//     of the block's first 16 columns' 4-bit scale sc (low nibble) and 4-bit min mn (high nibble) (128), then 16
+//     of its last 16 columns' (144): w = d sc q - dmin mn, q 0..3, llama.cpp's Q2_K (a scale and a min per 16).
+//     1344 bytes a super-block, 0.328 bytes a weight, as llama.cpp's.
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //   IQ4 tile block (320 bytes, kind IQ4 = 40): a Q4 tile block's 4 chunks of 4-bit indices, then 16 float32 d
@@ -53,8 +56,10 @@
 //   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
 //       block's xq over that half (halves32, below, holds 32 isum_h); a block's sum over h in integers (at most
 //       2 x 128 x 16 x 32 x 127 < 2^24)
-//   Q3: the same with q - 4 (4 isum_h: halves32 / 8), a block's sum at most 2 x 32 x 16 x 4 x 127 < 2^20
-//   Q2: y[n] = sum_b s_b (d[n,b] sum_h sc[n,b,h] (sum_{k in half h} q xq) - dmin[n,b] sum_h mn[n,b,h] isum_h),
+//   Q3: the same with q - 4 (4 isum_h: halves32 / 8) and d[n,b] its super-block's, a block's sum at most 2 x 32 x
+//       16 x 4 x 127 < 2^20
+//   Q2: y[n] = sum_b s_b (d[n,b] sum_h sc[n,b,h] (sum_{k in half h} q xq) - dmin[n,b] sum_h mn[n,b,h] isum_h)
+//       (d and dmin its super-block's),
 //       both sums over h in integers (at most 2 x 15 x 16 x 3 x 127 and 2 x 15 x 16 x 127)
 // that is W times the quantized x (s xq), exactly (float32 summation order aside). The only error against the
 // product with the dequantized weights is x's rounding: at most s_b / 2 per element, so
@@ -67,26 +72,28 @@
 
 namespace corral_qmatmul {
 
-constexpr int64_t TILE = 16, BLOCK = 32, Q2_TILE_BYTES = 224, Q3_TILE_BYTES = 256, Q4_TILE_BYTES = 320,
-                  Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448, Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
+constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448,
+                  Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
 // The kinds of IQ4, Q4K and Q5K tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
 constexpr int64_t IQ4 = 40, Q4K = 41, Q5K = 51;
-// Q4K and Q5K tiles: a super-block of 8 blocks for 16 rows, its header (d, dmin), then each block's bytes.
-constexpr int64_t SUPER_BLOCKS = 8, SUPER_HEAD_BYTES = 64, Q4K_BLOCK_BYTES = 288, Q5K_BLOCK_BYTES = 352;
+// Tiles in super-blocks: 8 blocks for 16 rows, their header (d, dmin), then each block's bytes.
+constexpr int64_t SUPER_BLOCKS = 8, SUPER_HEAD_BYTES = 64, Q4K_BLOCK_BYTES = 288, Q5K_BLOCK_BYTES = 352,
+                  Q3_BLOCK_BYTES = 224, Q2_BLOCK_BYTES = 160;
 // Whether tiles of kind `bits` keep their blocks in super-blocks of 8 (K a multiple of 256).
-constexpr bool in_super_blocks(int64_t bits) { return bits == Q4K || bits == Q5K; }
+constexpr bool in_super_blocks(int64_t bits) { return bits == Q4K || bits == Q5K || bits == 3 || bits == 2; }
 // A super-block's block bytes (header aside), and its whole bytes, for tiles kept in super-blocks.
-constexpr int64_t super_block_body(int64_t bits) { return bits == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES; }
+constexpr int64_t super_block_body(int64_t bits) {
+    return bits == Q5K ? Q5K_BLOCK_BYTES : bits == 3 ? Q3_BLOCK_BYTES : bits == 2 ? Q2_BLOCK_BYTES : Q4K_BLOCK_BYTES;
+}
 constexpr int64_t super_block_bytes(int64_t bits) { return SUPER_HEAD_BYTES + SUPER_BLOCKS * super_block_body(bits); }
 // llama.cpp's IQ4_NL / IQ4_XS grid: the weight of index q is d IQ4_VALUES[q].
 constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// A tile block's bytes for tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, IQ4, or Q4K or Q5K: a super-block's
-// bytes over its 8 blocks): a tile row of K / 32 blocks takes K / 32 times these.
+// A tile block's bytes for tiles of kind `bits` (2, 3, 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K; tiles in super-blocks:
+// a super-block's bytes over its 8 blocks): a tile row of K / 32 blocks takes K / 32 times these.
 constexpr int64_t tile_block_bytes(int64_t bits) {
-    return bits == 8 ? Q8_TILE_BYTES : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES
-         : bits == IQ4 ? IQ4_TILE_BYTES : bits == 3 ? Q3_TILE_BYTES : bits == 2 ? Q2_TILE_BYTES
-         : in_super_blocks(bits) ? super_block_bytes(bits) / SUPER_BLOCKS : Q4_TILE_BYTES;
+    return in_super_blocks(bits) ? super_block_bytes(bits) / SUPER_BLOCKS : bits == 8 ? Q8_TILE_BYTES
+         : bits == 6 ? Q6_TILE_BYTES : bits == 5 ? Q5_TILE_BYTES : bits == IQ4 ? IQ4_TILE_BYTES : Q4_TILE_BYTES;
 }
 // Where block b of a tile row starts, from the row's start (in a super-block: past its header), and where its
 // super-block's header does.

@@ -53,7 +53,8 @@ CORRAL_INLINE void store(float* y, const __m256 v, int64_t valid) {
 // (CORRAL_QMATMUL_ISA=avx2) on the 2-core Ice Lake Xeon, the two builds' calls interleaved in one process: the 30
 // layers' Q4 products of SmolLM2 6-12% faster at 1-4 rows, the Q8 LM head 14-23%; 3-4% at 8 rows; at 16 rows (four
 // passes, whose arithmetic hides the memory) 1-5% slower, so those go without. It changes no arithmetic.
-constexpr int64_t Q2_AHEAD = 28 * Q2_TILE_BYTES, Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES,
+// (Q3 and Q2 tiles in super-blocks since: about the bytes ahead they read before)
+constexpr int64_t Q2_AHEAD = 28 * 224, Q3_AHEAD = 25 * 256, Q4_AHEAD = 20 * Q4_TILE_BYTES,
                   Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES,
                   SMALL_MAX = 8;
 
@@ -154,7 +155,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 if (c % 2 == 0) continue;
                 const int h = c / 2;  // the half block whose two chunks are in
                 const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                    w + (Bits == 2 ? 192 : Bits == 3 ? 224 : 416) + 16 * h + 8 * half));
+                    w + (Bits == 2 ? 128 : Bits == 3 ? 192 : 416) + 16 * h + 8 * half));
                 const __m256i sc = Bits == 2 ? _mm256_and_si256(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(15))
                                              : _mm256_cvtepi8_epi32(bytes);
                 for (int r = 0; r < R; ++r) {
@@ -168,14 +169,14 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
         }
         if constexpr (by_halves) {
-            const __m256 d = halves(w + (Bits == 2 ? 128 : Bits == 3 ? 192 : 384) + 16 * half);
+            const __m256 d = halves((Bits == 6 ? w + 384 : head) + 16 * half);
             for (int r = 0; r < R; ++r) {
                 const float s = x.scale[(m + r) * blocks + b];
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
             }
             if constexpr (Bits == 2) {  // less dmin s (mn_0 isum_0 + mn_1 isum_1)
-                const __m256 dmin = halves(w + 160 + 16 * half);
-                const uint8_t* mins = w + 192 + 8 * half;
+                const __m256 dmin = halves(head + 32 + 16 * half);
+                const uint8_t* mins = w + 128 + 8 * half;
                 const __m256i first = _mm256_srli_epi32(
                     _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins))), 4);
                 const __m256i second = _mm256_srli_epi32(

@@ -47,7 +47,8 @@ CORRAL_INLINE __m512 halves(const uint8_t* p) {
 // 2-core Zen 4 EPYC, both builds with pairs: level at 1 row, 6-19% faster at 2-16 rows. A prefill's products, whose
 // arithmetic hides the memory, ran 1-3% slower with it: they go without. Reading ahead changes no arithmetic, so no
 // product.
-constexpr int64_t Q2_AHEAD = 28 * Q2_TILE_BYTES, Q3_AHEAD = 25 * Q3_TILE_BYTES, Q4_AHEAD = 20 * Q4_TILE_BYTES,
+// (Q3 and Q2 tiles in super-blocks since: about the bytes ahead they read before)
+constexpr int64_t Q2_AHEAD = 28 * 224, Q3_AHEAD = 25 * 256, Q4_AHEAD = 20 * Q4_TILE_BYTES,
                   Q5_AHEAD = 16 * Q5_TILE_BYTES, Q6_AHEAD = 14 * Q6_TILE_BYTES, Q8_AHEAD = 12 * Q8_TILE_BYTES;
 // Q4K and Q5K tiles read Q4 and Q5 tiles' distance ahead
 
@@ -146,7 +147,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 const int h = c / 2;  // the half block whose two chunks are in
                 for (int t = 0; t < T; ++t) {
                     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                        w + t * stride + (Bits == 2 ? 192 : Bits == 3 ? 224 : 416) + 16 * h));
+                        w + t * stride + (Bits == 2 ? 128 : Bits == 3 ? 192 : 416) + 16 * h));
                     const __m512i sc = Bits == 2 ? _mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(15))
                                                  : _mm512_cvtepi8_epi32(bytes);
                     for (int r = 0; r < R; ++r) {
@@ -163,15 +164,15 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         }
         if constexpr (by_halves) {
             for (int t = 0; t < T; ++t) {
-                const __m512 d = halves(w + t * stride + (Bits == 2 ? 128 : Bits == 3 ? 192 : 384));
+                const __m512 d = halves(Bits == 6 ? w + t * stride + 384 : head + t * stride);
                 for (int r = 0; r < R; ++r) {
                     const int64_t at = (m + r) * blocks + b;
                     acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled[t][r]),
                                                 _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[t][r]);
                 }
                 if constexpr (Bits == 2) {  // less dmin s (mn_0 isum_0 + mn_1 isum_1)
-                    const __m512 dmin = halves(w + t * stride + 160);
-                    const uint8_t* mins = w + t * stride + 192;
+                    const __m512 dmin = halves(head + t * stride + 32);
+                    const uint8_t* mins = w + t * stride + 128;
                     const __m512i first = _mm512_srli_epi32(
                         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins))), 4);
                     const __m512i second = _mm512_srli_epi32(

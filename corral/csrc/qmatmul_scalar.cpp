@@ -138,15 +138,15 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
             if constexpr (Bits == 2) {
                 int32_t total = 0, mins = 0;
                 for (int h = 0; h < 2; ++h) {
-                    const uint8_t both = w[192 + 16 * h + r];
+                    const uint8_t both = w[128 + 16 * h + r];
                     total += int32_t(both & 15) * dot[h], mins += int32_t(both >> 4) * half_sum[h];
                 }
-                acc[r] += float(total) * (half_to_float(w + 128 + 2 * r) * s);
-                acc[r] -= float(mins) * (half_to_float(w + 160 + 2 * r) * s);
+                acc[r] += float(total) * (half_to_float(head + 2 * r) * s);
+                acc[r] -= float(mins) * (half_to_float(head + 32 + 2 * r) * s);
             } else if constexpr (Bits == 3) {
                 int32_t total = 0;
-                for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[224 + 16 * h + r])) * (dot[h] - 4 * half_sum[h]);
-                acc[r] += float(total) * (half_to_float(w + 192 + 2 * r) * s);
+                for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[192 + 16 * h + r])) * (dot[h] - 4 * half_sum[h]);
+                acc[r] += float(total) * (half_to_float(head + 2 * r) * s);
             } else if constexpr (Bits == 6) {
                 int32_t total = 0;
                 for (int h = 0; h < 2; ++h) total += int32_t(int8_t(w[416 + 16 * h + r])) * (dot[h] - 32 * half_sum[h]);

@@ -329,35 +329,63 @@ def _two_bit_chunks(codes: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 2, 3, 1, 4).reshape(num_tiles, num_blocks, 128)
 
 
+def _per_super_block(values: torch.Tensor, name: str, what: str) -> torch.Tensor:
+    """A d (or dmin) per block of 32 [N, K / 32] as the one per super-block of 256 [N, K / 256] that tiles in
+    super-blocks keep: refused where a super-block's blocks differ in it (a GGUF K-quant's never do)."""
+    rows, blocks = values.shape
+    if blocks % 8:
+        raise ValueError(f"{name} tiles take whole super-blocks of 256 along K, not {blocks * 32} columns")
+    grouped = values.float().view(rows, blocks // 8, 8)
+    if not bool((grouped == grouped[..., :1]).all()):
+        raise ValueError(f"{name} tiles keep one {what} per super-block of 256 columns: its 8 blocks' must be equal")
+    return grouped[..., 0]
+
+
 def pack_q3_tiles(blocks: Q3Blocks) -> torch.Tensor:
-    """Q3 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 256] uint8 (layout in
-    ``corral/csrc/qmatmul.h``): the codes' low 2 bits in two chunks (a Q4 tile block's chunks 2p and 2p + 1 in
+    """Q3 blocks as the native kernel's Q3 tiles [ceil(N / 16), K / 32, 232] uint8 (1856 bytes a super-block of
+    256; layout in ``corral/csrc/qmatmul.h``): per super-block each row's ``d`` as float16 (one per 256 columns, as
+    Q3_K keeps it), then per block the codes' low 2 bits in two chunks (a Q4 tile block's chunks 2p and 2p + 1 in
     chunk p, each code 4 (c % 2) bits up from where a Q4 tile block's nibbles put it), their third bits as masks laid
-    out as a Q5 tile block's fifth bits, ``d`` as float16, then each row's int8 scale of the block's first 16
-    columns, and of its last 16."""
+    out as a Q5 tile block's fifth bits, then each row's int8 scale of the block's first 16 columns, and of its last
+    16."""
     if blocks.codes.numel() and int(blocks.codes.max()) > 7:
         raise ValueError("Q3 codes must be 0..7")
+    d = _per_super_block(blocks.d, "Q3", "d")
     low = _two_bit_chunks(blocks.codes)
     num_tiles, num_blocks = low.shape[:2]
     sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1)
-    return torch.cat((low, _bit_masks(blocks.codes, 2), _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
-                      sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1).contiguous()
+    body = torch.cat((low, _bit_masks(blocks.codes, 2), sc.reshape(num_tiles, num_blocks, 32).view(torch.uint8)), -1)
+    return _super_tiles(body, d, torch.zeros_like(d))
 
 
 def pack_q2_tiles(blocks: Q2Blocks) -> torch.Tensor:
-    """Q2 blocks as the native kernel's tiles [ceil(N / 16), K / 32, 224] uint8 (layout in
-    ``corral/csrc/qmatmul.h``): a Q3 tile block's two 2-bit chunks, ``d`` and ``dmin`` as float16, then for each row
-    a byte of the block's first 16 columns' scale (low nibble) and min (high nibble), and of its last 16's."""
+    """Q2 blocks as the native kernel's Q2 tiles [ceil(N / 16), K / 32, 168] uint8 (1344 bytes a super-block of
+    256; layout in ``corral/csrc/qmatmul.h``): per super-block each row's ``d`` and ``dmin`` as float16 (one each
+    per 256 columns, as Q2_K keeps them), then per block a Q3 tile block's two 2-bit chunks and for each row a byte
+    of the block's first 16 columns' scale (low nibble) and min (high nibble), and of its last 16's."""
     if blocks.codes.numel() and int(blocks.codes.max()) > 3:
         raise ValueError("Q2 codes must be 0..3")
     if blocks.sc.numel() and max(int(blocks.sc.max()), int(blocks.mn.max())) > 15:
         raise ValueError("Q2 scales and mins must be 0..15")
+    d, dmin = _per_super_block(blocks.d, "Q2", "d"), _per_super_block(blocks.dmin, "Q2", "dmin")
     low = _two_bit_chunks(blocks.codes)
     num_tiles, num_blocks = low.shape[:2]
     both = _tile_rows((blocks.sc.to(torch.uint8) | (blocks.mn.to(torch.uint8) << 4)))
     both = both.view(num_tiles, 16, num_blocks, 2).permute(0, 2, 3, 1).reshape(num_tiles, num_blocks, 32)
-    return torch.cat((low, _halves(_tile_rows(blocks.d.float()), num_tiles, num_blocks),
-                      _halves(_tile_rows(blocks.dmin.float()), num_tiles, num_blocks), both), -1).contiguous()
+    return _super_tiles(torch.cat((low, both), -1), d, dmin)
+
+
+def _super_tiles(body: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """Tiles in super-blocks (``corral/csrc/qmatmul.h``) from each block's bytes ``body`` [tiles, K / 32, bytes] and
+    each row's ``d`` and ``dmin`` per super-block of 256 [N, K / 256]: per tile and super-block a 64-byte header of
+    the rows' d, then their dmin, as float16, then its 8 blocks; returned as [tiles, K / 32, super-block bytes / 8]
+    uint8 (a super-block's bytes over its blocks, the shape the kernels check)."""
+    num_tiles, num_blocks, size = body.shape
+    supers = num_blocks // 8
+    head = torch.cat((_halves(_tile_rows(d.float()), num_tiles, supers),
+                      _halves(_tile_rows(dmin.float()), num_tiles, supers)), -1)
+    tiles = torch.cat((head, body.reshape(num_tiles, supers, 8 * size)), -1).contiguous()
+    return tiles.view(num_tiles, num_blocks, tiles.shape[-1] // 8)
 
 
 def _pack_super_tiles(blocks: "Q4KBlocks | Q5KBlocks", bits: int) -> torch.Tensor:
@@ -374,16 +402,11 @@ def _pack_super_tiles(blocks: "Q4KBlocks | Q5KBlocks", bits: int) -> torch.Tenso
     if blocks.sc.numel() and max(int(blocks.sc.max()), int(blocks.mn.max())) > 63:
         raise ValueError(f"{name} scales and mins must be 0..63")
     num_tiles, num_blocks, parts = _nibbles_and_masks(blocks.codes, bits)
-    supers = num_blocks // 8
 
     def per_row(values: torch.Tensor) -> torch.Tensor:  # [N, B] bytes -> [T, B, 16]: a tile's rows side by side
         return _tile_rows(values.to(torch.uint8)).view(num_tiles, 16, num_blocks).permute(0, 2, 1)
 
-    body = torch.cat((*parts, per_row(blocks.sc), per_row(blocks.mn)), -1)
-    head = torch.cat((_halves(_tile_rows(blocks.d.float()), num_tiles, supers),
-                      _halves(_tile_rows(blocks.dmin.float()), num_tiles, supers)), -1)
-    tiles = torch.cat((head, body.reshape(num_tiles, supers, 8 * body.shape[-1])), -1).contiguous()
-    return tiles.view(num_tiles, num_blocks, tiles.shape[-1] // 8)
+    return _super_tiles(torch.cat((*parts, per_row(blocks.sc), per_row(blocks.mn)), -1), blocks.d, blocks.dmin)
 
 
 def pack_q4k_tiles(blocks: Q4KBlocks) -> torch.Tensor:

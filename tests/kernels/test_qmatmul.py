@@ -76,22 +76,23 @@ def random_q6(n: int, k: int) -> Q6Blocks:
                     torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
 
 
+def per_super_block(n: int, k: int) -> torch.Tensor:
+    """A float16 value per row and super-block of 256 along k (a multiple of 256), repeated over its 8 blocks of 32,
+    as Q3 and Q2 blocks hold a GGUF K-quant's d and dmin (distinct super-blocks' show one read with another's)."""
+    return (torch.rand(n, k // 256) * 0.002 + 1e-4).half().float().repeat_interleave(8, dim=1).contiguous()
+
+
 def random_q3(n: int, k: int) -> Q3Blocks:
     """3-bit codes over every value 0..7 with scales over a Q3_K's whole range (6 bits less 32) per 16 and a
-    float16 d per block of 32 (a GGUF Q3_K tensor repeats its d over a super-block's 8 blocks; the tiles hold one a
-    block, and distinct ones show a block read with another's)."""
-    d = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
-    return Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), d.contiguous(),
+    float16 d per super-block of 256 (k a multiple of 256)."""
+    return Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), per_super_block(n, k),
                     torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
 
 
 def random_q2(n: int, k: int) -> Q2Blocks:
     """2-bit codes over every value 0..3 with 4-bit scales and mins over their whole range per 16 and a float16 d and
-    dmin per block of 32 (a GGUF Q2_K tensor repeats them over a super-block's 8 blocks; distinct ones show a block
-    read with another's)."""
-    d = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
-    dmin = (torch.rand(n, k // 32) * 0.002 + 1e-4).half().float()
-    return Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), d, dmin,
+    dmin per super-block of 256 (k a multiple of 256)."""
+    return Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), per_super_block(n, k), per_super_block(n, k),
                     torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
                     torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
 
@@ -191,10 +192,11 @@ def test_q5_q6_iq4_q3_q2_q4k_and_q5k_equal_their_stated_numerics(kind, m, n, k):
     ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
     ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4. Q2 tiles:
     ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``. Q4K and Q5K tiles: the Q4 numerics with
-    ``d sc`` and ``-dmin mn`` (K rounded up to whole super-blocks of 256)."""
+    ``d sc`` and ``-dmin mn``. Tiles in super-blocks (Q3, Q2, Q4K, Q5K): K rounded up to whole super-blocks of
+    256."""
     seed = ("q5", "q6", "iq4", "q3", "q2", "q4k", "q5k").index(kind)
     torch.manual_seed(m * 31 + n + k + seed)
-    k = -(-k // 256) * 256 if kind in ("q4k", "q5k") else k
+    k = -(-k // 256) * 256 if kind in ("q3", "q2", "q4k", "q5k") else k
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
     if kind in ("q4k", "q5k"):
@@ -251,17 +253,34 @@ def tile_blocks(tiles: torch.Tensor, n: int, k: int):
             yield row, r, b, tiles[t, b]
 
 
+# the bytes of a block of tiles in super-blocks (qmatmul.h), by their codes' bits
+SUPER_BODY = {2: 160, 3: 224, 4: 288, 5: 352}
+
+
+def super_tile_blocks(tiles: torch.Tensor, n: int, k: int, bits: int):
+    """(row, its place r in its tile, block b, that tile's block b, its super-block's 64-byte header) for every row
+    and block of tiles in super-blocks (Q2, Q3, Q4K or Q5K tiles: ``bits`` 2, 3, 4 or 5)."""
+    body = SUPER_BODY[bits]
+    flat = tiles.reshape(tiles.shape[0], k // 256, 64 + 8 * body)  # [tile, super-block, bytes]
+    for row in range(n):
+        t, r = divmod(row, 16)
+        for b in range(k // 32):
+            s, j = divmod(b, 8)
+            yield row, r, b, flat[t, s, 64 + body * j: 64 + body * (j + 1)], flat[t, s, :64]
+
+
 def packed_with_every_code(bits: int, seed: int, n: int = 20, k: int = 64):
-    """Random Q2, Q3, Q5 or Q6 blocks [n, k], every code among them, and their tiles, each code checked to read back
-    from the tiles."""
+    """Random Q2, Q3, Q5 or Q6 blocks [n, k] (Q2, Q3: k a multiple of 256), every code among them, and their tiles,
+    each code checked to read back from the tiles."""
     torch.manual_seed(seed)
-    random, pack, size = {2: (random_q2, pack_q2_tiles, 224), 3: (random_q3, pack_q3_tiles, 256),
+    random, pack, size = {2: (random_q2, pack_q2_tiles, 168), 3: (random_q3, pack_q3_tiles, 232),
                           5: (random_q5, pack_q5_tiles, 384), 6: (random_q6, pack_q6_tiles, 448)}[bits]
     blocks = random(n, k)
     tiles = pack(blocks)
     assert tiles.shape == (-(-n // 16), k // 32, size) and tiles.dtype == torch.uint8
     assert set(blocks.codes.flatten().tolist()) == set(range(2 ** bits))
-    for row, r, b, w in tile_blocks(tiles, n, k):
+    places = super_tile_blocks(tiles, n, k, bits) if bits <= 3 else tile_blocks(tiles, n, k)
+    for row, r, b, w, *_ in places:
         assert [code_in_tile(w, r, col, bits) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
     return blocks, tiles
 
@@ -310,36 +329,44 @@ def test_iq4_tiles_hold_every_index_and_d_and_give_each_weight_back():
 def test_q3_tiles_hold_every_code_and_scale_and_give_each_weight_back():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code's low 2 bits from its 2-bit chunk
     (the Q4 tile block's chunk c in chunk c // 2, 4 (c % 2) bits up), its third bit from its chunk's masks, d as
-    float16 and each half block's int8 scale; and one activation picks out a column's weight, d sc (q - 4), in
-    either half of a block, every code among them."""
-    n, k = 20, 64
+    float16 in its super-block's header and each half block's int8 scale; and one activation picks out a column's
+    weight, d sc (q - 4), in either half of a block, every code among them. Blocks of one super-block that differ in
+    d are refused (the tiles keep one per 256 columns, as Q3_K does)."""
+    n, k = 20, 512
     blocks, tiles = packed_with_every_code(3, seed=13, n=n, k=k)
-    for row, r, b, w in tile_blocks(tiles, n, k):
-        assert float(w[192 + 2 * r: 194 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
+    for row, r, b, w, head in super_tile_blocks(tiles, n, k, 3):
+        assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, b])
         for h in range(2):
-            assert int(w[224 + 16 * h + r: 225 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
+            assert int(w[192 + 16 * h + r: 193 + 16 * h + r].view(torch.int8)) == int(blocks.sc[row, 2 * b + h])
     dense = blocks.dequantize()
     for col in range(k):
         x = torch.zeros(1, k)
         x[0, col] = 1.0  # code 127 at scale 1/127
         assert torch.allclose(q3_product(x, tiles, n)[0], dense[:, col], rtol=1e-6, atol=0), col
     with pytest.raises(ValueError, match="0..7"):
-        pack_q3_tiles(Q3Blocks(torch.full((16, 32), 8, dtype=torch.uint8), torch.ones(16, 1),
-                               torch.ones(16, 2, dtype=torch.int8)))
+        pack_q3_tiles(Q3Blocks(torch.full((16, 256), 8, dtype=torch.uint8), torch.ones(16, 8),
+                               torch.ones(16, 16, dtype=torch.int8)))
+    with pytest.raises(ValueError, match="one d per super-block"):
+        pack_q3_tiles(Q3Blocks(torch.ones((16, 256), dtype=torch.uint8), torch.arange(8.0).repeat(16, 1),
+                               torch.ones(16, 16, dtype=torch.int8)))
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        pack_q3_tiles(Q3Blocks(torch.ones((16, 96), dtype=torch.uint8), torch.ones(16, 3),
+                               torch.ones(16, 6, dtype=torch.int8)))
 
 
 def test_q2_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
     """The tile bytes read back, as the kernels read them (qmatmul.h): each code from its 2-bit chunk, d and dmin as
-    float16, each half block's scale and min in one byte's low and high nibbles; and one activation picks out a
-    column's weight, d sc q - dmin mn (to float32 rounding: two products where llama.cpp rounds once), in either
-    half of a block, every code among them."""
-    n, k = 20, 64
+    float16 in its super-block's header, each half block's scale and min in one byte's low and high nibbles; and one
+    activation picks out a column's weight, d sc q - dmin mn (to float32 rounding: two products where llama.cpp
+    rounds once), in either half of a block, every code among them. Blocks of one super-block that differ in dmin
+    are refused (the tiles keep one per 256 columns, as Q2_K does)."""
+    n, k = 20, 256
     blocks, tiles = packed_with_every_code(2, seed=14, n=n, k=k)
-    for row, r, b, w in tile_blocks(tiles, n, k):
-        assert float(w[128 + 2 * r: 130 + 2 * r].view(torch.float16).float()) == float(blocks.d[row, b])
-        assert float(w[160 + 2 * r: 162 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, b])
+    for row, r, b, w, head in super_tile_blocks(tiles, n, k, 2):
+        assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, b])
+        assert float(head[32 + 2 * r: 34 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, b])
         for h in range(2):
-            both = int(w[192 + 16 * h + r])
+            both = int(w[128 + 16 * h + r])
             assert (both & 15, both >> 4) == (int(blocks.sc[row, 2 * b + h]), int(blocks.mn[row, 2 * b + h]))
     dense = blocks.dequantize()
     # both terms' size, which their rounding scales with (a weight may be their small difference)
@@ -350,11 +377,15 @@ def test_q2_tiles_hold_every_code_scale_and_min_and_give_each_weight_back():
         got = q2_product(x, tiles, n)[0]
         assert ((got - dense[:, col]).abs() <= 2.0 ** -21 * terms[:, col // 16]).all(), col
     with pytest.raises(ValueError, match="0..3"):
-        pack_q2_tiles(Q2Blocks(torch.full((16, 32), 4, dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
-                               torch.ones(16, 2, dtype=torch.uint8), torch.ones(16, 2, dtype=torch.uint8)))
+        pack_q2_tiles(Q2Blocks(torch.full((16, 256), 4, dtype=torch.uint8), torch.ones(16, 8), torch.ones(16, 8),
+                               torch.ones(16, 16, dtype=torch.uint8), torch.ones(16, 16, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="0..15"):
-        pack_q2_tiles(Q2Blocks(torch.ones((16, 32), dtype=torch.uint8), torch.ones(16, 1), torch.ones(16, 1),
-                               torch.ones(16, 2, dtype=torch.uint8), torch.full((16, 2), 16, dtype=torch.uint8)))
+        pack_q2_tiles(Q2Blocks(torch.ones((16, 256), dtype=torch.uint8), torch.ones(16, 8), torch.ones(16, 8),
+                               torch.ones(16, 16, dtype=torch.uint8), torch.full((16, 16), 16, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="one dmin per super-block"):
+        pack_q2_tiles(Q2Blocks(torch.ones((16, 256), dtype=torch.uint8), torch.ones(16, 8),
+                               torch.arange(8.0).repeat(16, 1), torch.ones(16, 16, dtype=torch.uint8),
+                               torch.ones(16, 16, dtype=torch.uint8)))
 
 
 @pytest.mark.parametrize("bits", [4, 5])
@@ -367,24 +398,17 @@ def test_q4k_and_q5k_tiles_hold_every_code_scale_and_min_and_give_each_weight_ba
     n, k = 20, 512
     blocks = random_k(n, k, bits)
     blocks.sc.view(-1)[:64], blocks.mn.view(-1)[:64] = torch.arange(64), torch.randperm(64)  # every one, surely
-    pack, product, body = (pack_q4k_tiles, q4k_product, 288) if bits == 4 else (pack_q5k_tiles, q5k_product, 352)
+    pack, product = (pack_q4k_tiles, q4k_product) if bits == 4 else (pack_q5k_tiles, q5k_product)
     tiles = pack(blocks)
-    assert tiles.shape == (2, 16, (64 + 8 * body) // 8) and tiles.dtype == torch.uint8
+    assert tiles.shape == (2, 16, (64 + 8 * SUPER_BODY[bits]) // 8) and tiles.dtype == torch.uint8
     assert set(blocks.codes.flatten().tolist()) == set(range(1 << bits))
     assert set(blocks.sc.flatten().tolist()) == set(blocks.mn.flatten().tolist()) == set(range(64))
-    flat = tiles.view(2, 2, 64 + 8 * body)  # [tile, super-block, bytes]
-    for row in range(n):
-        t, r = divmod(row, 16)
-        for s in range(2):
-            head = flat[t, s]
-            assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, s])
-            assert float(head[32 + 2 * r: 34 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, s])
-            for j in range(8):
-                w, b = head[64 + body * j: 64 + body * (j + 1)], 8 * s + j
-                assert [code_in_tile(w, r, col, bits) for col in range(32)] == \
-                    blocks.codes[row, 32 * b: 32 * b + 32].tolist()
-                scales = body - 32
-                assert (int(w[scales + r]), int(w[scales + 16 + r])) == (int(blocks.sc[row, b]), int(blocks.mn[row, b]))
+    scales = SUPER_BODY[bits] - 32
+    for row, r, b, w, head in super_tile_blocks(tiles, n, k, bits):
+        assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, b // 8])
+        assert float(head[32 + 2 * r: 34 + 2 * r].view(torch.float16).float()) == float(blocks.dmin[row, b // 8])
+        assert [code_in_tile(w, r, col, bits) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+        assert (int(w[scales + r]), int(w[scales + 16 + r])) == (int(blocks.sc[row, b]), int(blocks.mn[row, b]))
     dense = blocks.dequantize()
     sc = blocks.d.repeat_interleave(8, 1) * blocks.sc
     terms = (((1 << bits) - 1) * sc + blocks.dmin.repeat_interleave(8, 1) * blocks.mn).repeat_interleave(32, 1)
@@ -433,7 +457,7 @@ def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
     on, and no pass may write past its rows (two NaN guard rows follow the output)."""
     torch.manual_seed(5)
-    n, k = 100, 768 if kind in ("q4k", "q5k") else 576  # seven tiles: groups of two and a short last group
+    n, k = 100, 768 if kind in ("q3", "q2", "q4k", "q5k") else 576  # seven tiles: pairs and a short last group
     weights = torch.randn(n, k)
     if kind == "q4k":
         tiles, matmul = pack_q4k_tiles(random_k(n, k)), native.module().q4k_matmul
@@ -531,6 +555,10 @@ def halves_of(n, k):  # float16 values per block of 32, as K-quants' d and dmin
     return (torch.rand(n, k // 32) * 0.002).half().float()
 
 
+def supers_of(n, k):  # float16 values per super-block of 256, repeated over its blocks of 32
+    return halves_of(n, k // 8).repeat_interleave(8, dim=1)
+
+
 for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536), (16, 33, 64),
                 (48, 100, 576), (1, 16, 256), (5, 40, 768), (17, 33, 512)]:
     x = torch.randn(m, k)
@@ -546,14 +574,14 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
     check(mod.q6_matmul, pack_q6_tiles(six), w6a8_reference(x, six))
     grid = IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.02 + 1e-3)
     check(mod.iq4_matmul, pack_iq4_tiles(grid), iq4_reference(x, grid))
-    three = Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), halves_of(n, k),
-                     torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
-    check(mod.q3_matmul, pack_q3_tiles(three), w3a8_reference(x, three))
-    two = Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), halves_of(n, k), halves_of(n, k),
-                   torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
-                   torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
-    check(mod.q2_matmul, pack_q2_tiles(two), w2a8_reference(x, two))
-    if k % 256 == 0:
+    if k % 256 == 0:  # tiles in super-blocks: their d (and dmin) one per 256 columns
+        three = Q3Blocks(torch.randint(0, 8, (n, k), dtype=torch.uint8), supers_of(n, k),
+                         torch.randint(-32, 32, (n, k // 16), dtype=torch.int8))
+        check(mod.q3_matmul, pack_q3_tiles(three), w3a8_reference(x, three))
+        two = Q2Blocks(torch.randint(0, 4, (n, k), dtype=torch.uint8), supers_of(n, k), supers_of(n, k),
+                       torch.randint(0, 16, (n, k // 16), dtype=torch.uint8),
+                       torch.randint(0, 16, (n, k // 16), dtype=torch.uint8))
+        check(mod.q2_matmul, pack_q2_tiles(two), w2a8_reference(x, two))
         four = Q4KBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), halves_of(n, k // 8), halves_of(n, k // 8),
                          torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
                          torch.randint(0, 64, (n, k // 32), dtype=torch.uint8))
@@ -570,11 +598,11 @@ q5_tiles = pack_q5_tiles(Q5Blocks(torch.randint(0, 32, (100, 576), dtype=torch.u
 q6_tiles = pack_q6_tiles(Q6Blocks(torch.randint(0, 64, (100, 576), dtype=torch.uint8), halves_of(100, 576),
                                   torch.randint(-128, 128, (100, 36), dtype=torch.int8)))
 iq4_tiles = pack_iq4_tiles(IQ4Blocks(torch.randint(0, 16, (100, 576), dtype=torch.uint8), torch.rand(100, 18) * 0.02))
-q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 576), dtype=torch.uint8), halves_of(100, 576),
-                                  torch.randint(-32, 32, (100, 36), dtype=torch.int8)))
-q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 576), dtype=torch.uint8), halves_of(100, 576),
-                                  halves_of(100, 576), torch.randint(0, 16, (100, 36), dtype=torch.uint8),
-                                  torch.randint(0, 16, (100, 36), dtype=torch.uint8)))
+q3_tiles = pack_q3_tiles(Q3Blocks(torch.randint(0, 8, (100, 768), dtype=torch.uint8), supers_of(100, 768),
+                                  torch.randint(-32, 32, (100, 48), dtype=torch.int8)))
+q2_tiles = pack_q2_tiles(Q2Blocks(torch.randint(0, 4, (100, 768), dtype=torch.uint8), supers_of(100, 768),
+                                  supers_of(100, 768), torch.randint(0, 16, (100, 48), dtype=torch.uint8),
+                                  torch.randint(0, 16, (100, 48), dtype=torch.uint8)))
 q4k_tiles = pack_q4k_tiles(Q4KBlocks(torch.randint(0, 16, (100, 768), dtype=torch.uint8), halves_of(100, 96),
                                     halves_of(100, 96), torch.randint(0, 64, (100, 24), dtype=torch.uint8),
                                     torch.randint(0, 64, (100, 24), dtype=torch.uint8)))
@@ -589,7 +617,7 @@ independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
                   (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles),
                   (mod.q2_matmul, q2_tiles), (mod.q4k_matmul, q4k_tiles), (mod.q5k_matmul, q5k_tiles)]:
-    x = torch.randn(36, 768 if w is q4k_tiles or w is q5k_tiles else 576)
+    x = torch.randn(36, 768 if any(w is t for t in (q3_tiles, q2_tiles, q4k_tiles, q5k_tiles)) else 576)
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
