@@ -203,19 +203,20 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         }
         for (int t = 0; t < T; ++t) {
             __m512 d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
-            if constexpr (in_super_blocks(Bits)) {  // d sc and -dmin mn, exact in float32
+            if constexpr (in_super_blocks(Bits)) {  // d sc and dmin mn (taken off below), exact in float32
                 const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + Scales))));
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + Scales + 16))));
                 d = opaque(_mm512_mul_ps(halves(head + t * stride), sc));
-                mins = opaque(_mm512_mul_ps(halves(head + t * stride + 32), _mm512_sub_ps(_mm512_setzero_ps(), mn)));
+                mins = opaque(_mm512_mul_ps(halves(head + t * stride + 32), mn));
             }
             for (int r = 0; r < R; ++r) {
                 const int64_t at = (m + r) * blocks + b;
                 const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at]));
                 acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][r]), step, acc[t][r]);
-                acc[t][r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sum[at]), acc[t][r]);
+                acc[t][r] = in_super_blocks(Bits) ? _mm512_fnmadd_ps(mins, _mm512_set1_ps(x.sum[at]), acc[t][r])
+                                                  : _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sum[at]), acc[t][r]);
             }
         }
     }
