@@ -15,8 +15,8 @@ row count, one pass over 30 distinct copies of each layer shape in each native f
 or those ``--kinds`` names), as a decode step streams its weights from memory, the formats taking turns for
 ``--repeats`` rounds (the median). ``--shape llama-1b`` streams Llama 3.2 1B's 16 layers instead (fused QKV
 3072x2048, gate/up 16384x2048, down 2048x8192, output 2048x2048: 0.97 billion weights a pass), whose K are whole
-super-blocks of 256, as tiles in super-blocks need (``q4k``, ``q5k``, ``q3``, ``q2``: a Q4_K, Q5_K, Q3_K or Q2_K
-file's linears as shipped); SmolLM2's 576 are not.
+super-blocks of 256, as tiles in super-blocks need (``q4k``, ``q5k``, ``q3``, ``q2``, ``iq4xs``: a Q4_K, Q5_K,
+Q3_K, Q2_K or IQ4_XS file's linears as shipped); SmolLM2's 576 are not.
 
     .venv/bin/python bench/linears.py [--rows 1,4,16,32,64,256] [--threads 2]
     .venv/bin/python bench/linears.py --streamed --rows 1,4,16 --repeats 9
@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from servers import cpu_summary  # noqa: E402
 
 from corral import native  # noqa: E402
-from corral.engine.quant import (IQ4Blocks, IQ4Tiles, Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4KBlocks,  # noqa: E402
-                                 Q4KTiles, Q4Tiles, Q5Blocks, Q5KBlocks, Q5KTiles, Q5Tiles, Q6Blocks, Q6Tiles,
-                                 Q8Blocks, Q8Linear, Q8Tiles, quantize_int4, quantize_q8_blocks)
+from corral.engine.quant import (IQ4Blocks, IQ4Tiles, IQ4XSBlocks, IQ4XSTiles, Q2Blocks, Q2Tiles,  # noqa: E402
+                                 Q3Blocks, Q3Tiles, Q4KBlocks, Q4KTiles, Q4Tiles, Q5Blocks, Q5KBlocks, Q5KTiles,
+                                 Q5Tiles, Q6Blocks, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles, quantize_int4,
+                                 quantize_q8_blocks)
 
 LAYERS = [(960, 576), (3072, 576), (576, 1536), (576, 576)]
 HEAD = (49152, 576)
@@ -84,7 +85,7 @@ def kernels(n: int, k: int, rows: int) -> dict:
 
 
 def random_native(kind: str, n: int, k: int):
-    """A random layer [n, k] in native ``kind`` (q2, q3, q4, q4k, q5, q5k, q6, q8, iq4)."""
+    """A random layer [n, k] in native ``kind`` (q2, q3, q4, q4k, q5, q5k, q6, q8, iq4, iq4xs)."""
     if kind == "q4":
         return Q4Tiles(quantize_int4(torch.randn(n, k), 32), None)
     if kind in ("q4k", "q5k"):
@@ -114,6 +115,10 @@ def random_native(kind: str, n: int, k: int):
     if kind == "iq4":
         return IQ4Tiles(IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 1e-3),
                         None)
+    if kind == "iq4xs":
+        return IQ4XSTiles(IQ4XSBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                                      (torch.rand(n, k // 256) * 1e-3).half().float(),
+                                      torch.randint(-32, 32, (n, k // 32), dtype=torch.int8)), None)
     if kind == "q8":
         return Q8Linear(Q8Blocks(*quantize_q8_blocks(torch.randn(n, k))), None)
     raise ValueError(f"no native kind {kind!r}")
@@ -147,7 +152,7 @@ def main() -> int:
     ap.add_argument("--streamed", action="store_true",
                     help="the native formats over 30 distinct copies of each layer (weights from memory)")
     ap.add_argument("--kinds", default="q4,q5,q6,q8,iq4",
-                    help="--streamed: the native formats (q2, q3, q4, q4k, q5, q5k, q6, q8, iq4)")
+                    help="--streamed: the native formats (q2, q3, q4, q4k, q5, q5k, q6, q8, iq4, iq4xs)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="--streamed: whose layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,8 +161,8 @@ def main() -> int:
           f"{args.threads} threads; native products: {isa}; ms, median of {args.repeats}\n")
     if args.streamed:
         kinds = tuple(args.kinds.split(","))
-        if {"q4k", "q5k", "q3", "q2"} & set(kinds) and args.shape == "smollm2":
-            ap.error("q4k, q5k, q3 and q2 tiles take K in whole super-blocks of 256: --shape llama-1b")
+        if {"q4k", "q5k", "q3", "q2", "iq4xs"} & set(kinds) and args.shape == "smollm2":
+            ap.error("q4k, q5k, q3, q2 and iq4xs tiles take K in whole super-blocks of 256: --shape llama-1b")
         streamed([int(r) for r in args.rows.split(",")], args.repeats, kinds, args.shape)
         return 0
     names = list(kernels(16, 64, 1))

@@ -25,7 +25,7 @@ namespace {
 
 constexpr int SPEC = 8;  // layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size
 
-// One linear's tiles: Q2, Q3, Q4, Q5, Q6, Q8 (bits 2, 3, 4, 5, 6, 8), IQ4, Q4K or Q5K tiles, n rows of k.
+// One linear's tiles: Q2, Q3, Q4, Q5, Q6, Q8 (bits 2, 3, 4, 5, 6, 8), IQ4, IQ4XS, Q4K or Q5K tiles, n rows of k.
 int64_t tile_bytes(int64_t bits, int64_t n, int64_t k) {
     return (n + 15) / 16 * (k / 32) * corral_qmatmul::tile_block_bytes(bits);
 }
@@ -220,8 +220,8 @@ uint16_t to_bf16(float x) {  // round to nearest even, as torch's .to(torch.bflo
 //             lists of the steps done's token ids, their logprobs: B lists of floats, decided: whether the native pass
 //             decided every pick); spans: None or a list of (start, end, table or None, num_context), see Span; kinds:
 //             None (every linear Q4 tiles) or int64 [layers, 7]: each of a layer's q, k, v, o, gate, up and down
-//             projections as Q2 (2), Q3 (3), Q4 (4), Q5 (5), Q6 (6), Q8 (8), IQ4 (40), Q4K (41) or Q5K tiles
-//             (51), in
+//             projections as Q2 (2), Q3 (3), Q4 (4), Q5 (5), Q6 (6), Q8 (8), IQ4 (40), Q4K (41), IQ4XS (42) or
+//             Q5K tiles (51), in
 //             layer_tiles one linear after another (qkv, o, gate_up, down), a linear's parts fused into one tiles
 //             buffer where they share a kind, else each its own, in order (see Linear); qkv_bias: None or float32
 //             [layers, (heads + 2 kv_heads) head_dim], each layer's QKV bias (Qwen2's), added to the QKV product's
@@ -287,7 +287,7 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
     const int64_t QKV = (heads + 2 * kv_heads) * D, Q = heads * D, KVW = kv_heads * D;
     norms.expect_float32();  // (first: its rows bound the layer count the tables below are sized by)
     norms.expect_shape({Py_ssize_t(2 * L + 1), Py_ssize_t(H)});
-    // each layer's parts' kinds (q, k, v, o, gate, up, down: 2, 3, 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K)
+    // each layer's parts' kinds (q, k, v, o, gate, up, down: 2, 3, 4, 5, 6 or 8 bits, IQ4, IQ4XS, Q4K or Q5K)
     std::vector<int64_t> bits(L * 7, 4);
     if (!kinds_in.is_none()) {
         const Array kinds(kinds_in, "kinds", false);
@@ -297,9 +297,12 @@ nb::object decode_step(nb::handle spec_in, double eps_in, nb::handle ids_in, nb:
             bits[i] = kinds.data<const int64_t>()[i];
             if (bits[i] != 2 && bits[i] != 3 && bits[i] != 4 && bits[i] != 5 && bits[i] != 6 && bits[i] != 8 &&
                 bits[i] != corral_qmatmul::IQ4 && !corral_qmatmul::in_super_blocks(bits[i]))
-                fail(PyExc_ValueError, "decode_step: kinds must be 2, 3, 4, 5, 6, 8, 40 (IQ4), 41 (Q4K) or 51 (Q5K)");
-            if (corral_qmatmul::in_super_blocks(bits[i]) && (i % 7 == 3 ? heads * D : i % 7 == 6 ? I : H) % 256 != 0)
-                fail(PyExc_ValueError, "decode_step: Q2, Q3, Q4K and Q5K tiles need a K that is a multiple of 256");
+                fail(PyExc_ValueError,
+                     "decode_step: kinds must be 2, 3, 4, 5, 6, 8, 40 (IQ4), 41 (Q4K), 42 (IQ4XS) or 51 (Q5K)");
+            const int64_t k = i % 7 == 3 ? heads * D : i % 7 == 6 ? I : H;  // the projection's K
+            if (corral_qmatmul::in_super_blocks(bits[i]) && k % 256 != 0)
+                fail(PyExc_ValueError,
+                     "decode_step: tiles in super-blocks (Q2, Q3, Q4K, Q5K, IQ4XS) need a K that is a multiple of 256");
         }
     }
     const bool has_qkv_bias = !qkv_bias_in.is_none();

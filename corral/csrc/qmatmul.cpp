@@ -105,7 +105,8 @@ void add_halves(Activations& a) {
 corral_qmatmul::Matmul kernel_of(int64_t kind) {
     return kind == 8 ? chosen_q->q8 : kind == 6 ? chosen_q->q6 : kind == 5 ? chosen_q->q5
          : kind == corral_qmatmul::IQ4 ? chosen_q->iq4 : kind == 3 ? chosen_q->q3 : kind == 2 ? chosen_q->q2
-         : kind == corral_qmatmul::Q4K ? chosen_q->q4k : kind == corral_qmatmul::Q5K ? chosen_q->q5k : chosen_q->q4;
+         : kind == corral_qmatmul::Q4K ? chosen_q->q4k : kind == corral_qmatmul::Q5K ? chosen_q->q5k
+         : kind == corral_qmatmul::IQ4XS ? chosen_q->iq4xs : chosen_q->q4;
 }
 
 }  // namespace
@@ -169,10 +170,10 @@ void tile_row(int64_t bits, const uint8_t* tiles, int64_t blocks, int64_t id, fl
 
 namespace {
 
-// q2_matmul / q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul / q4k_matmul / q5k_matmul(x
-// [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32, threads): out = x W^T (Q4K,
-// Q5K, Q3 and Q2 tiles: K a multiple of 256, each tile's super-blocks viewed as K / 32 blocks of 296, 360, 232 or 168
-// bytes).
+// q2_matmul / q3_matmul / q4_matmul / q5_matmul / q6_matmul / q8_matmul / iq4_matmul / q4k_matmul / q5k_matmul /
+// iq4xs_matmul(x [M, K] float32, tiles [ceil(N / 16), K / 32, tile bytes] uint8, N, out [M, N] float32, threads):
+// out = x W^T (tiles in super-blocks: K a multiple of 256, each tile's super-blocks viewed as K / 32 blocks of
+// tile_block_bytes).
 template <int bits>
 void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, int threads_in) {
     const Array x(x_in, "x", false), tiles(tiles_in, "tiles", false), out(out_in, "out", true);
@@ -184,7 +185,7 @@ void matmul(nb::handle x_in, nb::handle tiles_in, int64_t n, nb::handle out_in, 
     const Py_ssize_t rows = x.dim(0), cols = x.dim(1);
     if (cols % 32 != 0) fail(PyExc_ValueError, "x: K must be a multiple of 32");
     if (corral_qmatmul::in_super_blocks(bits) && cols % 256 != 0)
-        fail(PyExc_ValueError, "x: K must be a multiple of 256 for tiles in super-blocks (Q2, Q3, Q4K, Q5K)");
+        fail(PyExc_ValueError, "x: K must be a multiple of 256 for tiles in super-blocks (Q2, Q3, Q4K, Q5K, IQ4XS)");
     tiles.expect_shape({Py_ssize_t((n + 15) / 16), cols / 32, corral_qmatmul::tile_block_bytes(bits)});
     out.expect_shape({rows, Py_ssize_t(n)});
     const int threads = checked_threads(threads_in);
@@ -240,6 +241,7 @@ void add_qmatmul(nb::module_& m) {
     m.def("iq4_matmul", &matmul<corral_qmatmul::IQ4>);
     m.def("q4k_matmul", &matmul<corral_qmatmul::Q4K>);
     m.def("q5k_matmul", &matmul<corral_qmatmul::Q5K>);
+    m.def("iq4xs_matmul", &matmul<corral_qmatmul::IQ4XS>);
     m.def("tile_rows", &tile_rows);
 }
 

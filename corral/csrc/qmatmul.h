@@ -17,11 +17,11 @@
 //     bytes of their sixth bits (bytes 320 + 16 c .., laid out as the fifth bits), then 16 float16 d (384), then
 //     16 int8 scales of the block's first 16 columns (416: chunks 0 and 1), then 16 of its last 16 (432):
 //     w = d sc (q - 32), q 0..63, llama.cpp's Q6_K exactly (its d per 256 columns and scale per 16).
-//   Tiles in super-blocks (kinds Q4K, Q5K, 3 and 2; K a multiple of 256): per 256 columns, as llama.cpp's
+//   Tiles in super-blocks (kinds Q4K, Q5K, IQ4XS, 3 and 2; K a multiple of 256): per 256 columns, as llama.cpp's
 //     K-quants keep a d (and dmin) per 256, a 64-byte header of each row's float16 d, then its float16 dmin (32;
-//     unused by Q3 tiles), then the super-block's 8 blocks. Block b of a tile row starts at block_at(kind, b), its
-//     header at head_at(kind, b); tile_block_bytes counts a super-block's bytes over its 8 blocks (a tile row of
-//     K / 32 blocks takes K / 32 times them).
+//     unused by Q3 and IQ4XS tiles), then the super-block's 8 blocks. Block b of a tile row starts at
+//     block_at(kind, b), its header at head_at(kind, b); tile_block_bytes counts a super-block's bytes over its 8
+//     blocks (a tile row of K / 32 blocks takes K / 32 times them).
 //   Q4K tiles (kind Q4K = 41), llama.cpp's Q4_K as shipped (w = d sc q - dmin mn, q 0..15, a 6-bit scale sc and
 //     min mn per 32): a block (288 bytes) is a Q4 tile block's 4 chunks, then 16 uint8 sc (256), then 16 uint8 mn
 //     (272). 2368 bytes a super-block, 0.578 bytes a weight where Q4 tiles keep 0.625 (and round d sc to float16).
@@ -39,6 +39,10 @@
 //     of the block's first 16 columns' 4-bit scale sc (low nibble) and 4-bit min mn (high nibble) (128), then 16
 //     of its last 16 columns' (144): w = d sc q - dmin mn, q 0..3, llama.cpp's Q2_K (a scale and a min per 16).
 //     1344 bytes a super-block, 0.328 bytes a weight, as llama.cpp's.
+//   IQ4XS tiles (kind IQ4XS = 42), llama.cpp's IQ4_XS as shipped (w = d (sc - 32) IQ4_VALUES[q], a 6-bit scale per
+//     32): a block (272 bytes) is a Q4 tile block's 4 chunks of indices, then each row's scale less 32 as an int8
+//     (256); the header's dmin half unused. 2240 bytes a super-block, 0.547 bytes a weight where IQ4 tiles keep
+//     0.625 (a float32 d (sc - 32) per block; llama.cpp 0.531).
 //   Q8 tile block (544 bytes): 8 chunks of 64 bytes, then 16 float16 d (w = d q, q -127..127). In chunk c, byte
 //     4 r + i holds q[r][4 c + i] + 128 (an unsigned byte: vpdpbusd multiplies unsigned by signed bytes).
 //   IQ4 tile block (320 bytes, kind IQ4 = 40): a Q4 tile block's 4 chunks of 4-bit indices, then 16 float32 d
@@ -53,6 +57,7 @@
 //   Q4K, Q5K: the same with d[n,b] = d sc[n,b] and m[n,b] = -dmin mn[n,b], each exact in float32 (11 by 6 bits)
 //   Q8: y[n] = sum_b d[n,b] s_b (sum_k q xq)
 //   IQ4: y[n] = sum_b d[n,b] s_b (sum_k IQ4_VALUES[q] xq), the block's sum an exact integer (at most 32 x 127^2)
+//   IQ4XS: the same with d[n,b] = d (sc[n,b] - 32), exact in float32 (11 by 6 bits)
 //   Q6: y[n] = sum_b d[n,b] s_b sum_h sc[n,b,h] (sum_{k in half h} q xq - 32 isum_h), isum_h the sum of the
 //       block's xq over that half (halves32, below, holds 32 isum_h); a block's sum over h in integers (at most
 //       2 x 128 x 16 x 32 x 127 < 2^24)
@@ -74,16 +79,19 @@ namespace corral_qmatmul {
 
 constexpr int64_t TILE = 16, BLOCK = 32, Q4_TILE_BYTES = 320, Q5_TILE_BYTES = 384, Q6_TILE_BYTES = 448,
                   Q8_TILE_BYTES = 544, IQ4_TILE_BYTES = 320;
-// The kinds of IQ4, Q4K and Q5K tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
-constexpr int64_t IQ4 = 40, Q4K = 41, Q5K = 51;
+// The kinds of IQ4, Q4K, IQ4XS and Q5K tiles, beside the Q tiles' bits (2, 3, 4, 5, 6, 8) that name theirs.
+constexpr int64_t IQ4 = 40, Q4K = 41, IQ4XS = 42, Q5K = 51;
 // Tiles in super-blocks: 8 blocks for 16 rows, their header (d, dmin), then each block's bytes.
 constexpr int64_t SUPER_BLOCKS = 8, SUPER_HEAD_BYTES = 64, Q4K_BLOCK_BYTES = 288, Q5K_BLOCK_BYTES = 352,
-                  Q3_BLOCK_BYTES = 224, Q2_BLOCK_BYTES = 160;
+                  Q3_BLOCK_BYTES = 224, Q2_BLOCK_BYTES = 160, IQ4XS_BLOCK_BYTES = 272;
 // Whether tiles of kind `bits` keep their blocks in super-blocks of 8 (K a multiple of 256).
-constexpr bool in_super_blocks(int64_t bits) { return bits == Q4K || bits == Q5K || bits == 3 || bits == 2; }
+constexpr bool in_super_blocks(int64_t bits) {
+    return bits == Q4K || bits == Q5K || bits == 3 || bits == 2 || bits == IQ4XS;
+}
 // A super-block's block bytes (header aside), and its whole bytes, for tiles kept in super-blocks.
 constexpr int64_t super_block_body(int64_t bits) {
-    return bits == Q5K ? Q5K_BLOCK_BYTES : bits == 3 ? Q3_BLOCK_BYTES : bits == 2 ? Q2_BLOCK_BYTES : Q4K_BLOCK_BYTES;
+    return bits == Q5K ? Q5K_BLOCK_BYTES : bits == 3 ? Q3_BLOCK_BYTES : bits == 2 ? Q2_BLOCK_BYTES
+         : bits == IQ4XS ? IQ4XS_BLOCK_BYTES : Q4K_BLOCK_BYTES;
 }
 constexpr int64_t super_block_bytes(int64_t bits) { return SUPER_HEAD_BYTES + SUPER_BLOCKS * super_block_body(bits); }
 // llama.cpp's IQ4_NL / IQ4_XS grid: the weight of index q is d IQ4_VALUES[q].
@@ -157,6 +165,7 @@ struct QTable {
     Matmul q2;
     Matmul q4k;
     Matmul q5k;
+    Matmul iq4xs;
 };
 
 // A float16 (IEEE half) at p, read without F16C.
@@ -185,15 +194,15 @@ bool amx_model_agrees();
 namespace corral_native {
 
 // With the GIL released: x [rows, cols] float32 quantized per block, times the n rows of tiles of kind `bits` (2, 3,
-// 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K) into y [rows, n] (its rows ldy apart; 0: n), on the kernel this CPU's variant
-// has.
+// 4, 5, 6 or 8 bits, IQ4, IQ4XS, Q4K or Q5K) into y [rows, n] (its rows ldy apart; 0: n), on the kernel this CPU's
+// variant has.
 void tiles_product(int64_t bits, const float* x, int64_t rows, int64_t cols, const uint8_t* tiles, int64_t n,
                    float* y, int threads, int64_t ldy = 0);
 // Several products of the same x, each on its own tiles (of any kind) into its columns of y [rows, ldy], in one
 // thread team (a team per product costs each one a wake-up of the threads): the products tiles_product gives,
 // bit for bit (a tile's outputs do not depend on which tiles share its call).
 struct ProductPart {
-    int64_t kind;          // 2, 3, 4, 5, 6 or 8 bits, IQ4, Q4K or Q5K
+    int64_t kind;          // 2, 3, 4, 5, 6 or 8 bits, IQ4, IQ4XS, Q4K or Q5K
     const uint8_t* tiles;  // [ceil(n / 16), cols / 32, tile bytes]
     int64_t n;
     float* y;              // its first column

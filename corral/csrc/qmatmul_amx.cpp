@@ -205,7 +205,7 @@ namespace {
 QTable with_quantize(const QTable& table) {
     QTable out = table;
     out.quantize = avx512_table()->quantize;  // the same bytes as every variant's
-    // Q2, Q3, Q5, Q6, IQ4, Q4K and Q5K tiles: no tile kernel of their own, the VNNI one at any row count
+    // Q2, Q3, Q5, Q6, IQ4, IQ4XS, Q4K and Q5K tiles: no tile kernel of their own, the VNNI one at any row count
     out.q5 = avx512_table()->q5;
     out.q6 = avx512_table()->q6;
     out.iq4 = avx512_table()->iq4;
@@ -213,6 +213,7 @@ QTable with_quantize(const QTable& table) {
     out.q2 = avx512_table()->q2;
     out.q4k = avx512_table()->q4k;
     out.q5k = avx512_table()->q5k;
+    out.iq4xs = avx512_table()->iq4xs;
     return out;
 }
 

@@ -94,9 +94,10 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                       Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     // IQ4: the grid's values and their magnitudes, looked up in each 128-bit lane
-    const __m256i grid = Bits == IQ4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                                           reinterpret_cast<const __m128i*>(IQ4_VALUES)))
-                                     : _mm256_setzero_si256();
+    constexpr bool on_grid = Bits == IQ4 || Bits == IQ4XS;  // indices into IQ4_VALUES
+    const __m256i grid = on_grid ? _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(IQ4_VALUES)))
+                                 : _mm256_setzero_si256();
     const __m256i magnitudes = _mm256_abs_epi8(grid);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -122,7 +123,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                 lo = _mm256_or_si256(lo, bit_values(w + 128 + 16 * c + 4 * half, 4));
                 hi = _mm256_or_si256(hi, bit_values(w + 128 + 16 * c + 8 + 4 * half, 4));
             }
-            if constexpr (Bits == IQ4) {  // |grid value| times the activation with the value's sign: vpmaddubsw
+            if constexpr (on_grid) {  // |grid value| times the activation with the value's sign: vpmaddubsw
                 // takes unsigned by signed bytes, and a pair of such products (at most 2 x 127 x 127) fits 16 bits
                 const __m256i lo_abs = _mm256_shuffle_epi8(magnitudes, lo), lo_sign = _mm256_shuffle_epi8(grid, lo);
                 const __m256i hi_abs = _mm256_shuffle_epi8(magnitudes, hi), hi_sign = _mm256_shuffle_epi8(grid, hi);
@@ -192,16 +193,20 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
             continue;
         }
-        if constexpr (Bits == IQ4) {
-            const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + 256 + 32 * half));
+        if constexpr (on_grid) {  // IQ4XS: d (sc - 32), exact in float32
+            const __m256 d = Bits == IQ4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(w + 256 + 32 * half))
+                : opaque(_mm256_mul_ps(halves(head + 16 * half), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 256 + 8 * half))))));
             for (int r = 0; r < R; ++r) {
                 const float s = x.scale[(m + r) * blocks + b];
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide[r]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
             }
             continue;
         }
-        __m256 d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
-        if constexpr (in_super_blocks(Bits)) {  // d sc and -dmin mn, exact in float32
+        __m256 d, mins;
+        if constexpr (!in_super_blocks(Bits)) {
+            d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
+        } else {  // d sc and -dmin mn, exact in float32
             const __m256 sc = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Scales + 8 * half))));
             const __m256 mn = _mm256_cvtepi32_ps(
@@ -332,7 +337,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 }
 
 const QTable table = {"avx2",     nibbles<4>,   q8,         quantize,  nibbles<5>,
-                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>};
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>, nibbles<IQ4XS>};
 
 }  // namespace
 }  // namespace avx2

@@ -90,7 +90,8 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                       Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)
     const __m512i low = _mm512_set1_epi8(0x0F);
     // IQ4: each index's grid value plus 128 (an unsigned byte for vpdpbusd), looked up in every 128-bit lane
-    const __m512i grid = Bits == IQ4 ? iq4_grid() : _mm512_setzero_si512();
+    constexpr bool on_grid = Bits == IQ4 || Bits == IQ4XS;  // indices into IQ4_VALUES
+    const __m512i grid = on_grid ? iq4_grid() : _mm512_setzero_si512();
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -121,7 +122,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
                     const __m512i four = _mm512_set1_epi8(4);
                     lo[t] = add_where(lo[t], third, four), hi[t] = add_where(hi[t], third + 8, four);
                 }
-                if constexpr (Bits == IQ4)
+                if constexpr (on_grid)
                     lo[t] = _mm512_shuffle_epi8(grid, lo[t]), hi[t] = _mm512_shuffle_epi8(grid, hi[t]);
                 if constexpr (Bits == 5 || Bits == 6 || Bits == Q5K) {
                     const uint8_t* fifth = w + t * stride + 256 + 16 * c;
@@ -189,9 +190,12 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             }
             continue;
         }
-        if constexpr (Bits == IQ4) {  // the grid values carry +128: take 128 times the activations' sum back off
+        if constexpr (on_grid) {  // the grid values carry +128: take 128 times the activations' sum back off
             for (int t = 0; t < T; ++t) {
-                const __m512 d = _mm512_loadu_ps(w + t * stride + 256);
+                // IQ4XS: d (sc - 32), exact in float32
+                const __m512 d = Bits == IQ4 ? _mm512_loadu_ps(w + t * stride + 256)
+                    : opaque(_mm512_mul_ps(halves(head + t * stride), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + 256))))));
                 for (int r = 0; r < R; ++r) {
                     const int64_t at = (m + r) * blocks + b;
                     const __m512i exact = _mm512_sub_epi32(dot[t][r], _mm512_set1_epi32(128 * x.isum[at]));
@@ -202,8 +206,10 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
             continue;
         }
         for (int t = 0; t < T; ++t) {
-            __m512 d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
-            if constexpr (in_super_blocks(Bits)) {  // d sc and dmin mn (taken off below), exact in float32
+            __m512 d, mins;
+            if constexpr (!in_super_blocks(Bits)) {
+                d = halves(w + t * stride + Scales), mins = halves(w + t * stride + Scales + 32);
+            } else {  // d sc and dmin mn (taken off below), exact in float32
                 const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * stride + Scales))));
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -396,6 +402,14 @@ void iq4_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
     nibbles_over<IQ4>(x, tiles, n, y, ldy, threads, pairs<IQ4>());
 }
 
+void iq4xs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<IQ4XS>(x, tiles, n, y, ldy, threads, nullptr);
+}
+
+void iq4xs_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<IQ4XS>(x, tiles, n, y, ldy, threads, pairs<IQ4XS>());
+}
+
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     constexpr int64_t A = Q8_AHEAD;
     static const Rows single[9] = {nullptr, q8_rows<1, 1, A>, q8_rows<2, 1, A>, q8_rows<3, 1, A>, q8_rows<4, 1, A>,
@@ -428,10 +442,10 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2, q4k, q5k};
+const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2, q4k, q5k, iq4xs};
 // Q6, Q3 and Q2: one at a time
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8,   quantize, q5_pairs, q6,
-                       iq4_pairs,           q3,       q2,   q4k_pairs, q5k_pairs};
+const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8,   quantize,  q5_pairs,  q6,
+                       iq4_pairs,           q3,       q2,   q4k_pairs, q5k_pairs, iq4xs_pairs};
 
 }  // namespace
 }  // namespace avx512

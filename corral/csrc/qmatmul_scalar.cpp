@@ -122,7 +122,7 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                         low |= (third[0] >> (j % 8) & 1) << 2;
                         high |= (third[8] >> (j % 8) & 1) << 2;
                     }
-                    if constexpr (Bits == IQ4) low = IQ4_VALUES[low], high = IQ4_VALUES[high];
+                    if constexpr (Bits == IQ4 || Bits == IQ4XS) low = IQ4_VALUES[low], high = IQ4_VALUES[high];
                     if constexpr (Bits == 5 || Bits == 6 || Bits == Q5K) {
                         const uint8_t* fifth = w + 256 + 16 * c + j / 8;
                         low |= (fifth[0] >> (j % 8) & 1) << 4;
@@ -155,6 +155,8 @@ void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, in
                 float d;
                 std::memcpy(&d, w + 256 + 4 * r, 4);
                 acc[r] += float(dot[0]) * (d * s);
+            } else if constexpr (Bits == IQ4XS) {  // d (sc - 32): exact in float32
+                acc[r] += float(dot[0]) * ((half_to_float(head + 2 * r) * float(int8_t(w[256 + r]))) * s);
             } else if constexpr (in_super_blocks(Bits)) {  // d sc and dmin mn: exact in float32
                 const float d = half_to_float(head + 2 * r) * float(w[Scales + r]);
                 const float mins = half_to_float(head + 32 + 2 * r) * float(w[Scales + 16 + r]);
@@ -200,7 +202,7 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
 }
 
 const QTable table = {"scalar",   nibbles<4>,   q8,         quantize,  nibbles<5>,
-                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>};
+                      nibbles<6>, nibbles<IQ4>, nibbles<3>, nibbles<2>, nibbles<Q4K>, nibbles<Q5K>, nibbles<IQ4XS>};
 
 }  // namespace
 

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from corral.engine import hugepages
 from corral.engine.attention import AttentionMetadata, KVCache, PrefillSpan, paged_attention_forward, write_kv
-from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, IQ4Blocks, IQ4Tiles, Q2Blocks, Q2Tiles,
-                                 Q3Blocks, Q3Tiles, Q4Blocks, Q4KBlocks, Q4KTiles, Q4Tiles, Q5Blocks, Q5KBlocks,
-                                 Q5KTiles, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks, Q8Linear, Q8Tiles,
-                                 SplitLinear, concat_blocks, quantize_int4, quantize_q8_blocks)
+from corral.engine.quant import (Dense, Int4Groups, Int8Embedding, Int8Rows, IQ4Blocks, IQ4Tiles, IQ4XSBlocks,
+                                 IQ4XSTiles, Q2Blocks, Q2Tiles, Q3Blocks, Q3Tiles, Q4Blocks, Q4KBlocks, Q4KTiles,
+                                 Q4Tiles, Q5Blocks, Q5KBlocks, Q5KTiles, Q5Tiles, Q6Blocks, Q6Head, Q6Tiles, Q8Blocks,
+                                 Q8Linear, Q8Tiles, SplitLinear, concat_blocks, quantize_int4, quantize_q8_blocks)
 from corral import native
 from corral.errors import ModelNotFoundError
 from corral.kernels import cpu_ops
@@ -114,11 +114,11 @@ class _Rows:
         return self.table.rows(ids)
 
 
-# IQ4, Q4K and Q5K tiles in the native step's kinds table, beside the Q tiles' bits (qmatmul.h)
-IQ4_KIND, Q4K_KIND, Q5K_KIND = 40, 41, 51
+# IQ4, Q4K, IQ4XS and Q5K tiles in the native step's kinds table, beside the Q tiles' bits (qmatmul.h)
+IQ4_KIND, Q4K_KIND, IQ4XS_KIND, Q5K_KIND = 40, 41, 42, 51
 # the native layer of each kind of blocks under w4a8
 _TILES = {Q4Blocks: Q4Tiles, Q5Blocks: Q5Tiles, Q6Blocks: Q6Tiles, Q8Blocks: Q8Linear, IQ4Blocks: IQ4Tiles,
-          Q3Blocks: Q3Tiles, Q2Blocks: Q2Tiles, Q4KBlocks: Q4KTiles, Q5KBlocks: Q5KTiles}
+          Q3Blocks: Q3Tiles, Q2Blocks: Q2Tiles, Q4KBlocks: Q4KTiles, Q5KBlocks: Q5KTiles, IQ4XSBlocks: IQ4XSTiles}
 _SHIPPED = tuple(_TILES)  # the blocks a file's tensor may be kept in
 
 
@@ -137,7 +137,8 @@ class NativeStep:
     drafts and prompt spans (head size 64 or 128 for prompts): the same kernels as :meth:`LlamaModel.forward` on
     the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
     file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`), or
-    IQ4 tiles (:class:`IQ4Tiles`: llama.cpp's non-linear 4-bit grid), or Q4K, Q5K, Q3 or Q2 tiles
+    IQ4 or IQ4XS tiles (:class:`IQ4Tiles`, :class:`IQ4XSTiles`: llama.cpp's non-linear 4-bit grid), or Q4K, Q5K, Q3
+    or Q2 tiles
     (:class:`Q4KTiles`, :class:`Q5KTiles`, :class:`Q3Tiles`, :class:`Q2Tiles`: its Q4_K, Q5_K, Q3_K and Q2_K); a
     fused one whose parts differ in kind, each part at its own (:class:`SplitLinear`). The layers' tiles are moved
     into one buffer that the layers' linears then view (one copy of the weights)."""
@@ -145,7 +146,7 @@ class NativeStep:
     LINEARS = ("qkv", "o", "gate_up", "down")
     PROJECTIONS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # the projections each fuses (q, k, v; gate, up)
     KINDS = {Q4Tiles: 4, Q5Tiles: 5, Q6Tiles: 6, Q8Linear: 8, IQ4Tiles: IQ4_KIND, Q3Tiles: 3,
-             Q2Tiles: 2, Q4KTiles: Q4K_KIND, Q5KTiles: Q5K_KIND}  # each layer's kinds in the call
+             Q2Tiles: 2, Q4KTiles: Q4K_KIND, Q5KTiles: Q5K_KIND, IQ4XSTiles: IQ4XS_KIND}  # each layer's kinds
 
     @staticmethod
     def _parts(linear) -> list:
@@ -163,7 +164,7 @@ class NativeStep:
 
     def __init__(self, model: "LlamaModel"):
         cfg = model.config
-        # each layer's projections' kinds (q, k, v, o, gate, up, down: Q2, Q3, Q4, Q5, Q6, Q8, IQ4, Q4K or Q5K tiles), a
+        # each layer's projections' kinds (q, k, v, o, gate, up, down: Q2, Q3, Q4, Q5, Q6, Q8, IQ4, IQ4XS, Q4K, Q5K), a
         # fused linear's kind repeated for its parts; None where all are Q4 (the call then skips the table)
         kinds = [[kind for name in self.LINEARS for kind in self._kinds(layer[name], self.PROJECTIONS[name])]
                  for layer in model.layers]
@@ -386,8 +387,8 @@ class LlamaModel:
 
     ``quantization``: ``none``, ``w8a16``, ``w4a16`` (group-wise int4 of the dense weights, ``group_size`` along K),
     ``gguf`` (the :class:`~corral.engine.quant.Q4Blocks` in ``weights`` as they are, other tensors dense) or
-    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q2, Q3, Q4K, Q5, Q5K, Q6, IQ4 and Q8 blocks as shipped, a fused
-    layer's parts of different kinds each at its own, and the embedding and LM head in Q8 tiles or, Q6_K as
+    ``w4a8`` (Q4 blocks of 32, as shipped or quantized, Q2, Q3, Q4K, Q5, Q5K, Q6, IQ4, IQ4XS and Q8 blocks as shipped,
+    a fused layer's parts of different kinds each at its own, and the embedding and LM head in Q8 tiles or, Q6_K as
     shipped, Q6 tiles, through the native kernels with float32 activations)."""
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype, quantization: str = "none",

@@ -21,9 +21,10 @@ activation dtype):
 :class:`Int8Embedding` keeps the embedding as int8 rows and serves as the (tied) LM head through the same int8
 kernel. Under ``w4a8``, :class:`Q4Tiles` runs Q4 blocks (GGUF Q4_0, Q4_1), :class:`Q4KTiles` and :class:`Q5KTiles`
 Q4K and Q5K blocks (GGUF Q4_K, Q5_K), :class:`Q5Tiles` Q5 blocks (GGUF Q5_0, Q5_1), :class:`Q6Tiles` Q6 blocks
-(GGUF Q6_K), :class:`Q3Tiles` and :class:`Q2Tiles` Q3 and Q2 blocks (GGUF Q3_K, Q2_K), :class:`IQ4Tiles` IQ4
-blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`: GGUF Q8_0 exactly) on the native
-kernels; a fused layer whose parts are of different kinds is a :class:`SplitLinear` of them.
+(GGUF Q6_K), :class:`Q3Tiles` and :class:`Q2Tiles` Q3 and Q2 blocks (GGUF Q3_K, Q2_K), :class:`IQ4Tiles` and
+:class:`IQ4XSTiles` IQ4 and IQ4XS blocks (GGUF IQ4_NL, IQ4_XS) and :class:`Q8Linear` Q8 blocks (:class:`Q8Blocks`:
+GGUF Q8_0 exactly) on the native kernels; a fused layer whose parts are of different kinds is a :class:`SplitLinear`
+of them.
 What this leaves out: IQ1-IQ3 kernels (such GGUF blocks are dequantized at load, with a log line, by
 :mod:`corral.engine.weights`) and a CUDA path for any form but :class:`Dense` and :class:`Int4Groups`.
 Activation-aware scaling before group-wise rounding is :mod:`corral.engine.awq`.
@@ -161,9 +162,9 @@ class Q5KBlocks(NamedTuple):
     def dequantize(self) -> torch.Tensor:
         return Q4KBlocks.dequantize(self)  # the same form; codes up to 31
 
-    def as_q4(self) -> Q4Blocks:
-        """The scale and zero of each block of 32, as :meth:`Q4KBlocks.as_q4` (codes up to 31: Q5 blocks' form)."""
-        return Q4KBlocks.as_q4(self)
+    def as_q5(self) -> Q5Blocks:
+        """The same weights as :class:`Q5Blocks` (scale ``d sc``, zero ``8 d sc - dmin mn``, exact in float32)."""
+        return Q5Blocks(*Q4KBlocks.as_q4(self)[:3])
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4 grid
@@ -180,6 +181,23 @@ class IQ4Blocks(NamedTuple):
         rows, cols = self.codes.shape
         values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.codes.long()]
         return (values.view(rows, cols // 32, 32) * self.d.float()[..., None]).view(rows, cols)
+
+
+class IQ4XSBlocks(NamedTuple):
+    """4-bit indices into llama.cpp's non-linear grid (:data:`IQ4_VALUES`) with a float16 ``d`` per 256 weights along
+    K and a 6-bit scale per 32 less 32 (``sc``, -32..31): ``W = (d sc) IQ4_VALUES[codes]``, GGUF IQ4_XS exactly (K a
+    multiple of 256): what the native IQ4XS kernel runs (:class:`IQ4XSTiles`)."""
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    d: torch.Tensor  # [N, K // 256] float32, each a float16 value
+    sc: torch.Tensor  # [N, K // 32] int8, -32..31
+
+    def as_iq4(self) -> IQ4Blocks:
+        """The same weights as :class:`IQ4Blocks` (each block's d = d sc, exact in float32)."""
+        return IQ4Blocks(self.codes, self.d.float().repeat_interleave(8, dim=1) * self.sc.float())
+
+    def dequantize(self) -> torch.Tensor:
+        """``(d sc) IQ4_VALUES[q]`` in float32, llama.cpp's operations (its values bit for bit)."""
+        return self.as_iq4().dequantize()
 
 
 class Q8Blocks(NamedTuple):
@@ -419,6 +437,22 @@ def pack_q5k_tiles(blocks: Q5KBlocks) -> torch.Tensor:
     """Q5_K blocks as Q5K tiles [ceil(N / 16), K / 32, 360] (2880 bytes a super-block): a Q4K tile's layout with a
     Q5 tile block's codes and fifth-bit masks in each block (see :func:`_pack_super_tiles`)."""
     return _pack_super_tiles(blocks, 5)
+
+
+def pack_iq4xs_tiles(blocks: IQ4XSBlocks) -> torch.Tensor:
+    """IQ4_XS blocks as the native kernel's IQ4XS tiles [ceil(N / 16), K / 32, 280] uint8 (2240 bytes a super-block
+    of 256; layout in ``corral/csrc/qmatmul.h``): per super-block each row's ``d`` as float16, then per block a Q4
+    tile block of the indices and each row's scale less 32 as an int8."""
+    rows, cols = blocks.codes.shape
+    if cols % 256:
+        raise ValueError(f"IQ4XS tiles take whole super-blocks of 256 along K, not {cols} columns")
+    if blocks.codes.numel() and int(blocks.codes.max()) > 15:
+        raise ValueError("IQ4XS indices must be 0..15")
+    if blocks.sc.numel() and not -32 <= int(blocks.sc.min()) <= int(blocks.sc.max()) <= 31:
+        raise ValueError("IQ4XS scales must be -32..31 (6 bits less 32)")
+    num_tiles, num_blocks, (codes,) = _nibbles_and_masks(blocks.codes, 4)
+    sc = _tile_rows(blocks.sc.to(torch.int8)).view(num_tiles, 16, num_blocks).permute(0, 2, 1).view(torch.uint8)
+    return _super_tiles(torch.cat((codes, sc), -1), blocks.d, torch.zeros_like(blocks.d))
 
 
 def pack_iq4_tiles(blocks: IQ4Blocks) -> torch.Tensor:
@@ -670,14 +704,14 @@ class Q6Tiles(_TileLinear):
 
 
 class Q3Tiles(_TileLinear):
-    """W3A8: :class:`Q3Blocks` (GGUF Q3_K as shipped): 0.5 bytes a weight where Q4 tiles take 0.625 and would round
+    """W3A8: :class:`Q3Blocks` (GGUF Q3_K as shipped): 0.453 bytes a weight where Q4 tiles take 0.625 and would round
     each weight to their even steps."""
 
     kind, _kernel, _pack = "w3a8", "q3_matmul", staticmethod(pack_q3_tiles)
 
 
 class Q2Tiles(_TileLinear):
-    """W2A8: :class:`Q2Blocks` (GGUF Q2_K as shipped): 0.44 bytes a weight where Q4 tiles take 0.625 and would round
+    """W2A8: :class:`Q2Blocks` (GGUF Q2_K as shipped): 0.328 bytes a weight where Q4 tiles take 0.625 and would round
     each weight to their even steps."""
 
     kind, _kernel, _pack = "w2a8", "q2_matmul", staticmethod(pack_q2_tiles)
@@ -702,6 +736,13 @@ class IQ4Tiles(_TileLinear):
     a weight as Q4 tiles, where rounding them to Q4 blocks' even steps would move every weight."""
 
     kind, _kernel, _pack = "w4a8", "iq4_matmul", staticmethod(pack_iq4_tiles)
+
+
+class IQ4XSTiles(_TileLinear):
+    """W4A8 on llama.cpp's non-linear 4-bit grid with its IQ4_XS scales as shipped: :class:`IQ4XSBlocks`, 0.547 bytes
+    a weight where IQ4 tiles take 0.625."""
+
+    kind, _kernel, _pack = "w4a8", "iq4xs_matmul", staticmethod(pack_iq4xs_tiles)
 
 
 class SplitLinear(_Biased):

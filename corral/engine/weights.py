@@ -9,8 +9,9 @@ Q5_0 and Q5_1 linears as 5-bit codes the same way as Q4 blocks
 (:class:`~corral.engine.quant.Q5Blocks`), its Q6_K ones (and a Q6_K embedding or LM head) as 6-bit codes with
 their scales (:class:`~corral.engine.quant.Q6Blocks`), its Q3_K ones as 3-bit codes with their scales
 (:class:`~corral.engine.quant.Q3Blocks`), its Q2_K ones as 2-bit codes with their scales and mins
-(:class:`~corral.engine.quant.Q2Blocks`), its IQ4_NL and IQ4_XS ones as 4-bit indices into llama.cpp's
-grid with a float32 scale per 32 (:class:`~corral.engine.quant.IQ4Blocks`) and its Q8_0 ones as int8 codes with one
+(:class:`~corral.engine.quant.Q2Blocks`), its IQ4_NL ones as 4-bit indices into llama.cpp's grid with a float32
+scale per 32 (:class:`~corral.engine.quant.IQ4Blocks`), its IQ4_XS ones as such indices with their super-block's d
+and 6-bit scales (:class:`~corral.engine.quant.IQ4XSBlocks`) and its Q8_0 ones as int8 codes with one
 float16 scale per 32 weights (:class:`~corral.engine.quant.Q8Blocks`). A Llama's Q/K projections (and biases) are
 un-permuted: llama.cpp's converter interleaves each head's rotary halves, HF's layout (which
 :mod:`corral.engine.model` uses, ``rotate_half`` RoPE) keeps them as two halves. A Qwen2's are as HF has them.
@@ -30,8 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corral.cache import cache_dir
-from corral.engine.quant import (IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks, Q6Blocks,
-                                 Q8Blocks,
+from corral.engine.quant import (IQ4Blocks, IQ4XSBlocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks,
+                                 Q5KBlocks, Q6Blocks, Q8Blocks,
                                  quantize_q8_blocks)
 from corral.errors import ModelNotFoundError
 from corral.models import ModelConfig, ModelFiles
@@ -84,7 +85,8 @@ _Q2_KINDS, _Q3_KINDS = ("Q2_K",), ("Q3_K",)
 _Q8_KINDS = ("Q8_0",)
 _KEPT_KINDS = (*_Q2_KINDS, *_Q3_KINDS, *_Q5_KINDS, *_Q6_KINDS, *_Q8_KINDS, *_IQ4_KINDS)  # w4a8's beside Q4 ones
 # a tensor kept as shipped
-Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q4KBlocks | Q5Blocks | Q5KBlocks | Q6Blocks | Q8Blocks | IQ4Blocks
+Blocks = Q2Blocks | Q3Blocks | Q4Blocks | Q4KBlocks | Q5Blocks | Q5KBlocks | Q6Blocks | Q8Blocks | IQ4Blocks | \
+    IQ4XSBlocks
 
 
 def q4_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
@@ -272,12 +274,12 @@ _ROW_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # looked up by ro
 IQ4_NL_BYTES, IQ4_XS_BYTES = 18, 136  # a block of 32 (float16 d, 16 bytes of indices); a super-block of 256
 
 
-def iq4_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> IQ4Blocks | None:
-    """GGUF IQ4_NL or IQ4_XS rows as IQ4 blocks, in the file's row order, from ``raw`` (its bytes [rows, ...]): each
-    block's 16 bytes of indices (byte j: index j in its low nibble, j + 16 in its high one) and its d, IQ4_NL's
-    float16 or IQ4_XS's super-block float16 d times the block's 6-bit scale less 32 (the scale's low 4 bits in
-    ``scales_l``, its high 2 in ``scales_h``), exact in float32; checked to give llama.cpp's dequantized ``values``
-    [rows, cols] back exactly. None where they do not: the caller then rounds the tensor to Q8 blocks."""
+def iq4_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> IQ4Blocks | IQ4XSBlocks | None:
+    """GGUF IQ4_NL rows as IQ4 blocks, or IQ4_XS rows as IQ4XS blocks, in the file's row order, from ``raw`` (its
+    bytes [rows, ...]): each block's 16 bytes of indices (byte j: index j in its low nibble, j + 16 in its high one)
+    and IQ4_NL's float16 d, or IQ4_XS's super-block float16 d and each block's 6-bit scale less 32 (the scale's low
+    4 bits in ``scales_l``, its high 2 in ``scales_h``); checked to give llama.cpp's dequantized ``values`` [rows,
+    cols] back exactly. None where they do not: the caller then rounds the tensor to Q8 blocks."""
     rows, cols = values.shape
     raw = np.ascontiguousarray(raw).view(np.uint8)
     if kind == "IQ4_NL":
@@ -293,10 +295,12 @@ def iq4_blocks(raw: np.ndarray, kind: str, values: torch.Tensor) -> IQ4Blocks | 
         low = supers[..., 4:8]  # [rows, S, 4]: 4 bits a block
         block = np.arange(8)
         scale = ((low[..., block // 2] >> (4 * (block % 2))) & 0x0F) | (((high[..., None] >> (2 * block)) & 3) << 4)
-        d = (d[..., None] * (scale.astype(np.float32) - 32)).reshape(rows, cols // 32)
+        sc = (scale.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols // 32)
         indices = supers[..., 8:].reshape(rows, cols // 32, 16)
-    codes = np.concatenate((indices & 0x0F, indices >> 4), axis=-1).reshape(rows, cols)
-    kept = IQ4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)))
+    codes = torch.from_numpy(np.ascontiguousarray(np.concatenate((indices & 0x0F, indices >> 4), axis=-1)
+                                                  .reshape(rows, cols)))
+    kept = IQ4Blocks(codes, torch.from_numpy(np.ascontiguousarray(d))) if kind == "IQ4_NL" else \
+        IQ4XSBlocks(codes, torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(sc)))
     return kept if torch.equal(kept.dequantize(), values) else None
 
 
@@ -340,8 +344,8 @@ def _log_dequantized(path: str, keep_q8: bool = False) -> None:
     if kinds:
         log.info("GGUF blocks with no kernel here were dequantized at load: %s (Q4_0, Q4_1 and Q4_K linears run as "
                  "shipped%s; an embedding or LM head is then requantized to int8 rows)", ", ".join(kinds),
-                 ", Q2_K, Q3_K, Q5 and Q6_K ones as Q2, Q3, Q5 and Q6 blocks, Q8_0 ones as Q8 blocks, IQ4_NL and "
-                 "IQ4_XS ones as IQ4 blocks"
+                 " (Q4_K ones as Q4K blocks), Q2_K, Q3_K, Q5_0, Q5_1, Q5_K and Q6_K ones as Q2, Q3, Q5, Q5K and Q6 "
+                 "blocks, Q8_0 ones as Q8 blocks, IQ4_NL and IQ4_XS ones as IQ4 and IQ4XS blocks"
                  if keep_q8 else "")
 
 
@@ -416,14 +420,15 @@ def _read_hf(folder: str) -> dict[str, torch.Tensor]:
 def _cache_path(files: ModelFiles, dtype: torch.dtype, keep_q4: bool, keep_q8: bool = False) -> str:
     stat = os.stat(files.path if files.kind == "gguf" else os.path.join(files.path, "config.json"))
     kept = ("-q4" if keep_q4 else "") + ("-q8" if keep_q8 else "")
-    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v10"
+    key = f"{files.path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{kept}|v11"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     tag = str(dtype).removeprefix("torch.") + kept
     return os.path.join(cache_dir(), "weights", f"{files.name}-{tag}-{digest}.safetensors")
 
 
 _BLOCKS = {"q4": Q4Blocks, "q5": Q5Blocks, "q6": Q6Blocks, "q8": Q8Blocks,  # safetensors prefix -> the blocks' type
-           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks, "q4k": Q4KBlocks, "q5k": Q5KBlocks}
+           "iq4": IQ4Blocks, "q3": Q3Blocks, "q2": Q2Blocks, "q4k": Q4KBlocks, "q5k": Q5KBlocks,
+           "iq4xs": IQ4XSBlocks}
 _FIELDS = {prefix: tuple(f for f in kind._fields if f != "group") for prefix, kind in _BLOCKS.items()}
 
 
@@ -431,8 +436,8 @@ def _flatten(tensors: dict) -> dict[str, torch.Tensor]:
     """One safetensors dict: Q4 and Q5 blocks as three tensors each (``<name>.q4_codes`` / ``.q4_scale`` /
     ``.q4_zero``, the same with ``q5_``), Q6 and Q3 blocks as three (``.q6_codes`` / ``.q6_d`` / ``.q6_sc``, the same
     with ``q3_``), Q2, Q4K and Q5K blocks as five (``.q2_codes`` / ``.q2_d`` / ``.q2_dmin`` / ``.q2_sc`` / ``.q2_mn``,
-    the same with ``q4k_`` and ``q5k_``), Q8 and IQ4
-    blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
+    the same with ``q4k_`` and ``q5k_``), IQ4XS blocks as three (``.iq4xs_codes`` / ``.iq4xs_d`` / ``.iq4xs_sc``), Q8
+    and IQ4 blocks as two (``<name>.q8_codes`` / ``.q8_d``, ``.iq4_codes`` / ``.iq4_d``)."""
     flat = {}
     for name, value in tensors.items():
         prefix = next((p for p, kind in _BLOCKS.items() if type(value) is kind), None)

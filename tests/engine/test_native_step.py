@@ -286,6 +286,15 @@ def test_the_step_fed_lists_refuses_what_does_not_fit(engines):
                                     step._view(runner.model.cos), step._view(runner.model.sin), step._view(kv.k),
                                     step._view(kv.v), buffer(torch.empty(1, runner.model.config.hidden_size)), 1,
                                     None, None, None, step._view(step.head_tiles), None)
+    layers = runner.model.config.num_layers  # a kinds table naming no kind, or tiles in super-blocks at K = 576
+    for kind, error in ((7, "kinds must be"), (41, "multiple of 256"), (2, "multiple of 256")):
+        with pytest.raises(ValueError, match=error):
+            native.module().decode_step(step._view(step.spec), 1e-5, [1], [0], [0], [[0]], [1],
+                                        step._view(step.embed_tiles), step._view(step.layer_tiles),
+                                        step._view(step.norms), step._view(runner.model.cos),
+                                        step._view(runner.model.sin), step._view(kv.k), step._view(kv.v),
+                                        buffer(torch.empty(1, runner.model.config.hidden_size)), 1, None, None, None,
+                                        kinds=buffer(torch.full((layers, 7), kind, dtype=torch.int64)))
 
 
 def test_greedy_without_logprobs_is_the_torch_path(engines):

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from corral import native
-from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks,
-                                 Q6Blocks, iq4_reference, k_reference, pack_iq4_tiles, pack_q2_tiles, pack_q3_tiles,
-                                 pack_q4_tiles, pack_q4k_tiles, pack_q5_tiles, pack_q5k_tiles, pack_q6_tiles,
-                                 pack_q8_tiles, quantize_activations, quantize_int4, quantize_q8_blocks, w2a8_reference,
-                                 w3a8_reference, w4a8_reference, w6a8_reference, w8a8_reference)
+from corral.engine.quant import (IQ4_VALUES, IQ4Blocks, IQ4XSBlocks, Q2Blocks, Q3Blocks, Q4Blocks, Q4KBlocks,
+                                 Q5Blocks, Q5KBlocks, Q6Blocks, iq4_reference, k_reference, pack_iq4_tiles,
+                                 pack_iq4xs_tiles, pack_q2_tiles, pack_q3_tiles, pack_q4_tiles, pack_q4k_tiles,
+                                 pack_q5_tiles, pack_q5k_tiles, pack_q6_tiles, pack_q8_tiles, quantize_activations,
+                                 quantize_int4, quantize_q8_blocks, w2a8_reference, w3a8_reference, w4a8_reference,
+                                 w6a8_reference, w8a8_reference)
 from corral.kernels.cpu_ops import buffer
 from tests.kernels.variants import report_in_variant
 
@@ -41,8 +42,9 @@ def native_product(kind: str):
     return product
 
 
-q2_product, q3_product, q4_product, q5_product, q6_product, q8_product, iq4_product, q4k_product, q5k_product = (
-    native_product(kind) for kind in ("q2", "q3", "q4", "q5", "q6", "q8", "iq4", "q4k", "q5k"))
+q2_product, q3_product, q4_product, q5_product, q6_product, q8_product, iq4_product, q4k_product, q5k_product, \
+    iq4xs_product = (native_product(kind) for kind in ("q2", "q3", "q4", "q5", "q6", "q8", "iq4", "q4k", "q5k",
+                                                       "iq4xs"))
 
 
 def random_q5(n: int, k: int) -> Q5Blocks:
@@ -58,6 +60,14 @@ def random_iq4(n: int, k: int) -> IQ4Blocks:
     d = (torch.rand(n, -(-k // 256)) * 0.002 + 1e-4).half().float().repeat_interleave(8, dim=1)[:, : k // 32]
     scales = torch.randint(0, 64, (n, k // 32)).float() - 32
     return IQ4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), (d * scales).contiguous())
+
+
+def random_iq4xs(n: int, k: int) -> IQ4XSBlocks:
+    """Indices over the whole grid with an IQ4_XS tensor's float16 d per 256 and 6-bit scale less 32 per 32 over its
+    whole range (k a multiple of 256)."""
+    return IQ4XSBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                       (torch.rand(n, k // 256) * 0.002 + 1e-4).half().float(),
+                       torch.randint(-32, 32, (n, k // 32), dtype=torch.int8))
 
 
 def w8_terms(x, values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -111,7 +121,7 @@ def random_k(n: int, k: int, bits: int = 4) -> Q4KBlocks | Q5KBlocks:
 def k_terms(x, blocks: Q4KBlocks | Q5KBlocks) -> torch.Tensor:
     """sum_b |d sc_b s_b (q . xq)| + |dmin mn_b sum_b|: the magnitude a Q4K or Q5K product's float32 rounding scales
     with."""
-    return q4_terms(x, blocks.as_q4())
+    return q4_terms(x, blocks.as_q4() if isinstance(blocks, Q4KBlocks) else blocks.as_q5())
 
 
 def q2_terms(x, blocks: Q2Blocks) -> torch.Tensor:
@@ -185,21 +195,27 @@ def q6_terms(x, blocks: Q6Blocks, offset: int = 32) -> torch.Tensor:
                         sc.abs(), scale.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3", "q2", "q4k", "q5k"])
+@pytest.mark.parametrize("kind", ["q5", "q6", "iq4", "q3", "q2", "q4k", "q5k", "iq4xs"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_q5_q6_iq4_q3_q2_q4k_and_q5k_equal_their_stated_numerics(kind, m, n, k):
+def test_q5_q6_iq4_q3_q2_q4k_q5k_and_iq4xs_equal_their_stated_numerics(kind, m, n, k):
     """Q5 tiles: the Q4 numerics (``sum_b d s_b (q . xq) + m sum_b``) with codes up to 31. Q6 tiles:
     ``sum_b sum_h d sc_h s_b (q . xq - 32 isum_h)``, each half block of 16 with its own scale. IQ4 tiles:
     ``sum_b d s_b (IQ4_VALUES[q] . xq)``. Q3 tiles: Q6's with codes 0..7 less 4. Q2 tiles:
     ``sum_b s_b (d sum_h sc_h (q . xq)_h - dmin sum_h mn_h isum_h)``. Q4K and Q5K tiles: the Q4 numerics with
-    ``d sc`` and ``-dmin mn``. Tiles in super-blocks (Q3, Q2, Q4K, Q5K): K rounded up to whole super-blocks of
-    256."""
-    seed = ("q5", "q6", "iq4", "q3", "q2", "q4k", "q5k").index(kind)
+    ``d sc`` and ``-dmin mn``. IQ4XS tiles: IQ4's with ``d (sc - 32)``. Tiles in super-blocks (Q3, Q2, Q4K, Q5K,
+    IQ4XS): K rounded up to whole super-blocks of 256."""
+    seed = ("q5", "q6", "iq4", "q3", "q2", "q4k", "q5k", "iq4xs").index(kind)
     torch.manual_seed(m * 31 + n + k + seed)
-    k = -(-k // 256) * 256 if kind in ("q3", "q2", "q4k", "q5k") else k
+    k = -(-k // 256) * 256 if kind in ("q3", "q2", "q4k", "q5k", "iq4xs") else k
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, :32] = 0
-    if kind in ("q4k", "q5k"):
+    if kind == "iq4xs":
+        shipped = random_iq4xs(n, k)
+        blocks = shipped.as_iq4()  # the product's numerics: IQ4's with each block's d = d (sc - 32)
+        got, want = iq4xs_product(x, pack_iq4xs_tiles(shipped), n), iq4_reference(x, blocks)
+        values = torch.tensor(IQ4_VALUES, dtype=torch.float64)[blocks.codes.long()]
+        bound = summation_bound(w8_terms(x, values, blocks.d), k // 32)
+    elif kind in ("q4k", "q5k"):
         blocks = random_k(n, k, bits=int(kind[1]))
         product, pack = (q4k_product, pack_q4k_tiles) if kind == "q4k" else (q5k_product, pack_q5k_tiles)
         got, want = product(x, pack(blocks), n), k_reference(x, blocks)
@@ -253,13 +269,13 @@ def tile_blocks(tiles: torch.Tensor, n: int, k: int):
             yield row, r, b, tiles[t, b]
 
 
-# the bytes of a block of tiles in super-blocks (qmatmul.h), by their codes' bits
-SUPER_BODY = {2: 160, 3: 224, 4: 288, 5: 352}
+# the bytes of a block of tiles in super-blocks (qmatmul.h), by their codes' bits (IQ4XS tiles: "iq4xs")
+SUPER_BODY = {2: 160, 3: 224, 4: 288, 5: 352, "iq4xs": 272}
 
 
 def super_tile_blocks(tiles: torch.Tensor, n: int, k: int, bits: int):
     """(row, its place r in its tile, block b, that tile's block b, its super-block's 64-byte header) for every row
-    and block of tiles in super-blocks (Q2, Q3, Q4K or Q5K tiles: ``bits`` 2, 3, 4 or 5)."""
+    and block of tiles in super-blocks (Q2, Q3, Q4K, Q5K or IQ4XS tiles: ``bits`` 2, 3, 4, 5 or "iq4xs")."""
     body = SUPER_BODY[bits]
     flat = tiles.reshape(tiles.shape[0], k // 256, 64 + 8 * body)  # [tile, super-block, bytes]
     for row in range(n):
@@ -324,6 +340,34 @@ def test_iq4_tiles_hold_every_index_and_d_and_give_each_weight_back():
         assert torch.allclose(iq4_product(x, tiles, n)[0], dense[:, col], rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="0..15"):
         pack_iq4_tiles(IQ4Blocks(torch.full((16, 32), 16, dtype=torch.uint8), torch.ones(16, 1)))
+
+
+def test_iq4xs_tiles_hold_every_index_d_and_scale_and_give_each_weight_back():
+    """The tile bytes read back, as the kernels read them (qmatmul.h): each index from its nibble, each row's d as
+    float16 in its super-block's header and its block's scale less 32 as an int8; and one activation picks out a
+    column's weight, d (sc - 32) IQ4_VALUES[q], exactly (as llama.cpp's dequantization rounds it), the whole grid
+    and every scale among them."""
+    torch.manual_seed(16)
+    n, k = 20, 512
+    blocks = random_iq4xs(n, k)
+    blocks.sc.view(-1)[:64] = torch.arange(-32, 32)
+    tiles = pack_iq4xs_tiles(blocks)
+    assert tiles.shape == (2, 16, 280) and tiles.dtype == torch.uint8
+    assert set(blocks.codes.flatten().tolist()) == set(range(16)) and set(blocks.sc.flatten().tolist()) == set(
+        range(-32, 32))
+    for row, r, b, w, head in super_tile_blocks(tiles, n, k, "iq4xs"):
+        assert [code_in_tile(w, r, col, 4) for col in range(32)] == blocks.codes[row, 32 * b: 32 * b + 32].tolist()
+        assert float(head[2 * r: 2 * r + 2].view(torch.float16).float()) == float(blocks.d[row, b // 8])
+        assert int(w[256 + r: 257 + r].view(torch.int8)) == int(blocks.sc[row, b])
+    dense = blocks.dequantize()
+    x = torch.eye(k)  # row i: code 127 at scale 1/127 in column i alone
+    assert torch.allclose(iq4xs_product(x, tiles, n), dense.T, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="-32..31"):
+        pack_iq4xs_tiles(IQ4XSBlocks(torch.ones((16, 256), dtype=torch.uint8), torch.ones(16, 1),
+                                     torch.full((16, 8), 32, dtype=torch.int8)))
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        pack_iq4xs_tiles(IQ4XSBlocks(torch.ones((16, 96), dtype=torch.uint8), torch.ones(16, 1),
+                                     torch.ones((16, 3), dtype=torch.int8)))
 
 
 def test_q3_tiles_hold_every_code_and_scale_and_give_each_weight_back():
@@ -451,15 +495,17 @@ def test_q8_equals_its_stated_numerics(m, n, k):
     assert ((got - w8a8_reference(x, codes, d)).abs() <= summation_bound(terms, k // 32).float() + 1e-30).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3", "q2", "q4k", "q5k"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q3", "q2", "q4k", "q5k", "iq4xs"])
 def test_a_rows_product_is_the_same_bits_in_any_number_of_rows(kind):
     """Rows go through the kernels in different passes by their count (one or two passes of up to 8 over one tile,
     sixes, fours, a two and a one past 16): a row's product must not depend on which, as drafts and batches rely
     on, and no pass may write past its rows (two NaN guard rows follow the output)."""
     torch.manual_seed(5)
-    n, k = 100, 768 if kind in ("q3", "q2", "q4k", "q5k") else 576  # seven tiles: pairs and a short last group
+    n, k = 100, 768 if kind in ("q3", "q2", "q4k", "q5k", "iq4xs") else 576  # seven tiles: pairs, a short last one
     weights = torch.randn(n, k)
-    if kind == "q4k":
+    if kind == "iq4xs":
+        tiles, matmul = pack_iq4xs_tiles(random_iq4xs(n, k)), native.module().iq4xs_matmul
+    elif kind == "q4k":
         tiles, matmul = pack_q4k_tiles(random_k(n, k)), native.module().q4k_matmul
     elif kind == "q5k":
         tiles, matmul = pack_q5k_tiles(random_k(n, k, 5)), native.module().q5k_matmul
@@ -560,7 +606,7 @@ def supers_of(n, k):  # float16 values per super-block of 256, repeated over its
 
 
 for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40, 1536), (16, 33, 64),
-                (48, 100, 576), (1, 16, 256), (5, 40, 768), (17, 33, 512)]:
+                (48, 100, 576), (1, 16, 256), (5, 40, 768), (17, 33, 512), (3, 40, 512), (2, 33, 768)]:
     x = torch.randn(m, k)
     blocks = quantize_int4(torch.randn(n, k), 32)
     check(mod.q4_matmul, pack_q4_tiles(blocks), w4a8_reference(x, blocks))
@@ -588,6 +634,9 @@ for m, n, k in [(1, 16, 32), (3, 17, 96), (6, 100, 576), (9, 40, 1536), (24, 40,
         check(mod.q4k_matmul, pack_q4k_tiles(four), k_reference(x, four))
         five = Q5KBlocks(torch.randint(0, 32, (n, k), dtype=torch.uint8), *four[1:])
         check(mod.q5k_matmul, pack_q5k_tiles(five), k_reference(x, five))
+        xs = IQ4XSBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8), halves_of(n, k // 8),
+                         torch.randint(-32, 32, (n, k // 32), dtype=torch.int8))
+        check(mod.iq4xs_matmul, pack_iq4xs_tiles(xs), iq4_reference(x, xs.as_iq4()))
 # a row's bits alone and among others, through every pass structure of the variant
 blocks = quantize_int4(torch.randn(100, 576), 32)
 tiles = pack_q4_tiles(blocks)
@@ -609,6 +658,8 @@ q4k_tiles = pack_q4k_tiles(Q4KBlocks(torch.randint(0, 16, (100, 768), dtype=torc
 q5k_tiles = pack_q5k_tiles(Q5KBlocks(torch.randint(0, 32, (100, 768), dtype=torch.uint8), halves_of(100, 96),
                                     halves_of(100, 96), torch.randint(0, 64, (100, 24), dtype=torch.uint8),
                                     torch.randint(0, 64, (100, 24), dtype=torch.uint8)))
+iq4xs_tiles = pack_iq4xs_tiles(IQ4XSBlocks(torch.randint(0, 16, (100, 768), dtype=torch.uint8), halves_of(100, 96),
+                                          torch.randint(-32, 32, (100, 24), dtype=torch.int8)))
 def product(rows, matmul=mod.q4_matmul, tiles=tiles):
     out = torch.empty(len(rows), 100)
     matmul(buffer(rows), buffer(tiles), 100, buffer(out), 2)
@@ -616,8 +667,9 @@ def product(rows, matmul=mod.q4_matmul, tiles=tiles):
 independent = True
 for matmul, w in [(mod.q4_matmul, tiles), (mod.q8_matmul, q8_tiles), (mod.q5_matmul, q5_tiles),
                   (mod.q6_matmul, q6_tiles), (mod.iq4_matmul, iq4_tiles), (mod.q3_matmul, q3_tiles),
-                  (mod.q2_matmul, q2_tiles), (mod.q4k_matmul, q4k_tiles), (mod.q5k_matmul, q5k_tiles)]:
-    x = torch.randn(36, 768 if any(w is t for t in (q3_tiles, q2_tiles, q4k_tiles, q5k_tiles)) else 576)
+                  (mod.q2_matmul, q2_tiles), (mod.q4k_matmul, q4k_tiles), (mod.q5k_matmul, q5k_tiles),
+                  (mod.iq4xs_matmul, iq4xs_tiles)]:
+    x = torch.randn(36, 768 if any(w is t for t in (q3_tiles, q2_tiles, q4k_tiles, q5k_tiles, iq4xs_tiles)) else 576)
     alone = torch.cat([product(x[i: i + 1], matmul, w) for i in range(36)])
     independent &= all(torch.equal(product(x[:m], matmul, w), alone[:m]) for m in list(range(2, 21)) + [32, 33, 36])
 print(json.dumps({"isa": mod.qmatmul_isa, "worst": worst, "independent": independent}))
@@ -633,8 +685,9 @@ def test_every_variant_this_cpu_runs_agrees_with_the_numerics(variant):
 _PAIRS_CHECK = """
 import hashlib, json, torch
 from corral import native
-from corral.engine.quant import (IQ4Blocks, Q4KBlocks, Q5Blocks, Q5KBlocks, pack_iq4_tiles, pack_q4_tiles,
-                                 pack_q4k_tiles, pack_q5_tiles, pack_q5k_tiles, quantize_int4)
+from corral.engine.quant import (IQ4Blocks, IQ4XSBlocks, Q4KBlocks, Q5Blocks, Q5KBlocks, pack_iq4_tiles,
+                                 pack_iq4xs_tiles, pack_q4_tiles, pack_q4k_tiles, pack_q5_tiles, pack_q5k_tiles,
+                                 quantize_int4)
 from corral.kernels.cpu_ops import buffer
 mod = native.module()
 torch.manual_seed(5)
@@ -650,10 +703,12 @@ for n in (100, 90, 96, 576):  # 7 tiles (3 pairs and a last one alone), 6 (the l
     five_k = pack_q5k_tiles(Q5KBlocks(torch.randint(0, 32, (n, 768), dtype=torch.uint8), torch.rand(n, 3) * 0.002,
                                       torch.rand(n, 3) * 0.002, torch.randint(0, 64, (n, 24), dtype=torch.uint8),
                                       torch.randint(0, 64, (n, 24), dtype=torch.uint8)))
+    grid_xs = pack_iq4xs_tiles(IQ4XSBlocks(torch.randint(0, 16, (n, 768), dtype=torch.uint8),
+                                           torch.rand(n, 3) * 0.002, torch.randint(-32, 32, (n, 24), dtype=torch.int8)))
     for rows in (1, 2, 3, 4, 5, 8):
         for matmul, w in ((mod.q4_matmul, tiles), (mod.q5_matmul, five), (mod.iq4_matmul, grid),
-                          (mod.q4k_matmul, four), (mod.q5k_matmul, five_k)):
-            x = torch.randn(rows, 768 if w is four or w is five_k else 576)
+                          (mod.q4k_matmul, four), (mod.q5k_matmul, five_k), (mod.iq4xs_matmul, grid_xs)):
+            x = torch.randn(rows, 768 if any(w is t for t in (four, five_k, grid_xs)) else 576)
             out = torch.empty(rows, n)
             matmul(buffer(x), buffer(w), n, buffer(out), 2)
             digest.update(out.numpy().tobytes())

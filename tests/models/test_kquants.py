@@ -201,14 +201,15 @@ IQ4 = os.path.join(kquant_fixture.DATA, "tiny-iq4.gguf")
 
 
 def test_iq4_linears_run_as_shipped_in_iq4_tiles(tmp_path, monkeypatch, caplog):
-    """The same weights in llama.cpp's IQ4_XS, with IQ4_NL tensors beside (its non-linear 4-bit grid) and a Q5_K
-    value projection (as llama-quantize makes one for grouped-query attention): under w4a8 every IQ4 linear is
-    kept as IQ4 blocks, and the Q5_K one as Q5K blocks, equal to llama.cpp's dequantization bit for bit (rotary rows
-    included, also after the weight cache), each fused layer runs in IQ4 tiles (an IQ4_NL part beside IQ4_XS ones
-    too) but the QKV, whose value part runs beside in Q5K tiles, the native step equals the torch forward bit for bit,
-    and the logits are the dense dequantized model's but for the activations' rounding to 8 bits."""
-    from corral.engine.model import IQ4_KIND, Q5K_KIND
-    from corral.engine.quant import IQ4Blocks, IQ4Tiles, Q5KTiles, SplitLinear
+    """The same weights in llama.cpp's IQ4_XS, with IQ4_NL tensors beside (its non-linear 4-bit grid; the key and up
+    projections) and a Q5_K value projection (as llama-quantize makes one for grouped-query attention): under w4a8
+    every IQ4_XS linear is kept as IQ4XS blocks (its super-blocks' d and 6-bit scales), every IQ4_NL one as IQ4
+    blocks and the Q5_K one as Q5K blocks, equal to llama.cpp's dequantization bit for bit (rotary rows included,
+    also after the weight cache); the output and down projections run in IQ4XS tiles, the QKV and gate/up split by
+    kind (IQ4XS, IQ4 and Q5K; IQ4XS and IQ4), the native step equals the torch forward bit for bit, and the logits
+    are the dense dequantized model's but for the activations' rounding to 8 bits."""
+    from corral.engine.model import IQ4_KIND, IQ4XS_KIND, Q5K_KIND
+    from corral.engine.quant import IQ4Blocks, IQ4Tiles, IQ4XSBlocks, IQ4XSTiles, Q5KTiles, SplitLinear
     from tests.engine.test_native_step import assert_native_step_is_the_forward
 
     monkeypatch.setenv("CORRAL_CACHE_DIR", str(tmp_path))
@@ -223,22 +224,27 @@ def test_iq4_linears_run_as_shipped_in_iq4_tiles(tmp_path, monkeypatch, caplog):
     reference = load_weights(files, config, torch.float32)
     cached = load_weights(files, config, torch.float32, keep_q4=True, keep_q8=True)
     p = "model.layers.0."
+    shipped = {name: {"IQ4_XS": IQ4XSBlocks, "IQ4_NL": IQ4Blocks, "Q5_K": Q5KBlocks}[kinds[GGUF_NAMES[p + name]]]
+               for name in LINEAR_KINDS}
+    assert shipped["self_attn.v_proj.weight"] is Q5KBlocks and shipped["mlp.up_proj.weight"] is IQ4Blocks
     for name in LINEAR_KINDS:
-        assert isinstance(kept[p + name], Q5KBlocks if name == "self_attn.v_proj.weight" else IQ4Blocks), name
+        assert type(kept[p + name]) is shipped[name], name
         assert torch.equal(kept[p + name].dequantize(), reference[p + name]), name
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                    for a, b in zip(cached[p + name], kept[p + name])), name
     model = LlamaModel(config, kept, torch.float32, "w4a8")
-    assert all(type(model.layers[0][n]) is IQ4Tiles for n in ("o", "gate_up", "down"))
-    qkv = model.layers[0]["qkv"]
-    assert type(qkv) is SplitLinear and [type(part) for part in qkv.parts] == [IQ4Tiles, IQ4Tiles, Q5KTiles]
+    assert all(type(model.layers[0][n]) is IQ4XSTiles for n in ("o", "down"))
+    qkv, gate_up = model.layers[0]["qkv"], model.layers[0]["gate_up"]
+    assert type(qkv) is SplitLinear and [type(part) for part in qkv.parts] == [IQ4XSTiles, IQ4Tiles, Q5KTiles]
+    assert type(gate_up) is SplitLinear and [type(part) for part in gate_up.parts] == [IQ4XSTiles, IQ4Tiles]
     token_ids = list(range(5, 60, 3))
     dense = corral_logits_of(config, reference, token_ids)
     off = float((model_logits(config, kept, "w4a8", token_ids) - dense).norm() / dense.norm())
     assert off < 0.03, off  # 8-bit activations (measured 0.015); a misread grid or scale is far off
     if model.native_step is None:
         pytest.skip("the native module is off or missing")
-    assert model.native_step.kinds.tolist() == [[IQ4_KIND, IQ4_KIND, Q5K_KIND] + [IQ4_KIND] * 4]
+    assert model.native_step.kinds.tolist() == [[IQ4XS_KIND, IQ4_KIND, Q5K_KIND, IQ4XS_KIND, IQ4XS_KIND, IQ4_KIND,
+                                                  IQ4XS_KIND]]
     assert_native_step_is_the_forward(model, config, (([], [37], 0), ([90, 120], [20, 33], 0), ([50], [40], 60),
                                                       ([90, 120, 7], [], 0)), seed=3, blocks=64, max_len=256)
 
@@ -324,11 +330,11 @@ print(json.dumps({"isa": native.module().qmatmul_isa}))
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_split_layers_step_as_the_torch_path_in_every_variant(variant):
-    """The fixtures' split layers (QKV in Q4K, Q5 and Q6 tiles, gate/up in Q8 and Q4K; QKV in IQ4 and Q5K; in Q3 and
-    Q5K; in Q2 and Q3) and IQ4, Q3, Q2, Q4K and Q5K ones in every product variant this CPU runs, on 5 threads (the
-    parts' 32 or 64 tiles then split between threads inside parts, the Q6 value projection's at its second tile among
-    them): the native step's hidden states, and its head logits in a step of decodes, are the torch forward's, bit for
-    bit."""
+    """The fixtures' split layers (QKV in Q4K, Q5 and Q6 tiles, gate/up in Q8 and Q4K; QKV in IQ4XS, IQ4 and Q5K,
+    gate/up in IQ4XS and IQ4; QKV in Q3 and Q5K; in Q2 and Q3) and IQ4XS, Q3, Q2, Q4K and Q5K ones in every product
+    variant this CPU runs, on 5 threads (the parts' 32 or 64 tiles then split between threads inside parts, the Q6 value
+    projection's at its second tile among them): the native step's hidden states, and its head logits in a step of
+    decodes, are the torch forward's, bit for bit."""
     from tests.kernels.variants import report_in_variant
 
     report = report_in_variant(_SPLIT_CHECK, CORRAL_QMATMUL_ISA=variant, HF_HUB_OFFLINE="1")
