@@ -350,64 +350,15 @@ const Rows* pairs() {
     return pair;
 }
 
-void q4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<4>(x, tiles, n, y, ldy, threads, nullptr);
+// A kind's product one tile at a time, and with a decode step's 1-4 rows over a group's two tiles at once.
+template <int Bits>
+void singly(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<Bits>(x, tiles, n, y, ldy, threads, nullptr);
 }
 
-void q4_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<4>(x, tiles, n, y, ldy, threads, pairs<4>());
-}
-
-void q5(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<5>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q5_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<5>(x, tiles, n, y, ldy, threads, pairs<5>());
-}
-
-void q6(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<6>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q2(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<2>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q4k(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<Q4K>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q4k_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<Q4K>(x, tiles, n, y, ldy, threads, pairs<Q4K>());
-}
-
-void q5k(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<Q5K>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void q5k_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<Q5K>(x, tiles, n, y, ldy, threads, pairs<Q5K>());
-}
-
-void q3(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<3>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void iq4(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<IQ4>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void iq4_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<IQ4>(x, tiles, n, y, ldy, threads, pairs<IQ4>());
-}
-
-void iq4xs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<IQ4XS>(x, tiles, n, y, ldy, threads, nullptr);
-}
-
-void iq4xs_pairs(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
-    nibbles_over<IQ4XS>(x, tiles, n, y, ldy, threads, pairs<IQ4XS>());
+template <int Bits>
+void paired_up(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
+    nibbles_over<Bits>(x, tiles, n, y, ldy, threads, pairs<Bits>());
 }
 
 void q8(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
@@ -442,10 +393,11 @@ void quantize(const float* x, int64_t rows, int64_t cols, const QuantizedOut& ou
         }
 }
 
-const QTable table = {"avx512-vnni", q4, q8, quantize, q5, q6, iq4, q3, q2, q4k, q5k, iq4xs};
+const QTable table = {"avx512-vnni", singly<4>,  q8,         quantize,   singly<5>,  singly<6>,
+                      singly<IQ4>,   singly<3>,  singly<2>,  singly<Q4K>, singly<Q5K>, singly<IQ4XS>};
 // Q6, Q3 and Q2: one at a time
-const QTable paired = {"avx512-vnni-pairs", q4_pairs, q8,   quantize,  q5_pairs,  q6,
-                       iq4_pairs,           q3,       q2,   q4k_pairs, q5k_pairs, iq4xs_pairs};
+const QTable paired = {"avx512-vnni-pairs", paired_up<4>, q8,         quantize,       paired_up<5>,   singly<6>,
+                       paired_up<IQ4>,      singly<3>,    singly<2>,  paired_up<Q4K>, paired_up<Q5K>, paired_up<IQ4XS>};
 
 }  // namespace
 }  // namespace avx512
