@@ -86,7 +86,8 @@ CORRAL_INLINE __m256i bit_values(const uint8_t* p, char value) {
 // bits a chunk at a time (a chunk's 16-bit lane, two pair sums, is at most 4 x 63 x 127 = 32,004); an IQ4 tile's (Bits
 // IQ4: grid values to 127 in magnitude) each pair sum alone. Integer sums every way: the same values. Bits Q4K, Q5K:
 // Q4K and Q5K tiles, as Q4 and Q5 tiles with d = d sc and m = -dmin mn from the super-block's d and dmin and the
-// block's sc and mn.
+// block's sc and mn; Bits IQ4XS, as IQ4 with d = d (sc - 32). Q3, Q2, Q4K, Q5K and IQ4XS tiles read d (and dmin) in
+// each super-block's header (qmatmul.h).
 template <int Bits, int R, int64_t Ahead = 0>
 CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w, int64_t blocks, int half, float* y,
                                int64_t ldy, int64_t valid) {
@@ -101,7 +102,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
     const __m256i magnitudes = _mm256_abs_epi8(grid);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* head = w;  // Q4K, Q5K: the super-block's header (d, dmin)
+    const uint8_t* head = w;  // tiles in super-blocks: the super-block's header (d, dmin)
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         if constexpr (in_super_blocks(Bits))
             if (b % SUPER_BLOCKS == 0) head = w, w += SUPER_HEAD_BYTES;
@@ -206,19 +207,20 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
         __m256 d, mins;
         if constexpr (!in_super_blocks(Bits)) {
             d = halves(w + Scales + 16 * half), mins = halves(w + Scales + 32 + 16 * half);
-        } else {  // d sc and -dmin mn, exact in float32
+        } else {  // d sc and dmin mn (taken off below), exact in float32
             const __m256 sc = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Scales + 8 * half))));
             const __m256 mn = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Scales + 16 + 8 * half))));
             d = opaque(_mm256_mul_ps(halves(head + 16 * half), sc));
-            mins = opaque(_mm256_mul_ps(halves(head + 32 + 16 * half), _mm256_sub_ps(_mm256_setzero_ps(), mn)));
+            mins = opaque(_mm256_mul_ps(halves(head + 32 + 16 * half), mn));
         }
         for (int r = 0; r < R; ++r) {
             const int64_t at = (m + r) * blocks + b;
             const __m256 dot = _mm256_cvtepi32_ps(wide_sums ? wide[r] : _mm256_madd_epi16(pairs[r], ones));
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[at])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r]);
+            acc[r] = in_super_blocks(Bits) ? _mm256_fnmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r])
+                                           : _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[at]), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) store(y + (m + r) * ldy, acc[r], valid);

@@ -70,7 +70,8 @@ CORRAL_INLINE void read_ahead(const uint8_t* block) {
 // 4 times the half's activation sum. Bits 2: Q2 tiles, the 2-bit codes alone, each half's dot times its 4-bit scale
 // into the block's integer sum, which takes d s; then each half's 4-bit min times its activation sum, summed in
 // integers, times dmin s, taken off. Bits Q4K and Q5K: Q4K and Q5K tiles, as Q4 and Q5 tiles with d = d sc and
-// m = -dmin mn, each from the super-block's d and dmin and the block's 6-bit sc and mn.
+// m = -dmin mn, each from the super-block's d and dmin and the block's 6-bit sc and mn; Bits IQ4XS, as IQ4 with
+// d = d (sc - 32). Q3, Q2, Q4K, Q5K and IQ4XS tiles read d (and dmin) in each super-block's header (qmatmul.h).
 CORRAL_INLINE __m512i add_where(__m512i v, const uint8_t* mask, __m512i value) {
     uint64_t bits;
     std::memcpy(&bits, mask, 8);
@@ -95,7 +96,7 @@ CORRAL_INLINE void nibble_rows(const Activations& x, int64_t m, const uint8_t* w
     __m512 acc[T][R];
     for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    const uint8_t* head = w;  // Q4K, Q5K: the super-block's header (d, dmin) in the first tile
+    const uint8_t* head = w;  // tiles in super-blocks: the super-block's header (d, dmin) in the first tile
     for (int64_t b = 0; b < blocks; ++b, w += Bytes) {
         if constexpr (in_super_blocks(Bits))
             if (b % SUPER_BLOCKS == 0) head = w, w += SUPER_HEAD_BYTES;

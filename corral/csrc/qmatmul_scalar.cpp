@@ -95,8 +95,9 @@ void each_tile(const Activations& x, const uint8_t* tiles, int64_t n, float* y, 
 // 6: a sixth bit too, and a scale per half block, with 32 times the half's activation sum taken off its dot),
 // IQ4 tiles (each index's grid value, and a float32 d), Q3 tiles (Bits 3: 2-bit codes and a third bit, a scale
 // per half block as Q6's, with 4 times the half's sum taken off), Q2 tiles (Bits 2: 2-bit codes, a scale per
-// half block, and a min per half block times the half's sum taken off at dmin) or Q4K and Q5K tiles (Bits Q4K,
-// Q5K: a Q4 or Q5 tile block's codes, d sc and dmin mn in place of its d and -m).
+// half block, and a min per half block times the half's sum taken off at dmin), Q4K and Q5K tiles (Bits Q4K,
+// Q5K: a Q4 or Q5 tile block's codes, d sc and dmin mn in place of its d and -m) or IQ4XS tiles (IQ4's, with
+// d (sc - 32)); Q3, Q2, Q4K, Q5K and IQ4XS tiles read d (and dmin) at `head`.
 template <int Bits>
 void nibbles(const Activations& x, const uint8_t* tiles, int64_t n, float* y, int64_t ldy, int threads) {
     constexpr int64_t Scales = Bits == 5 || Bits == Q5K ? 320 : 256;  // Q4K, Q5K: the 6-bit scales (mins: + 16)

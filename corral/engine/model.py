@@ -138,10 +138,9 @@ class NativeStep:
     the same weights, so the same hidden states bit for bit. A linear is Q4 tiles (:class:`Q4Tiles`) or, where the
     file keeps more than 4 bits, Q5 (:class:`Q5Tiles`), Q6 (:class:`Q6Tiles`) or Q8 tiles (:class:`Q8Linear`), or
     IQ4 or IQ4XS tiles (:class:`IQ4Tiles`, :class:`IQ4XSTiles`: llama.cpp's non-linear 4-bit grid), or Q4K, Q5K, Q3
-    or Q2 tiles
-    (:class:`Q4KTiles`, :class:`Q5KTiles`, :class:`Q3Tiles`, :class:`Q2Tiles`: its Q4_K, Q5_K, Q3_K and Q2_K); a
-    fused one whose parts differ in kind, each part at its own (:class:`SplitLinear`). The layers' tiles are moved
-    into one buffer that the layers' linears then view (one copy of the weights)."""
+    or Q2 tiles (:class:`Q4KTiles`, :class:`Q5KTiles`, :class:`Q3Tiles`, :class:`Q2Tiles`: its Q4_K, Q5_K, Q3_K and
+    Q2_K); a fused one whose parts differ in kind, each part at its own (:class:`SplitLinear`). The layers' tiles are
+    moved into one buffer that the layers' linears then view (one copy of the weights)."""
 
     LINEARS = ("qkv", "o", "gate_up", "down")
     PROJECTIONS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # the projections each fuses (q, k, v; gate, up)

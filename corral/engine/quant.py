@@ -518,8 +518,7 @@ def k_reference(x: torch.Tensor, blocks: "Q4KBlocks | Q5KBlocks") -> torch.Tenso
     codes, scale, sums = (t.double() for t in quantize_activations(x))
     rows, cols = blocks.codes.shape
     q = blocks.codes.double().view(rows, cols // 32, 32)
-    d = blocks.d.double().repeat_interleave(8, dim=1) * blocks.sc.double()
-    low = blocks.dmin.double().repeat_interleave(8, dim=1) * blocks.mn.double()
+    d, low = (t.double() for t in _scales_and_mins(blocks.d, blocks.dmin, blocks.sc, blocks.mn, 8))  # exact
     dots = torch.einsum("abk,nbk->anb", codes, q)
     return (torch.einsum("anb,nb,ab->an", dots, d, scale) - sums @ low.T).float()
 

@@ -133,20 +133,30 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (d[..., None] * sc).reshape(rows, -1), (dmin[..., None] * mn).reshape(rows, -1)
 
 
+def _k_blocks(kind: type, blocks: np.ndarray, fifth: np.ndarray | None = None) -> "Q4KBlocks | Q5KBlocks":
+    """Q4_K or Q5_K super-blocks [rows, S, bytes] as ``kind`` (:class:`Q4KBlocks` or :class:`Q5KBlocks`): their d,
+    dmin, scales and mins (:func:`_k_fields`), and their codes from the last 128 bytes (bytes 32j .. 32j + 31 hold
+    sub-blocks 2j in their low nibbles and 2j + 1 in their high ones) plus ``fifth`` [rows, S, 8, 32] (Q5_K's fifth
+    bits, as 0 or 16)."""
+    rows, supers = blocks.shape[:2]
+    d, dmin, sc, mn = _k_fields(blocks)
+    qs = blocks[..., -128:].reshape(rows, supers, 4, 32)
+    codes = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, supers, 8, 32)
+    if fifth is not None:
+        codes = codes | fifth
+    tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
+    return kind(tensor(codes.reshape(rows, -1).astype(np.uint8)), tensor(d), tensor(dmin),
+                tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
+
+
 def q4k_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KBlocks:
     """GGUF Q4_K rows ``raw`` (bytes [rows, cols / 256 * 144]) as Q4K blocks, in the file's row order. A
     super-block of 256 weights is float16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``mn`` packed in
-    12 bytes, then 128 bytes of codes: bytes 32j .. 32j + 31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high
-    nibbles). Sub-block s's weight is ``(d sc[s]) q - dmin mn[s]`` (llama.cpp's dequantization)."""
+    12 bytes, then 128 bytes of codes (see :func:`_k_blocks`). Sub-block s's weight is ``(d sc[s]) q - dmin mn[s]``
+    (llama.cpp's dequantization)."""
     if cols % 256:
         raise ValueError(f"Q4_K rows of {cols} weights: not whole super-blocks of 256")
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES)
-    d, dmin, sc, mn = _k_fields(blocks)
-    qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
-    codes = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols)  # sub-blocks 2j, 2j + 1 from bytes 32j..
-    tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
-    return Q4KBlocks(tensor(codes.astype(np.uint8)), tensor(d), tensor(dmin), tensor(sc.reshape(rows, -1)),
-                     tensor(mn.reshape(rows, -1)))
+    return _k_blocks(Q4KBlocks, np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4K_BYTES))
 
 
 def q5k_blocks(raw: np.ndarray, values: torch.Tensor) -> Q5KBlocks | None:
@@ -159,14 +169,8 @@ def q5k_blocks(raw: np.ndarray, values: torch.Tensor) -> Q5KBlocks | None:
     if cols % 256:
         return None
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // 256, Q5K_BYTES)
-    d, dmin, sc, mn = _k_fields(blocks)
     qh = blocks[..., 16:48].reshape(rows, cols // 256, 1, 32)
-    qs = blocks[..., 48:].reshape(rows, cols // 256, 4, 32)
-    low = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(rows, cols // 256, 8, 32)
-    codes = low | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
-    tensor = lambda v: torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
-    kept = Q5KBlocks(tensor(codes.reshape(rows, cols).astype(np.uint8)), tensor(d), tensor(dmin),
-                     tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
+    kept = _k_blocks(Q5KBlocks, blocks, ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
     return kept if torch.equal(kept.dequantize(), values) else None
 
 
